@@ -1,0 +1,46 @@
+# Treadle — thin targets; the README names them.
+#   make setup   create .venv and install the whole workspace editable (idempotent)
+#   make demo    run recipes/demo.yaml on the embedded stack
+#   make test    setup + lint + proto check + the whole test suite (what CI runs)
+#   make lint    ruff lint + format check
+#   make bench   the `treadle bench` workloads (JSON)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# CPU build of torch (from local disk on the dev machines); override for CUDA, e.g.
+#   make setup TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128'
+TORCH_SPEC ?= torch==2.13.0
+SERVICES := weight-store env-gateway reward rollout trainer
+STAMP := $(VENV)/.treadle-installed
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test lint bench protos clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml libs/common/pyproject.toml $(foreach s,$(SERVICES),services/$(s)/pyproject.toml)
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet $(TORCH_SPEC)
+	$(PIP) install --quiet -e 'libs/common[hf,infra]' $(foreach s,$(SERVICES),-e services/$(s)) -e '.[dev]'
+	touch $@
+
+demo: setup
+	$(VENV)/bin/treadle run recipes/demo.yaml
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+protos: setup
+	$(PY) scripts/gen_protos.py
+
+test: lint
+	$(PY) scripts/gen_protos.py --check
+	$(PY) scripts/run_pytest.py $(PYTEST_ARGS)
+
+bench: setup
+	$(VENV)/bin/treadle bench weights --json
+
+clean:
+	rm -rf $(VENV) .treadle

@@ -1,0 +1,200 @@
+"""The `treadle` command.
+
+treadle infra up|down|status     embedded redis / nats (/ S3) only
+treadle up [--detach]            infra + the five services, supervised
+treadle status [--json]          health of everything `up` started
+treadle down                     stop everything `up` started
+treadle run RECIPE [--set a=b]   run a recipe on the stack (starting one if none runs)
+treadle model init-tiny DIR      build the tiny local HF model
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from treadle_common import stack
+from treadle_common.config import RecipeError, load_recipe
+from treadle_common.infra import Infra, InfraError, states_json
+from treadle_common.settings import get_settings
+
+app = typer.Typer(
+    no_args_is_help=True, add_completion=False, help="Treadle: service-oriented RL post-training."
+)
+infra_app = typer.Typer(no_args_is_help=True, help="Embedded infrastructure (redis, nats, S3).")
+model_app = typer.Typer(no_args_is_help=True, help="Model utilities.")
+app.add_typer(infra_app, name="infra")
+app.add_typer(model_app, name="model")
+console = Console()
+err = Console(stderr=True)
+
+
+def fail(message: str, code: int = 1) -> None:
+    err.print(f"[red]error:[/red] {message}")
+    raise typer.Exit(code)
+
+
+# -- infra -----------------------------------------------------------------------------------
+@infra_app.command("up")
+def infra_up(
+    s3: Annotated[bool, typer.Option(help="Also start an S3 server (weed mini)")] = False,
+) -> None:
+    """Start redis-server and nats-server (JetStream), reusing any that already answer."""
+    try:
+        states = Infra(get_settings()).up(("redis", "nats", "s3") if s3 else ("redis", "nats"))
+    except InfraError as exc:
+        fail(str(exc))
+    for s in states:
+        console.print(f"{s.name:6} {s.url:28} {s.detail}")
+
+
+@infra_app.command("down")
+def infra_down() -> None:
+    """Stop the servers `treadle infra up` started."""
+    console.print("stopped: " + (", ".join(Infra(get_settings()).down()) or "nothing"))
+
+
+@infra_app.command("status")
+def infra_status(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    states = Infra(get_settings()).status()
+    if as_json:
+        print(json.dumps(states_json(states), indent=2))
+        return
+    for s in states:
+        console.print(f"{s.name:6} {s.url:28} {'healthy' if s.healthy else 'DOWN'}  {s.detail}")
+
+
+# -- stack -----------------------------------------------------------------------------------
+def status_table(current: dict) -> Table:
+    table = Table(title="treadle stack")
+    for column in ("component", "kind", "healthy", "pid", "restarts", "detail"):
+        table.add_column(column)
+    for name, i in current.get("infra", {}).items():
+        table.add_row(
+            name, "infra", _mark(i["healthy"]), "", "", i["url"] if i["healthy"] else i["detail"]
+        )
+    for name, s in current.get("services", {}).items():
+        bad = {k: v for k, v in s["checks"].items() if v != "ok"}
+        detail = ", ".join(f"{k}: {v}" for k, v in bad.items()) or f"ports {s['ports']}"
+        table.add_row(
+            name, "service", _mark(s["healthy"]), str(s["pid"]), str(s["restarts"]), detail[:80]
+        )
+    return table
+
+
+def _mark(ok: bool) -> str:
+    return "[green]yes[/green]" if ok else "[red]no[/red]"
+
+
+@app.command()
+def up(
+    detach: Annotated[
+        bool, typer.Option("--detach", "-d", help="Return once healthy; keep running")
+    ] = False,
+    model: Annotated[
+        Path | None, typer.Option(help="HF model dir for rollout (default: tiny)")
+    ] = None,
+    model_name: Annotated[str | None, typer.Option(help="Weight-store name of the model")] = None,
+    base_port: Annotated[int | None, typer.Option(help="Assign service ports from here")] = None,
+    s3: Annotated[bool, typer.Option(help="Also start an S3 server")] = False,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for health")] = 90.0,
+) -> None:
+    """Start infrastructure and the five services as supervised local processes."""
+    settings = get_settings()
+    try:
+        spec = stack.prepare(settings, model, model_name, base_port, with_s3=s3)
+    except (stack.StackError, InfraError) as exc:
+        fail(str(exc))
+    if detach:
+        stack.launch_detached(spec)
+        current = stack.wait_healthy(settings.state_dir.resolve(), timeout)
+        console.print(status_table(current))
+        if not current["healthy"]:
+            fail(
+                f"not healthy after {timeout:.0f}s; logs in {spec.state_dir}/logs "
+                "(treadle down stops it)"
+            )
+        return
+    supervisor = stack.Supervisor(spec)
+    supervisor.start_all()
+    try:
+        with Live(
+            status_table(stack.status(Path(spec.state_dir))), console=console, refresh_per_second=1
+        ) as live:
+            while True:
+                supervisor.poll()
+                live.update(status_table(stack.status(Path(spec.state_dir))))
+                time.sleep(1.0)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        console.print("stopping...")
+        supervisor.stop_all()
+
+
+@app.command()
+def down() -> None:
+    """Stop every process `treadle up` started (services, then infrastructure it started)."""
+    stopped = stack.down(get_settings())
+    console.print("stopped: " + (", ".join(stopped) or "nothing was running"))
+
+
+@app.command()
+def status(
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
+) -> None:
+    """Health of the stack: every service's /readyz and every infra server."""
+    current = stack.status(get_settings().state_dir.resolve())
+    if as_json:
+        print(json.dumps(current, indent=2))
+    elif not current["running"]:
+        console.print("no stack is running (treadle up starts one)")
+    else:
+        console.print(status_table(current))
+    raise typer.Exit(0 if current["healthy"] else 1)
+
+
+# -- model ---------------------------------------------------------------------------------
+@model_app.command("init-tiny")
+def model_init_tiny(
+    out_dir: Path,
+    seed: Annotated[int, typer.Option(help="Random init and tokenizer seed")] = 0,
+) -> None:
+    """Build a tiny random HF causal LM (Llama, head_dim 64) with a locally trained tokenizer."""
+    from treadle_common.tiny_model import init_tiny
+
+    console.print(f"wrote {init_tiny(out_dir, seed=seed)}")
+
+
+# -- run -----------------------------------------------------------------------------------
+@app.command()
+def run(
+    recipe: Path,
+    overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a.b=c")] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the stack's health")] = 120.0,
+) -> None:
+    """Run a recipe: tasks -> rollout -> env-gateway -> reward -> trainer -> weight-store."""
+    try:
+        config = load_recipe(recipe, overrides)
+    except RecipeError as exc:
+        fail(str(exc), code=2)
+    from treadle_common.run_client import RunClient
+
+    code = RunClient(config, get_settings(), console).execute(timeout)
+    raise typer.Exit(code)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

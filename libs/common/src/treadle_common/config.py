@@ -1,0 +1,117 @@
+"""Recipe models: what a run trains, validated before anything starts.
+
+Recipes are YAML files validated by `RunConfig` (unknown fields and wrong types are errors
+that name the field). `--set a.b=c` overrides are applied before validation; values are
+parsed as YAML scalars, so `--set trainer.lr=1e-4` is a float.
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelConfig(Strict):
+    path: Path = Field(description="HF model directory (config, tokenizer, weights)")
+    name: str = Field("tiny", description="Weight-store model name; rollout listens on it")
+    init_tiny: bool = Field(
+        False, description="Build a tiny random model at `path` if it does not exist"
+    )
+
+
+class SamplingConfig(Strict):
+    temperature: float = Field(1.0, ge=0.0, description="Softmax temperature (0 = greedy)")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass")
+    max_new_tokens: int = Field(16, ge=1, description="Tokens generated per turn at most")
+
+
+class EnvConfig(Strict):
+    name: str = Field("arith", description="Environment registered in the env-gateway")
+    options: dict[str, Any] = Field(default_factory=dict, description="Env task-generator options")
+
+
+class RolloutConfig(Strict):
+    group_size: int = Field(4, ge=1, description="Episodes per task (one GRPO group)")
+    max_turns: int = Field(1, ge=1, description="Turns per episode at most")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+
+
+class TrainerConfig(Strict):
+    num_steps: int = Field(3, ge=1, description="Optimizer steps in the run")
+    tasks_per_step: int = Field(4, ge=1, description="Groups (tasks) per training batch")
+    lr: float = Field(1e-4, gt=0, description="AdamW learning rate")
+    loss: Literal["policy_gradient"] = Field(
+        "policy_gradient", description="Loss name (issue 7 adds the PPO family)"
+    )
+    max_staleness: int = Field(1, ge=0, description="Max policy versions a trajectory may lag")
+    batch_timeout_s: float = Field(300.0, gt=0, description="Give up waiting for a batch after")
+    seed: int = Field(0, description="Seed for data order and torch")
+
+
+class RunConfig(Strict):
+    """A run: model, environment, scorer, rollout and trainer settings."""
+
+    run_id: str = Field(default_factory=lambda: f"run-{uuid.uuid4().hex[:8]}")
+    mode: Literal["sync", "async"] = Field("sync", description="sync = max_staleness 0 + barrier")
+    model: ModelConfig
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    scorer: str = Field("exact_match", description="Reward-service scorer name")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    output_dir: Path = Field(Path(".treadle/runs"), description="Where run outputs are written")
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be used; the message names the offending field."""
+
+
+def apply_override(data: dict[str, Any], assignment: str) -> None:
+    """Apply `a.b.c=value` to nested dict `data` (value parsed as YAML)."""
+    key, sep, raw = assignment.partition("=")
+    if not sep or not key:
+        raise RecipeError(f"override {assignment!r} is not of the form a.b=c")
+    *parents, leaf = key.split(".")
+    node = data
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise RecipeError(f"override {assignment!r}: {part!r} is not a section")
+    node[leaf] = yaml.safe_load(raw)
+
+
+def load_recipe(path: Path | str, overrides: list[str] | None = None) -> RunConfig:
+    """Load and validate a recipe; raise `RecipeError` naming each bad field."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise RecipeError(f"cannot read recipe {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise RecipeError(f"recipe {path} must be a mapping at top level")
+    for assignment in overrides or []:
+        apply_override(data, assignment)
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise RecipeError(format_validation_error(path, exc)) from exc
+
+
+def format_validation_error(path: Path, exc: ValidationError) -> str:
+    lines = [f"invalid recipe {path}:"]
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "<root>"
+        lines.append(f"  {field}: {err['msg']}")
+    return "\n".join(lines)
+
+
+def dump_resolved(config: RunConfig, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))

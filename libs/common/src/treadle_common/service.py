@@ -1,0 +1,278 @@
+"""The standard service lifecycle every Treadle service runs under.
+
+    runtime = ServiceRuntime("reward", settings)
+    runtime.add_check("nats", runtime.nats_check)      # ready only when dependencies answer
+    runtime.on_drain(worker.drain)                     # SIGTERM: stop intake, finish, exit
+    await runtime.serve(worker.run())                  # HTTP (+ gRPC) + heartbeats + main loop
+
+Every service gets `/healthz` (process alive), `/readyz` (every dependency answers; 503 with
+the reason otherwise), `/metrics` (Prometheus) and `/v1/info`, a heartbeat every few seconds
+into the NATS KV bucket `treadle_heartbeats`, and `grpc.health.v1` on its gRPC server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+import nats
+import redis.asyncio as aioredis
+import uvicorn
+from fastapi import FastAPI, Response
+from fastapi.responses import JSONResponse
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from nats.aio.client import Client as NATS
+from nats.js.kv import KeyValue
+
+from treadle_common import __version__, metrics, names
+from treadle_common.logs import configure_logging, get_logger
+from treadle_common.settings import Settings
+
+log = get_logger(__name__)
+Check = Callable[[], Awaitable[None]]
+
+
+class PortInUseError(OSError):
+    def __init__(self, service: str, kind: str, host: str, port: int):
+        super().__init__(f"{service}: {kind} port {host}:{port} is already in use")
+
+
+def bind_socket(service: str, kind: str, host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise PortInUseError(service, kind, host, port) from exc
+    return sock
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: the runtime owns SIGTERM/SIGINT."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # type: ignore[override]
+        yield
+
+
+class ServiceRuntime:
+    def __init__(self, service: str, settings: Settings, *, uses_redis: bool = False):
+        self.service = service
+        self.settings = settings
+        self.started_at = time.time()
+        self.draining = False
+        self.stop_event = asyncio.Event()
+        self.app = FastAPI(title=f"treadle {service}", version=__version__)
+        self.redis: aioredis.Redis | None = (
+            aioredis.from_url(settings.redis_url, socket_timeout=10) if uses_redis else None
+        )
+        self.nats: NATS | None = None
+        self._nats_error = "not connected yet"
+        self._nats_connected = asyncio.Event()
+        self._checks: dict[str, Check] = {"nats": self.nats_check}
+        if uses_redis:
+            self._checks["redis"] = self.redis_check
+        self._drain_hooks: list[Callable[[], Awaitable[None]]] = []
+        self._info: Callable[[], dict[str, Any]] = dict
+        self.grpc_server: grpc.aio.Server | None = None
+        self.grpc_health = health.aio.HealthServicer()
+        self._add_routes()
+        configure_logging(service, settings.log_level, settings.log_json)
+
+    # -- configuration ---------------------------------------------------------------------
+    def add_check(self, name: str, check: Check) -> None:
+        self._checks[name] = check
+
+    def on_drain(self, hook: Callable[[], Awaitable[None]]) -> None:
+        self._drain_hooks.append(hook)
+
+    def set_info(self, info: Callable[[], dict[str, Any]]) -> None:
+        self._info = info
+
+    def make_grpc_server(self) -> grpc.aio.Server:
+        self.grpc_server = grpc.aio.server(
+            options=[
+                ("grpc.max_send_message_length", 64 * 1024 * 1024),
+                ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+            ]
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.grpc_health, self.grpc_server)
+        return self.grpc_server
+
+    # -- dependency checks -----------------------------------------------------------------
+    async def redis_check(self) -> None:
+        assert self.redis is not None
+        await self.redis.ping()
+
+    async def nats_check(self) -> None:
+        if self.nats is None or not self.nats.is_connected:
+            raise ConnectionError(f"NATS {self.settings.nats_url}: {self._nats_error}")
+
+    async def readiness(self) -> dict[str, str]:
+        async def run(check: Check) -> str:
+            try:
+                await asyncio.wait_for(check(), timeout=2.0)
+                return "ok"
+            except Exception as exc:  # a readiness probe reports every failure as text
+                return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+        results = await asyncio.gather(*(run(c) for c in self._checks.values()))
+        return dict(zip(self._checks, results, strict=True))
+
+    async def wait_nats(self) -> NATS:
+        await self._nats_connected.wait()
+        assert self.nats is not None
+        return self.nats
+
+    # -- HTTP routes -------------------------------------------------------------------------
+    def _add_routes(self) -> None:
+        app = self.app
+
+        @app.get("/healthz", tags=["ops"])
+        async def healthz() -> dict[str, str]:
+            return {"status": "ok", "service": self.service}
+
+        @app.get("/readyz", tags=["ops"])
+        async def readyz() -> JSONResponse:
+            checks = await self.readiness()
+            ready = not self.draining and all(v == "ok" for v in checks.values())
+            metrics.READY.labels(self.service).set(1 if ready else 0)
+            body = {"ready": ready, "draining": self.draining, "checks": checks}
+            return JSONResponse(body, status_code=200 if ready else 503)
+
+        @app.get("/metrics", tags=["ops"])
+        async def prometheus() -> Response:
+            body, content_type = metrics.render()
+            return Response(body, media_type=content_type)
+
+        @app.get("/v1/info", tags=["ops"])
+        async def info() -> dict[str, Any]:
+            return {
+                "service": self.service,
+                "version": __version__,
+                "instance": self.settings.instance,
+                "uptime_s": round(time.time() - self.started_at, 3),
+                **self._info(),
+            }
+
+    # -- background tasks --------------------------------------------------------------------
+    async def _connect_nats(self) -> None:
+        while not self.stop_event.is_set():
+            try:
+                self.nats = await nats.connect(
+                    self.settings.nats_url,
+                    name=f"{self.service}-{self.settings.instance}",
+                    connect_timeout=2,
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=0.5,
+                    allow_reconnect=True,
+                )
+                self._nats_connected.set()
+                return
+            except Exception as exc:  # keep trying; /readyz reports the last error
+                self._nats_error = f"{type(exc).__name__}: {exc}"
+                await asyncio.sleep(1.0)
+
+    async def _heartbeat(self) -> None:
+        kv: KeyValue | None = None
+        key = f"{self.service}.{self.settings.instance}".replace(":", "_")
+        while not self.stop_event.is_set():
+            try:
+                nc = await self.wait_nats()
+                if kv is None:
+                    kv = await nc.jetstream().create_key_value(
+                        bucket=names.HEARTBEAT_BUCKET, ttl=30
+                    )
+                beat = {"service": self.service, "ts": time.time(), "draining": self.draining}
+                await kv.put(key, json.dumps(beat).encode())
+            except Exception as exc:
+                log.warning("heartbeat failed", error=str(exc))
+                kv = None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop_event.wait(), self.settings.heartbeat_interval_s)
+
+    # -- run ---------------------------------------------------------------------------------
+    def _install_signals(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop_event.set)
+
+    async def serve(self, *mains: Awaitable[None]) -> None:
+        """Serve HTTP (+gRPC), heartbeat, run `mains`; on SIGTERM drain and return."""
+        host = self.settings.host
+        http_port = self.settings.port(self.service, "http")
+        http_sock = bind_socket(self.service, "http", host, http_port)
+        if self.grpc_server is not None:
+            grpc_port = self.settings.port(self.service, "grpc")
+            if self.grpc_server.add_insecure_port(f"{host}:{grpc_port}") == 0:
+                raise PortInUseError(self.service, "grpc", host, grpc_port)
+            await self.grpc_server.start()
+            await self.grpc_health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self._install_signals()
+        server = _Uvicorn(uvicorn.Config(self.app, log_level="warning", lifespan="off"))
+        tasks = [
+            asyncio.create_task(server.serve(sockets=[http_sock]), name="http"),
+            asyncio.create_task(self._connect_nats(), name="nats-connect"),
+            asyncio.create_task(self._heartbeat(), name="heartbeat"),
+            *(asyncio.create_task(self._run_main(m), name="main") for m in mains),
+        ]
+        log.info("service started", http=http_port, grpc=self.settings.grpc_port)
+        stopper = asyncio.create_task(self.stop_event.wait())
+        mains_tasks = [t for t in tasks if t.get_name() == "main"]
+        done, _ = await asyncio.wait([stopper, *mains_tasks], return_when=asyncio.FIRST_COMPLETED)
+        failed = [t for t in done if t is not stopper and t.exception() is not None]
+        await self._shutdown(server, tasks)
+        if failed:
+            raise failed[0].exception()  # type: ignore[misc]
+
+    async def _shutdown(self, server: _Uvicorn, tasks: list[asyncio.Task]) -> None:
+        log.info("draining")
+        self.draining = True
+        self.stop_event.set()
+        if self.grpc_server is not None:
+            await self.grpc_health.enter_graceful_shutdown()
+        for hook in self._drain_hooks:
+            try:
+                await asyncio.wait_for(hook(), self.settings.drain_timeout_s)
+            except Exception as exc:
+                log.error("drain hook failed", error=repr(exc))
+        if self.grpc_server is not None:
+            await self.grpc_server.stop(grace=2.0)
+        server.should_exit = True
+        for task in tasks:
+            if task.get_name() != "http":
+                task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self.nats is not None:
+            with contextlib.suppress(Exception):
+                await self.nats.drain()
+        if self.redis is not None:
+            await self.redis.aclose()
+        log.info("stopped")
+
+    async def _run_main(self, main: Awaitable[None]) -> None:
+        """A main that returns normally leaves the service serving until SIGTERM."""
+        await main
+        await self.stop_event.wait()
+
+
+def run_service(app_module: str) -> None:
+    """Entry point of every service's `__main__`: settings first, heavy imports after."""
+    import importlib
+
+    from treadle_common.settings import Settings
+
+    settings = Settings()
+    app = importlib.import_module(app_module)
+    try:
+        asyncio.run(app.main(settings))
+    except PortInUseError as exc:
+        raise SystemExit(f"error: {exc}") from exc

@@ -1,0 +1,87 @@
+"""Infrastructure settings: endpoints, ports and secrets, from the environment (TREADLE_*).
+
+Experiment choices live in recipes (`config.py`); where things run lives here.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from treadle_common import names
+
+_LOCAL_SECRET = "treadle-local-secret"
+
+
+class Settings(BaseSettings):
+    """One class for every process. `TREADLE_REDIS_URL=... treadle-rollout` and so on."""
+
+    model_config = SettingsConfigDict(env_prefix="TREADLE_", extra="ignore")
+
+    environment: Literal["local", "production"] = Field(
+        "local", description="`production` refuses the default secrets"
+    )
+    state_dir: Path = Field(Path(".treadle"), description="Local state: infra data, logs, pids")
+    redis_url: str = Field(
+        f"redis://127.0.0.1:{names.DEFAULT_INFRA_PORTS['redis']}", description="Redis URL"
+    )
+    nats_url: str = Field(
+        f"nats://127.0.0.1:{names.DEFAULT_INFRA_PORTS['nats']}", description="NATS URL"
+    )
+    s3_endpoint: str = Field(
+        f"127.0.0.1:{names.DEFAULT_INFRA_PORTS['s3']}", description="S3 endpoint host:port"
+    )
+    s3_access_key: str = Field(_LOCAL_SECRET, description="S3 access key")
+    s3_secret_key: str = Field(_LOCAL_SECRET, description="S3 secret key")
+
+    host: str = Field("127.0.0.1", description="Interface this process's servers bind to")
+    http_port: int | None = Field(
+        None, description="HTTP port of this service (default per service)"
+    )
+    grpc_port: int | None = Field(
+        None, description="gRPC port of this service (default per service)"
+    )
+    base_port: int | None = Field(
+        None, description="`treadle up`: assign the services' ports consecutively from here"
+    )
+    instance: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+
+    weight_store_addr: str = Field("127.0.0.1:50051", description="weight-store gRPC address")
+    env_gateway_addr: str = Field("127.0.0.1:50052", description="env-gateway gRPC address")
+    weight_store_dir: Path | None = Field(
+        None, description="weight-store data dir (default state_dir/weights)"
+    )
+
+    rollout_model: Path | None = Field(None, description="HF model directory rollout serves")
+    rollout_model_name: str | None = Field(None, description="weight-store name of that model")
+    rollout_max_concurrent_tasks: int = Field(8, ge=1, description="Tasks in flight per replica")
+    reward_timeout_s: float = Field(30.0, gt=0, description="Reward request-reply timeout")
+
+    heartbeat_interval_s: float = Field(2.0, gt=0, description="Seconds between heartbeats")
+    drain_timeout_s: float = Field(20.0, gt=0, description="Max seconds to drain on SIGTERM")
+    log_level: str = Field("INFO", description="Python log level")
+    log_json: bool = Field(False, description="Log JSON lines instead of console text")
+
+    @model_validator(mode="after")
+    def _refuse_default_secrets(self) -> Settings:
+        if self.environment == "production" and _LOCAL_SECRET in (
+            self.s3_access_key,
+            self.s3_secret_key,
+        ):
+            raise ValueError("TREADLE_S3_ACCESS_KEY/SECRET_KEY must be set in production")
+        return self
+
+    def port(self, service: str, kind: Literal["http", "grpc"]) -> int:
+        explicit = self.http_port if kind == "http" else self.grpc_port
+        return explicit if explicit is not None else names.DEFAULT_PORTS[service][kind]
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

@@ -1,0 +1,343 @@
+"""`treadle up / down / status`: infrastructure plus the five services as supervised processes.
+
+    treadle up [--detach]
+      -> Infra.up (redis, nats[, s3]) -> the model directory rollout serves
+      -> Supervisor: `python -m treadle_<service>` per service, env TREADLE_*, logs in
+         {state_dir}/logs/<service>.log; a crashed service is restarted (bounded retries)
+      -> {state_dir}/stack.json records every pid, port and restart (read by status/down)
+    treadle status [--json]  probes every service's /readyz and every infra URL
+    treadle down             SIGTERM the supervisor (it drains services in reverse order),
+                             then makes sure every pid it recorded is gone
+
+`python -m treadle_common.stack SPEC.json` runs a supervisor (what `up --detach` starts).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+from treadle_common import names
+from treadle_common.infra import Infra, alive, port_free, probe, terminate
+from treadle_common.settings import Settings
+
+
+class StackError(RuntimeError):
+    pass
+
+
+@dataclass
+class StackSpec:
+    state_dir: str
+    cwd: str
+    redis_url: str
+    nats_url: str
+    model_dir: str
+    model_name: str
+    ports: dict[str, dict[str, int]]
+    infra_started: list[str] = field(default_factory=list)
+    max_restarts: int = 3
+    host: str = "127.0.0.1"
+
+    @staticmethod
+    def ports_from(base_port: int | None) -> dict[str, dict[str, int]]:
+        if base_port is None:
+            return {s: dict(p) for s, p in names.DEFAULT_PORTS.items()}
+        ports, nxt = {}, base_port
+        for service in names.SERVICES:
+            ports[service] = {}
+            for kind in names.DEFAULT_PORTS[service]:
+                ports[service][kind] = nxt
+                nxt += 1
+        return ports
+
+    def env(self, service: str) -> dict[str, str]:
+        ports = self.ports
+        env = {
+            **os.environ,
+            "TREADLE_STATE_DIR": self.state_dir,
+            "TREADLE_REDIS_URL": self.redis_url,
+            "TREADLE_NATS_URL": self.nats_url,
+            "TREADLE_HOST": self.host,
+            "TREADLE_WEIGHT_STORE_ADDR": f"{self.host}:{ports['weight-store']['grpc']}",
+            "TREADLE_ENV_GATEWAY_ADDR": f"{self.host}:{ports['env-gateway']['grpc']}",
+            "TREADLE_ROLLOUT_MODEL": self.model_dir,
+            "TREADLE_ROLLOUT_MODEL_NAME": self.model_name,
+            "TREADLE_HTTP_PORT": str(ports[service]["http"]),
+            "TREADLE_INSTANCE": f"{service}-local",
+        }
+        env.pop("TREADLE_GRPC_PORT", None)
+        if "grpc" in ports[service]:
+            env["TREADLE_GRPC_PORT"] = str(ports[service]["grpc"])
+        return env
+
+    def http_url(self, service: str) -> str:
+        return f"http://{self.host}:{self.ports[service]['http']}"
+
+
+def stack_file(state_dir: Path) -> Path:
+    return state_dir / "stack.json"
+
+
+def read_stack(state_dir: Path) -> dict | None:
+    path = stack_file(state_dir)
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+@dataclass
+class Managed:
+    name: str
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    state: str = "starting"  # starting | running | restarting | failed | stopped
+    last_exit: int | None = None
+
+
+class Supervisor:
+    """Starts the services, restarts crashed ones (bounded), stops them all on SIGTERM."""
+
+    def __init__(self, spec: StackSpec):
+        self.spec = spec
+        self.state_dir = Path(spec.state_dir)
+        self.services = {name: Managed(name) for name in names.SERVICES}
+        self.stopping = False
+
+    def _start(self, m: Managed) -> None:
+        log_path = self.state_dir / "logs" / f"{m.name}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log_file:
+            m.proc = subprocess.Popen(
+                [sys.executable, "-m", names.module_of(m.name)],
+                env=self.spec.env(m.name),
+                cwd=self.spec.cwd,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        m.state = "running"
+
+    def write(self) -> None:
+        record = {
+            "supervisor_pid": os.getpid(),
+            "spec": asdict(self.spec),
+            "services": {
+                m.name: {
+                    "pid": m.proc.pid if m.proc else None,
+                    "state": m.state,
+                    "restarts": m.restarts,
+                    "last_exit": m.last_exit,
+                }
+                for m in self.services.values()
+            },
+        }
+        tmp = stack_file(self.state_dir).with_suffix(".tmp")
+        tmp.write_text(json.dumps(record, indent=2))
+        tmp.replace(stack_file(self.state_dir))
+
+    def start_all(self) -> None:
+        for m in self.services.values():
+            self._start(m)
+        self.write()
+
+    def poll(self) -> None:
+        """Restart services that exited, up to `max_restarts` each."""
+        changed = False
+        for m in self.services.values():
+            if m.proc is None or m.state == "failed" or m.proc.poll() is None:
+                continue
+            m.last_exit = m.proc.returncode
+            changed = True
+            if m.restarts >= self.spec.max_restarts:
+                m.state = "failed"
+                continue
+            m.restarts += 1
+            self._start(m)
+        if changed:
+            self.write()
+
+    def stop_all(self) -> None:
+        self.stopping = True
+        for m in reversed(list(self.services.values())):
+            if m.proc is not None and m.proc.poll() is None:
+                terminate(m.proc.pid, timeout_s=25.0)
+            m.state = "stopped"
+        if self.spec.infra_started:
+            settings = Settings(
+                state_dir=Path(self.spec.state_dir),
+                redis_url=self.spec.redis_url,
+                nats_url=self.spec.nats_url,
+            )
+            Infra(settings).down()
+        stack_file(self.state_dir).unlink(missing_ok=True)
+
+    def run_forever(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
+        signal.signal(signal.SIGINT, lambda *_: setattr(self, "stopping", True))
+        self.start_all()
+        while not self.stopping:
+            self.poll()
+            time.sleep(0.5)
+        self.stop_all()
+
+
+# -- status ------------------------------------------------------------------------------
+def service_health(url: str) -> dict:
+    try:
+        response = httpx.get(f"{url}/readyz", timeout=2.0)
+        body = response.json()
+        return {"ready": response.status_code == 200, "checks": body.get("checks", {})}
+    except (httpx.HTTPError, ValueError) as exc:
+        return {"ready": False, "checks": {"http": f"unreachable: {exc}"}}
+
+
+def status(state_dir: Path) -> dict:
+    """Machine-readable health of the stack recorded in `state_dir`."""
+    record = read_stack(state_dir)
+    if record is None:
+        return {"running": False, "healthy": False, "infra": {}, "services": {}}
+    spec = StackSpec(**record["spec"])
+    infra = {}
+    for name, url in (("redis", spec.redis_url), ("nats", spec.nats_url)):
+        why = probe(name, url)
+        infra[name] = {"url": url, "healthy": why is None, "detail": why or "ok"}
+    services = {}
+    for name, svc in record["services"].items():
+        health = service_health(spec.http_url(name))
+        pid = svc["pid"]
+        services[name] = {
+            "pid": pid,
+            "alive": bool(pid) and alive(pid),
+            "state": svc["state"],
+            "restarts": svc["restarts"],
+            "ports": spec.ports[name],
+            **health,
+        }
+        services[name]["healthy"] = services[name]["alive"] and health["ready"]
+    healthy = all(i["healthy"] for i in infra.values()) and all(
+        s["healthy"] for s in services.values()
+    )
+    return {
+        "running": True,
+        "healthy": healthy,
+        "supervisor_pid": record["supervisor_pid"],
+        "infra": infra,
+        "services": services,
+    }
+
+
+def wait_healthy(state_dir: Path, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        current = status(state_dir)
+        if current["healthy"] or time.monotonic() > deadline:
+            return current
+        time.sleep(0.5)
+
+
+# -- up / down ---------------------------------------------------------------------------
+def prepare(
+    settings: Settings,
+    model_dir: Path | None,
+    model_name: str | None,
+    base_port: int | None,
+    with_s3: bool = False,
+) -> StackSpec:
+    """Start infrastructure, make sure the model exists and every service port is free."""
+    state_dir = settings.state_dir.resolve()
+    if read_stack(state_dir) is not None and status(state_dir)["running"]:
+        record = read_stack(state_dir)
+        if record and alive(record["supervisor_pid"]):
+            raise StackError(f"a stack is already running from {state_dir} (treadle down stops it)")
+        stack_file(state_dir).unlink(missing_ok=True)
+    ports = StackSpec.ports_from(base_port if base_port is not None else settings.base_port)
+    for service, kinds in ports.items():
+        for kind, port in kinds.items():
+            if not port_free(settings.host, port):
+                raise StackError(f"port {port} ({service} {kind}) is already in use")
+    infra = Infra(settings).up(("redis", "nats", "s3") if with_s3 else ("redis", "nats"))
+    started = [s.name for s in infra if s.detail == "started"]
+    if model_dir is None:
+        model_dir = state_dir / "models" / "tiny"
+    if not (model_dir / "config.json").exists():
+        from treadle_common.tiny_model import init_tiny
+
+        init_tiny(model_dir)
+    return StackSpec(
+        state_dir=str(state_dir),
+        cwd=os.getcwd(),
+        redis_url=settings.redis_url,
+        nats_url=settings.nats_url,
+        model_dir=str(model_dir.resolve()),
+        model_name=model_name or model_dir.name,
+        ports=ports,
+        infra_started=started,
+        host=settings.host,
+    )
+
+
+def launch_detached(spec: StackSpec) -> int:
+    state_dir = Path(spec.state_dir)
+    spec_path = state_dir / "stack-spec.json"
+    spec_path.write_text(json.dumps(asdict(spec)))
+    log_path = state_dir / "logs" / "supervisor.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "treadle_common.stack", str(spec_path)],
+            cwd=spec.cwd,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + 10
+    while read_stack(state_dir) is None:
+        if proc.poll() is not None:
+            raise StackError(f"supervisor exited with {proc.returncode}; see {log_path}")
+        if time.monotonic() > deadline:
+            raise StackError(f"supervisor did not start; see {log_path}")
+        time.sleep(0.1)
+    return proc.pid
+
+
+def down(settings: Settings, timeout_s: float = 60.0) -> list[str]:
+    """Stop the supervisor (which stops services and the infra it started); kill leftovers."""
+    state_dir = settings.state_dir.resolve()
+    record = read_stack(state_dir)
+    stopped: list[str] = []
+    if record is not None:
+        sup = record["supervisor_pid"]
+        if alive(sup):
+            os.kill(sup, signal.SIGTERM)
+            deadline = time.monotonic() + timeout_s
+            while alive(sup) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if alive(sup):
+                terminate(sup)
+        for name, svc in record["services"].items():
+            if svc["pid"] and alive(svc["pid"]):
+                terminate(svc["pid"])
+            stopped.append(name)
+        spec = StackSpec(**record["spec"])
+        if spec.infra_started:
+            stopped += Infra(settings).down()
+        stack_file(state_dir).unlink(missing_ok=True)
+    return stopped
+
+
+def main() -> None:
+    spec = StackSpec(**json.loads(Path(sys.argv[1]).read_text()))
+    Supervisor(spec).run_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Treadle env-gateway: environments and tools behind sessions."""

@@ -1,0 +1,1 @@
+"""Environments: the `Env` interface, the registry, and the built-in environments."""

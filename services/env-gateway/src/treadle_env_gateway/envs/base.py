@@ -1,0 +1,95 @@
+"""The environment interface and its registry.
+
+An `Env` is one episode's state: `reset` shows the first observation, `step` takes the
+policy's action (text and/or tool calls) and answers with the next observation, an optional
+reward and whether the episode is done. `sample_tasks` is the env's dataset generator.
+Third-party packages add environments through the `treadle.envs` entry point group.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any
+
+
+@dataclass
+class Message:
+    role: str  # system | user | tool
+    content: str
+    tool_call_id: str = ""
+
+
+@dataclass
+class StepResult:
+    observation: list[Message]
+    done: bool
+    reward: float | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclass
+class Action:
+    text: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+
+class Env(abc.ABC):
+    """One episode. Instances are created per session; steps of one session are serialized."""
+
+    tools: list[dict[str, Any]] = []
+    """Tools in OpenAI function-calling format (`{"type": "function", "function": {...}}`)."""
+
+    def __init__(self, options: dict[str, Any] | None = None):
+        self.options = options or {}
+
+    @classmethod
+    @abc.abstractmethod
+    def sample_tasks(
+        cls, num_tasks: int, seed: int, split: str, options: dict[str, Any]
+    ) -> list[dict[str, Any]]:
+        """The env's dataset: `num_tasks` tasks, deterministic in `seed` and `split`."""
+
+    @abc.abstractmethod
+    async def reset(self, task: dict[str, Any], seed: int) -> list[Message]:
+        """Start the episode on `task`; return the first observation."""
+
+    @abc.abstractmethod
+    async def step(self, action: Action) -> StepResult:
+        """Apply the policy's action."""
+
+    async def close(self) -> None:  # noqa: B027  (optional hook, not abstract)
+        """Release resources held by the episode."""
+
+
+class EnvError(ValueError):
+    """A request the env cannot serve (bad task, bad action); answered as a client error."""
+
+
+_BUILTIN: dict[str, type[Env]] = {}
+
+
+def register(name: str):
+    def wrap(cls: type[Env]) -> type[Env]:
+        _BUILTIN[name] = cls
+        return cls
+
+    return wrap
+
+
+def registry() -> dict[str, type[Env]]:
+    """Built-in envs plus those of installed packages (entry point group `treadle.envs`)."""
+    from treadle_env_gateway.envs import arith  # noqa: F401  (registers the built-ins)
+
+    envs = dict(_BUILTIN)
+    for ep in entry_points(group="treadle.envs"):
+        envs.setdefault(ep.name, ep.load())
+    return envs

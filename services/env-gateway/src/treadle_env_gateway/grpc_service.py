@@ -1,0 +1,112 @@
+"""gRPC `treadle.v1.EnvGateway`: the data plane rollout uses to step environments."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import grpc
+
+from treadle_common import metrics
+from treadle_common.proto.treadle.v1 import env_pb2 as pb
+from treadle_common.proto.treadle.v1 import env_pb2_grpc
+from treadle_env_gateway.envs.base import Action, EnvError, Message, ToolCall
+from treadle_env_gateway.sessions import SERVICE, CapacityExceeded, SessionManager, UnknownSession
+
+
+def parse_json(text: str, what: str) -> dict:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise EnvError(f"{what} is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise EnvError(f"{what} must be a JSON object")
+    return value
+
+
+def observation_pb(messages: list[Message]) -> pb.Observation:
+    return pb.Observation(
+        messages=[
+            pb.Message(role=m.role, content=m.content, tool_call_id=m.tool_call_id)
+            for m in messages
+        ]
+    )
+
+
+def action_from_pb(action: pb.Action) -> Action:
+    calls = [
+        ToolCall(c.id, c.name, parse_json(c.arguments_json, f"tool call {c.name} arguments"))
+        for c in action.tool_calls
+    ]
+    return Action(text=action.text, tool_calls=calls)
+
+
+@contextlib.asynccontextmanager
+async def _as_status(context: grpc.aio.ServicerContext, method: str):
+    codes = {
+        EnvError: grpc.StatusCode.INVALID_ARGUMENT,
+        UnknownSession: grpc.StatusCode.NOT_FOUND,
+        CapacityExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    }
+    try:
+        yield
+        metrics.REQUESTS.labels(SERVICE, method, "ok").inc()
+    except tuple(codes) as exc:
+        metrics.REQUESTS.labels(SERVICE, method, type(exc).__name__).inc()
+        message = exc.args[0] if exc.args else str(exc)
+        await context.abort(codes[type(exc)], message)
+
+
+class EnvGatewayServicer(env_pb2_grpc.EnvGatewayServicer):
+    def __init__(self, sessions: SessionManager):
+        self.sessions = sessions
+
+    async def ListEnvs(self, request, context):
+        return pb.ListEnvsResponse(envs=sorted(self.sessions.envs))
+
+    async def SampleTasks(self, request: pb.SampleTasksRequest, context):
+        async with _as_status(context, "SampleTasks"):
+            options = parse_json(request.options_json, "options_json")
+            tasks = self.sessions.sample_tasks(
+                request.env, request.num_tasks, request.seed, request.split, options
+            )
+            return pb.SampleTasksResponse(tasks_json=[json.dumps(t) for t in tasks])
+
+    async def CreateSession(self, request: pb.CreateSessionRequest, context):
+        async with _as_status(context, "CreateSession"):
+            task = parse_json(request.task_json, "task_json")
+            options = parse_json(request.options_json, "options_json")
+            session, observation = await self.sessions.create(
+                request.env, task, request.seed, options
+            )
+            tools = [
+                pb.ToolSpec(
+                    name=t["function"]["name"],
+                    description=t["function"].get("description", ""),
+                    parameters_json=json.dumps(t["function"].get("parameters", {})),
+                )
+                for t in session.env.tools
+            ]
+            return pb.Session(
+                session_id=session.session_id,
+                replica=self.sessions.replica,
+                observation=observation_pb(observation),
+                tools=tools,
+            )
+
+    async def Step(self, request: pb.StepRequest, context):
+        async with _as_status(context, "Step"):
+            result = await self.sessions.step(request.session_id, action_from_pb(request.action))
+            return pb.StepResponse(
+                observation=observation_pb(result.observation),
+                has_reward=result.reward is not None,
+                reward=result.reward or 0.0,
+                done=result.done,
+                info_json=json.dumps(result.info),
+            )
+
+    async def CloseSession(self, request: pb.CloseSessionRequest, context):
+        await self.sessions.close(request.session_id)
+        return pb.CloseSessionResponse()

@@ -1,0 +1,104 @@
+"""Sessions: one `Env` instance per session, steps serialized, idle sessions expire.
+
+Session ids are `{replica}:{uuid}` so that, with several gateway replicas, a client can
+route a step to the replica that owns the session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from treadle_common import metrics
+from treadle_env_gateway.envs.base import Action, Env, EnvError, Message, StepResult, registry
+
+SERVICE = "env-gateway"
+
+
+class UnknownSession(KeyError):
+    pass
+
+
+class CapacityExceeded(RuntimeError):
+    pass
+
+
+@dataclass
+class Session:
+    session_id: str
+    env_name: str
+    env: Env
+    last_used: float = field(default_factory=time.monotonic)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    done: bool = False
+
+
+class SessionManager:
+    def __init__(self, replica: str, max_sessions: int = 1024, idle_ttl_s: float = 600.0):
+        self.replica = replica
+        self.max_sessions = max_sessions
+        self.idle_ttl_s = idle_ttl_s
+        self.envs = registry()
+        self.sessions: dict[str, Session] = {}
+
+    def env_class(self, name: str) -> type[Env]:
+        try:
+            return self.envs[name]
+        except KeyError:
+            raise EnvError(f"unknown env {name!r}; known: {sorted(self.envs)}") from None
+
+    def sample_tasks(
+        self, env: str, num_tasks: int, seed: int, split: str, options: dict[str, Any]
+    ) -> list[dict]:
+        if num_tasks < 0 or num_tasks > 100_000:
+            raise EnvError(f"num_tasks must be in [0, 100000], got {num_tasks}")
+        return self.env_class(env).sample_tasks(num_tasks, seed, split or "train", options)
+
+    async def create(
+        self, env_name: str, task: dict[str, Any], seed: int, options: dict[str, Any]
+    ) -> tuple[Session, list[Message]]:
+        cls = self.env_class(env_name)
+        if len(self.sessions) >= self.max_sessions:
+            metrics.DROPPED.labels(SERVICE, "session", "capacity").inc()
+            raise CapacityExceeded(
+                f"{len(self.sessions)} sessions open; the limit is {self.max_sessions}"
+            )
+        env = cls(options)
+        observation = await env.reset(task, seed)
+        session = Session(f"{self.replica}:{uuid.uuid4().hex}", env_name, env)
+        self.sessions[session.session_id] = session
+        return session, observation
+
+    def get(self, session_id: str) -> Session:
+        try:
+            return self.sessions[session_id]
+        except KeyError:
+            raise UnknownSession(
+                f"no session {session_id!r} (closed, expired or never created)"
+            ) from None
+
+    async def step(self, session_id: str, action: Action) -> StepResult:
+        session = self.get(session_id)
+        async with session.lock:
+            if session.done:
+                raise EnvError(f"session {session_id} is done; create a new one")
+            session.last_used = time.monotonic()
+            result = await session.env.step(action)
+            session.done = result.done
+            return result
+
+    async def close(self, session_id: str) -> None:
+        session = self.sessions.pop(session_id, None)
+        if session is not None:
+            await session.env.close()
+
+    async def expire_idle(self) -> int:
+        now = time.monotonic()
+        stale = [s for s, sess in self.sessions.items() if now - sess.last_used > self.idle_ttl_s]
+        for session_id in stale:
+            await self.close(session_id)
+            metrics.DROPPED.labels(SERVICE, "session", "idle_ttl").inc()
+        return len(stale)

@@ -1,0 +1,1 @@
+"""Treadle reward service: stateless scorers reached over NATS request-reply."""

@@ -1,0 +1,63 @@
+"""Reward service: scorers behind NATS request-reply (queue group) and HTTP.
+
+rollout --NATS request treadle.reward.{scorer}--> ScoringService.handle --> Scorer.score
+people  --POST /v1/score--------------------------> ScoringService.score
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import HTTPException
+from google.protobuf.json_format import MessageToDict
+from pydantic import BaseModel, Field
+
+from treadle_common.proto.treadle.v1 import reward_pb2 as pb
+from treadle_common.service import ServiceRuntime
+from treadle_common.settings import Settings
+from treadle_reward.scorers.base import registry
+from treadle_reward.worker import SERVICE, ScoringService
+
+
+class ScoreBody(BaseModel):
+    scorer: str = Field(description="Scorer name")
+    task: dict[str, Any] = Field(default_factory=dict, description="Task, with its reference")
+    answer: str = Field("", description="The trajectory's final answer")
+    info: dict[str, Any] = Field(default_factory=dict)
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+def build(settings: Settings) -> tuple[ServiceRuntime, ScoringService]:
+    runtime = ServiceRuntime(SERVICE, settings)
+    scoring = ScoringService(registry(), timeout_s=settings.reward_timeout_s)
+    runtime.set_info(lambda: {"scorers": sorted(scoring.scorers)})
+
+    @runtime.app.post("/v1/score", tags=["score"])
+    async def score(body: ScoreBody) -> dict:
+        if body.scorer not in scoring.scorers:
+            raise HTTPException(
+                404, f"unknown scorer {body.scorer!r}; known: {sorted(scoring.scorers)}"
+            )
+        request = pb.ScoreRequest(
+            scorer=body.scorer,
+            task_json=json.dumps(body.task),
+            answer=body.answer,
+            info_json=json.dumps(body.info),
+            options_json=json.dumps(body.options),
+        )
+        result = await scoring.score(request)
+        return MessageToDict(
+            result, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+        )
+
+    return runtime, scoring
+
+
+async def main(settings: Settings) -> None:
+    runtime, scoring = build(settings)
+
+    async def subscribe() -> None:
+        await scoring.subscribe(await runtime.wait_nats())
+
+    await runtime.serve(subscribe())

@@ -1,0 +1,1 @@
+"""Scorers: the `Scorer` interface, the registry and the built-in scorers."""

@@ -1,0 +1,61 @@
+"""The scorer interface and its registry.
+
+A scorer turns a `ScoreInput` (task, final answer, transcript, env info, options) into a
+`Score`. Scorers are stateless, so any replica can serve any request. Third-party packages
+add scorers through the `treadle.scorers` entry point group.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any
+
+
+@dataclass
+class ScoreInput:
+    task: dict[str, Any]
+    answer: str
+    transcript: list[dict[str, Any]] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Score:
+    reward: float
+    breakdown: dict[str, float] = field(default_factory=dict)
+
+
+class Scorer(abc.ABC):
+    name: str
+
+    @abc.abstractmethod
+    async def score(self, request: ScoreInput) -> Score:
+        """Score one request. Raise to report an error; never return 0 for a failure."""
+
+    async def score_batch(self, requests: list[ScoreInput]) -> list[Score]:
+        return [await self.score(r) for r in requests]
+
+
+_BUILTIN: dict[str, type[Scorer]] = {}
+
+
+def register(name: str):
+    def wrap(cls: type[Scorer]) -> type[Scorer]:
+        cls.name = name
+        _BUILTIN[name] = cls
+        return cls
+
+    return wrap
+
+
+def registry() -> dict[str, Scorer]:
+    """Instances of the built-in scorers plus those of installed packages."""
+    from treadle_reward.scorers import exact_match  # noqa: F401  (registers the built-ins)
+
+    classes = dict(_BUILTIN)
+    for ep in entry_points(group="treadle.scorers"):
+        classes.setdefault(ep.name, ep.load())
+    return {name: cls() for name, cls in classes.items()}

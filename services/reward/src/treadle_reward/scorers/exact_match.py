@@ -1,0 +1,30 @@
+"""`exact_match`: 1.0 when the normalized answer equals the task's reference answer."""
+
+from __future__ import annotations
+
+import re
+
+from treadle_reward.scorers.base import Score, ScoreInput, Scorer, register
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def normalize(text: str) -> str:
+    return " ".join(text.strip().lower().rstrip(".").split())
+
+
+@register("exact_match")
+class ExactMatch(Scorer):
+    """Options: `field` (task key of the reference, default `answer`),
+    `extract: last_number` (compare only the last number in the answer)."""
+
+    async def score(self, request: ScoreInput) -> Score:
+        key = request.options.get("field", "answer")
+        if key not in request.task:
+            raise ValueError(f"task has no reference field {key!r}")
+        answer = request.answer
+        if request.options.get("extract") == "last_number":
+            numbers = _NUMBER.findall(answer)
+            answer = numbers[-1] if numbers else ""
+        hit = normalize(answer) == normalize(str(request.task[key]))
+        return Score(reward=1.0 if hit else 0.0, breakdown={"exact_match": 1.0 if hit else 0.0})

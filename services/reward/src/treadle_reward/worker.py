@@ -1,0 +1,97 @@
+"""Scoring over NATS: one subscription on `treadle.reward.*` in queue group `reward`.
+
+Every replica joins the same queue group, so NATS spreads requests across replicas with no
+coordinator: adding a replica adds capacity. Requests for a scorer this replica does not know
+are answered with an error naming the known scorers; a scorer that raises or times out is
+answered with status ERROR/TIMEOUT and the message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from google.protobuf.message import DecodeError
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from prometheus_client import Gauge
+
+from treadle_common import metrics, names
+from treadle_common.logs import get_logger
+from treadle_common.proto.treadle.v1 import reward_pb2 as pb
+from treadle_reward.scorers.base import ScoreInput, Scorer
+
+log = get_logger(__name__)
+SERVICE = "reward"
+IN_FLIGHT = Gauge("treadle_reward_in_flight", "Scoring requests being processed", ["scorer"])
+
+
+def _json(text: str, what: str, default):
+    if not text:
+        return default
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{what} is not valid JSON: {exc}") from exc
+
+
+class ScoringService:
+    def __init__(self, scorers: dict[str, Scorer], timeout_s: float = 30.0):
+        self.scorers = scorers
+        self.timeout_s = timeout_s
+
+    async def score(self, request: pb.ScoreRequest) -> pb.ScoreResult:
+        result = pb.ScoreResult(request_id=request.request_id)
+        scorer = self.scorers.get(request.scorer)
+        if scorer is None:
+            result.status = pb.SCORE_STATUS_ERROR
+            result.message = f"unknown scorer {request.scorer!r}; known: {sorted(self.scorers)}"
+            metrics.REQUESTS.labels(SERVICE, request.scorer, "unknown_scorer").inc()
+            return result
+        start = time.perf_counter()
+        IN_FLIGHT.labels(request.scorer).inc()
+        try:
+            score_input = ScoreInput(
+                task=_json(request.task_json, "task_json", {}),
+                answer=request.answer,
+                transcript=_json(request.transcript_json, "transcript_json", []),
+                info=_json(request.info_json, "info_json", {}),
+                options=_json(request.options_json, "options_json", {}),
+            )
+            score = await asyncio.wait_for(scorer.score(score_input), self.timeout_s)
+            result.reward, result.status = score.reward, pb.SCORE_STATUS_OK
+            result.breakdown.update(score.breakdown)
+            outcome = "ok"
+        except TimeoutError:
+            result.status, outcome = pb.SCORE_STATUS_TIMEOUT, "timeout"
+            result.message = f"scorer {request.scorer} took longer than {self.timeout_s}s"
+        except Exception as exc:  # a scorer's failure is reported, never a silent 0
+            result.status, outcome = pb.SCORE_STATUS_ERROR, "error"
+            result.message = f"{type(exc).__name__}: {exc}"
+        finally:
+            IN_FLIGHT.labels(request.scorer).dec()
+        metrics.REQUESTS.labels(SERVICE, request.scorer, outcome).inc()
+        metrics.LATENCY.labels(SERVICE, request.scorer).observe(time.perf_counter() - start)
+        return result
+
+    async def handle(self, msg: Msg) -> None:
+        request = pb.ScoreRequest()
+        try:
+            request.ParseFromString(msg.data)
+        except DecodeError as exc:
+            metrics.DROPPED.labels(SERVICE, "request", "malformed").inc()
+            reply = pb.ScoreResult(
+                status=pb.SCORE_STATUS_ERROR, message=f"malformed ScoreRequest: {exc}"
+            )
+            await msg.respond(reply.SerializeToString())
+            return
+        subject_scorer = msg.subject.removeprefix("treadle.reward.")
+        if not request.scorer:
+            request.scorer = subject_scorer
+        result = await self.score(request)
+        await msg.respond(result.SerializeToString())
+
+    async def subscribe(self, nc: NATS) -> None:
+        await nc.subscribe(names.REWARD_WILDCARD, queue=names.REWARD_QUEUE, cb=self.handle)
+        log.info("scoring", subject=names.REWARD_WILDCARD, scorers=sorted(self.scorers))

@@ -1,0 +1,1 @@
+"""Treadle rollout service: serves the policy, runs episodes, records trajectories."""

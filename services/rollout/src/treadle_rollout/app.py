@@ -1,0 +1,110 @@
+"""Rollout service: the policy engine, episodes, live weight swaps.
+
+Redis tasks --TaskWorker--> EpisodeRunner --generate--> Engine (hf)
+                                 |--create/step (gRPC)--> env-gateway
+                                 |--score (NATS req/reply)--> reward
+                                 '--trajectory--> Redis trajectories
+NATS treadle.weights.{model} --WeightSync--fetch delta (gRPC)--> weight-store --> Engine swap
+gRPC Generation.Generate / HTTP /v1/info, /v1/swaps
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+from treadle_common.clients.env import EnvClient
+from treadle_common.clients.reward import RewardClient
+from treadle_common.clients.weights import WeightStoreClient
+from treadle_common.proto.treadle.v1 import generation_pb2 as gpb
+from treadle_common.proto.treadle.v1 import generation_pb2_grpc
+from treadle_common.service import ServiceRuntime
+from treadle_common.settings import Settings
+from treadle_rollout.engines.base import Engine, Sampling
+from treadle_rollout.engines.hf import HFEngine
+from treadle_rollout.episodes import EpisodeRunner
+from treadle_rollout.weight_sync import WeightSync
+from treadle_rollout.worker import SERVICE, TaskWorker
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    async def Generate(self, request: gpb.GenerateRequest, context):
+        s = request.sampling
+        sampling = Sampling(
+            temperature=s.temperature, top_p=s.top_p or 1.0, max_new_tokens=s.max_new_tokens or 16
+        )
+        gen = await self.engine.generate(list(request.prompt_tokens), sampling)
+        return gpb.GenerateResult(
+            request_id=request.request_id,
+            tokens=gen.tokens,
+            logprobs=gen.logprobs,
+            token_versions=gen.versions,
+            finish_reason=gen.finish_reason,
+        )
+
+
+async def main(settings: Settings) -> None:
+    if settings.rollout_model is None:
+        raise SystemExit("rollout needs TREADLE_ROLLOUT_MODEL (an HF model directory)")
+    model_dir = Path(settings.rollout_model)
+    model_name = settings.rollout_model_name or model_dir.name
+    runtime = ServiceRuntime(SERVICE, settings, uses_redis=True)
+    engine = HFEngine(model_dir, model_name)
+    store = WeightStoreClient(settings.weight_store_addr)
+    env = EnvClient(settings.env_gateway_addr)
+    sync = WeightSync(engine, store)
+    server = runtime.make_grpc_server()
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(engine), server)
+
+    async def env_check() -> None:
+        await env.list_envs()
+
+    runtime.add_check("env-gateway", env_check)
+    holder: dict[str, TaskWorker] = {}
+
+    def info() -> dict:
+        worker = holder.get("worker")
+        return {
+            "model": model_name,
+            "model_dir": str(model_dir.resolve()),
+            "engine": "hf",
+            "policy_version": engine.version,
+            "swaps": len(sync.swaps),
+            "last_swap": asdict(sync.swaps[-1]) if sync.swaps else None,
+            "tasks_done": worker.tasks_done if worker else 0,
+            "trajectories_pushed": worker.trajectories_pushed if worker else 0,
+        }
+
+    runtime.set_info(info)
+
+    @runtime.app.get("/v1/swaps", tags=["weights"])
+    async def swaps() -> dict:
+        return {"swaps": [asdict(s) for s in sync.swaps]}
+
+    async def work() -> None:
+        nc = await runtime.wait_nats()
+        runner = EpisodeRunner(
+            engine,
+            engine.tokenizer,
+            env,
+            RewardClient(nc, settings.reward_timeout_s),
+            settings.instance,
+        )
+        worker = TaskWorker(
+            runtime.redis,
+            runner,
+            sync,
+            consumer=settings.instance,
+            max_concurrent_tasks=settings.rollout_max_concurrent_tasks,
+        )
+        holder["worker"] = worker
+        runtime.on_drain(worker.drain)
+        await worker.run()
+
+    async def weights() -> None:
+        await sync.run(await runtime.wait_nats())
+
+    await runtime.serve(work(), weights())

@@ -1,0 +1,1 @@
+"""Inference engines behind one interface (`Engine`): `hf` (transformers) today."""

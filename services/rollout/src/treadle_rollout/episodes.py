@@ -1,0 +1,198 @@
+"""One episode: chat-templated turns against the env-gateway, scored by the reward service.
+
+Token bookkeeping is exact: the trajectory's tokens are exactly the tokens the engine saw
+and produced. Generated tokens get loss_mask 1, their behaviour logprob and the policy
+version that produced them; prompt and env tokens get mask 0. Each new env turn is
+tokenized as the text the chat template adds after the previous turn, so earlier tokens are
+never re-tokenized.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+
+from treadle_common.clients.env import EnvClient
+from treadle_common.clients.reward import RewardClient
+from treadle_common.proto.treadle.v1 import reward_pb2, task_pb2
+from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
+from treadle_rollout.engines.base import Engine, Sampling
+
+
+@dataclass
+class Transcript:
+    """Token-exact record of one episode as it is built."""
+
+    tokens: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    messages: list[dict] = field(default_factory=list)
+    text: str = ""
+    """The text the tokens stand for (the chat template's rendering so far)."""
+
+    def add_context(self, tokens: list[int]) -> None:
+        self.tokens += tokens
+        self.loss_mask += [0] * len(tokens)
+        self.logprobs += [0.0] * len(tokens)
+        self.versions += [-1] * len(tokens)
+
+    def add_generated(self, tokens: list[int], logprobs: list[float], versions: list[int]) -> None:
+        self.tokens += tokens
+        self.loss_mask += [1] * len(tokens)
+        self.logprobs += logprobs
+        self.versions += versions
+
+
+class EpisodeRunner:
+    def __init__(
+        self, engine: Engine, tokenizer, env: EnvClient, reward: RewardClient, replica: str
+    ):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.env = env
+        self.reward = reward
+        self.replica = replica
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _append_observation(self, t: Transcript, observation) -> None:
+        """Append env messages and the next generation prompt as context tokens."""
+        t.messages += [{"role": m.role, "content": m.content} for m in observation.messages]
+        after = self._render(t.messages, add_generation_prompt=True)
+        if not after.startswith(t.text):
+            raise _EngineFailure("chat template is not prefix-stable; cannot keep tokens exact")
+        t.add_context(self._encode(after[len(t.text) :]))
+        t.text = after
+
+    async def run(self, task: task_pb2.Task, sample_index: int) -> tpb.Trajectory:
+        started = time.time()
+        traj = tpb.Trajectory(
+            trajectory_id=uuid.uuid4().hex,
+            group_id=task.task_id,
+            task_id=task.task_id,
+            run_id=task.run_id,
+            env=task.env,
+            sample_index=sample_index,
+            rollout_replica=self.replica,
+        )
+        traj.timings.queue_s = max(0.0, started - task.created_at)
+        t = Transcript()
+        try:
+            info = await self._play(task, sample_index, t, traj)
+        except grpc.aio.AioRpcError as exc:
+            return _failed(
+                traj,
+                t,
+                tpb.TRAJECTORY_STATUS_ENV_ERROR,
+                f"env-gateway: {exc.code().name}: {exc.details()}",
+                started,
+            )
+        except _EngineFailure as exc:
+            return _failed(traj, t, tpb.TRAJECTORY_STATUS_ENGINE_ERROR, str(exc), started)
+        reward_start = time.time()
+        answer = (
+            t.messages[-1]["content"]
+            if t.messages and t.messages[-1]["role"] == "assistant"
+            else ""
+        )
+        result = await self.reward.score(
+            reward_pb2.ScoreRequest(
+                scorer=task.scorer,
+                task_json=task.payload_json,
+                answer=answer,
+                transcript_json=json.dumps(t.messages),
+                info_json=json.dumps(info),
+            )
+        )
+        traj.timings.reward_s = time.time() - reward_start
+        if result.status != reward_pb2.SCORE_STATUS_OK:
+            status = reward_pb2.ScoreStatus.Name(result.status)
+            return _failed(
+                traj,
+                t,
+                tpb.TRAJECTORY_STATUS_REWARD_ERROR,
+                f"reward {status}: {result.message}",
+                started,
+            )
+        traj.reward = result.reward
+        traj.reward_breakdown.update(result.breakdown)
+        if traj.status == tpb.TRAJECTORY_STATUS_UNSPECIFIED:
+            traj.status = tpb.TRAJECTORY_STATUS_OK
+        _fill(traj, t, started)
+        return traj
+
+    async def _play(
+        self, task: task_pb2.Task, sample_index: int, t: Transcript, traj: tpb.Trajectory
+    ) -> dict:
+        env_start = time.time()
+        session = await self.env.create(
+            task.env, json.loads(task.payload_json or "{}"), seed=sample_index
+        )
+        traj.timings.env_s += time.time() - env_start
+        sampling = Sampling(
+            temperature=task.sampling.temperature,
+            top_p=task.sampling.top_p or 1.0,
+            max_new_tokens=task.sampling.max_new_tokens or 16,
+        )
+        info: dict = {}
+        try:
+            self._append_observation(t, session.observation)
+            for turn in range(max(1, task.max_turns)):
+                gen_start = time.time()
+                try:
+                    gen = await self.engine.generate(t.tokens, sampling)
+                except Exception as exc:  # the engine's failure becomes a trajectory status
+                    raise _EngineFailure(f"{type(exc).__name__}: {exc}") from exc
+                traj.timings.generate_s += time.time() - gen_start
+                t.add_generated(gen.tokens, gen.logprobs, gen.versions)
+                t.text += self.tokenizer.decode(gen.tokens, skip_special_tokens=False)
+                text = self.tokenizer.decode(gen.tokens, skip_special_tokens=True)
+                t.messages.append({"role": "assistant", "content": text})
+                traj.num_turns = turn + 1
+                env_start = time.time()
+                step = await self.env.step(session.session_id, text)
+                traj.timings.env_s += time.time() - env_start
+                info = json.loads(step.info_json or "{}")
+                if step.done:
+                    break
+                if gen.finish_reason != "stop":  # close the assistant turn before the env's reply
+                    t.add_context([self.tokenizer.eos_token_id])
+                    t.text += self.tokenizer.eos_token
+                self._append_observation(t, step.observation)
+            else:
+                traj.status = tpb.TRAJECTORY_STATUS_TRUNCATED
+        finally:
+            await self.env.close_session(session.session_id)
+        return info
+
+
+class _EngineFailure(RuntimeError):
+    pass
+
+
+def _fill(traj: tpb.Trajectory, t: Transcript, started: float) -> None:
+    traj.tokens.extend(t.tokens)
+    traj.loss_mask.extend(t.loss_mask)
+    traj.logprobs.extend(t.logprobs)
+    traj.token_versions.extend(t.versions)
+    traj.timings.total_s = time.time() - started
+
+
+def _failed(
+    traj: tpb.Trajectory, t: Transcript, status: int, error: str, started: float
+) -> tpb.Trajectory:
+    traj.status = status
+    traj.error = error
+    _fill(traj, t, started)
+    return traj

@@ -1,0 +1,118 @@
+"""Task worker: Redis tasks in, a group of episodes per task, trajectories out.
+
+    treadle:runs (set) -> for each active run: XREADGROUP treadle:{run}:tasks (group `rollout`)
+      -> wait for the task's minimum policy version -> group_size episodes concurrently
+      -> MULTI: XADD each trajectory to treadle:{run}:trajectories + count them -> EXEC
+      -> XACK the task (only now: its trajectories are durable in Redis)
+
+Tasks left pending by a dead replica are reclaimed after `reclaim_idle_ms`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import redis.asyncio as aioredis
+
+from treadle_common import metrics, names
+from treadle_common.clients import streams
+from treadle_common.logs import get_logger
+from treadle_common.proto.treadle.v1 import task_pb2
+from treadle_rollout.episodes import EpisodeRunner
+from treadle_rollout.weight_sync import WeightSync
+
+log = get_logger(__name__)
+SERVICE = "rollout"
+
+
+class TaskWorker:
+    def __init__(
+        self,
+        r: aioredis.Redis,
+        runner: EpisodeRunner,
+        sync: WeightSync,
+        consumer: str,
+        max_concurrent_tasks: int = 8,
+        reclaim_idle_ms: int = 60_000,
+    ):
+        self.r = r
+        self.runner = runner
+        self.sync = sync
+        self.consumer = consumer
+        self.slots = asyncio.Semaphore(max_concurrent_tasks)
+        self.reclaim_idle_ms = reclaim_idle_ms
+        self.in_flight: set[asyncio.Task] = set()
+        self.stopping = False
+        self.tasks_done = 0
+        self.trajectories_pushed = 0
+        self._groups: set[str] = set()
+
+    async def active_streams(self) -> list[str]:
+        runs = sorted(m.decode() for m in await self.r.smembers(names.RUNS_KEY))
+        out = []
+        for run in runs:
+            stream = names.tasks_stream(run)
+            if stream not in self._groups:
+                await streams.ensure_group(self.r, stream, names.ROLLOUT_GROUP)
+                self._groups.add(stream)
+            out.append(stream)
+        return out
+
+    async def run(self) -> None:
+        while not self.stopping:
+            stream_keys = await self.active_streams()
+            if not stream_keys:
+                await asyncio.sleep(0.2)
+                continue
+            entries = []
+            for stream in stream_keys:
+                entries += await streams.reclaim(
+                    self.r,
+                    stream,
+                    names.ROLLOUT_GROUP,
+                    self.consumer,
+                    task_pb2.Task,
+                    min_idle_ms=self.reclaim_idle_ms,
+                )
+            await self.slots.acquire()
+            self.slots.release()
+            entries += await streams.read_group(
+                self.r,
+                stream_keys,
+                names.ROLLOUT_GROUP,
+                self.consumer,
+                task_pb2.Task,
+                count=1,
+                block_ms=500,
+            )
+            for stream, entry_id, task in entries:
+                await self.slots.acquire()
+                job = asyncio.create_task(self._run_task(stream, entry_id, task))
+                self.in_flight.add(job)
+                job.add_done_callback(self.in_flight.discard)
+
+    async def _run_task(self, stream: str, entry_id: str, task: task_pb2.Task) -> None:
+        try:
+            await self.sync.ensure_version(task.min_policy_version)
+            group = await asyncio.gather(
+                *(self.runner.run(task, i) for i in range(max(1, task.group_size)))
+            )
+            async with self.r.pipeline(transaction=True) as pipe:
+                for traj in group:
+                    await streams.add(pipe, names.trajectories_stream(task.run_id), traj)
+                pipe.hincrby(names.run_state(task.run_id), "trajectories_produced", len(group))
+                await pipe.execute()
+            await self.r.xack(stream, names.ROLLOUT_GROUP, entry_id)
+            self.tasks_done += 1
+            self.trajectories_pushed += len(group)
+        except Exception as exc:  # the task stays pending and is retried (reclaimed)
+            metrics.DROPPED.labels(SERVICE, "task_attempt", type(exc).__name__).inc()
+            log.error("task failed; left pending for retry", task=task.task_id, error=repr(exc))
+        finally:
+            self.slots.release()
+
+    async def drain(self) -> None:
+        """Stop taking tasks; finish the ones in flight (their trajectories land, then ack)."""
+        self.stopping = True
+        if self.in_flight:
+            await asyncio.gather(*self.in_flight, return_exceptions=True)

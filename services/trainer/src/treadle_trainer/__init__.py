@@ -1,0 +1,1 @@
+"""Treadle trainer service: owns runs, turns trajectories into policy updates, publishes weights."""

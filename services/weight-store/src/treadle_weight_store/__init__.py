@@ -1,0 +1,1 @@
+"""Treadle weight-store: versioned, content-addressed weights with delta publish/fetch."""

@@ -1,0 +1,14 @@
+"""`python -m treadle_weight_store` / `treadle-weight-store`: run the weight-store service.
+
+Settings come from the environment (TREADLE_*), see treadle_common.settings.
+"""
+
+from treadle_common.service import run_service
+
+
+def main() -> None:
+    run_service("treadle_weight_store.app")
+
+
+if __name__ == "__main__":
+    main()

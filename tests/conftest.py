@@ -1,0 +1,151 @@
+"""Fixtures: private redis-server / nats-server on free ports, services as real processes.
+
+Nothing here touches the system's redis (6379) or nats (4222): every server is started by
+the fixture, on a free port, with its data in a temporary directory, and stopped after.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from treadle_common.infra import Infra, terminate
+from treadle_common.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def free_port_range(n: int) -> int:
+    """A base port with `n` consecutive free ports."""
+    for _ in range(200):
+        base = free_port()
+        if base + n >= 65535:
+            continue
+        ok = True
+        for port in range(base, base + n):
+            with socket.socket() as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError("no free port range")
+
+
+@dataclass
+class InfraUrls:
+    redis_url: str
+    nats_url: str
+    state_dir: Path
+
+
+@pytest.fixture(scope="session")
+def infra(tmp_path_factory) -> Iterator[InfraUrls]:
+    """A private redis-server and nats-server (JetStream) for the whole session."""
+    state = tmp_path_factory.mktemp("infra")
+    settings = Settings(
+        state_dir=state,
+        redis_url=f"redis://127.0.0.1:{free_port()}",
+        nats_url=f"nats://127.0.0.1:{free_port()}",
+    )
+    manager = Infra(settings)
+    manager.up()
+    yield InfraUrls(settings.redis_url, settings.nats_url, state)
+    manager.down()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    from treadle_common.tiny_model import init_tiny
+
+    return init_tiny(tmp_path_factory.mktemp("models") / "tiny")
+
+
+@dataclass
+class ServiceProc:
+    name: str
+    proc: subprocess.Popen
+    http: str
+    grpc_addr: str | None
+    log: Path
+
+    def stop(self) -> int:
+        terminate(self.proc.pid, timeout_s=20)
+        return self.proc.wait(timeout=5)
+
+
+def start_service(name: str, infra: InfraUrls, tmp: Path, **env: str) -> ServiceProc:
+    """Run `python -m treadle_<name>` with TREADLE_* env on free ports; wait for /readyz."""
+    http, grpc_port = free_port(), free_port()
+    full_env = {
+        **os.environ,
+        "TREADLE_REDIS_URL": infra.redis_url,
+        "TREADLE_NATS_URL": infra.nats_url,
+        "TREADLE_STATE_DIR": str(tmp),
+        "TREADLE_HTTP_PORT": str(http),
+        "TREADLE_GRPC_PORT": str(grpc_port),
+        "TREADLE_HEARTBEAT_INTERVAL_S": "0.5",
+        **env,
+    }
+    log = tmp / f"{name}.log"
+    module = "treadle_" + name.replace("-", "_")
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module],
+            env=full_env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    svc = ServiceProc(name, proc, f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc_port}", log)
+    wait_ready(svc)
+    return svc
+
+
+def wait_ready(svc: ServiceProc, timeout_s: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if svc.proc.poll() is not None:
+            raise RuntimeError(
+                f"{svc.name} exited {svc.proc.returncode}:\n{svc.log.read_text()[-3000:]}"
+            )
+        try:
+            if httpx.get(f"{svc.http}/readyz", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    svc.stop()
+    raise RuntimeError(f"{svc.name} not ready in {timeout_s}s:\n{svc.log.read_text()[-3000:]}")
+
+
+@pytest.fixture
+def service(infra, tmp_path):
+    """Factory: `service("reward")` starts a real service process; all stop at teardown."""
+    started: list[ServiceProc] = []
+
+    def start(name: str, **env: str) -> ServiceProc:
+        svc = start_service(name, infra, tmp_path, **env)
+        started.append(svc)
+        return svc
+
+    yield start
+    for svc in reversed(started):
+        svc.stop()

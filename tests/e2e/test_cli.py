@@ -1,0 +1,110 @@
+"""The real `treadle` CLI as a subprocess, on private infrastructure and free ports."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, free_port, free_port_range
+from treadle_common.infra import alive
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+TREADLE = str(Path(sys.executable).parent / "treadle")
+
+
+@pytest.fixture
+def cli_env(tmp_path) -> dict[str, str]:
+    return {
+        **os.environ,
+        "TREADLE_STATE_DIR": str(tmp_path / ".treadle"),
+        "TREADLE_REDIS_URL": f"redis://127.0.0.1:{free_port()}",
+        "TREADLE_NATS_URL": f"nats://127.0.0.1:{free_port()}",
+        "TREADLE_BASE_PORT": str(free_port_range(8)),
+    }
+
+
+def treadle(*args: str, env: dict, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [TREADLE, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_skeleton_recipe_runs_three_steps_through_every_service(cli_env, tmp_path):
+    result = treadle("run", str(ROOT / "recipes/skeleton.yaml"), env=cli_env, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    (summary_path,) = (tmp_path / ".treadle" / "runs").glob("*/summary.json")
+    summary = json.loads(summary_path.read_text())
+    assert summary["state"] == "succeeded" and summary["steps"] == 3
+    assert summary["tasks_fed"] == 12
+    assert summary["trajectories_produced"] == summary["trajectories_consumed"] == 48
+    assert (
+        summary["trajectories_acked"] == 48
+        and summary["duplicates"] == 0
+        and summary["pending_after_run"] == 0
+    )
+    assert summary["exactly_once"] is True
+    assert summary["versions_published"] == summary["weight_store_versions"] == [1, 2, 3]
+    assert summary["rollout_policy_version"] == 3 and summary["rollout_swaps"] == 3
+    assert (summary_path.parent / "config.yaml").exists()
+    # the stack the run started is gone again: no supervisor state left behind
+    assert not (tmp_path / ".treadle" / "stack.json").exists()
+
+
+def test_up_status_down_without_orphans(cli_env, tmp_path):
+    up = treadle("up", "--detach", env=cli_env, cwd=tmp_path, timeout=240)
+    try:
+        assert up.returncode == 0, up.stdout[-4000:] + up.stderr[-4000:]
+        status = treadle("status", "--json", env=cli_env, cwd=tmp_path)
+        assert status.returncode == 0, status.stdout
+        health = json.loads(status.stdout)
+        assert health["healthy"] is True
+        assert set(health["services"]) == {
+            "weight-store",
+            "env-gateway",
+            "reward",
+            "rollout",
+            "trainer",
+        }
+        assert all(s["healthy"] for s in health["services"].values())
+        assert health["infra"]["redis"]["healthy"] and health["infra"]["nats"]["healthy"]
+        infra_pids = [
+            json.loads(p.read_text())["pid"]
+            for p in (tmp_path / ".treadle" / "infra").glob("*.json")
+        ]
+        pids = [
+            health["supervisor_pid"],
+            *(s["pid"] for s in health["services"].values()),
+            *infra_pids,
+        ]
+        assert len(infra_pids) == 2 and all(alive(p) for p in pids)
+    finally:
+        down = treadle("down", env=cli_env, cwd=tmp_path)
+    assert down.returncode == 0, down.stderr
+    assert not [p for p in pids if alive(p)]
+    after = treadle("status", "--json", env=cli_env, cwd=tmp_path)
+    assert after.returncode == 1 and json.loads(after.stdout)["running"] is False
+
+
+def test_bad_recipe_fails_before_anything_starts(cli_env, tmp_path):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text("model: {path: m}\nrollout: {group_size: -1}\ntrainer: {lr: fast}\n")
+    result = treadle("run", str(recipe), env=cli_env, cwd=tmp_path)
+    assert result.returncode == 2
+    assert "rollout.group_size" in result.stderr and "trainer.lr" in result.stderr
+    assert not (tmp_path / ".treadle").exists()
+
+
+def test_up_with_a_port_in_use_names_port_and_service(cli_env, tmp_path):
+    base = int(cli_env["TREADLE_BASE_PORT"])
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", base + 2))  # env-gateway grpc
+        squatter.listen()
+        result = treadle("up", "--detach", env=cli_env, cwd=tmp_path)
+    assert result.returncode == 1
+    assert f"port {base + 2} (env-gateway grpc) is already in use" in result.stderr.replace(
+        "\n", " "
+    )

@@ -1,0 +1,55 @@
+"""The env-gateway as a real process: sessions over gRPC and HTTP, health, bad input."""
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from treadle_common.clients.env import EnvClient
+
+pytestmark = pytest.mark.integration
+
+
+async def test_sessions_over_grpc_and_http(service):
+    gw = service("env-gateway")
+    client = EnvClient(gw.grpc_addr)
+    assert "arith" in await client.list_envs()
+    tasks = await client.sample_tasks("arith", 3, seed=0)
+    assert len(tasks) == 3 and all("answer" in t for t in tasks)
+    session = await client.create("arith", tasks[0])
+    assert session.observation.messages[0].content == f"{tasks[0]['a']}+{tasks[0]['b']}="
+    assert session.session_id.startswith(session.replica + ":")
+    step = await client.step(session.session_id, tasks[0]["answer"])
+    assert step.done and not step.has_reward
+    await client.close_session(session.session_id)
+
+    health = health_pb2_grpc.HealthStub(client.channel)
+    assert (
+        await health.Check(health_pb2.HealthCheckRequest())
+    ).status == health_pb2.HealthCheckResponse.SERVING
+
+    with pytest.raises(grpc.aio.AioRpcError) as unknown_env:
+        await client.create("nope", {})
+    assert (
+        unknown_env.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        and "known: ['arith'" in unknown_env.value.details()
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as gone:
+        await client.step(session.session_id, "1")
+    assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.aio.AioRpcError) as bad_task:
+        await client.create("arith", {"a": "x"})
+    assert bad_task.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    await client.close()
+
+    created = httpx.post(
+        f"{gw.http}/v1/sessions", json={"env": "arith", "task": {"a": 1, "b": 2, "op": "+"}}
+    ).json()
+    stepped = httpx.post(
+        f"{gw.http}/v1/sessions/{created['session_id']}/step", json={"text": "3"}
+    ).json()
+    assert stepped["done"] and stepped["info"]["answer"] == "3"
+    assert httpx.post(f"{gw.http}/v1/sessions", json={"env": "nope", "task": {}}).status_code == 400
+    assert httpx.post(f"{gw.http}/v1/sessions/missing/step", json={"text": "1"}).status_code == 404
+    assert httpx.get(f"{gw.http}/openapi.json").json()["paths"]["/v1/sessions"]
+    assert httpx.get(f"{gw.http}/readyz").status_code == 200
