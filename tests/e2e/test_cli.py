@@ -2,9 +2,11 @@
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -81,6 +83,18 @@ def test_up_status_down_without_orphans(cli_env, tmp_path):
             *infra_pids,
         ]
         assert len(infra_pids) == 2 and all(alive(p) for p in pids)
+        # a crashed service is reported and restarted by the supervisor
+        os.kill(health["services"]["reward"]["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            reward = json.loads(treadle("status", "--json", env=cli_env, cwd=tmp_path).stdout)[
+                "services"
+            ]["reward"]
+            if reward["restarts"] == 1 and reward["healthy"]:
+                break
+            time.sleep(0.5)
+        assert reward["restarts"] == 1 and reward["healthy"], reward
+        pids.append(reward["pid"])
     finally:
         down = treadle("down", env=cli_env, cwd=tmp_path)
     assert down.returncode == 0, down.stderr

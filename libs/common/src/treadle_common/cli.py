@@ -6,6 +6,7 @@ treadle status [--json]          health of everything `up` started
 treadle down                     stop everything `up` started
 treadle run RECIPE [--set a=b]   run a recipe on the stack (starting one if none runs)
 treadle model init-tiny DIR      build the tiny local HF model
+treadle bench weights [--json]   weight sync: weight-store (full, delta) vs safetensors
 """
 
 from __future__ import annotations
@@ -190,6 +191,27 @@ def run(
 
     code = RunClient(config, get_settings(), console).execute(timeout)
     raise typer.Exit(code)
+
+
+# -- bench ---------------------------------------------------------------------------------
+bench_app = typer.Typer(
+    no_args_is_help=True, help="Benchmarks: our path vs a raw baseline, as JSON."
+)
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("weights")
+def bench_weights(
+    size_mb: Annotated[int, typer.Option(help="State dict size")] = 64,
+    num_tensors: Annotated[int, typer.Option(help="Tensors in the state dict")] = 32,
+    changed: Annotated[float, typer.Option(help="Fraction of tensors a step changes")] = 0.05,
+    as_json: Annotated[bool, typer.Option("--json", help="Print only the JSON")] = False,
+) -> None:
+    """Weight sync via the weight-store (full and delta) vs safetensors save+load."""
+    from benchmarks import weights  # installed with the `treadle` meta-distribution
+
+    result = weights.run(size_mb, num_tensors, changed)
+    print(json.dumps(result, indent=None if as_json else 2))
 
 
 def main() -> None:
