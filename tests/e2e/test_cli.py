@@ -1,5 +1,6 @@
 """The real `treadle` CLI as a subprocess, on private infrastructure and free ports."""
 
+import asyncio
 import json
 import os
 import signal
@@ -12,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, free_port, free_port_range
+from treadle_common.clients.rollout import GenerationClient
+from treadle_common.clients.trainer import TrainerClient
 from treadle_common.infra import alive
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -83,6 +86,9 @@ def test_up_status_down_without_orphans(cli_env, tmp_path):
             *infra_pids,
         ]
         assert len(infra_pids) == 2 and all(alive(p) for p in pids)
+        # the thin clients reach the running services
+        spec = json.loads((tmp_path / ".treadle" / "stack.json").read_text())["spec"]
+        assert asyncio.run(_generate_and_list(spec["ports"])) == []  # no runs submitted yet
         # a crashed service is reported and restarted by the supervisor
         os.kill(health["services"]["reward"]["pid"], signal.SIGKILL)
         deadline = time.monotonic() + 90
@@ -101,6 +107,19 @@ def test_up_status_down_without_orphans(cli_env, tmp_path):
     assert not [p for p in pids if alive(p)]
     after = treadle("status", "--json", env=cli_env, cwd=tmp_path)
     assert after.returncode == 1 and json.loads(after.stdout)["running"] is False
+
+
+async def _generate_and_list(ports: dict) -> list:
+    rollout = GenerationClient(f"127.0.0.1:{ports['rollout']['grpc']}")
+    result = await rollout.generate([1, 2, 3], max_new_tokens=5, temperature=0.0)
+    await rollout.close()
+    assert 1 <= len(result.tokens) <= 5
+    assert len(result.logprobs) == len(result.token_versions) == len(result.tokens)
+    assert all(lp <= 0 for lp in result.logprobs) and set(result.token_versions) == {0}
+    trainer = TrainerClient(f"http://127.0.0.1:{ports['trainer']['http']}")
+    runs = await trainer.list_runs()
+    await trainer.close()
+    return runs
 
 
 def test_bad_recipe_fails_before_anything_starts(cli_env, tmp_path):

@@ -51,3 +51,26 @@ def test_port_taken_by_something_else_names_the_port(tmp_path):
         port = squatter.getsockname()[1]
         with pytest.raises(InfraError, match=f"port 127.0.0.1:{port} is in use"):
             Infra(settings_for(tmp_path, redis_port=port)).up(("redis",))
+
+
+@pytest.mark.slow
+def test_s3_server_answers_s3(tmp_path):
+    import httpx
+
+    from tests.conftest import free_port_range
+
+    base = free_port_range(6)
+    settings = Settings(
+        state_dir=tmp_path,
+        redis_url="redis://127.0.0.1:1",
+        nats_url="nats://127.0.0.1:1",
+        s3_endpoint=f"127.0.0.1:{base}",
+    )
+    infra = Infra(settings)
+    try:
+        (state,) = infra.up(("s3",), timeout_s=60)
+        assert state.healthy and state.detail == "started"
+        listing = httpx.get(f"http://127.0.0.1:{base}/", timeout=10)
+        assert listing.status_code == 200 and "ListAllMyBucketsResult" in listing.text
+    finally:
+        assert infra.down() == ["s3"]
