@@ -2,7 +2,7 @@
 #   make setup   create .venv and install the whole workspace editable (idempotent)
 #   make demo    run recipes/demo.yaml on the embedded stack
 #   make test    setup + lint + proto check + the whole test suite (what CI runs)
-#   make lint    ruff lint + format check
+#   make lint    ruff lint + format check + mypy on libs/common
 #   make bench   the `treadle bench` workloads (JSON)
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -31,6 +31,7 @@ demo: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy libs/common/src/treadle_common
 
 protos: setup
 	$(PY) scripts/gen_protos.py

@@ -12,7 +12,6 @@ treadle bench weights [--json]   weight sync: weight-store (full, delta) vs safe
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Annotated
@@ -219,4 +218,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

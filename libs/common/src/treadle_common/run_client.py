@@ -64,7 +64,10 @@ class RunClient:
                 stack.down(self.settings)
 
     def _urls(self) -> dict[str, str]:
-        spec = stack.StackSpec(**stack.read_stack(self.state_dir)["spec"])
+        record = stack.read_stack(self.state_dir)
+        if record is None:
+            raise RuntimeError(f"no stack recorded in {self.state_dir}")
+        spec = stack.StackSpec(**record["spec"])
         return {s: spec.http_url(s) for s in ("trainer", "rollout", "weight-store")}
 
     def _follow(self) -> int:

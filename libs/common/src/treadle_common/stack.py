@@ -51,7 +51,8 @@ class StackSpec:
     def ports_from(base_port: int | None) -> dict[str, dict[str, int]]:
         if base_port is None:
             return {s: dict(p) for s, p in names.DEFAULT_PORTS.items()}
-        ports, nxt = {}, base_port
+        ports: dict[str, dict[str, int]] = {}
+        nxt = base_port
         for service in names.SERVICES:
             ports[service] = {}
             for kind in names.DEFAULT_PORTS[service]:

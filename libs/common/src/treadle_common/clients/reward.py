@@ -40,5 +40,5 @@ class RewardClient:
         return result
 
 
-def _failed(request: pb.ScoreRequest, status: int, message: str) -> pb.ScoreResult:
+def _failed(request: pb.ScoreRequest, status: pb.ScoreStatus, message: str) -> pb.ScoreResult:
     return pb.ScoreResult(request_id=request.request_id, status=status, message=message)

@@ -7,7 +7,7 @@ reclaimed with XAUTOCLAIM after `min_idle_ms`.
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from google.protobuf.message import Message
@@ -50,7 +50,7 @@ async def read_group(
     """New entries for this consumer: (stream, entry id, message)."""
     if not streams:
         return []
-    reply = await r.xreadgroup(
+    reply: Any = await r.xreadgroup(
         group, consumer, {s: ">" for s in streams}, count=count, block=block_ms
     )
     out = []
@@ -71,7 +71,7 @@ async def reclaim(
     count: int = 16,
 ) -> list[tuple[str, str, M]]:
     """Take over entries idle longer than `min_idle_ms` (their consumer died)."""
-    reply = await r.xautoclaim(stream, group, consumer, min_idle_ms, "0-0", count=count)
+    reply: Any = await r.xautoclaim(stream, group, consumer, min_idle_ms, "0-0", count=count)
     entries = reply[1]  # redis 7 appends a third element (deleted ids); 6.2 does not
     return [(stream, _s(entry_id), decode(fields, cls)) for entry_id, fields in entries if fields]
 
@@ -80,7 +80,7 @@ async def pending_own(
     r: aioredis.Redis, stream: str, group: str, consumer: str, cls: type[M], count: int = 1000
 ) -> list[tuple[str, str, M]]:
     """Entries already delivered to this consumer and not acked (replay after a restart)."""
-    reply = await r.xreadgroup(group, consumer, {stream: "0"}, count=count)
+    reply: Any = await r.xreadgroup(group, consumer, {stream: "0"}, count=count)
     out = []
     for _, entries in reply or []:
         for entry_id, fields in entries:

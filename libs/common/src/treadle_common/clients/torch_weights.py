@@ -26,7 +26,7 @@ DTYPE_NAMES = {
 def byte_view(tensor: torch.Tensor) -> memoryview:
     """The tensor's bytes without a copy when it is contiguous on CPU."""
     flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-    return memoryview(flat.cpu().numpy()).cast("B")
+    return flat.cpu().numpy().data.cast("B")
 
 
 def state_dict_to_raw(state_dict: Mapping[str, torch.Tensor]) -> dict[str, RawTensor]:
@@ -91,4 +91,4 @@ def apply_fetch(
 def byte_view_inplace(tensor: torch.Tensor) -> memoryview:
     if not (tensor.is_contiguous() and tensor.device.type == "cpu"):
         raise ValueError("in-place weight updates need contiguous CPU tensors")
-    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return tensor.detach().reshape(-1).view(torch.uint8).numpy().data.cast("B")
