@@ -1,30 +1,50 @@
-"""`treadle bench weights`: weight sync through the weight-store vs a raw safetensors baseline.
+"""`treadle bench weights`: weight sync through the weight-store vs a plain gRPC byte stream.
 
-Our path: the trainer publishes a state dict to a real weight-store gRPC server (only missing
-chunks travel), a replica fetches into its tensors in place (only chunks it lacks travel).
-Baseline: the same state dict written with `safetensors.torch.save_file` and read back with
-`load_file` (what syncing through a shared checkpoint directory costs).
-Measured twice: a full sync (fresh store, empty replica) and a delta sync after a step that
-changed `changed_fraction` of the tensors.
+Two processes: this one (the trainer / a replica) and a server process hosting the real
+WeightStore gRPC servicer plus a raw `bytes` stream service. In the same run we measure:
+
+    publish_gbps        full publish of a state dict (hash, ask what is missing, stream, commit)
+    fetch_gbps          full fetch into a resident state dict, in place
+    raw_grpc_gbps       the same bytes as a plain client->server gRPC stream (publish's twin)
+    raw_grpc_fetch_gbps the same bytes as a plain server->client gRPC stream (fetch's twin)
+    publish_ratio       raw upload time / publish time
+    fetch_ratio         raw download time / fetch time
+    delta_bytes_ratio   bytes sent to publish a step that changed `changed` of the tensors / full
+    fanout8_fetch_gbps  aggregate rate of 8 replica processes fetching the new version at once
+
+Rates are gigabits per second (1e9 bit/s) of tensor bytes; each is the median of `repeats`
+rounds after a warm-up round. Ratios are the median of the per-round ratios (ours and raw
+measured back to back in each round, so that drifts of a shared machine cancel out).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
-from pathlib import Path
 
 import grpc
 import torch
-from safetensors.torch import load_file, save_file
 
-from treadle_common.clients.torch_weights import ChunkCache, apply_fetch, state_dict_to_raw
+from treadle_common.clients.torch_weights import ChunkCache, fetch_into, state_dict_to_raw
 from treadle_common.clients.weights import WeightStoreClient
 from treadle_common.logs import configure_logging
-from treadle_common.proto.treadle.v1 import weights_pb2_grpc
-from treadle_weight_store.grpc_service import WeightStoreServicer
-from treadle_weight_store.store import LocalStore
+
+CHUNK = 4 * 2**20
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", 64 * 2**20),
+    ("grpc.max_receive_message_length", 64 * 2**20),
+]
+
+
+def gbps(num_bytes: int, seconds: float) -> float:
+    return num_bytes * 8 / 1e9 / seconds
 
 
 def make_state(size_mb: int, num_tensors: int) -> dict[str, torch.Tensor]:
@@ -33,68 +53,180 @@ def make_state(size_mb: int, num_tensors: int) -> dict[str, torch.Tensor]:
     return {f"layers.{i}.weight": torch.randn(numel, generator=g) for i in range(num_tensors)}
 
 
-async def _serve(root: Path) -> tuple[grpc.aio.Server, str]:
-    async def no_announce(_manifest) -> None:
-        return None
-
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 2**20)])
-    weights_pb2_grpc.add_WeightStoreServicer_to_server(
-        WeightStoreServicer(LocalStore(root), no_announce), server
-    )
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    return server, f"127.0.0.1:{port}"
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
-async def _ours(state: dict, stepped: dict, root: Path) -> dict[str, float]:
-    server, addr = await _serve(root)
-    client = WeightStoreClient(addr)
-    replica = {k: torch.empty_like(v) for k, v in state.items()}
-    cache = ChunkCache({})
-    out: dict[str, float] = {}
-    for label, source in (("full", state), ("delta", stepped)):
+async def raw_rates(address: str, payload: memoryview) -> tuple[float, float]:
+    """Plain gRPC streams of `payload` in 4 MiB messages: (upload s, download s)."""
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        upload = channel.stream_unary("/treadle.bench.Raw/Upload")
+        download = channel.unary_stream("/treadle.bench.Raw/Download")
+
+        async def pieces():
+            for i in range(0, len(payload), CHUNK):
+                yield bytes(payload[i : i + CHUNK])
+
         start = time.perf_counter()
-        published = await client.publish("bench", state_dict_to_raw(source))
-        mid = time.perf_counter()
-        fetched = await client.fetch("bench", published.version, have=cache.have())
-        apply_fetch(fetched, replica, cache)
-        end = time.perf_counter()
-        out[f"ours_{label}_publish_s"] = mid - start
-        out[f"ours_{label}_fetch_s"] = end - mid
-        out[f"ours_{label}_sync_s"] = end - start
-        out[f"ours_{label}_bytes_sent"] = published.bytes_received
-        out[f"ours_{label}_bytes_fetched"] = fetched.bytes_received
-    assert all(torch.equal(replica[k], stepped[k]) for k in stepped), "replica differs after sync"
+        assert int(await upload(pieces())) == len(payload)
+        up = time.perf_counter() - start
+        start = time.perf_counter()
+        received = 0
+        async for data in download(str(len(payload)).encode()):
+            received += len(data)
+        down = time.perf_counter() - start
+        assert received == len(payload)
+    return up, down
+
+
+async def measure(address: str, state: dict, repeats: int) -> dict:
+    """Median of `repeats` rounds of: raw upload + download, full publish, full fetch.
+
+    A warm-up round first (connections, buffers, thread pools); each round publishes new
+    content (every tensor shifted) so every publish is a full one, and fetches it into a
+    replica that holds nothing yet.
+    """
+    client = WeightStoreClient(address)
+    warm = {k: v[: 2**16].clone() for k, v in state.items()}
+    await client.publish("warmup", state_dict_to_raw(warm))
+    await fetch_into(
+        client, "warmup", -1, {k: torch.zeros_like(v) for k, v in warm.items()}, ChunkCache({})
+    )
+    await raw_rates(address, memoryview(b"".join(t.data for t in state_dict_to_raw(warm).values())))
+    replica = {k: torch.zeros_like(v) for k, v in state.items()}  # resident, like a loaded model
+    rounds: dict[str, list[float]] = {
+        "raw_up": [],
+        "raw_down": [],
+        "publish": [],
+        "fetch": [],
+        "publish_ratio": [],
+        "fetch_ratio": [],
+    }
+    for _ in range(repeats):
+        for tensor in state.values():
+            tensor.add_(1.0)
+        flat = memoryview(b"".join(t.data for t in state_dict_to_raw(state).values()))
+        up_s, down_s = await raw_rates(address, flat)
+        del flat
+        start = time.perf_counter()
+        published = await client.publish("bench", state_dict_to_raw(state))
+        publish_s = time.perf_counter() - start
+        start = time.perf_counter()
+        await fetch_into(client, "bench", published.version, replica, ChunkCache({}))
+        fetch_s = time.perf_counter() - start
+        assert all(torch.equal(replica[k], state[k]) for k in state), "fetched tensors differ"
+        values = (up_s, down_s, publish_s, fetch_s, up_s / publish_s, down_s / fetch_s)
+        for key, value in zip(rounds, values, strict=True):
+            rounds[key].append(value)
     await client.close()
-    await server.stop(None)
-    return out
+    return {key: statistics.median(values) for key, values in rounds.items()}
 
 
-def _baseline(state: dict, root: Path) -> float:
+async def delta_bytes(address: str, state: dict, changed: list[str]) -> tuple[int, int]:
+    """Bytes a publish sends for a step that changed `changed` tensors, and the full size."""
+    client = WeightStoreClient(address)
+    for name in changed:
+        state[name].add_(1e-3)
+    response = await client.publish("bench", state_dict_to_raw(state))
+    await client.close()
+    return response.bytes_received, response.version
+
+
+def fanout(address: str, version: int, size_mb: int, num_tensors: int, replicas: int) -> float:
+    """`replicas` fetcher processes start together; seconds until the last one is done."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.weights",
+        "--fetcher",
+        address,
+        str(version),
+        str(size_mb),
+        str(num_tensors),
+    ]
+    procs = [
+        subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        for _ in range(replicas)
+    ]
+    for p in procs:  # each allocates its tensors, then waits for the go
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
     start = time.perf_counter()
-    save_file(state, str(root / "model.safetensors"))
-    loaded = load_file(str(root / "model.safetensors"))
-    elapsed = time.perf_counter() - start
-    assert all(torch.equal(loaded[k], state[k]) for k in state)
-    return elapsed
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    for p in procs:
+        p.wait()
+        assert p.returncode == 0
+    return time.perf_counter() - start
 
 
-def run(size_mb: int = 64, num_tensors: int = 32, changed_fraction: float = 0.05) -> dict:
+def fetcher_main(address: str, version: int, size_mb: int, num_tensors: int) -> None:
+    """One replica of the fan-out: allocate, signal ready, fetch on `go`."""
+    state = {k: torch.zeros_like(v) for k, v in make_state(size_mb, num_tensors).items()}
+    print("ready", flush=True)
+    sys.stdin.readline()
+
+    async def go() -> None:
+        client = WeightStoreClient(address)
+        await fetch_into(client, "bench", version, state, ChunkCache({}))
+        await client.close()
+
+    asyncio.run(go())
+
+
+def run(
+    size_mb: int = 512,
+    num_tensors: int = 64,
+    changed_fraction: float = 0.03,
+    replicas: int = 8,
+    repeats: int = 5,
+) -> dict:
     configure_logging("bench", level="WARNING")
     state = make_state(size_mb, num_tensors)
-    stepped = dict(state)
-    for name in list(state)[: max(1, int(num_tensors * changed_fraction))]:
-        stepped[name] = state[name] + 1e-3
+    size = sum(t.numel() * t.element_size() for t in state.values())
+    changed = list(state)[: max(1, round(num_tensors * changed_fraction))]
+    port = free_port()
+    address = f"127.0.0.1:{port}"
     with tempfile.TemporaryDirectory() as tmp:
-        ours = asyncio.run(_ours(state, stepped, Path(tmp) / "store"))
-        baseline_s = _baseline(stepped, Path(tmp))
+        server = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.weights_server", str(port), tmp],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+            timings = asyncio.run(measure(address, state, repeats))
+            sent, version = asyncio.run(delta_bytes(address, state, changed))
+            fanout_s = fanout(address, version, size_mb, num_tensors, replicas)
+        finally:
+            server.terminate()
+            server.wait()
+    publish, fetch = gbps(size, timings["publish"]), gbps(size, timings["fetch"])
+    raw_up, raw_down = gbps(size, timings["raw_up"]), gbps(size, timings["raw_down"])
     return {
         "bench": "weights",
         "size_mb": size_mb,
         "num_tensors": num_tensors,
-        "changed_fraction": changed_fraction,
-        **{k: round(v, 5) if isinstance(v, float) else v for k, v in ours.items()},
-        "baseline_safetensors_sync_s": round(baseline_s, 5),
-        "ratio_full": round(baseline_s / ours["ours_full_sync_s"], 3),
-        "ratio_delta": round(baseline_s / ours["ours_delta_sync_s"], 3),
+        "repeats": repeats,
+        "changed_tensors": len(changed),
+        "units": "Gbit/s",
+        "publish_gbps": round(publish, 3),
+        "fetch_gbps": round(fetch, 3),
+        "raw_grpc_gbps": round(raw_up, 3),
+        "raw_grpc_fetch_gbps": round(raw_down, 3),
+        "publish_ratio": round(timings["publish_ratio"], 3),
+        "fetch_ratio": round(timings["fetch_ratio"], 3),
+        "delta_bytes_ratio": round(sent / size, 4),
+        "fanout8_fetch_gbps": round(gbps(size * replicas, fanout_s), 3),
+        "fanout_replicas": replicas,
     }
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--fetcher"]:
+    fetcher_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+elif __name__ == "__main__":
+    print(json.dumps(run()))
+    os._exit(0)

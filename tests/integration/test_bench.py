@@ -1,4 +1,5 @@
-"""`treadle bench` prints JSON with our path, the baseline and the ratio (no timing asserts)."""
+"""`treadle bench weights` prints one JSON line: our path, the raw baseline, the ratios.
+Behaviour only (bytes and consistency); benchmarks are not timed tests."""
 
 import json
 import subprocess
@@ -7,34 +8,37 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-def test_bench_weights_json_reports_delta_bytes():
+def test_bench_weights_json_line():
     treadle = str(Path(sys.executable).parent / "treadle")
-    result = subprocess.run(
-        [
-            treadle,
-            "bench",
-            "weights",
-            "--json",
-            "--size-mb",
-            "4",
-            "--num-tensors",
-            "8",
-            "--changed",
-            "0.25",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    args = [
+        "bench",
+        "weights",
+        "--json",
+        "--size-mb",
+        "16",
+        "--num-tensors",
+        "8",
+        "--changed",
+        "0.25",
+        "--replicas",
+        "2",
+    ]
+    result = subprocess.run([treadle, *args], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout)
-    assert report["ours_full_bytes_sent"] == report["ours_full_bytes_fetched"] == 4 * 2**20
-    assert (
-        report["ours_delta_bytes_sent"] == report["ours_delta_bytes_fetched"] == 2**20
-    )  # 2 of 8 tensors
-    assert report["ratio_delta"] == pytest.approx(
-        report["baseline_safetensors_sync_s"] / report["ours_delta_sync_s"], rel=0.01
-    )
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 1
+    report = json.loads(lines[0])
+    for key in (
+        "publish_gbps",
+        "fetch_gbps",
+        "raw_grpc_gbps",
+        "publish_ratio",
+        "fetch_ratio",
+        "delta_bytes_ratio",
+        "fanout8_fetch_gbps",
+    ):
+        assert report[key] > 0, key
+    assert report["delta_bytes_ratio"] == 0.25  # 2 of 8 equal tensors changed: a quarter travels

@@ -27,6 +27,7 @@ def test_services_depend_on_common_and_no_other_service(service):
 @pytest.mark.parametrize("service", ["reward", "env-gateway", "weight-store"])
 def test_light_services_do_not_pull_torch(service):
     service_deps = deps(ROOT / "services" / service / "pyproject.toml")
-    assert service_deps == ["treadle-common"]  # no [hf] extra
+    assert "treadle-common" in service_deps  # without the [hf] extra
+    assert not [d for d in service_deps if d.startswith(TORCH_STACK)]
     common = deps(ROOT / "libs/common/pyproject.toml")
     assert not [d for d in common if d.startswith(TORCH_STACK)]

@@ -6,11 +6,13 @@ treadle status [--json]          health of everything `up` started
 treadle down                     stop everything `up` started
 treadle run RECIPE [--set a=b]   run a recipe on the stack (starting one if none runs)
 treadle model init-tiny DIR      build the tiny local HF model
+treadle weights list|export       inspect / export weight-store versions as HF directories
 treadle bench weights [--json]   weight sync: weight-store (full, delta) vs safetensors
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from pathlib import Path
@@ -192,6 +194,56 @@ def run(
     raise typer.Exit(code)
 
 
+# -- weights ---------------------------------------------------------------------------------
+weights_app = typer.Typer(no_args_is_help=True, help="Inspect and export weight-store versions.")
+app.add_typer(weights_app, name="weights")
+StoreOption = Annotated[str | None, typer.Option("--store", help="weight-store gRPC address")]
+
+
+def _store(address: str | None):
+    from treadle_common.clients.weights import WeightStoreClient
+
+    return WeightStoreClient(address or get_settings().weight_store_addr)
+
+
+@weights_app.command("list")
+def weights_list(model: str, store: StoreOption = None) -> None:
+    """Versions of MODEL: version, step, size, pinned."""
+
+    async def go():
+        client = _store(store)
+        try:
+            return await client.list_versions(model)
+        finally:
+            await client.close()
+
+    for v in asyncio.run(go()):
+        pin = "  pinned" if v.pinned else ""
+        console.print(
+            f"{v.version:6d}  step {v.trainer_step:6d}  {v.num_bytes / 2**20:9.2f} MiB{pin}"
+        )
+
+
+@weights_app.command("export")
+def weights_export(model: str, version: int, out_dir: Path, store: StoreOption = None) -> None:
+    """Write MODEL@VERSION (-1 = latest) as an HF directory (config, tokenizer, safetensors)."""
+    import grpc
+
+    from treadle_common.weights_export import export_hf
+
+    async def go():
+        client = _store(store)
+        try:
+            return await export_hf(client, model, version, out_dir)
+        finally:
+            await client.close()
+
+    try:
+        console.print(f"wrote {asyncio.run(go())}")
+    except grpc.aio.AioRpcError as exc:
+        fail(f"{exc.code().name}: {exc.details()}")
+
+
 # -- bench ---------------------------------------------------------------------------------
 bench_app = typer.Typer(
     no_args_is_help=True, help="Benchmarks: our path vs a raw baseline, as JSON."
@@ -201,15 +253,16 @@ app.add_typer(bench_app, name="bench")
 
 @bench_app.command("weights")
 def bench_weights(
-    size_mb: Annotated[int, typer.Option(help="State dict size")] = 64,
-    num_tensors: Annotated[int, typer.Option(help="Tensors in the state dict")] = 32,
-    changed: Annotated[float, typer.Option(help="Fraction of tensors a step changes")] = 0.05,
-    as_json: Annotated[bool, typer.Option("--json", help="Print only the JSON")] = False,
+    size_mb: Annotated[int, typer.Option(help="State dict size")] = 512,
+    num_tensors: Annotated[int, typer.Option(help="Tensors in the state dict")] = 64,
+    changed: Annotated[float, typer.Option(help="Fraction of tensors a step changes")] = 0.03,
+    replicas: Annotated[int, typer.Option(help="Concurrent fetchers in the fan-out")] = 8,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
 ) -> None:
-    """Weight sync via the weight-store (full and delta) vs safetensors save+load."""
+    """Weight sync: publish/fetch via the weight-store vs a plain gRPC stream, delta, fan-out."""
     from benchmarks import weights  # installed with the `treadle` meta-distribution
 
-    result = weights.run(size_mb, num_tensors, changed)
+    result = weights.run(size_mb, num_tensors, changed, replicas)
     print(json.dumps(result, indent=None if as_json else 2))
 
 

@@ -55,8 +55,20 @@ class Settings(BaseSettings):
     weight_store_addr: str = Field("127.0.0.1:50051", description="weight-store gRPC address")
     env_gateway_addr: str = Field("127.0.0.1:50052", description="env-gateway gRPC address")
     weight_store_dir: Path | None = Field(
-        None, description="weight-store data dir (default state_dir/weights)"
+        None, description="weight-store data dir for the local backend (default state_dir/weights)"
     )
+    weight_store_backend: Literal["local", "s3"] = Field(
+        "local", description="Where weights are kept"
+    )
+    weight_store_bucket: str = Field("treadle-weights", description="S3 bucket of the s3 backend")
+    weight_store_keep_last: int = Field(8, ge=1, description="Versions kept per model, pins aside")
+    weight_store_cache_mb: int = Field(1024, ge=0, description="Hot-chunk cache size")
+    weight_store_gc_grace_s: float = Field(
+        600.0,
+        ge=0,
+        description="Unreferenced chunks younger than this survive GC (resumable publishes)",
+    )
+    s3_secure: bool = Field(False, description="Use HTTPS for S3")
 
     rollout_model: Path | None = Field(None, description="HF model directory rollout serves")
     rollout_model_name: str | None = Field(None, description="weight-store name of that model")

@@ -69,7 +69,7 @@ class WeightSync:
     async def update_to(self, version: int) -> SwapRecord:
         start = time.perf_counter()
         fetched = await self.store.fetch(
-            self.engine.model_name, version, have=self.engine.held_chunks()
+            self.engine.model_name, version, have=self.engine.held_chunks(), skip_assets=True
         )
         fetch_s = time.perf_counter() - start
         pause_s = await self.engine.update_weights(fetched)

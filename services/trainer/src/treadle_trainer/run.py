@@ -25,7 +25,7 @@ from pydantic import BaseModel, Field
 from treadle_common import metrics, names
 from treadle_common.clients import streams
 from treadle_common.clients.env import EnvClient
-from treadle_common.clients.torch_weights import state_dict_to_raw
+from treadle_common.clients.torch_weights import model_assets, state_dict_to_raw
 from treadle_common.clients.weights import WeightStoreClient, build_manifest, chunk_positions
 from treadle_common.config import RunConfig
 from treadle_common.logs import get_logger
@@ -87,6 +87,7 @@ class RunOwner:
         self._seen: set[str] = set()
         self._dropped: Counter[str] = Counter()
         self._last_publish_bytes = 0
+        self._assets = model_assets(config.model.path)  # config + tokenizer travel with weights
 
     @property
     def max_staleness(self) -> int:
@@ -185,6 +186,8 @@ class RunOwner:
             self.config.model.name,
             state_dict_to_raw(state),
             trainer_step=step,
+            parent_version=self.status.versions[-1] if self.status.versions else -1,
+            assets=self._assets,
             metadata={"run_id": self.config.run_id},
         )
         self._last_publish_bytes = response.bytes_received

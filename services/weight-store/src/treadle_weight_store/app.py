@@ -1,29 +1,56 @@
 """Weight-store service: wires the store, the gRPC servicer, the HTTP mirror and announcements.
 
-trainer --Publish(stream chunks + manifest)--> WeightStoreServicer --commit--> LocalStore
-                                                    |
+trainer --Publish(stream chunks + manifest)--> WeightStoreServicer --commit--> WeightStore
+                                                    |                    (cache, pins, GC)
+                                                    |                          |
+                                                    |                 backends/{local,s3}
                                                     +--announce--> JetStream treadle.weights.{model}
 rollout <--Fetch(manifest + missing chunks)--------+
 """
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import HTTPException
 from google.protobuf.json_format import MessageToDict
 
 from treadle_common import names
 from treadle_common.clients.weights import ensure_weights_stream
+from treadle_common.logs import get_logger
 from treadle_common.proto.treadle.v1 import weights_pb2 as pb
-from treadle_common.proto.treadle.v1 import weights_pb2_grpc
 from treadle_common.service import ServiceRuntime
 from treadle_common.settings import Settings
-from treadle_weight_store.grpc_service import SERVICE, WeightStoreServicer
-from treadle_weight_store.store import BadRequest, LocalStore, NotFound
+from treadle_weight_store.backends import make_backend
+from treadle_weight_store.errors import BadRequest, NotFound, Precondition, StoreError
+from treadle_weight_store.grpc_service import SERVICE, WeightStoreServicer, add_to_server
+from treadle_weight_store.store import WeightStore
+
+GC_INTERVAL_S = 60.0
+log = get_logger(__name__)
 
 
-def build(settings: Settings) -> tuple[ServiceRuntime, LocalStore]:
+def make_store(settings: Settings) -> WeightStore:
+    backend = make_backend(
+        settings.weight_store_backend,
+        root=settings.weight_store_dir or settings.state_dir / "weights",
+        endpoint=settings.s3_endpoint,
+        access_key=settings.s3_access_key,
+        secret_key=settings.s3_secret_key,
+        bucket=settings.weight_store_bucket,
+        secure=settings.s3_secure,
+    )
+    return WeightStore(
+        backend,
+        cache_bytes=settings.weight_store_cache_mb * 2**20,
+        keep_last=settings.weight_store_keep_last,
+        gc_grace_s=settings.weight_store_gc_grace_s,
+    )
+
+
+def build(settings: Settings) -> tuple[ServiceRuntime, WeightStore]:
     runtime = ServiceRuntime(SERVICE, settings)
-    store = LocalStore(settings.weight_store_dir or settings.state_dir / "weights")
+    store = make_store(settings)
     grpc_addr = f"{settings.host}:{settings.port(SERVICE, 'grpc')}"
     stream_ready = False
 
@@ -42,45 +69,64 @@ def build(settings: Settings) -> tuple[ServiceRuntime, LocalStore]:
         await js.publish(names.weights_subject(manifest.model), message.SerializeToString())
 
     servicer = WeightStoreServicer(store, announce)
-    weights_pb2_grpc.add_WeightStoreServicer_to_server(servicer, runtime.make_grpc_server())
+    add_to_server(servicer, runtime.make_grpc_server())
     runtime.set_info(
-        lambda: {"grpc": grpc_addr, "models": {m: store.versions(m)[-1:] for m in store.models()}}
+        lambda: {
+            "grpc": grpc_addr,
+            "backend": store.backend.name,
+            "cache_mb": round(store.cache.num_bytes / 2**20, 1),
+            "readers": store.readers(),
+        }
     )
-    _add_routes(runtime, store, servicer)
+    _add_routes(runtime, store)
     return runtime, store
 
 
-def _add_routes(runtime: ServiceRuntime, store: LocalStore, servicer: WeightStoreServicer) -> None:
+def _add_routes(runtime: ServiceRuntime, store: WeightStore) -> None:
     app = runtime.app
 
-    def guard(fn):
+    async def guard(coro):
         try:
-            return fn()
-        except BadRequest as exc:
-            raise HTTPException(400, str(exc)) from exc
+            return await coro
+        except (BadRequest, Precondition) as exc:
+            raise HTTPException(400 if isinstance(exc, BadRequest) else 409, str(exc)) from exc
         except NotFound as exc:
             raise HTTPException(404, str(exc)) from exc
+        except StoreError as exc:
+            raise HTTPException(503, str(exc)) from exc
+
+    def as_dict(message) -> dict:
+        return MessageToDict(
+            message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+        )
 
     @app.get("/v1/models", tags=["weights"])
     async def list_models() -> dict:
-        return {"models": store.models()}
+        return {"models": await guard(store.models())}
 
     @app.get("/v1/models/{model}/versions", tags=["weights"])
     async def list_versions(model: str) -> dict:
-        def run():
-            return [
-                MessageToDict(servicer.version_info(model, v), preserving_proto_field_name=True)
-                for v in store.versions(model)
-            ]
-
-        return {"model": model, "versions": guard(run)}
+        versions = await guard(store.versions(model))
+        return {
+            "model": model,
+            "versions": [as_dict(await guard(store.info(model, v))) for v in versions],
+        }
 
     @app.get("/v1/models/{model}/versions/{version}", tags=["weights"])
     async def get_version(model: str, version: int) -> dict:
-        manifest = guard(lambda: store.get_manifest(model, version))
-        return MessageToDict(manifest, preserving_proto_field_name=True)
+        """The manifest (tensors, dtypes, shapes, chunk hashes); -1 = latest."""
+        return as_dict(await guard(store.get_manifest(model, version)))
+
+
+async def gc_loop(runtime: ServiceRuntime, store: WeightStore) -> None:
+    while not runtime.stop_event.is_set():
+        await asyncio.sleep(GC_INTERVAL_S)
+        try:
+            await store.gc()
+        except StoreError as exc:  # a backend hiccup: report it, try again next round
+            log.error("gc failed", error=str(exc))
 
 
 async def main(settings: Settings) -> None:
-    runtime, _ = build(settings)
-    await runtime.serve()
+    runtime, store = build(settings)
+    await runtime.serve(gc_loop(runtime, store))

@@ -1,37 +1,50 @@
 """gRPC `treadle.v1.WeightStore`: delta publish (client stream) and fetch (server stream).
 
-On commit the version is announced on JetStream `treadle.weights.{model}` so replicas that
-start late still learn the latest version (the stream keeps the last message per subject).
+Publish is resumable: chunks are stored as they arrive, so after a broken stream the client
+asks `MissingChunks` again and sends only the rest; nothing is visible until the manifest
+commits. Fetch is resumable the same way (the client lists what it already received in
+`have`). Both are back-pressured by gRPC flow control; fetch reads ahead a few chunks so the
+backend and the network overlap. On commit the version is announced on JetStream
+`treadle.weights.{model}` so late replicas learn the latest version.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
 from treadle_common import metrics
+from treadle_common.clients import chunk_codec as codec
+from treadle_common.clients.chunk_codec import ChunkView
 from treadle_common.logs import get_logger
 from treadle_common.proto.treadle.v1 import weights_pb2 as pb
 from treadle_common.proto.treadle.v1 import weights_pb2_grpc
-from treadle_weight_store.store import (
+from treadle_weight_store.errors import (
+    BackendError,
     BadRequest,
     CorruptChunk,
-    LocalStore,
     NotFound,
+    Precondition,
     StoreError,
     VersionConflict,
 )
+from treadle_weight_store.store import WeightStore
 
 log = get_logger(__name__)
 SERVICE = "weight-store"
+READ_AHEAD = 4
+SERVICE_NAME = "treadle.v1.WeightStore"
 
 _STATUS = {
     BadRequest: grpc.StatusCode.INVALID_ARGUMENT,
     NotFound: grpc.StatusCode.NOT_FOUND,
     VersionConflict: grpc.StatusCode.ALREADY_EXISTS,
     CorruptChunk: grpc.StatusCode.DATA_LOSS,
+    Precondition: grpc.StatusCode.FAILED_PRECONDITION,
+    BackendError: grpc.StatusCode.UNAVAILABLE,
 }
 
 
@@ -45,71 +58,175 @@ async def _as_status(context: grpc.aio.ServicerContext, method: str):
         await context.abort(_STATUS[type(exc)], str(exc))
 
 
+def as_chunk(item: ChunkView | pb.PublishRequest) -> ChunkView | None:
+    """A publish item as a chunk (the codec already decoded most), or None for the manifest."""
+    if isinstance(item, ChunkView):
+        return item
+    if item.HasField("chunk"):
+        return ChunkView(item.chunk.hash, item.chunk.data)
+    return None
+
+
+def add_to_server(servicer: WeightStoreServicer, server: grpc.aio.Server) -> None:
+    """Register the servicer; Publish and Fetch use the copy-free chunk codec."""
+
+    class Capture:  # collects the generated handlers so two of them can be swapped
+        handlers: dict = {}
+
+        def add_generic_rpc_handlers(self, _handlers) -> None:
+            pass
+
+        def add_registered_method_handlers(self, _name, handlers) -> None:
+            self.handlers = handlers
+
+    generated = Capture()
+    weights_pb2_grpc.add_WeightStoreServicer_to_server(servicer, generated)
+    handlers = {
+        **generated.handlers,
+        "Publish": grpc.stream_unary_rpc_method_handler(
+            servicer.Publish,
+            request_deserializer=codec.deserialize_publish_request,
+            response_serializer=pb.PublishResponse.SerializeToString,
+        ),
+        "Fetch": grpc.unary_stream_rpc_method_handler(
+            servicer.Fetch,
+            request_deserializer=pb.FetchRequest.FromString,
+            response_serializer=codec.serialize_fetch_response,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+class ChunkWriter:
+    """Verify and store received chunks in the background, a few at a time, so receiving the
+    next chunk overlaps hashing and writing this one; the first failure is raised. A broken
+    stream does not cancel writes in flight: every chunk that arrived whole is kept, so the
+    publisher's retry sends only the rest."""
+
+    def __init__(self, store: WeightStore, max_in_flight: int = 4):
+        self.store = store
+        self.slots = asyncio.Semaphore(max_in_flight)
+        self.tasks: set[asyncio.Task] = set()
+
+    async def submit(self, chunk: ChunkView) -> None:
+        await self.slots.acquire()
+        self._raise_failures()
+        task = asyncio.create_task(self.store.put_chunk(chunk.hash, chunk.data, chunk.frame))
+        self.tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task) -> None:
+        self.slots.release()
+        if task.cancelled() or task.exception() is None:
+            self.tasks.discard(task)
+
+    def _raise_failures(self) -> None:
+        for task in self.tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+
+    async def finish(self) -> None:
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        self._raise_failures()
+
+
 class WeightStoreServicer(weights_pb2_grpc.WeightStoreServicer):
-    def __init__(self, store: LocalStore, announce: Callable[[pb.WeightManifest], Awaitable[None]]):
+    def __init__(
+        self, store: WeightStore, announce: Callable[[pb.WeightManifest], Awaitable[None]]
+    ):
         self.store = store
         self.announce = announce
 
     async def MissingChunks(self, request, context):
         async with _as_status(context, "MissingChunks"):
-            return pb.MissingChunksResponse(
-                missing=[h for h in request.hashes if not self.store.has_chunk(h)]
-            )
+            return pb.MissingChunksResponse(missing=await self.store.missing(list(request.hashes)))
 
     async def Publish(self, request_iterator: AsyncIterator[pb.PublishRequest], context):
-        received = num_bytes = 0
-        async with _as_status(context, "Publish"):
+        num_bytes = 0
+        async with _as_status(context, "Publish"), self.store.publishing() as received:
+            writes = ChunkWriter(self.store)
             async for item in request_iterator:
-                if item.HasField("chunk"):
-                    self.store.put_chunk(item.chunk.hash, item.chunk.data)
-                    received += 1
-                    num_bytes += len(item.chunk.data)
+                chunk = as_chunk(item)
+                if chunk is not None:
+                    await writes.submit(chunk)
+                    received.add(chunk.hash)
+                    num_bytes += len(chunk.data)
                     continue
+                await writes.finish()
                 manifest = await self.store.commit(item.manifest)
                 log.info(
-                    "committed", model=manifest.model, version=manifest.version, new_chunks=received
+                    "committed",
+                    model=manifest.model,
+                    version=manifest.version,
+                    new_chunks=len(received),
                 )
                 await self.announce(manifest)
+                await self.store.apply_retention(manifest.model)
                 return pb.PublishResponse(
                     model=manifest.model,
                     version=manifest.version,
-                    num_chunks_received=received,
+                    num_chunks_received=len(received),
                     bytes_received=num_bytes,
                 )
+            await writes.finish()
             raise BadRequest("publish stream ended without a manifest; nothing was committed")
 
     async def Fetch(self, request: pb.FetchRequest, context):
-        async with _as_status(context, "Fetch"):
-            manifest = self.store.get_manifest(request.model, request.version)
+        async with (
+            _as_status(context, "Fetch"),
+            self.store.reading(request.model, request.version) as manifest,
+        ):
             yield pb.FetchResponse(manifest=manifest)
-            sent = set(request.have)
-            for tensor in manifest.tensors:
-                for ref in tensor.chunks:
-                    if ref.hash in sent:
-                        continue
-                    sent.add(ref.hash)
-                    yield pb.FetchResponse(
-                        chunk=pb.Chunk(hash=ref.hash, data=self.store.get_chunk(ref.hash))
-                    )
+            have = set(request.have)
+            entries = (
+                [*manifest.tensors]
+                if request.skip_assets
+                else [*manifest.tensors, *manifest.assets]
+            )
+            wanted = [c.hash for t in entries for c in t.chunks if c.hash not in have]
+            wanted = list(dict.fromkeys(wanted))
+            reads: list[asyncio.Task[bytes]] = []
+            try:
+                for i in range(len(wanted)):
+                    while len(reads) < READ_AHEAD and i + len(reads) < len(wanted):
+                        reads.append(
+                            asyncio.create_task(self.store.get_frame(wanted[i + len(reads)]))
+                        )
+                    yield await reads.pop(0)  # the stored frame is the encoded FetchResponse
+            finally:
+                for task in reads:
+                    task.cancel()
 
     async def GetManifest(self, request: pb.VersionRef, context):
         async with _as_status(context, "GetManifest"):
-            return self.store.get_manifest(request.model, request.version)
+            return await self.store.get_manifest(request.model, request.version)
 
     async def ListVersions(self, request: pb.ListVersionsRequest, context):
         async with _as_status(context, "ListVersions"):
-            return pb.ListVersionsResponse(
-                versions=[
-                    self.version_info(request.model, v) for v in self.store.versions(request.model)
-                ]
+            infos = [
+                await self.store.info(request.model, v)
+                for v in await self.store.versions(request.model)
+            ]
+            return pb.ListVersionsResponse(versions=infos)
+
+    async def ListModels(self, request, context):
+        async with _as_status(context, "ListModels"):
+            return pb.ListModelsResponse(models=await self.store.models())
+
+    async def DeleteVersion(self, request: pb.VersionRef, context):
+        async with _as_status(context, "DeleteVersion"):
+            return pb.DeleteVersionResponse(
+                chunks_deleted=await self.store.delete_version(request.model, request.version)
             )
 
-    def version_info(self, model: str, version: int) -> pb.VersionInfo:
-        m = self.store.get_manifest(model, version)
-        return pb.VersionInfo(
-            model=model,
-            version=version,
-            trainer_step=m.trainer_step,
-            created_at=m.created_at,
-            num_bytes=self.store.num_bytes(m),
-        )
+    async def SetPin(self, request: pb.PinRequest, context):
+        async with _as_status(context, "SetPin"):
+            return await self.store.set_pin(request.model, request.version, request.pinned)
+
+    async def GarbageCollect(self, request, context):
+        async with _as_status(context, "GarbageCollect"):
+            versions, chunks, num_bytes = await self.store.gc()
+            return pb.GarbageCollectResponse(
+                versions_deleted=versions, chunks_deleted=chunks, bytes_deleted=num_bytes
+            )

@@ -1,4 +1,8 @@
-"""Torch adapters for the weight-store format: state dicts <-> raw chunks, applied in place.
+"""Torch side of the weight-store format: state dicts <-> raw chunks, updated in place.
+
+    client = TorchWeightClient("127.0.0.1:50051")
+    version = await client.publish(model.state_dict(), "tiny", step=3)
+    await client.fetch("tiny", version, into=replica.state_dict())   # only changed chunks travel
 
 Kept apart from `weights.py` so services without torch (weight-store, reward, env-gateway)
 never import it.
@@ -6,11 +10,23 @@ never import it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections import defaultdict
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from treadle_common.clients.weights import CHUNK_BYTES, FetchResult, RawTensor, chunk_positions
+from treadle_common.clients.weights import (
+    CHUNK_BYTES,
+    LATEST,
+    FetchResult,
+    RawTensor,
+    WeightStoreClient,
+    build_manifest,
+    chunk_positions,
+)
+from treadle_common.proto.treadle.v1 import weights_pb2 as pb
 
 DTYPE_NAMES = {
     torch.float32: "F32",
@@ -21,18 +37,34 @@ DTYPE_NAMES = {
     torch.uint8: "U8",
     torch.bool: "BOOL",
 }
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
-    """The tensor's bytes without a copy when it is contiguous on CPU."""
+    """The tensor's bytes, without a copy when it is contiguous on CPU."""
     flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
     return flat.cpu().numpy().data.cast("B")
+
+
+def byte_view_inplace(tensor: torch.Tensor) -> memoryview:
+    if not (tensor.is_contiguous() and tensor.device.type == "cpu"):
+        raise ValueError("in-place weight updates need contiguous CPU tensors")
+    return tensor.detach().reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
 
 def state_dict_to_raw(state_dict: Mapping[str, torch.Tensor]) -> dict[str, RawTensor]:
     return {
         name: RawTensor(DTYPE_NAMES[t.dtype], tuple(t.shape), byte_view(t))
         for name, t in state_dict.items()
+    }
+
+
+def model_assets(model_dir: Path) -> dict[str, bytes]:
+    """The non-weight files of an HF model directory (config, tokenizer, templates)."""
+    return {
+        p.name: p.read_bytes()
+        for p in sorted(Path(model_dir).iterdir())
+        if p.is_file() and not p.name.endswith(WEIGHT_SUFFIXES)
     }
 
 
@@ -44,8 +76,6 @@ class ChunkCache:
 
     @classmethod
     def from_state_dict(cls, state_dict: Mapping[str, torch.Tensor]) -> ChunkCache:
-        from treadle_common.clients.weights import build_manifest
-
         manifest, _ = build_manifest("local", state_dict_to_raw(state_dict))
         return cls(chunk_positions(manifest))
 
@@ -53,42 +83,162 @@ class ChunkCache:
         return {h for hashes in self.positions.values() for h in hashes}
 
 
-@torch.no_grad()
-def apply_fetch(
-    result: FetchResult, state_dict: Mapping[str, torch.Tensor], cache: ChunkCache
-) -> int:
-    """Write changed chunks of `result` into `state_dict` in place; return tensors touched.
+def check_target(manifest: pb.WeightManifest, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Every tensor of the version must exist in `state_dict` with the same dtype and shape."""
+    for entry in manifest.tensors:
+        tensor = state_dict.get(entry.name)
+        if tensor is None:
+            raise ValueError(
+                f"{manifest.model}@{manifest.version}: tensor {entry.name!r} is not in the target"
+            )
+        dtype = DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype))
+        if dtype != entry.dtype or tuple(tensor.shape) != tuple(entry.shape):
+            raise ValueError(
+                f"{manifest.model}@{manifest.version}: tensor {entry.name!r} is "
+                f"{entry.dtype}{list(entry.shape)}, the target is {dtype}{list(tensor.shape)}"
+            )
 
-    A chunk the caller already held (possibly at another position) is copied from there;
-    such copies are gathered before any write so nothing is read after being overwritten.
-    """
+
+@dataclass
+class _Plan:
+    """Where incoming chunks go, and chunks the replica already holds at other positions."""
+
+    targets: dict[str, list[tuple[str, int]]]
+    relocations: list[tuple[str, int, bytes]]
+
+
+def _plan(
+    manifest: pb.WeightManifest, views: dict[str, memoryview], cache: ChunkCache, have: set[str]
+) -> _Plan:
     held_at: dict[str, tuple[str, int]] = {}
     for name, hashes in cache.positions.items():
         for i, h in enumerate(hashes):
             held_at.setdefault(h, (name, i))
-    views = {name: byte_view_inplace(t) for name, t in state_dict.items()}
-    writes: list[tuple[str, int, bytes]] = []
-    for tensor in result.manifest.tensors:
-        if tensor.name not in views:
-            raise KeyError(f"weight-store tensor {tensor.name!r} is not in the model")
+    targets: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    relocations = []
+    for tensor in manifest.tensors:
         old = cache.positions.get(tensor.name, [])
         for i, ref in enumerate(tensor.chunks):
             if i < len(old) and old[i] == ref.hash:
                 continue
-            if ref.hash in result.chunks:
-                writes.append((tensor.name, i, result.chunks[ref.hash]))
+            if ref.hash in have and ref.hash in held_at:  # copied now, before anything is written
+                src, j = held_at[ref.hash]
+                relocations.append(
+                    (
+                        tensor.name,
+                        i,
+                        bytes(views[src][j * CHUNK_BYTES : j * CHUNK_BYTES + ref.size]),
+                    )
+                )
             else:
-                src_name, src_i = held_at[ref.hash]
-                start = src_i * CHUNK_BYTES
-                writes.append((tensor.name, i, bytes(views[src_name][start : start + ref.size])))
-    for name, i, data in writes:
-        start = i * CHUNK_BYTES
-        views[name][start : start + len(data)] = data
+                targets[ref.hash].append((tensor.name, i))
+    return _Plan(targets, relocations)
+
+
+def _write(views: dict[str, memoryview], name: str, index: int, data: bytes | memoryview) -> None:
+    start = index * CHUNK_BYTES
+    views[name][start : start + len(data)] = data
+
+
+@torch.no_grad()
+def apply_fetch(
+    result: FetchResult, state_dict: Mapping[str, torch.Tensor], cache: ChunkCache
+) -> int:
+    """Write a fetched version into `state_dict` in place; return the number of chunks written."""
+    check_target(result.manifest, state_dict)
+    views = {name: byte_view_inplace(t) for name, t in state_dict.items()}
+    plan = _plan(result.manifest, views, cache, cache.have())
+    written = 0
+    for digest, positions in plan.targets.items():
+        for name, i in positions:
+            _write(views, name, i, result.chunks[digest])
+            written += 1
+    for name, i, data in plan.relocations:
+        _write(views, name, i, data)
     cache.positions = chunk_positions(result.manifest)
-    return len({name for name, _, _ in writes})
+    return written + len(plan.relocations)
 
 
-def byte_view_inplace(tensor: torch.Tensor) -> memoryview:
-    if not (tensor.is_contiguous() and tensor.device.type == "cpu"):
-        raise ValueError("in-place weight updates need contiguous CPU tensors")
-    return tensor.detach().reshape(-1).view(torch.uint8).numpy().data.cast("B")
+@torch.no_grad()
+async def fetch_into(
+    client: WeightStoreClient,
+    model: str,
+    version: int,
+    state_dict: Mapping[str, torch.Tensor],
+    cache: ChunkCache,
+) -> tuple[pb.WeightManifest, int]:
+    """Stream a version into `state_dict` (no staging copy); return it and bytes received."""
+    have = cache.have()
+    stream: AsyncIterator = client.fetch_stream(model, version, have, skip_assets=True)
+    manifest = await anext(stream)
+    check_target(manifest, state_dict)
+    views = {name: byte_view_inplace(t) for name, t in state_dict.items()}
+    plan = _plan(manifest, views, cache, have)
+    received = 0
+    async for chunk in stream:  # ChunkView: bytes viewed in the received buffer, no copy
+        received += len(chunk.data)
+        for name, i in plan.targets.pop(chunk.hash, []):
+            _write(views, name, i, chunk.data)
+    if plan.targets:
+        raise RuntimeError(f"{model}@{manifest.version}: {len(plan.targets)} chunks never arrived")
+    for name, i, data in plan.relocations:
+        _write(views, name, i, data)
+    cache.positions = chunk_positions(manifest)
+    return manifest, received
+
+
+class TorchWeightClient:
+    """publish / fetch(into=) / latest / watch for torch state dicts."""
+
+    def __init__(self, address: str):
+        self.store = WeightStoreClient(address)
+        self.caches: dict[int, ChunkCache] = {}
+
+    async def close(self) -> None:
+        await self.store.close()
+
+    async def publish(
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        model: str,
+        step: int,
+        assets: Mapping[str, bytes] | None = None,
+        **fields,
+    ) -> int:
+        cpu = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
+        response = await self.store.publish(
+            model, state_dict_to_raw(cpu), trainer_step=step, assets=assets, **fields
+        )
+        return response.version
+
+    async def fetch(
+        self, model: str, version: int = LATEST, *, into: Mapping[str, torch.Tensor]
+    ) -> int:
+        """Update `into` in place to `version`, fetching only chunks it does not hold."""
+        key = id(into)
+        if key not in self.caches:
+            self.caches[key] = ChunkCache.from_state_dict(into)
+        manifest, _ = await fetch_into(self.store, model, version, into, self.caches[key])
+        return manifest.version
+
+    async def latest(self, model: str) -> int | None:
+        return await self.store.latest(model)
+
+    async def watch(self, nc, model: str) -> AsyncIterator[pb.WeightAnnouncement]:
+        """Announcements of `model`: the latest one first, then each new one."""
+        from nats.js.api import DeliverPolicy
+
+        from treadle_common import names
+        from treadle_common.clients.weights import ensure_weights_stream
+
+        js = nc.jetstream()
+        await ensure_weights_stream(js)
+        sub = await js.subscribe(
+            names.weights_subject(model), deliver_policy=DeliverPolicy.LAST_PER_SUBJECT
+        )
+        try:
+            async for msg in sub.messages:
+                await msg.ack()
+                yield pb.WeightAnnouncement.FromString(msg.data)
+        finally:
+            await sub.unsubscribe()

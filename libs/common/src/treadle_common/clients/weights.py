@@ -1,8 +1,10 @@
 """Weight-store client and the content-addressed chunk format (no torch needed).
 
 A version is a `WeightManifest`: per tensor, name/dtype/shape and the ordered list of chunk
-hashes that make up its raw bytes. Publish sends only the chunks the store lacks; fetch
-receives only the chunks the caller does not already hold (delta by construction).
+hashes that make up its raw bytes, plus the model's non-tensor files (assets). Publish sends
+only the chunks the store lacks; fetch receives only the chunks the caller does not hold.
+Both resume after a broken stream: a retry asks again what is still missing.
+Torch helpers (state dicts, in-place fetch) are in `torch_weights.py`.
 """
 
 from __future__ import annotations
@@ -13,12 +15,21 @@ from dataclasses import dataclass
 
 import grpc
 import xxhash
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
+from treadle_common import names
+from treadle_common.clients import chunk_codec as codec
+from treadle_common.clients.chunk_codec import ChunkView
 from treadle_common.proto.treadle.v1 import weights_pb2 as pb
 from treadle_common.proto.treadle.v1 import weights_pb2_grpc
 
 CHUNK_BYTES = 4 * 1024 * 1024
 LATEST = -1
+_RETRYABLE = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.INTERNAL,  # e.g. a stream reset mid-transfer
+)
 
 
 def chunk_hash(data: bytes | memoryview) -> str:
@@ -42,6 +53,7 @@ def build_manifest(
     model: str,
     tensors: Mapping[str, RawTensor],
     *,
+    assets: Mapping[str, bytes] | None = None,
     version: int = LATEST,
     trainer_step: int = 0,
     parent_version: int = LATEST,
@@ -57,12 +69,20 @@ def build_manifest(
         metadata=dict(metadata or {}),
     )
     chunks: dict[str, memoryview] = {}
-    for name, tensor in tensors.items():
-        entry = manifest.tensors.add(name=name, dtype=tensor.dtype, shape=list(tensor.shape))
-        for piece in split_chunks(tensor.data):
+
+    def add(entry, data: memoryview) -> None:
+        for piece in split_chunks(data):
             digest = chunk_hash(piece)
             chunks[digest] = piece
             entry.chunks.add(hash=digest, size=len(piece))
+
+    for name, tensor in tensors.items():
+        add(
+            manifest.tensors.add(name=name, dtype=tensor.dtype, shape=list(tensor.shape)),
+            tensor.data,
+        )
+    for name, data in (assets or {}).items():
+        add(manifest.assets.add(name=name), memoryview(data))
     return manifest, chunks
 
 
@@ -78,11 +98,25 @@ class FetchResult:
     bytes_received: int
 
 
+def _retryable(exc: BaseException) -> bool:
+    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() in _RETRYABLE
+
+
+def retrying(attempts: int) -> AsyncRetrying:
+    return AsyncRetrying(
+        retry=retry_if_exception(_retryable),
+        stop=stop_after_attempt(attempts),
+        wait=wait_exponential(multiplier=0.2, max=2.0),
+        reraise=True,
+    )
+
+
 class WeightStoreClient:
     """gRPC client for the weight-store (`treadle.v1.WeightStore`)."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, attempts: int = 4):
         self.address = address
+        self.attempts = attempts
         self.channel = grpc.aio.insecure_channel(
             address,
             options=[
@@ -91,6 +125,17 @@ class WeightStoreClient:
             ],
         )
         self.stub = weights_pb2_grpc.WeightStoreStub(self.channel)
+        # the two chunk-carrying calls use the copy-free codec (same bytes on the wire)
+        self.publish_call = self.channel.stream_unary(
+            "/treadle.v1.WeightStore/Publish",
+            request_serializer=codec.serialize_publish_request,
+            response_deserializer=pb.PublishResponse.FromString,
+        )
+        self.fetch_call = self.channel.unary_stream(
+            "/treadle.v1.WeightStore/Fetch",
+            request_serializer=pb.FetchRequest.SerializeToString,
+            response_deserializer=codec.deserialize_fetch_response,
+        )
 
     async def close(self) -> None:
         await self.channel.close()
@@ -98,34 +143,68 @@ class WeightStoreClient:
     async def publish(
         self, model: str, tensors: Mapping[str, RawTensor], **manifest_fields
     ) -> pb.PublishResponse:
-        """Publish a version, sending only chunks the store lacks. Returns the committed ref."""
+        """Publish a version, sending only chunks the store lacks; resumes after a broken stream."""
         manifest, chunks = build_manifest(model, tensors, **manifest_fields)
+        async for attempt in retrying(self.attempts):
+            with attempt:
+                return await self.publish_manifest(manifest, chunks)
+        raise AssertionError("unreachable")
+
+    async def publish_manifest(
+        self, manifest: pb.WeightManifest, chunks: Mapping[str, memoryview]
+    ) -> pb.PublishResponse:
+        """One publish attempt: ask what is missing, stream it, then the manifest."""
         missing = await self.stub.MissingChunks(pb.MissingChunksRequest(hashes=list(chunks)))
 
-        async def requests() -> AsyncIterator[pb.PublishRequest]:
+        async def requests() -> AsyncIterator[ChunkView | pb.PublishRequest]:
             for digest in missing.missing:
-                yield pb.PublishRequest(chunk=pb.Chunk(hash=digest, data=bytes(chunks[digest])))
+                yield ChunkView(digest, chunks[digest])
             yield pb.PublishRequest(manifest=manifest)
 
-        return await self.stub.Publish(requests())
+        return await self.publish_call(requests())
+
+    async def fetch_stream(
+        self, model: str, version: int = LATEST, have: Iterable[str] = (), skip_assets: bool = False
+    ) -> AsyncIterator[pb.WeightManifest | ChunkView]:
+        """The manifest, then every chunk not in `have`; resumes after a broken stream."""
+        have_set = set(have)
+        resolved = version
+        sent_manifest = False
+        async for attempt in retrying(self.attempts):
+            with attempt:
+                request = pb.FetchRequest(
+                    model=model, version=resolved, have=list(have_set), skip_assets=skip_assets
+                )
+                async for item in self.fetch_call(request):
+                    if isinstance(item, ChunkView):
+                        have_set.add(item.hash)
+                        yield item
+                    else:
+                        resolved = item.manifest.version  # a retry must not jump to a newer latest
+                        if not sent_manifest:
+                            sent_manifest = True
+                            yield item.manifest
 
     async def fetch(
-        self, model: str, version: int = LATEST, have: Iterable[str] = ()
+        self, model: str, version: int = LATEST, have: Iterable[str] = (), skip_assets: bool = False
     ) -> FetchResult:
-        """Fetch a version's manifest plus every chunk not in `have`."""
+        """Fetch a version's manifest plus every chunk not in `have`, into memory."""
         manifest: pb.WeightManifest | None = None
         chunks: dict[str, bytes] = {}
         received = 0
-        request = pb.FetchRequest(model=model, version=version, have=list(set(have)))
-        async for item in self.stub.Fetch(request):
-            if item.HasField("manifest"):
-                manifest = item.manifest
+        async for item in self.fetch_stream(model, version, have, skip_assets):
+            if isinstance(item, pb.WeightManifest):
+                manifest = item
             else:
-                chunks[item.chunk.hash] = item.chunk.data
-                received += len(item.chunk.data)
+                chunks[item.hash] = bytes(item.data)
+                received += len(item.data)
         if manifest is None:
             raise RuntimeError(f"weight-store sent no manifest for {model}@{version}")
         return FetchResult(manifest=manifest, chunks=chunks, bytes_received=received)
+
+    async def latest(self, model: str) -> int | None:
+        versions = await self.list_versions(model)
+        return versions[-1].version if versions else None
 
     async def list_versions(self, model: str) -> list[pb.VersionInfo]:
         response = await self.stub.ListVersions(pb.ListVersionsRequest(model=model))
@@ -134,12 +213,21 @@ class WeightStoreClient:
     async def get_manifest(self, model: str, version: int = LATEST) -> pb.WeightManifest:
         return await self.stub.GetManifest(pb.VersionRef(model=model, version=version))
 
+    async def delete_version(self, model: str, version: int) -> int:
+        return (
+            await self.stub.DeleteVersion(pb.VersionRef(model=model, version=version))
+        ).chunks_deleted
+
+    async def set_pin(self, model: str, version: int, pinned: bool = True) -> pb.VersionInfo:
+        return await self.stub.SetPin(pb.PinRequest(model=model, version=version, pinned=pinned))
+
+    async def garbage_collect(self) -> pb.GarbageCollectResponse:
+        return await self.stub.GarbageCollect(pb.GarbageCollectRequest())
+
 
 async def ensure_weights_stream(js) -> None:
     """The JetStream stream of weight announcements, keeping the last one per model."""
     from nats.js.api import StreamConfig
-
-    from treadle_common import names
 
     config = StreamConfig(
         name=names.WEIGHTS_STREAM, subjects=["treadle.weights.>"], max_msgs_per_subject=1
@@ -156,8 +244,6 @@ async def watch(js, model: str, callback) -> object:
     Late joiners get the latest announcement first (deliver policy last-per-subject).
     """
     from nats.js.api import DeliverPolicy
-
-    from treadle_common import names
 
     await ensure_weights_stream(js)
 

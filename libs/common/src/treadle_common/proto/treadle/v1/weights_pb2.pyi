@@ -26,8 +26,16 @@ class TensorEntry(_message.Message):
     chunks: _containers.RepeatedCompositeFieldContainer[ChunkRef]
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., chunks: _Optional[_Iterable[_Union[ChunkRef, _Mapping]]] = ...) -> None: ...
 
+class AssetEntry(_message.Message):
+    __slots__ = ("name", "chunks")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    chunks: _containers.RepeatedCompositeFieldContainer[ChunkRef]
+    def __init__(self, name: _Optional[str] = ..., chunks: _Optional[_Iterable[_Union[ChunkRef, _Mapping]]] = ...) -> None: ...
+
 class WeightManifest(_message.Message):
-    __slots__ = ("model", "version", "parent_version", "trainer_step", "created_at", "tensors", "metadata")
+    __slots__ = ("model", "version", "parent_version", "trainer_step", "created_at", "tensors", "metadata", "assets")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +50,7 @@ class WeightManifest(_message.Message):
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    ASSETS_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     parent_version: int
@@ -49,7 +58,8 @@ class WeightManifest(_message.Message):
     created_at: float
     tensors: _containers.RepeatedCompositeFieldContainer[TensorEntry]
     metadata: _containers.ScalarMap[str, str]
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., parent_version: _Optional[int] = ..., trainer_step: _Optional[int] = ..., created_at: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    assets: _containers.RepeatedCompositeFieldContainer[AssetEntry]
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., parent_version: _Optional[int] = ..., trainer_step: _Optional[int] = ..., created_at: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., assets: _Optional[_Iterable[_Union[AssetEntry, _Mapping]]] = ...) -> None: ...
 
 class MissingChunksRequest(_message.Message):
     __slots__ = ("hashes",)
@@ -100,22 +110,24 @@ class VersionRef(_message.Message):
     def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("model", "version", "have")
+    __slots__ = ("model", "version", "have", "skip_assets")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     HAVE_FIELD_NUMBER: _ClassVar[int]
+    SKIP_ASSETS_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     have: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., have: _Optional[_Iterable[str]] = ...) -> None: ...
+    skip_assets: bool
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., have: _Optional[_Iterable[str]] = ..., skip_assets: _Optional[bool] = ...) -> None: ...
 
 class FetchResponse(_message.Message):
-    __slots__ = ("manifest", "chunk")
-    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("chunk", "manifest")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
-    manifest: WeightManifest
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
     chunk: Chunk
-    def __init__(self, manifest: _Optional[_Union[WeightManifest, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+    manifest: WeightManifest
+    def __init__(self, chunk: _Optional[_Union[Chunk, _Mapping]] = ..., manifest: _Optional[_Union[WeightManifest, _Mapping]] = ...) -> None: ...
 
 class ListVersionsRequest(_message.Message):
     __slots__ = ("model",)
@@ -124,18 +136,22 @@ class ListVersionsRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class VersionInfo(_message.Message):
-    __slots__ = ("model", "version", "trainer_step", "created_at", "num_bytes")
+    __slots__ = ("model", "version", "trainer_step", "created_at", "num_bytes", "pinned", "parent_version")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TRAINER_STEP_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    PARENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     trainer_step: int
     created_at: float
     num_bytes: int
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., trainer_step: _Optional[int] = ..., created_at: _Optional[float] = ..., num_bytes: _Optional[int] = ...) -> None: ...
+    pinned: bool
+    parent_version: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., trainer_step: _Optional[int] = ..., created_at: _Optional[float] = ..., num_bytes: _Optional[int] = ..., pinned: _Optional[bool] = ..., parent_version: _Optional[int] = ...) -> None: ...
 
 class ListVersionsResponse(_message.Message):
     __slots__ = ("versions",)
@@ -154,3 +170,43 @@ class WeightAnnouncement(_message.Message):
     trainer_step: int
     store_address: str
     def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., trainer_step: _Optional[int] = ..., store_address: _Optional[str] = ...) -> None: ...
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, models: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DeleteVersionResponse(_message.Message):
+    __slots__ = ("chunks_deleted",)
+    CHUNKS_DELETED_FIELD_NUMBER: _ClassVar[int]
+    chunks_deleted: int
+    def __init__(self, chunks_deleted: _Optional[int] = ...) -> None: ...
+
+class PinRequest(_message.Message):
+    __slots__ = ("model", "version", "pinned")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    pinned: bool
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., pinned: _Optional[bool] = ...) -> None: ...
+
+class GarbageCollectRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GarbageCollectResponse(_message.Message):
+    __slots__ = ("versions_deleted", "chunks_deleted", "bytes_deleted")
+    VERSIONS_DELETED_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_DELETED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_DELETED_FIELD_NUMBER: _ClassVar[int]
+    versions_deleted: _containers.RepeatedCompositeFieldContainer[VersionRef]
+    chunks_deleted: int
+    bytes_deleted: int
+    def __init__(self, versions_deleted: _Optional[_Iterable[_Union[VersionRef, _Mapping]]] = ..., chunks_deleted: _Optional[int] = ..., bytes_deleted: _Optional[int] = ...) -> None: ...

@@ -59,6 +59,26 @@ class WeightStoreStub:
                 request_serializer=treadle_dot_v1_dot_weights__pb2.ListVersionsRequest.SerializeToString,
                 response_deserializer=treadle_dot_v1_dot_weights__pb2.ListVersionsResponse.FromString,
                 _registered_method=True)
+        self.ListModels = channel.unary_unary(
+                '/treadle.v1.WeightStore/ListModels',
+                request_serializer=treadle_dot_v1_dot_weights__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=treadle_dot_v1_dot_weights__pb2.ListModelsResponse.FromString,
+                _registered_method=True)
+        self.DeleteVersion = channel.unary_unary(
+                '/treadle.v1.WeightStore/DeleteVersion',
+                request_serializer=treadle_dot_v1_dot_weights__pb2.VersionRef.SerializeToString,
+                response_deserializer=treadle_dot_v1_dot_weights__pb2.DeleteVersionResponse.FromString,
+                _registered_method=True)
+        self.SetPin = channel.unary_unary(
+                '/treadle.v1.WeightStore/SetPin',
+                request_serializer=treadle_dot_v1_dot_weights__pb2.PinRequest.SerializeToString,
+                response_deserializer=treadle_dot_v1_dot_weights__pb2.VersionInfo.FromString,
+                _registered_method=True)
+        self.GarbageCollect = channel.unary_unary(
+                '/treadle.v1.WeightStore/GarbageCollect',
+                request_serializer=treadle_dot_v1_dot_weights__pb2.GarbageCollectRequest.SerializeToString,
+                response_deserializer=treadle_dot_v1_dot_weights__pb2.GarbageCollectResponse.FromString,
+                _registered_method=True)
 
 
 class WeightStoreServicer:
@@ -94,6 +114,30 @@ class WeightStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListModels(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteVersion(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetPin(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GarbageCollect(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WeightStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +165,26 @@ def add_WeightStoreServicer_to_server(servicer, server):
                     servicer.ListVersions,
                     request_deserializer=treadle_dot_v1_dot_weights__pb2.ListVersionsRequest.FromString,
                     response_serializer=treadle_dot_v1_dot_weights__pb2.ListVersionsResponse.SerializeToString,
+            ),
+            'ListModels': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListModels,
+                    request_deserializer=treadle_dot_v1_dot_weights__pb2.ListModelsRequest.FromString,
+                    response_serializer=treadle_dot_v1_dot_weights__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'DeleteVersion': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteVersion,
+                    request_deserializer=treadle_dot_v1_dot_weights__pb2.VersionRef.FromString,
+                    response_serializer=treadle_dot_v1_dot_weights__pb2.DeleteVersionResponse.SerializeToString,
+            ),
+            'SetPin': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetPin,
+                    request_deserializer=treadle_dot_v1_dot_weights__pb2.PinRequest.FromString,
+                    response_serializer=treadle_dot_v1_dot_weights__pb2.VersionInfo.SerializeToString,
+            ),
+            'GarbageCollect': grpc.unary_unary_rpc_method_handler(
+                    servicer.GarbageCollect,
+                    request_deserializer=treadle_dot_v1_dot_weights__pb2.GarbageCollectRequest.FromString,
+                    response_serializer=treadle_dot_v1_dot_weights__pb2.GarbageCollectResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -258,6 +322,114 @@ class WeightStore:
             '/treadle.v1.WeightStore/ListVersions',
             treadle_dot_v1_dot_weights__pb2.ListVersionsRequest.SerializeToString,
             treadle_dot_v1_dot_weights__pb2.ListVersionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListModels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/treadle.v1.WeightStore/ListModels',
+            treadle_dot_v1_dot_weights__pb2.ListModelsRequest.SerializeToString,
+            treadle_dot_v1_dot_weights__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteVersion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/treadle.v1.WeightStore/DeleteVersion',
+            treadle_dot_v1_dot_weights__pb2.VersionRef.SerializeToString,
+            treadle_dot_v1_dot_weights__pb2.DeleteVersionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetPin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/treadle.v1.WeightStore/SetPin',
+            treadle_dot_v1_dot_weights__pb2.PinRequest.SerializeToString,
+            treadle_dot_v1_dot_weights__pb2.VersionInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GarbageCollect(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/treadle.v1.WeightStore/GarbageCollect',
+            treadle_dot_v1_dot_weights__pb2.GarbageCollectRequest.SerializeToString,
+            treadle_dot_v1_dot_weights__pb2.GarbageCollectResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,44 @@
+"""`treadle weights export MODEL VERSION DIR`: a weight-store version as an HF directory.
+
+Writes the version's assets (config.json, tokenizer files, ...) and its tensors as
+`model.safetensors`, so `AutoModelForCausalLM.from_pretrained(DIR)` loads identical tensors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from treadle_common.clients.weights import FetchResult, WeightStoreClient
+
+TORCH_DTYPES = {
+    "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "U8": "uint8", "BOOL": "bool",
+}  # fmt: skip
+
+
+async def export_hf(client: WeightStoreClient, model: str, version: int, out_dir: Path) -> Path:
+    fetched = await client.fetch(model, version)
+    return await asyncio.to_thread(write_hf, fetched, out_dir)
+
+
+def write_hf(fetched: FetchResult, out_dir: Path) -> Path:
+    import torch
+    from safetensors.torch import save_file
+
+    manifest = fetched.manifest
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for asset in manifest.assets:
+        (out_dir / asset.name).write_bytes(b"".join(fetched.chunks[c.hash] for c in asset.chunks))
+    tensors = {}
+    for entry in manifest.tensors:
+        data = bytearray(b"".join(fetched.chunks[c.hash] for c in entry.chunks))
+        dtype = getattr(torch, TORCH_DTYPES[entry.dtype])
+        tensors[entry.name] = torch.frombuffer(data, dtype=dtype).reshape(tuple(entry.shape))
+    metadata = {
+        "format": "pt",
+        "treadle_model": manifest.model,
+        "treadle_version": str(manifest.version),
+    }
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata=metadata)
+    return out_dir

@@ -1,0 +1,31 @@
+"""Store errors; each maps to one gRPC status and one HTTP status."""
+
+from __future__ import annotations
+
+
+class StoreError(Exception):
+    pass
+
+
+class BadRequest(StoreError):
+    """INVALID_ARGUMENT / 400."""
+
+
+class NotFound(StoreError):
+    """NOT_FOUND / 404."""
+
+
+class VersionConflict(StoreError):
+    """ALREADY_EXISTS / 409: another publisher committed this version first."""
+
+
+class CorruptChunk(StoreError):
+    """DATA_LOSS / 500: stored bytes do not match their hash; never served."""
+
+
+class Precondition(StoreError):
+    """FAILED_PRECONDITION / 409: e.g. deleting a pinned version."""
+
+
+class BackendError(StoreError):
+    """UNAVAILABLE / 503: the disk or S3 failed; nothing was made visible."""
