@@ -58,6 +58,12 @@ async def test_publish_fetch_delta_and_announce_to_a_late_subscriber(
             break
         await asyncio.sleep(0.05)
     assert announced == [2]
+    # the torch client's watch: the latest version first, then each new one
+    watcher = TorchWeightClient(ws.grpc_addr).watch(nc, "m")
+    assert (await asyncio.wait_for(anext(watcher), 10)).version == 2
+    await client.publish("m", state_dict_to_raw(state(5)))
+    assert (await asyncio.wait_for(anext(watcher), 10)).version == 3
+    await watcher.aclose()
     await nc.close()
 
     # a replica holding v1 fetches only what changed, in place
@@ -65,15 +71,19 @@ async def test_publish_fetch_delta_and_announce_to_a_late_subscriber(
     replica = {k: v.clone() for k, v in v1_state.items()}
     storage = replica["layer.0"].data_ptr()
     cache = ChunkCache.from_state_dict(replica)
-    manifest, received = await fetch_into(torch_client.store, "m", -1, replica, cache)
+    manifest, received = await fetch_into(torch_client.store, "m", 2, replica, cache)
     assert manifest.version == 2 and received == 4000
     assert all(torch.equal(replica[k], v2_state[k]) for k in v2_state)
     assert replica["layer.0"].data_ptr() == storage
-    assert await torch_client.latest("m") == 2
+    assert await torch_client.latest("m") == 3
     assert await torch_client.latest("unknown-model") is None
 
     listing = httpx.get(f"{ws.http}/v1/models/m/versions").json()["versions"]
-    assert [(int(v["version"]), int(v["parent_version"])) for v in listing] == [(1, -1), (2, 1)]
+    assert [(int(v["version"]), int(v["parent_version"])) for v in listing] == [
+        (1, -1),
+        (2, 1),
+        (3, -1),
+    ]
     assert httpx.get(f"{ws.http}/v1/models").json() == {"models": ["m"]}
     assert httpx.get(f"{ws.http}/v1/models/m/versions/7").status_code == 404
     assert "'m' has no version 7" in httpx.get(f"{ws.http}/v1/models/m/versions/7").text
