@@ -261,8 +261,19 @@ async def test_retention_pins_and_gc_while_a_reader_is_active(service, weight_st
         await client.publish("m", state_dict_to_raw(states[v]))
     # retention ran on each publish: 3 went; 2 is leased, 1 pinned, 4-5 are the newest two
     assert [v.version for v in await client.list_versions("m")] == [1, 2, 4, 5]
+    # and GC followed it: version 3's chunks are freed, version 2's (being read) are not
+    v2_hashes, v3_hashes = (
+        list(build_manifest("m", state_dict_to_raw(states[v]))[1]) for v in (2, 3)
+    )
+    for _ in range(100):
+        gone = await client.stub.MissingChunks(pb.MissingChunksRequest(hashes=v3_hashes))
+        if len(gone.missing) == 17:
+            break
+        await asyncio.sleep(0.1)
+    assert len(gone.missing) == 17
+    assert not (await client.stub.MissingChunks(pb.MissingChunksRequest(hashes=v2_hashes))).missing
     gc = await client.garbage_collect()
-    assert list(gc.versions_deleted) == [] and gc.chunks_deleted == 17  # only version 3's chunks
+    assert list(gc.versions_deleted) == [] and gc.chunks_deleted == 0
     items += [item async for item in stream]
     data = b"".join(item.chunk.data for item in items[1:])
     assert data == b"".join(bytes(t.numpy().tobytes()) for t in states[2].values())

@@ -137,6 +137,18 @@ class WeightStoreServicer(weights_pb2_grpc.WeightStoreServicer):
     ):
         self.store = store
         self.announce = announce
+        self._gc_tasks: set[asyncio.Task] = set()
+
+    def _collect_soon(self) -> None:
+        async def collect() -> None:
+            try:
+                await self.store.gc()
+            except StoreError as exc:
+                log.error("gc after retention failed", error=str(exc))
+
+        task = asyncio.create_task(collect())
+        self._gc_tasks.add(task)
+        task.add_done_callback(self._gc_tasks.discard)
 
     async def MissingChunks(self, request, context):
         async with _as_status(context, "MissingChunks"):
@@ -162,7 +174,8 @@ class WeightStoreServicer(weights_pb2_grpc.WeightStoreServicer):
                     new_chunks=len(received),
                 )
                 await self.announce(manifest)
-                await self.store.apply_retention(manifest.model)
+                if await self.store.apply_retention(manifest.model):
+                    self._collect_soon()  # free the dropped versions' chunks now, not in a minute
                 return pb.PublishResponse(
                     model=manifest.model,
                     version=manifest.version,
