@@ -31,7 +31,7 @@ async def test_sessions_over_grpc_and_http(service):
     with pytest.raises(grpc.aio.AioRpcError) as unknown_env:
         await client.create("nope", {})
     assert (
-        unknown_env.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        unknown_env.value.code() == grpc.StatusCode.NOT_FOUND
         and "known: ['arith'" in unknown_env.value.details()
     )
     with pytest.raises(grpc.aio.AioRpcError) as gone:
@@ -49,7 +49,7 @@ async def test_sessions_over_grpc_and_http(service):
         f"{gw.http}/v1/sessions/{created['session_id']}/step", json={"text": "3"}
     ).json()
     assert stepped["done"] and stepped["info"]["answer"] == "3"
-    assert httpx.post(f"{gw.http}/v1/sessions", json={"env": "nope", "task": {}}).status_code == 400
+    assert httpx.post(f"{gw.http}/v1/sessions", json={"env": "nope", "task": {}}).status_code == 404
     assert httpx.post(f"{gw.http}/v1/sessions/missing/step", json={"text": "1"}).status_code == 404
     assert httpx.get(f"{gw.http}/openapi.json").json()["paths"]["/v1/sessions"]
     assert httpx.get(f"{gw.http}/readyz").status_code == 200

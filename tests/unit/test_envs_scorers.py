@@ -60,3 +60,15 @@ async def test_scoring_service_reports_errors_not_zero():
         reward_pb2.ScoreRequest(scorer="exact_match", task_json="{", answer="1")
     )
     assert bad_json.status == reward_pb2.SCORE_STATUS_ERROR and "not valid JSON" in bad_json.message
+
+
+def test_lognormal_latency_is_reproducible_and_heavy_tailed():
+    from treadle_env_gateway.latency import Latency
+
+    spec = {"distribution": "lognormal", "median_ms": 100, "sigma": 1.0}
+    a = [Latency(spec, seed=7).sample_ms() for _ in range(1)]
+    draws = Latency(spec, seed=7)
+    samples = sorted(draws.sample_ms() for _ in range(2000))
+    assert a[0] == Latency(spec, seed=7).sample_ms()
+    median, p99 = samples[1000], samples[1980]
+    assert 80 < median < 125 and p99 > 5 * median  # heavy tail: p99 ~ 10x the median

@@ -70,6 +70,9 @@ class Settings(BaseSettings):
     )
     s3_secure: bool = Field(False, description="Use HTTPS for S3")
 
+    env_modules: str = Field(
+        "", description="env-gateway: comma-separated modules to import that register extra envs"
+    )
     rollout_model: Path | None = Field(None, description="HF model directory rollout serves")
     rollout_model_name: str | None = Field(None, description="weight-store name of that model")
     rollout_max_concurrent_tasks: int = Field(8, ge=1, description="Tasks in flight per replica")

@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field
 from treadle_common.proto.treadle.v1 import env_pb2_grpc
 from treadle_common.service import ServiceRuntime
 from treadle_common.settings import Settings
-from treadle_env_gateway.envs.base import Action, EnvError
+from treadle_env_gateway.envs.base import Action, EnvError, UnknownEnv
 from treadle_env_gateway.grpc_service import EnvGatewayServicer
 from treadle_env_gateway.sessions import SERVICE, CapacityExceeded, SessionManager, UnknownSession
 
@@ -34,7 +34,8 @@ class StepBody(BaseModel):
 
 def build(settings: Settings) -> tuple[ServiceRuntime, SessionManager]:
     runtime = ServiceRuntime(SERVICE, settings)
-    sessions = SessionManager(replica=settings.instance)
+    modules = tuple(m.strip() for m in settings.env_modules.split(",") if m.strip())
+    sessions = SessionManager(replica=settings.instance, env_modules=modules)
     env_pb2_grpc.add_EnvGatewayServicer_to_server(
         EnvGatewayServicer(sessions), runtime.make_grpc_server()
     )
@@ -44,7 +45,7 @@ def build(settings: Settings) -> tuple[ServiceRuntime, SessionManager]:
 
 
 def _http_errors(exc: Exception) -> HTTPException:
-    status = {EnvError: 400, UnknownSession: 404, CapacityExceeded: 429}[type(exc)]
+    status = {EnvError: 400, UnknownEnv: 404, UnknownSession: 404, CapacityExceeded: 429}[type(exc)]
     return HTTPException(status, exc.args[0] if exc.args else str(exc))
 
 

@@ -10,8 +10,14 @@ import grpc
 from treadle_common import metrics
 from treadle_common.proto.treadle.v1 import env_pb2 as pb
 from treadle_common.proto.treadle.v1 import env_pb2_grpc
-from treadle_env_gateway.envs.base import Action, EnvError, Message, ToolCall
-from treadle_env_gateway.sessions import SERVICE, CapacityExceeded, SessionManager, UnknownSession
+from treadle_env_gateway.envs.base import Action, EnvError, Message, ToolCall, UnknownEnv
+from treadle_env_gateway.sessions import (
+    SERVICE,
+    CapacityExceeded,
+    EnvCrashed,
+    SessionManager,
+    UnknownSession,
+)
 
 
 def parse_json(text: str, what: str) -> dict:
@@ -35,20 +41,28 @@ def observation_pb(messages: list[Message]) -> pb.Observation:
     )
 
 
+def tool_call_from_pb(call: pb.ToolCall) -> ToolCall:
+    """A malformed call is kept, with its error, so the env can answer it as an observation."""
+    try:
+        return ToolCall(
+            call.id, call.name, parse_json(call.arguments_json, f"tool call {call.name} arguments")
+        )
+    except EnvError as exc:
+        return ToolCall(call.id, call.name, {}, error=str(exc))
+
+
 def action_from_pb(action: pb.Action) -> Action:
-    calls = [
-        ToolCall(c.id, c.name, parse_json(c.arguments_json, f"tool call {c.name} arguments"))
-        for c in action.tool_calls
-    ]
-    return Action(text=action.text, tool_calls=calls)
+    return Action(text=action.text, tool_calls=[tool_call_from_pb(c) for c in action.tool_calls])
 
 
 @contextlib.asynccontextmanager
 async def _as_status(context: grpc.aio.ServicerContext, method: str):
     codes = {
         EnvError: grpc.StatusCode.INVALID_ARGUMENT,
+        UnknownEnv: grpc.StatusCode.NOT_FOUND,
         UnknownSession: grpc.StatusCode.NOT_FOUND,
         CapacityExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+        EnvCrashed: grpc.StatusCode.INTERNAL,
     }
     try:
         yield
@@ -105,6 +119,8 @@ class EnvGatewayServicer(env_pb2_grpc.EnvGatewayServicer):
                 reward=result.reward or 0.0,
                 done=result.done,
                 info_json=json.dumps(result.info),
+                status=result.status,
+                error=result.error,
             )
 
     async def CloseSession(self, request: pb.CloseSessionRequest, context):

@@ -13,7 +13,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from treadle_common import metrics
-from treadle_env_gateway.envs.base import Action, Env, EnvError, Message, StepResult, registry
+from treadle_common.logs import get_logger
+from treadle_env_gateway.envs.base import (
+    Action,
+    Env,
+    EnvError,
+    Message,
+    StepResult,
+    UnknownEnv,
+    registry,
+)
+from treadle_env_gateway.latency import Latency, latency_from
+
+log = get_logger(__name__)
 
 SERVICE = "env-gateway"
 
@@ -26,6 +38,10 @@ class CapacityExceeded(RuntimeError):
     pass
 
 
+class EnvCrashed(RuntimeError):
+    """The env raised while starting an episode (its bug, not the request's)."""
+
+
 @dataclass
 class Session:
     session_id: str
@@ -34,21 +50,30 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     done: bool = False
+    latency: Latency | None = None
 
 
 class SessionManager:
-    def __init__(self, replica: str, max_sessions: int = 1024, idle_ttl_s: float = 600.0):
+    def __init__(
+        self,
+        replica: str,
+        max_sessions: int = 1024,
+        idle_ttl_s: float = 600.0,
+        max_action_chars: int = 65_536,
+        env_modules: tuple[str, ...] = (),
+    ):
         self.replica = replica
         self.max_sessions = max_sessions
         self.idle_ttl_s = idle_ttl_s
-        self.envs = registry()
+        self.max_action_chars = max_action_chars
+        self.envs = registry(env_modules)
         self.sessions: dict[str, Session] = {}
 
     def env_class(self, name: str) -> type[Env]:
         try:
             return self.envs[name]
         except KeyError:
-            raise EnvError(f"unknown env {name!r}; known: {sorted(self.envs)}") from None
+            raise UnknownEnv(f"unknown env {name!r}; known: {sorted(self.envs)}") from None
 
     def sample_tasks(
         self, env: str, num_tasks: int, seed: int, split: str, options: dict[str, Any]
@@ -67,8 +92,17 @@ class SessionManager:
                 f"{len(self.sessions)} sessions open; the limit is {self.max_sessions}"
             )
         env = cls(options)
-        observation = await env.reset(task, seed)
-        session = Session(f"{self.replica}:{uuid.uuid4().hex}", env_name, env)
+        latency = latency_from(options, seed)
+        try:
+            observation = await env.reset(task, seed)
+        except EnvError:
+            raise
+        except Exception as exc:
+            metrics.DROPPED.labels(SERVICE, "session", "env_error").inc()
+            raise EnvCrashed(
+                f"env {env_name!r} failed to reset: {type(exc).__name__}: {exc}"
+            ) from exc
+        session = Session(f"{self.replica}:{uuid.uuid4().hex}", env_name, env, latency=latency)
         self.sessions[session.session_id] = session
         return session, observation
 
@@ -81,14 +115,50 @@ class SessionManager:
             ) from None
 
     async def step(self, session_id: str, action: Action) -> StepResult:
+        """One step. Malformed tool calls are answered without reaching the env; an env that
+        raises ends its session with `env_error` (the gateway stays up)."""
         session = self.get(session_id)
+        size = len(action.text) + sum(len(str(c.arguments)) for c in action.tool_calls)
+        if size > self.max_action_chars:
+            raise EnvError(
+                f"action of {size} characters exceeds the limit of {self.max_action_chars}"
+            )
         async with session.lock:
             if session.done:
                 raise EnvError(f"session {session_id} is done; create a new one")
             session.last_used = time.monotonic()
-            result = await session.env.step(action)
+            if session.latency is not None:
+                await session.latency.wait()
+            problems = self._malformed_calls(session.env, action)
+            if problems:
+                return StepResult(
+                    problems, done=False, info={"malformed_tool_calls": len(problems)}
+                )
+            try:
+                result = await session.env.step(action)
+            except EnvError:
+                raise
+            except Exception as exc:  # the env's bug ends its session, not the gateway
+                session.done = True
+                metrics.DROPPED.labels(SERVICE, "session", "env_error").inc()
+                log.error("env raised", env=session.env_name, error=repr(exc))
+                return StepResult(
+                    [], done=True, status="env_error", error=f"{type(exc).__name__}: {exc}"
+                )
             session.done = result.done
             return result
+
+    @staticmethod
+    def _malformed_calls(env: Env, action: Action) -> list[Message]:
+        known = {tool["function"]["name"] for tool in env.tools}
+        problems = []
+        for call in action.tool_calls:
+            error = call.error or (
+                "" if call.name in known else f"unknown tool {call.name!r}; tools: {sorted(known)}"
+            )
+            if error:
+                problems.append(Message("tool", f"error: {error}", tool_call_id=call.id))
+        return problems
 
     async def close(self, session_id: str) -> None:
         session = self.sessions.pop(session_id, None)

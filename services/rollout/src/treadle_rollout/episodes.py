@@ -98,6 +98,8 @@ class EpisodeRunner:
                 f"env-gateway: {exc.code().name}: {exc.details()}",
                 started,
             )
+        except _EnvFailure as exc:
+            return _failed(traj, t, tpb.TRAJECTORY_STATUS_ENV_ERROR, str(exc), started)
         except _EngineFailure as exc:
             return _failed(traj, t, tpb.TRAJECTORY_STATUS_ENGINE_ERROR, str(exc), started)
         reward_start = time.time()
@@ -163,6 +165,8 @@ class EpisodeRunner:
                 env_start = time.time()
                 step = await self.env.step(session.session_id, text)
                 traj.timings.env_s += time.time() - env_start
+                if step.status == "env_error":
+                    raise _EnvFailure(f"env {task.env} raised: {step.error}")
                 info = json.loads(step.info_json or "{}")
                 if step.done:
                     break
@@ -178,6 +182,10 @@ class EpisodeRunner:
 
 
 class _EngineFailure(RuntimeError):
+    pass
+
+
+class _EnvFailure(RuntimeError):
     pass
 
 

@@ -23,13 +23,20 @@ class EnvClient:
     async def list_envs(self) -> list[str]:
         return list((await self.stub.ListEnvs(pb.ListEnvsRequest())).envs)
 
-    async def create(self, env: str, task: dict[str, Any], seed: int = 0) -> pb.Session:
-        request = pb.CreateSessionRequest(env=env, task_json=json.dumps(task), seed=seed)
+    async def create(
+        self, env: str, task: dict[str, Any], seed: int = 0, options: dict[str, Any] | None = None
+    ) -> pb.Session:
+        request = pb.CreateSessionRequest(
+            env=env, task_json=json.dumps(task), seed=seed, options_json=json.dumps(options or {})
+        )
         return await self.stub.CreateSession(request, timeout=30)
 
-    async def step(self, session_id: str, text: str) -> pb.StepResponse:
-        request = pb.StepRequest(session_id=session_id, action=pb.Action(text=text))
-        return await self.stub.Step(request, timeout=60)
+    async def step(
+        self, session_id: str, text: str = "", tool_calls: list[pb.ToolCall] | None = None
+    ) -> pb.StepResponse:
+        action = pb.Action(text=text, tool_calls=tool_calls or [])
+        request = pb.StepRequest(session_id=session_id, action=action)
+        return await self.stub.Step(request, timeout=120)
 
     async def close_session(self, session_id: str) -> None:
         await self.stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), timeout=10)

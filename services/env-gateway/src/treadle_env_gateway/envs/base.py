@@ -27,6 +27,9 @@ class StepResult:
     done: bool
     reward: float | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    status: str = "ok"
+    """`ok`, or `env_error` when the env raised (set by the gateway, not by envs)."""
+    error: str = ""
 
 
 @dataclass
@@ -34,6 +37,8 @@ class ToolCall:
     id: str
     name: str
     arguments: dict[str, Any]
+    error: str = ""
+    """Why the call is malformed (bad JSON arguments, unknown tool); empty when it is fine."""
 
 
 @dataclass
@@ -74,6 +79,10 @@ class EnvError(ValueError):
     """A request the env cannot serve (bad task, bad action); answered as a client error."""
 
 
+class UnknownEnv(EnvError):
+    """No environment of that name is registered; answered as NOT_FOUND."""
+
+
 _BUILTIN: dict[str, type[Env]] = {}
 
 
@@ -85,9 +94,20 @@ def register(name: str):
     return wrap
 
 
-def registry() -> dict[str, type[Env]]:
-    """Built-in envs plus those of installed packages (entry point group `treadle.envs`)."""
-    from treadle_env_gateway.envs import arith  # noqa: F401  (registers the built-ins)
+def registry(extra_modules: tuple[str, ...] = ()) -> dict[str, type[Env]]:
+    """Built-in envs, those of installed packages (entry point group `treadle.envs`) and those
+    that `extra_modules` register with `@register` when imported."""
+    import importlib
+
+    for module in extra_modules:
+        importlib.import_module(module)
+    from treadle_env_gateway.envs import (  # noqa: F401  (importing registers the built-ins)
+        arith,
+        calculator,
+        countdown,
+        frozenlake,
+        guess_number,
+    )
 
     envs = dict(_BUILTIN)
     for ep in entry_points(group="treadle.envs"):

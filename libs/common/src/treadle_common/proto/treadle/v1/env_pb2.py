@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14treadle/v1/env.proto\x12\ntreadle.v1\"F\n\x08ToolSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"@\n\x06\x41\x63tion\x12\x0c\n\x04text\x18\x01 \x01(\t\x12(\n\ntool_calls\x18\x02 \x03(\x0b\x32\x14.treadle.v1.ToolCall\"4\n\x0bObservation\x12%\n\x08messages\x18\x01 \x03(\x0b\x32\x13.treadle.v1.Message\">\n\x07Message\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x03 \x01(\t\"Z\n\x14\x43reateSessionRequest\x12\x0b\n\x03\x65nv\x18\x01 \x01(\t\x12\x11\n\ttask_json\x18\x02 \x01(\t\x12\x0c\n\x04seed\x18\x03 \x01(\x03\x12\x14\n\x0coptions_json\x18\x04 \x01(\t\"\x81\x01\n\x07Session\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\t\x12,\n\x0bobservation\x18\x03 \x01(\x0b\x32\x17.treadle.v1.Observation\x12#\n\x05tools\x18\x04 \x03(\x0b\x32\x14.treadle.v1.ToolSpec\"E\n\x0bStepRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\"\n\x06\x61\x63tion\x18\x02 \x01(\x0b\x32\x12.treadle.v1.Action\"\x81\x01\n\x0cStepResponse\x12,\n\x0bobservation\x18\x01 \x01(\x0b\x32\x17.treadle.v1.Observation\x12\x12\n\nhas_reward\x18\x02 \x01(\x08\x12\x0e\n\x06reward\x18\x03 \x01(\x01\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x12\x11\n\tinfo_json\x18\x05 \x01(\t\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x16\n\x14\x43loseSessionResponse\"\x11\n\x0fListEnvsRequest\" \n\x10ListEnvsResponse\x12\x0c\n\x04\x65nvs\x18\x01 \x03(\t\"g\n\x12SampleTasksRequest\x12\x0b\n\x03\x65nv\x18\x01 \x01(\t\x12\x11\n\tnum_tasks\x18\x02 \x01(\x05\x12\x0c\n\x04seed\x18\x03 \x01(\x03\x12\r\n\x05split\x18\x04 \x01(\t\x12\x14\n\x0coptions_json\x18\x05 \x01(\t\")\n\x13SampleTasksResponse\x12\x12\n\ntasks_json\x18\x01 \x03(\t2\xf9\x02\n\nEnvGateway\x12\x45\n\x08ListEnvs\x12\x1b.treadle.v1.ListEnvsRequest\x1a\x1c.treadle.v1.ListEnvsResponse\x12N\n\x0bSampleTasks\x12\x1e.treadle.v1.SampleTasksRequest\x1a\x1f.treadle.v1.SampleTasksResponse\x12\x46\n\rCreateSession\x12 .treadle.v1.CreateSessionRequest\x1a\x13.treadle.v1.Session\x12\x39\n\x04Step\x12\x17.treadle.v1.StepRequest\x1a\x18.treadle.v1.StepResponse\x12Q\n\x0c\x43loseSession\x12\x1f.treadle.v1.CloseSessionRequest\x1a .treadle.v1.CloseSessionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14treadle/v1/env.proto\x12\ntreadle.v1\"F\n\x08ToolSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"@\n\x06\x41\x63tion\x12\x0c\n\x04text\x18\x01 \x01(\t\x12(\n\ntool_calls\x18\x02 \x03(\x0b\x32\x14.treadle.v1.ToolCall\"4\n\x0bObservation\x12%\n\x08messages\x18\x01 \x03(\x0b\x32\x13.treadle.v1.Message\">\n\x07Message\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x03 \x01(\t\"Z\n\x14\x43reateSessionRequest\x12\x0b\n\x03\x65nv\x18\x01 \x01(\t\x12\x11\n\ttask_json\x18\x02 \x01(\t\x12\x0c\n\x04seed\x18\x03 \x01(\x03\x12\x14\n\x0coptions_json\x18\x04 \x01(\t\"\x81\x01\n\x07Session\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\t\x12,\n\x0bobservation\x18\x03 \x01(\x0b\x32\x17.treadle.v1.Observation\x12#\n\x05tools\x18\x04 \x03(\x0b\x32\x14.treadle.v1.ToolSpec\"E\n\x0bStepRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\"\n\x06\x61\x63tion\x18\x02 \x01(\x0b\x32\x12.treadle.v1.Action\"\xa0\x01\n\x0cStepResponse\x12,\n\x0bobservation\x18\x01 \x01(\x0b\x32\x17.treadle.v1.Observation\x12\x12\n\nhas_reward\x18\x02 \x01(\x08\x12\x0e\n\x06reward\x18\x03 \x01(\x01\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x12\x11\n\tinfo_json\x18\x05 \x01(\t\x12\x0e\n\x06status\x18\x06 \x01(\t\x12\r\n\x05\x65rror\x18\x07 \x01(\t\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x16\n\x14\x43loseSessionResponse\"\x11\n\x0fListEnvsRequest\" \n\x10ListEnvsResponse\x12\x0c\n\x04\x65nvs\x18\x01 \x03(\t\"g\n\x12SampleTasksRequest\x12\x0b\n\x03\x65nv\x18\x01 \x01(\t\x12\x11\n\tnum_tasks\x18\x02 \x01(\x05\x12\x0c\n\x04seed\x18\x03 \x01(\x03\x12\r\n\x05split\x18\x04 \x01(\t\x12\x14\n\x0coptions_json\x18\x05 \x01(\t\")\n\x13SampleTasksResponse\x12\x12\n\ntasks_json\x18\x01 \x03(\t2\xf9\x02\n\nEnvGateway\x12\x45\n\x08ListEnvs\x12\x1b.treadle.v1.ListEnvsRequest\x1a\x1c.treadle.v1.ListEnvsResponse\x12N\n\x0bSampleTasks\x12\x1e.treadle.v1.SampleTasksRequest\x1a\x1f.treadle.v1.SampleTasksResponse\x12\x46\n\rCreateSession\x12 .treadle.v1.CreateSessionRequest\x1a\x13.treadle.v1.Session\x12\x39\n\x04Step\x12\x17.treadle.v1.StepRequest\x1a\x18.treadle.v1.StepResponse\x12Q\n\x0c\x43loseSession\x12\x1f.treadle.v1.CloseSessionRequest\x1a .treadle.v1.CloseSessionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -48,19 +48,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STEPREQUEST']._serialized_start=578
   _globals['_STEPREQUEST']._serialized_end=647
   _globals['_STEPRESPONSE']._serialized_start=650
-  _globals['_STEPRESPONSE']._serialized_end=779
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=781
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=822
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=824
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=846
-  _globals['_LISTENVSREQUEST']._serialized_start=848
-  _globals['_LISTENVSREQUEST']._serialized_end=865
-  _globals['_LISTENVSRESPONSE']._serialized_start=867
-  _globals['_LISTENVSRESPONSE']._serialized_end=899
-  _globals['_SAMPLETASKSREQUEST']._serialized_start=901
-  _globals['_SAMPLETASKSREQUEST']._serialized_end=1004
-  _globals['_SAMPLETASKSRESPONSE']._serialized_start=1006
-  _globals['_SAMPLETASKSRESPONSE']._serialized_end=1047
-  _globals['_ENVGATEWAY']._serialized_start=1050
-  _globals['_ENVGATEWAY']._serialized_end=1427
+  _globals['_STEPRESPONSE']._serialized_end=810
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=812
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=853
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=855
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=877
+  _globals['_LISTENVSREQUEST']._serialized_start=879
+  _globals['_LISTENVSREQUEST']._serialized_end=896
+  _globals['_LISTENVSRESPONSE']._serialized_start=898
+  _globals['_LISTENVSRESPONSE']._serialized_end=930
+  _globals['_SAMPLETASKSREQUEST']._serialized_start=932
+  _globals['_SAMPLETASKSREQUEST']._serialized_end=1035
+  _globals['_SAMPLETASKSRESPONSE']._serialized_start=1037
+  _globals['_SAMPLETASKSRESPONSE']._serialized_end=1078
+  _globals['_ENVGATEWAY']._serialized_start=1081
+  _globals['_ENVGATEWAY']._serialized_end=1458
 # @@protoc_insertion_point(module_scope)

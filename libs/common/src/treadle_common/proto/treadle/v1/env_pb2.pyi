@@ -83,18 +83,22 @@ class StepRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., action: _Optional[_Union[Action, _Mapping]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("observation", "has_reward", "reward", "done", "info_json")
+    __slots__ = ("observation", "has_reward", "reward", "done", "info_json", "status", "error")
     OBSERVATION_FIELD_NUMBER: _ClassVar[int]
     HAS_REWARD_FIELD_NUMBER: _ClassVar[int]
     REWARD_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     INFO_JSON_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     observation: Observation
     has_reward: bool
     reward: float
     done: bool
     info_json: str
-    def __init__(self, observation: _Optional[_Union[Observation, _Mapping]] = ..., has_reward: _Optional[bool] = ..., reward: _Optional[float] = ..., done: _Optional[bool] = ..., info_json: _Optional[str] = ...) -> None: ...
+    status: str
+    error: str
+    def __init__(self, observation: _Optional[_Union[Observation, _Mapping]] = ..., has_reward: _Optional[bool] = ..., reward: _Optional[float] = ..., done: _Optional[bool] = ..., info_json: _Optional[str] = ..., status: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)
