@@ -212,3 +212,32 @@ async def test_latency_injection_is_heavy_tailed_and_reproducible(gateway):
     assert (
         bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "lognormal" in bad.value.details()
     )
+
+
+async def test_python_tests_good_bad_and_hostile_code(gateway):
+    client = EnvClient(gateway.grpc_addr)
+    (task,) = [
+        t
+        for t in await client.sample_tasks("python_tests", 50, seed=0)
+        if t["entry_point"] == "add"
+    ][:1]
+    good = await play(
+        client, "python_tests", task, ["Here:\n```python\ndef add(a, b):\n    return a + b\n```"]
+    )
+    assert good[-1].reward == 1.0 and json.loads(good[-1].info_json)["sandbox"] == "ok"
+    wrong = await play(
+        client, "python_tests", task, ["```python\ndef add(a, b):\n    return a - b\n```"]
+    )
+    assert wrong[-1].reward == 0.0 and json.loads(wrong[-1].info_json)["sandbox"] == "failed"
+    loop = await play(
+        client,
+        "python_tests",
+        task,
+        ["```python\nwhile True:\n    pass\n```"],
+        options={"timeout_s": 2},
+    )
+    info = json.loads(loop[-1].info_json)
+    assert loop[-1].reward == 0.0 and loop[-1].status == "ok" and info["sandbox"] == "timeout"
+    assert (await play(client, "arith", {"a": 1, "b": 1, "op": "+"}, ["2"]))[
+        -1
+    ].done  # still healthy

@@ -98,6 +98,8 @@ class EpisodeRunner:
                 f"env-gateway: {exc.code().name}: {exc.details()}",
                 started,
             )
+        except _SandboxFailure as exc:
+            return _failed(traj, t, tpb.TRAJECTORY_STATUS_SANDBOX_ERROR, str(exc), started)
         except _EnvFailure as exc:
             return _failed(traj, t, tpb.TRAJECTORY_STATUS_ENV_ERROR, str(exc), started)
         except _EngineFailure as exc:
@@ -167,6 +169,8 @@ class EpisodeRunner:
                 traj.timings.env_s += time.time() - env_start
                 if step.status == "env_error":
                     raise _EnvFailure(f"env {task.env} raised: {step.error}")
+                if step.status == "sandbox_error":
+                    raise _SandboxFailure(f"sandbox failed: {step.error}")
                 info = json.loads(step.info_json or "{}")
                 if step.done:
                     break
@@ -186,6 +190,10 @@ class _EngineFailure(RuntimeError):
 
 
 class _EnvFailure(RuntimeError):
+    pass
+
+
+class _SandboxFailure(RuntimeError):
     pass
 
 

@@ -107,6 +107,7 @@ def registry(extra_modules: tuple[str, ...] = ()) -> dict[str, type[Env]]:
         countdown,
         frozenlake,
         guess_number,
+        python_tests,
     )
 
     envs = dict(_BUILTIN)

@@ -1,0 +1,119 @@
+"""`python_tests`: the policy writes a function; hidden unit tests run in the sandbox.
+
+A wrong answer (tests fail, or the code times out, exhausts memory or crashes) is reward 0
+with the sandbox's classification in `info`; a failure of the sandbox itself is not the
+model's fault and ends the step with status `sandbox_error`.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from pathlib import Path
+from typing import Any
+
+from treadle_env_gateway.envs.base import Action, Env, EnvError, Message, StepResult, register
+from treadle_env_gateway.sandbox.runner import Limits, Sandbox
+
+PROBLEMS = [
+    (
+        "add",
+        "add(a, b) returning the sum of two integers",
+        "assert add(2, 3) == 5\nassert add(-1, 1) == 0",
+    ),
+    (
+        "reverse",
+        "reverse(s) returning the string s reversed",
+        "assert reverse('abc') == 'cba'\nassert reverse('') == ''",
+    ),
+    (
+        "is_palindrome",
+        "is_palindrome(s) telling whether s reads the same backwards",
+        "assert is_palindrome('level')\nassert not is_palindrome('ab')",
+    ),
+    (
+        "factorial",
+        "factorial(n) for n >= 0",
+        "assert factorial(0) == 1\nassert factorial(5) == 120",
+    ),
+    (
+        "fib",
+        "fib(n), the n-th Fibonacci number with fib(0) == 0 and fib(1) == 1",
+        "assert fib(0) == 0\nassert fib(10) == 55",
+    ),
+    (
+        "count_vowels",
+        "count_vowels(s) counting a, e, i, o, u in s",
+        "assert count_vowels('banana') == 3\nassert count_vowels('xyz') == 0",
+    ),
+    (
+        "maximum",
+        "maximum(xs) returning the largest item of a non-empty list",
+        "assert maximum([3, 9, 2]) == 9\nassert maximum([-5]) == -5",
+    ),
+    (
+        "fizzbuzz",
+        "fizzbuzz(n) returning 'Fizz', 'Buzz', 'FizzBuzz' or str(n)",
+        "assert fizzbuzz(3) == 'Fizz'\nassert fizzbuzz(10) == 'Buzz'\n"
+        "assert fizzbuzz(15) == 'FizzBuzz'\nassert fizzbuzz(7) == '7'",
+    ),
+]
+_CODE_BLOCK = re.compile(r"```(?:python)?\n(.*?)```", re.DOTALL)
+_sandbox: Sandbox | None = None
+
+
+def sandbox() -> Sandbox:
+    """One sandbox runner per gateway process (its base dir under the state dir)."""
+    global _sandbox
+    if _sandbox is None:
+        from treadle_common.settings import get_settings
+
+        _sandbox = Sandbox(Path(get_settings().state_dir) / "sandbox")
+    return _sandbox
+
+
+def extract_code(text: str) -> str:
+    blocks = _CODE_BLOCK.findall(text)
+    return blocks[-1] if blocks else text
+
+
+@register("python_tests")
+class PythonTests(Env):
+    @classmethod
+    def sample_tasks(
+        cls, num_tasks: int, seed: int, split: str, options: dict[str, Any]
+    ) -> list[dict[str, Any]]:
+        rng = random.Random(f"python-{split}-{seed}")
+        picks = [rng.choice(PROBLEMS) for _ in range(num_tasks)]
+        return [
+            {"entry_point": name, "prompt": f"Write a Python function {spec}.", "tests": tests}
+            for name, spec, tests in picks
+        ]
+
+    async def reset(self, task: dict[str, Any], seed: int) -> list[Message]:
+        if not all(isinstance(task.get(k), str) for k in ("prompt", "tests")):
+            raise EnvError("python_tests task needs 'prompt' and 'tests' strings")
+        self.task = task
+        self.limits = Limits(wall_seconds=float(self.options.get("timeout_s", 10.0)))
+        return [Message("user", task["prompt"] + " Reply with the code in a ```python block.")]
+
+    async def step(self, action: Action) -> StepResult:
+        program = (
+            extract_code(action.text)
+            + "\n\n"
+            + self.task["tests"]
+            + "\nprint('ALL TESTS PASSED')\n"
+        )
+        result = await sandbox().run(program, limits=self.limits)
+        info = {
+            "sandbox": result.status,
+            "exit_code": result.exit_code,
+            "stderr": result.stderr[-2000:],
+            "network_isolated": result.network_isolated,
+        }
+        if result.infrastructure_error:
+            return StepResult(
+                [], done=True, info=info, status="sandbox_error", error=result.stderr[-500:]
+            )
+        passed = result.status == "ok" and "ALL TESTS PASSED" in result.stdout
+        return StepResult([], done=True, reward=float(passed), info=info)
