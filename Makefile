@@ -42,6 +42,7 @@ test: lint
 
 bench: setup
 	$(VENV)/bin/treadle bench weights --json
+	$(VENV)/bin/treadle bench env --json
 
 clean:
 	rm -rf $(VENV) .treadle

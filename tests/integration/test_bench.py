@@ -42,3 +42,18 @@ def test_bench_weights_json_line():
     ):
         assert report[key] > 0, key
     assert report["delta_bytes_ratio"] == 0.25  # 2 of 8 equal tensors changed: a quarter travels
+
+
+def test_bench_env_json_line():
+    treadle = str(Path(sys.executable).parent / "treadle")
+    result = subprocess.run(
+        [treadle, "bench", "env", "--json", "--sessions", "4", "--seconds", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["env"] == "arith" and report["sessions"] == 4
+    assert report["steps_per_s"] > 0 and report["raw_grpc_rps"] > 0 and report["ratio"] > 0
+    assert 0 < report["p50_ms"] <= report["p99_ms"]

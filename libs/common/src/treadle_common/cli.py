@@ -7,7 +7,7 @@ treadle down                     stop everything `up` started
 treadle run RECIPE [--set a=b]   run a recipe on the stack (starting one if none runs)
 treadle model init-tiny DIR      build the tiny local HF model
 treadle weights list|export       inspect / export weight-store versions as HF directories
-treadle bench weights [--json]   weight sync: weight-store (full, delta) vs safetensors
+treadle bench weights|env [--json]   weight sync: weight-store (full, delta) vs safetensors
 """
 
 from __future__ import annotations
@@ -264,6 +264,18 @@ def bench_weights(
 
     result = weights.run(size_mb, num_tensors, changed, replicas)
     print(json.dumps(result, indent=None if as_json else 2))
+
+
+@bench_app.command("env")
+def bench_env(
+    sessions: Annotated[int, typer.Option(help="Concurrent sessions")] = 256,
+    seconds: Annotated[float, typer.Option(help="Measurement time per side")] = 10.0,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
+) -> None:
+    """Env-gateway episodes (arith) vs a plain gRPC echo at the same concurrency."""
+    from benchmarks import env
+
+    print(json.dumps(env.run(sessions, seconds), indent=None if as_json else 2))
 
 
 def main() -> None:

@@ -1,0 +1,42 @@
+"""Server side of `treadle bench env`: the real EnvGateway servicer plus a plain gRPC echo
+(`treadle.bench.Echo/Call`) in one process.
+
+    python -m benchmarks.env_server PORT
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import grpc
+
+from treadle_common.logs import configure_logging
+from treadle_common.proto.treadle.v1 import env_pb2_grpc
+from treadle_env_gateway.grpc_service import EnvGatewayServicer
+from treadle_env_gateway.sessions import SessionManager
+
+
+async def echo(request: bytes, context) -> bytes:
+    return request
+
+
+async def serve(port: int) -> None:
+    configure_logging("bench-env-server", level="WARNING")
+    server = grpc.aio.server()
+    sessions = SessionManager(replica="bench", max_sessions=100_000)
+    env_pb2_grpc.add_EnvGatewayServicer_to_server(EnvGatewayServicer(sessions), server)
+    identity = lambda b: b  # noqa: E731
+    handler = grpc.method_handlers_generic_handler(
+        "treadle.bench.Echo",
+        {"Call": grpc.unary_unary_rpc_method_handler(echo, identity, identity)},
+    )
+    server.add_generic_rpc_handlers((handler,))
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    print("ready", flush=True)
+    await server.wait_for_termination()
+
+
+if __name__ == "__main__":
+    asyncio.run(serve(int(sys.argv[1])))
