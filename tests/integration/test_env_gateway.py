@@ -1,5 +1,7 @@
 """The env-gateway as a real process: sessions over gRPC and HTTP, health, bad input."""
 
+import asyncio
+
 import grpc
 import httpx
 import pytest
@@ -53,3 +55,25 @@ async def test_sessions_over_grpc_and_http(service):
     assert httpx.post(f"{gw.http}/v1/sessions/missing/step", json={"text": "1"}).status_code == 404
     assert httpx.get(f"{gw.http}/openapi.json").json()["paths"]["/v1/sessions"]
     assert httpx.get(f"{gw.http}/readyz").status_code == 200
+
+
+async def test_capacity_and_idle_expiry(service):
+    gw = service("env-gateway", TREADLE_ENV_MAX_SESSIONS="1", TREADLE_ENV_IDLE_TTL_S="1")
+    client = EnvClient(gw.grpc_addr)
+    first = await client.create("guess_number", {"low": 1, "high": 9, "target": 5})
+    with pytest.raises(grpc.aio.AioRpcError) as full:
+        await client.create("guess_number", {"low": 1, "high": 9, "target": 5})
+    assert (
+        full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        and "limit is 1" in full.value.details()
+    )
+    task = {"env": "arith", "task": {"a": 1, "b": 1, "op": "+"}}
+    assert httpx.post(f"{gw.http}/v1/sessions", json=task).status_code == 429
+    await asyncio.sleep(2.5)  # idle past the TTL: the session is gone, its slot is free
+    with pytest.raises(grpc.aio.AioRpcError) as expired:
+        await client.step(first.session_id, "5")
+    assert (
+        expired.value.code() == grpc.StatusCode.NOT_FOUND and "expired" in expired.value.details()
+    )
+    assert (await client.create("arith", {"a": 1, "b": 1, "op": "+"})).session_id
+    await client.close()

@@ -70,6 +70,10 @@ class Settings(BaseSettings):
     )
     s3_secure: bool = Field(False, description="Use HTTPS for S3")
 
+    env_max_sessions: int = Field(1024, ge=1, description="env-gateway: open sessions at most")
+    env_idle_ttl_s: float = Field(
+        600.0, gt=0, description="env-gateway: idle sessions expire after"
+    )
     env_modules: str = Field(
         "", description="env-gateway: comma-separated modules to import that register extra envs"
     )

@@ -35,7 +35,12 @@ class StepBody(BaseModel):
 def build(settings: Settings) -> tuple[ServiceRuntime, SessionManager]:
     runtime = ServiceRuntime(SERVICE, settings)
     modules = tuple(m.strip() for m in settings.env_modules.split(",") if m.strip())
-    sessions = SessionManager(replica=settings.instance, env_modules=modules)
+    sessions = SessionManager(
+        replica=settings.instance,
+        max_sessions=settings.env_max_sessions,
+        idle_ttl_s=settings.env_idle_ttl_s,
+        env_modules=modules,
+    )
     env_pb2_grpc.add_EnvGatewayServicer_to_server(
         EnvGatewayServicer(sessions), runtime.make_grpc_server()
     )
@@ -87,7 +92,7 @@ def _add_routes(runtime: ServiceRuntime, sessions: SessionManager) -> None:
 
 async def expire_loop(runtime: ServiceRuntime, sessions: SessionManager) -> None:
     while not runtime.stop_event.is_set():
-        await asyncio.sleep(5.0)
+        await asyncio.sleep(min(5.0, sessions.idle_ttl_s / 2))
         await sessions.expire_idle()
 
 
