@@ -14,7 +14,10 @@ pytestmark = pytest.mark.integration
 
 
 async def test_scoring_over_nats_shared_by_two_replicas(service, infra):
-    a, b = service("reward"), service("reward")
+    a, b = (
+        service("reward", TREADLE_REWARD_CACHE_SIZE="0"),
+        service("reward", TREADLE_REWARD_CACHE_SIZE="0"),
+    )
     nc = await nats.connect(infra.nats_url)
     client = RewardClient(nc, timeout_s=10)
     results = await asyncio.gather(
@@ -33,7 +36,7 @@ async def test_scoring_over_nats_shared_by_two_replicas(service, infra):
     assert sum(served) == 40 and all(n > 0 for n in served)  # the queue group spread the load
 
     unknown = await client.score(pb.ScoreRequest(scorer="nope"))
-    assert unknown.status == pb.SCORE_STATUS_ERROR and "known: ['exact_match']" in unknown.message
+    assert unknown.status == pb.SCORE_STATUS_ERROR and "'exact_match'" in unknown.message
     malformed = pb.ScoreResult.FromString(
         (await nc.request("treadle.reward.exact_match", b"\xff\xff", timeout=5)).data
     )
@@ -64,3 +67,44 @@ async def test_no_replica_is_an_error_not_a_zero(infra):
     )
     await nc.close()
     assert result.status in (pb.SCORE_STATUS_ERROR, pb.SCORE_STATUS_TIMEOUT)
+
+
+async def test_batch_path_over_nats_and_http_and_cache(service, infra):
+    replica = service("reward")
+    nc = await nats.connect(infra.nats_url)
+    client = RewardClient(nc, timeout_s=10)
+    requests = [
+        pb.ScoreRequest(
+            request_id="a",
+            scorer="math_verify",
+            task_json=json.dumps({"answer": "1/2"}),
+            answer="\\boxed{0.5}",
+        ),
+        pb.ScoreRequest(
+            request_id="b", scorer="exact_match", task_json=json.dumps({"answer": "x"}), answer="y"
+        ),
+        pb.ScoreRequest(request_id="c", scorer="nope"),
+    ]
+    results = await client.score_batch(requests)
+    assert [(r.request_id, r.reward, r.status) for r in results[:2]] == [
+        ("a", 1.0, pb.SCORE_STATUS_OK),
+        ("b", 0.0, pb.SCORE_STATUS_OK),
+    ]
+    assert results[2].status == pb.SCORE_STATUS_ERROR and "unknown scorer" in results[2].message
+    again = await client.score(requests[0])  # deterministic scorer: served from the cache
+    assert again.reward == 1.0
+    await nc.close()
+    metrics_text = httpx.get(f"{replica.http}/metrics").text
+    assert (
+        'treadle_requests_total{method="math_verify",outcome="cached",service="reward"} 1.0'
+        in metrics_text
+    )
+    body = [
+        {"scorer": "exact_match", "task": {"answer": "4"}, "answer": "4"},
+        {"scorer": "format_regex", "answer": "abc", "options": {"pattern": "^a"}},
+    ]
+    http = httpx.post(f"{replica.http}/v1/score:batch", json=body).json()["results"]
+    assert [r["reward"] for r in http] == [1.0, 1.0]
+    assert (
+        httpx.post(f"{replica.http}/v1/score:batch", json=[{"scorer": "nope"}]).status_code == 404
+    )

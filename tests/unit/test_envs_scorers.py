@@ -72,3 +72,91 @@ def test_lognormal_latency_is_reproducible_and_heavy_tailed():
     assert a[0] == Latency(spec, seed=7).sample_ms()
     median, p99 = samples[1000], samples[1980]
     assert 80 < median < 125 and p99 > 5 * median  # heavy tail: p99 ~ 10x the median
+
+
+@pytest.mark.parametrize(
+    ("answer", "reference", "reward"),
+    [
+        ("so the result is \\boxed{\\frac{3}{4}}", "0.75", 1.0),
+        ("The answer is 1,000.", "1000", 1.0),
+        ("we get \\boxed{2x+2}", "2*(x+1)", 1.0),
+        ("\\boxed{x^2-1}", "(x-1)*(x+1)", 1.0),
+        ("50%", "1/2", 1.0),
+        ("\\boxed{\\frac{2}{3}}", "0.66", 0.0),
+        ("\\boxed{x^2+1}", "(x+1)**2", 0.0),
+        ("I give up", "7", 0.0),
+    ],
+)
+async def test_math_verify(answer, reference, reward):
+    scorer = scorer_registry()["math_verify"]
+    assert (
+        await scorer.score(ScoreInput(task={"answer": reference}, answer=answer))
+    ).reward == reward
+
+
+async def test_format_regex_and_composite():
+    scorers = scorer_registry()
+    fmt = ScoreInput(
+        task={}, answer="<think>..</think> 42", options={"pattern": r"^<think>.*</think>"}
+    )
+    assert (await scorers["format_regex"].score(fmt)).reward == 1.0
+    fmt.options = {"pattern": r"^\d+$", "full_match": True}
+    assert (await scorers["format_regex"].score(fmt)).reward == 0.0
+    with pytest.raises(ValueError, match="invalid pattern"):
+        await scorers["format_regex"].score(
+            ScoreInput(task={}, answer="x", options={"pattern": "("})
+        )
+    combo = ScoreInput(
+        task={"answer": "4"},
+        answer="\\boxed{4}",
+        options={
+            "scorers": [
+                {"name": "math_verify", "weight": 0.8},
+                {"name": "format_regex", "weight": 0.2, "options": {"pattern": "^done"}},
+            ]
+        },
+    )
+    score = await scorers["composite"].score(combo)
+    assert score.reward == pytest.approx(0.8) and score.breakdown == {
+        "math_verify": 1.0,
+        "format_regex": 0.0,
+    }
+    with pytest.raises(ValueError, match="unknown scorer 'nope'"):
+        await scorers["composite"].score(
+            ScoreInput(task={}, answer="", options={"scorers": [{"name": "nope"}]})
+        )
+
+
+async def test_timeouts_exceptions_and_concurrency_limits():
+    import asyncio
+
+    from treadle_reward.scorers.base import Score, Scorer
+
+    class Slow(Scorer):
+        running = peak = 0
+
+        async def score(self, request):
+            Slow.running += 1
+            Slow.peak = max(Slow.peak, Slow.running)
+            try:
+                await asyncio.sleep(float(request.options.get("sleep", 0.05)))
+            finally:
+                Slow.running -= 1
+            return Score(1.0)
+
+    class Broken(Scorer):
+        async def score(self, request):
+            raise KeyError("reference")
+
+    service = ScoringService({"slow": Slow(), "broken": Broken()}, timeout_s=0.2, max_concurrency=2)
+    late = await service.score(reward_pb2.ScoreRequest(scorer="slow", options_json='{"sleep": 1}'))
+    assert late.status == reward_pb2.SCORE_STATUS_TIMEOUT and "longer than 0.2s" in late.message
+    broken = await service.score(reward_pb2.ScoreRequest(scorer="broken"))
+    assert (
+        broken.status == reward_pb2.SCORE_STATUS_ERROR and broken.message == "KeyError: 'reference'"
+    )
+    Slow.peak = 0
+    results = await asyncio.gather(
+        *(service.score(reward_pb2.ScoreRequest(scorer="slow")) for _ in range(6))
+    )
+    assert all(r.status == reward_pb2.SCORE_STATUS_OK for r in results) and Slow.peak == 2

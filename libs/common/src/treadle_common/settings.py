@@ -81,6 +81,8 @@ class Settings(BaseSettings):
     rollout_model_name: str | None = Field(None, description="weight-store name of that model")
     rollout_max_concurrent_tasks: int = Field(8, ge=1, description="Tasks in flight per replica")
     reward_timeout_s: float = Field(30.0, gt=0, description="Reward request-reply timeout")
+    reward_max_concurrency: int = Field(64, ge=1, description="reward: requests per scorer at once")
+    reward_cache_size: int = Field(10_000, ge=0, description="reward: cached deterministic scores")
 
     heartbeat_interval_s: float = Field(2.0, gt=0, description="Seconds between heartbeats")
     drain_timeout_s: float = Field(20.0, gt=0, description="Max seconds to drain on SIGTERM")

@@ -30,26 +30,40 @@ class ScoreBody(BaseModel):
 
 def build(settings: Settings) -> tuple[ServiceRuntime, ScoringService]:
     runtime = ServiceRuntime(SERVICE, settings)
-    scoring = ScoringService(registry(), timeout_s=settings.reward_timeout_s)
+    scoring = ScoringService(
+        registry(),
+        timeout_s=settings.reward_timeout_s,
+        max_concurrency=settings.reward_max_concurrency,
+        cache_size=settings.reward_cache_size,
+    )
     runtime.set_info(lambda: {"scorers": sorted(scoring.scorers)})
 
-    @runtime.app.post("/v1/score", tags=["score"])
-    async def score(body: ScoreBody) -> dict:
+    def to_request(body: ScoreBody) -> pb.ScoreRequest:
         if body.scorer not in scoring.scorers:
             raise HTTPException(
                 404, f"unknown scorer {body.scorer!r}; known: {sorted(scoring.scorers)}"
             )
-        request = pb.ScoreRequest(
+        return pb.ScoreRequest(
             scorer=body.scorer,
             task_json=json.dumps(body.task),
             answer=body.answer,
             info_json=json.dumps(body.info),
             options_json=json.dumps(body.options),
         )
-        result = await scoring.score(request)
+
+    def as_dict(result: pb.ScoreResult) -> dict:
         return MessageToDict(
             result, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
         )
+
+    @runtime.app.post("/v1/score", tags=["score"])
+    async def score(body: ScoreBody) -> dict:
+        return as_dict(await scoring.score(to_request(body)))
+
+    @runtime.app.post("/v1/score:batch", tags=["score"])
+    async def score_batch(bodies: list[ScoreBody]) -> dict:
+        batch = pb.ScoreBatchRequest(requests=[to_request(b) for b in bodies])
+        return {"results": [as_dict(r) for r in (await scoring.score_batch(batch)).results]}
 
     return runtime, scoring
 

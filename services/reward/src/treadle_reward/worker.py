@@ -9,8 +9,10 @@ answered with status ERROR/TIMEOUT and the message.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
+from collections import OrderedDict
 
 from google.protobuf.message import DecodeError
 from nats.aio.client import Client as NATS
@@ -25,6 +27,9 @@ from treadle_reward.scorers.base import ScoreInput, Scorer
 log = get_logger(__name__)
 SERVICE = "reward"
 IN_FLIGHT = Gauge("treadle_reward_in_flight", "Scoring requests being processed", ["scorer"])
+PENDING = Gauge(
+    "treadle_reward_pending", "Scoring requests waiting for a concurrency slot", ["scorer"]
+)
 
 
 def _json(text: str, what: str, default):
@@ -37,11 +42,57 @@ def _json(text: str, what: str, default):
 
 
 class ScoringService:
-    def __init__(self, scorers: dict[str, Scorer], timeout_s: float = 30.0):
+    """Scores requests: per-scorer concurrency limits and timeouts, cached deterministic
+    scorers; every failure is a status with a message."""
+
+    def __init__(
+        self,
+        scorers: dict[str, Scorer],
+        timeout_s: float = 30.0,
+        max_concurrency: int = 64,
+        cache_size: int = 10_000,
+    ):
         self.scorers = scorers
         self.timeout_s = timeout_s
+        self.slots = {name: asyncio.Semaphore(max_concurrency) for name in scorers}
+        self.cache: OrderedDict[bytes, pb.ScoreResult] = OrderedDict()
+        self.cache_size = cache_size
+
+    def _cache_key(self, request: pb.ScoreRequest) -> bytes:
+        fields = (
+            request.scorer,
+            request.task_json,
+            request.answer,
+            request.info_json,
+            request.options_json,
+        )
+        return hashlib.blake2b("\x00".join(fields).encode(), digest_size=16).digest()
 
     async def score(self, request: pb.ScoreRequest) -> pb.ScoreResult:
+        scorer = self.scorers.get(request.scorer)
+        cacheable = scorer is not None and scorer.deterministic and self.cache_size > 0
+        key = self._cache_key(request) if cacheable else b""
+        if cacheable and key in self.cache:
+            self.cache.move_to_end(key)
+            metrics.REQUESTS.labels(SERVICE, request.scorer, "cached").inc()
+            return pb.ScoreResult(
+                request_id=request.request_id,
+                reward=self.cache[key].reward,
+                breakdown=self.cache[key].breakdown,
+                status=pb.SCORE_STATUS_OK,
+            )
+        result = await self._score(request)
+        if cacheable and result.status == pb.SCORE_STATUS_OK:
+            self.cache[key] = result
+            if len(self.cache) > self.cache_size:
+                self.cache.popitem(last=False)
+        return result
+
+    async def score_batch(self, batch: pb.ScoreBatchRequest) -> pb.ScoreBatchResult:
+        results = await asyncio.gather(*(self.score(r) for r in batch.requests))
+        return pb.ScoreBatchResult(results=results)
+
+    async def _score(self, request: pb.ScoreRequest) -> pb.ScoreResult:
         result = pb.ScoreResult(request_id=request.request_id)
         scorer = self.scorers.get(request.scorer)
         if scorer is None:
@@ -49,6 +100,14 @@ class ScoringService:
             result.message = f"unknown scorer {request.scorer!r}; known: {sorted(self.scorers)}"
             metrics.REQUESTS.labels(SERVICE, request.scorer, "unknown_scorer").inc()
             return result
+        PENDING.labels(request.scorer).inc()
+        async with self.slots[request.scorer]:
+            PENDING.labels(request.scorer).dec()
+            return await self._run(scorer, request, result)
+
+    async def _run(
+        self, scorer: Scorer, request: pb.ScoreRequest, result: pb.ScoreResult
+    ) -> pb.ScoreResult:
         start = time.perf_counter()
         IN_FLIGHT.labels(request.scorer).inc()
         try:
@@ -75,7 +134,28 @@ class ScoringService:
         metrics.LATENCY.labels(SERVICE, request.scorer).observe(time.perf_counter() - start)
         return result
 
+    async def handle_batch(self, msg: Msg) -> None:
+        try:
+            batch = pb.ScoreBatchRequest.FromString(msg.data)
+        except DecodeError as exc:
+            metrics.DROPPED.labels(SERVICE, "request", "malformed").inc()
+            await msg.respond(
+                pb.ScoreBatchResult(
+                    results=[
+                        pb.ScoreResult(
+                            status=pb.SCORE_STATUS_ERROR,
+                            message=f"malformed ScoreBatchRequest: {exc}",
+                        )
+                    ]
+                ).SerializeToString()
+            )
+            return
+        await msg.respond((await self.score_batch(batch)).SerializeToString())
+
     async def handle(self, msg: Msg) -> None:
+        if msg.subject == names.REWARD_BATCH_SUBJECT:
+            await self.handle_batch(msg)
+            return
         request = pb.ScoreRequest()
         try:
             request.ParseFromString(msg.data)

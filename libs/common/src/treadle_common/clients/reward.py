@@ -39,6 +39,20 @@ class RewardClient:
         result.ParseFromString(reply.data)
         return result
 
+    async def score_batch(self, requests: list[pb.ScoreRequest]) -> list[pb.ScoreResult]:
+        """Many requests in one message (`treadle.reward._batch`); results in request order."""
+        batch = pb.ScoreBatchRequest(requests=requests)
+        try:
+            reply = await self.nc.request(
+                names.REWARD_BATCH_SUBJECT, batch.SerializeToString(), timeout=self.timeout_s
+            )
+        except (NoRespondersError, NatsTimeout) as exc:
+            return [
+                _failed(r, pb.SCORE_STATUS_ERROR, f"batch scoring failed: {type(exc).__name__}")
+                for r in requests
+            ]
+        return list(pb.ScoreBatchResult.FromString(reply.data).results)
+
 
 def _failed(request: pb.ScoreRequest, status: pb.ScoreStatus, message: str) -> pb.ScoreResult:
     return pb.ScoreResult(request_id=request.request_id, status=status, message=message)

@@ -30,6 +30,8 @@ class Score:
 
 class Scorer(abc.ABC):
     name: str
+    deterministic: bool = False
+    """Same input, same score: results may be cached."""
 
     @abc.abstractmethod
     async def score(self, request: ScoreInput) -> Score:
@@ -53,9 +55,16 @@ def register(name: str):
 
 def registry() -> dict[str, Scorer]:
     """Instances of the built-in scorers plus those of installed packages."""
-    from treadle_reward.scorers import exact_match  # noqa: F401  (registers the built-ins)
+    from treadle_reward.scorers import (  # noqa: F401  (importing registers the built-ins)
+        composite,
+        exact_match,
+        format_regex,
+        math_verify,
+    )
 
     classes = dict(_BUILTIN)
     for ep in entry_points(group="treadle.scorers"):
         classes.setdefault(ep.name, ep.load())
-    return {name: cls() for name, cls in classes.items()}
+    scorers = {name: cls() for name, cls in classes.items()}
+    scorers["composite"].registry = scorers  # type: ignore[attr-defined]
+    return scorers

@@ -18,6 +18,8 @@ class ExactMatch(Scorer):
     """Options: `field` (task key of the reference, default `answer`),
     `extract: last_number` (compare only the last number in the answer)."""
 
+    deterministic = True
+
     async def score(self, request: ScoreInput) -> Score:
         key = request.options.get("field", "answer")
         if key not in request.task:
