@@ -16,13 +16,11 @@ from __future__ import annotations
 import asyncio
 import json
 import statistics
-import subprocess
-import sys
 import time
 
 import grpc
 
-from benchmarks.weights import free_port
+from benchmarks.harness import free_port, server_process
 from treadle_common.clients.env import EnvClient
 from treadle_common.logs import configure_logging
 from treadle_common.proto.treadle.v1 import env_pb2 as pb
@@ -78,20 +76,11 @@ def run(sessions: int = 256, seconds: float = 10.0) -> dict:
     tasks = Arith.sample_tasks(64, seed=0, split="bench", options={})
     port = free_port()
     address = f"127.0.0.1:{port}"
-    server = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.env_server", str(port)],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+    with server_process("benchmarks.env_server", str(port)):
         asyncio.run(_raw(address, tasks[0], 8, 1.0))  # warm-up
         asyncio.run(_ours(address, tasks, 8, 1.0))
         raw_loops = asyncio.run(_raw(address, tasks[0], sessions, seconds))
         steps, latencies = asyncio.run(_ours(address, tasks, sessions, seconds))
-    finally:
-        server.terminate()
-        server.wait()
     quantiles = statistics.quantiles(latencies, n=100)
     return {
         "bench": "env",

@@ -11,6 +11,8 @@ import sys
 
 import grpc
 
+from benchmarks.harness import identity
+from benchmarks.harness import serve as serve_forever
 from treadle_common.logs import configure_logging
 from treadle_common.proto.treadle.v1 import env_pb2_grpc
 from treadle_env_gateway.grpc_service import EnvGatewayServicer
@@ -26,16 +28,12 @@ async def serve(port: int) -> None:
     server = grpc.aio.server()
     sessions = SessionManager(replica="bench", max_sessions=100_000)
     env_pb2_grpc.add_EnvGatewayServicer_to_server(EnvGatewayServicer(sessions), server)
-    identity = lambda b: b  # noqa: E731
     handler = grpc.method_handlers_generic_handler(
         "treadle.bench.Echo",
         {"Call": grpc.unary_unary_rpc_method_handler(echo, identity, identity)},
     )
     server.add_generic_rpc_handlers((handler,))
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    await server.start()
-    print("ready", flush=True)
-    await server.wait_for_termination()
+    await serve_forever(server, port)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,7 @@ import time
 import grpc
 import torch
 
+from benchmarks.harness import free_port, server_process
 from treadle_common.clients.torch_weights import ChunkCache, fetch_into, state_dict_to_raw
 from treadle_common.clients.weights import WeightStoreClient
 from treadle_common.logs import configure_logging
@@ -51,12 +51,6 @@ def make_state(size_mb: int, num_tensors: int) -> dict[str, torch.Tensor]:
     numel = size_mb * 2**20 // 4 // num_tensors
     g = torch.Generator().manual_seed(0)
     return {f"layers.{i}.weight": torch.randn(numel, generator=g) for i in range(num_tensors)}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 async def raw_rates(address: str, payload: memoryview) -> tuple[float, float]:
@@ -191,19 +185,10 @@ def run(
     port = free_port()
     address = f"127.0.0.1:{port}"
     with tempfile.TemporaryDirectory() as tmp:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.weights_server", str(port), tmp],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+        with server_process("benchmarks.weights_server", str(port), tmp):
             timings = asyncio.run(measure(address, state, repeats))
             sent, version = asyncio.run(delta_bytes(address, state, changed))
             fanout_s = fanout(address, version, size_mb, num_tensors, replicas)
-        finally:
-            server.terminate()
-            server.wait()
     publish, fetch = gbps(size, timings["publish"]), gbps(size, timings["fetch"])
     raw_up, raw_down = gbps(size, timings["raw_up"]), gbps(size, timings["raw_down"])
     return {

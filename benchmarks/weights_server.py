@@ -13,6 +13,8 @@ from pathlib import Path
 
 import grpc
 
+from benchmarks.harness import identity
+from benchmarks.harness import serve as serve_forever
 from treadle_common.logs import configure_logging
 from treadle_weight_store.backends.local import LocalBackend
 from treadle_weight_store.grpc_service import WeightStoreServicer, add_to_server
@@ -23,10 +25,6 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 2**20),
 ]
 CHUNK = 4 * 2**20
-
-
-def _identity(data: bytes) -> bytes:
-    return data
 
 
 async def upload(request_iterator, context) -> bytes:
@@ -62,17 +60,14 @@ async def serve(port: int, root: Path) -> None:
     raw = grpc.method_handlers_generic_handler(
         "treadle.bench.Raw",
         {
-            "Upload": grpc.stream_unary_rpc_method_handler(upload, _identity, _identity),
+            "Upload": grpc.stream_unary_rpc_method_handler(upload, identity, identity),
             "Download": grpc.unary_stream_rpc_method_handler(
-                download_handler(payload), _identity, _identity
+                download_handler(payload), identity, identity
             ),
         },
     )
     server.add_generic_rpc_handlers((raw,))
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    await server.start()
-    print("ready", flush=True)
-    await server.wait_for_termination()
+    await serve_forever(server, port)
 
 
 if __name__ == "__main__":
