@@ -43,6 +43,7 @@ test: lint
 bench: setup
 	$(VENV)/bin/treadle bench weights --json
 	$(VENV)/bin/treadle bench env --json
+	$(VENV)/bin/treadle bench reward --json
 
 clean:
 	rm -rf $(VENV) .treadle

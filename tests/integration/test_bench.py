@@ -57,3 +57,25 @@ def test_bench_env_json_line():
     assert report["env"] == "arith" and report["sessions"] == 4
     assert report["steps_per_s"] > 0 and report["raw_grpc_rps"] > 0 and report["ratio"] > 0
     assert 0 < report["p50_ms"] <= report["p99_ms"]
+
+
+def test_bench_reward_json_line():
+    treadle = str(Path(sys.executable).parent / "treadle")
+    args = [
+        "bench",
+        "reward",
+        "--json",
+        "--requests",
+        "20",
+        "--concurrency",
+        "4",
+        "--rounds",
+        "1000",
+    ]
+    result = subprocess.run([treadle, *args], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["scores_per_s_1"] > 0 and report["scores_per_s_2"] > 0 and report["p99_ms"] > 0
+    assert report["scaling"] == pytest.approx(
+        report["scores_per_s_2"] / report["scores_per_s_1"], rel=0.01
+    )

@@ -7,7 +7,7 @@ treadle down                     stop everything `up` started
 treadle run RECIPE [--set a=b]   run a recipe on the stack (starting one if none runs)
 treadle model init-tiny DIR      build the tiny local HF model
 treadle weights list|export       inspect / export weight-store versions as HF directories
-treadle bench weights|env [--json]   weight sync: weight-store (full, delta) vs safetensors
+treadle bench weights|env|reward [--json]   weight sync: weight-store (full, delta) vs safetensors
 """
 
 from __future__ import annotations
@@ -276,6 +276,19 @@ def bench_env(
     from benchmarks import env
 
     print(json.dumps(env.run(sessions, seconds), indent=None if as_json else 2))
+
+
+@bench_app.command("reward")
+def bench_reward(
+    requests: Annotated[int, typer.Option(help="Scoring requests per measurement")] = 200,
+    concurrency: Annotated[int, typer.Option(help="Requests in flight")] = 32,
+    rounds: Annotated[int, typer.Option(help="CPU work per score (sha256 rounds)")] = 100_000,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
+) -> None:
+    """CPU-bound scoring with 1 then 2 reward replicas (separate processes) over NATS."""
+    from benchmarks import reward
+
+    print(json.dumps(reward.run(requests, concurrency, rounds), indent=None if as_json else 2))
 
 
 def main() -> None:

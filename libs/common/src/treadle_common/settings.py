@@ -83,6 +83,9 @@ class Settings(BaseSettings):
     reward_timeout_s: float = Field(30.0, gt=0, description="Reward request-reply timeout")
     reward_max_concurrency: int = Field(64, ge=1, description="reward: requests per scorer at once")
     reward_cache_size: int = Field(10_000, ge=0, description="reward: cached deterministic scores")
+    scorer_modules: str = Field(
+        "", description="reward: comma-separated modules to import that register extra scorers"
+    )
 
     heartbeat_interval_s: float = Field(2.0, gt=0, description="Seconds between heartbeats")
     drain_timeout_s: float = Field(20.0, gt=0, description="Max seconds to drain on SIGTERM")

@@ -30,8 +30,9 @@ class ScoreBody(BaseModel):
 
 def build(settings: Settings) -> tuple[ServiceRuntime, ScoringService]:
     runtime = ServiceRuntime(SERVICE, settings)
+    modules = tuple(m.strip() for m in settings.scorer_modules.split(",") if m.strip())
     scoring = ScoringService(
-        registry(),
+        registry(modules),
         timeout_s=settings.reward_timeout_s,
         max_concurrency=settings.reward_max_concurrency,
         cache_size=settings.reward_cache_size,

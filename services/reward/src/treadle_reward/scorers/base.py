@@ -53,8 +53,13 @@ def register(name: str):
     return wrap
 
 
-def registry() -> dict[str, Scorer]:
-    """Instances of the built-in scorers plus those of installed packages."""
+def registry(extra_modules: tuple[str, ...] = ()) -> dict[str, Scorer]:
+    """Instances of the built-in scorers, those of installed packages (entry point group
+    `treadle.scorers`) and those `extra_modules` register with `@register` when imported."""
+    import importlib
+
+    for module in extra_modules:
+        importlib.import_module(module)
     from treadle_reward.scorers import (  # noqa: F401  (importing registers the built-ins)
         composite,
         exact_match,

@@ -1,0 +1,123 @@
+"""`treadle bench reward`: scoring throughput with 1 and then 2 reward replicas.
+
+Real processes: a private nats-server, `python -m treadle_reward` replicas in queue group
+`reward`, and this client sending CPU-bound requests (`bench_cpu`) over NATS request-reply
+with fixed concurrency. Adding a replica should add capacity with no coordinator:
+
+    scores_per_s_1, scores_per_s_2   throughput with one / two replicas
+    scaling                          scores_per_s_2 / scores_per_s_1
+    p99_ms                           request latency at the 99th percentile (two replicas)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import nats
+
+from benchmarks.harness import free_port
+from treadle_common.clients.reward import RewardClient
+from treadle_common.infra import Infra, terminate
+from treadle_common.logs import configure_logging
+from treadle_common.proto.treadle.v1 import reward_pb2 as pb
+from treadle_common.settings import Settings
+
+
+def start_replica(nats_url: str, state_dir: str) -> subprocess.Popen:
+    port = free_port()
+    env = {
+        **os.environ,
+        "TREADLE_NATS_URL": nats_url,
+        "TREADLE_HTTP_PORT": str(port),
+        "TREADLE_STATE_DIR": state_dir,
+        "TREADLE_SCORER_MODULES": "benchmarks.cpu_scorer",
+        "TREADLE_REWARD_CACHE_SIZE": "0",
+        "TREADLE_LOG_LEVEL": "WARNING",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "treadle_reward"],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    terminate(proc.pid)
+    raise RuntimeError("reward replica did not become ready")
+
+
+async def load(
+    nats_url: str, requests: int, concurrency: int, rounds: int
+) -> tuple[float, list[float]]:
+    nc = await nats.connect(nats_url)
+    client = RewardClient(nc, timeout_s=120)
+    latencies: list[float] = []
+    queue = iter(range(requests))
+
+    async def worker() -> None:
+        for i in queue:
+            request = pb.ScoreRequest(
+                scorer="bench_cpu",
+                answer=f"answer {i}",
+                options_json=json.dumps({"rounds": rounds}),
+            )
+            start = time.perf_counter()
+            result = await client.score(request)
+            assert result.status == pb.SCORE_STATUS_OK, result.message
+            latencies.append(time.perf_counter() - start)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    elapsed = time.perf_counter() - start
+    await nc.close()
+    return requests / elapsed, latencies
+
+
+def run(requests: int = 200, concurrency: int = 32, rounds: int = 100_000) -> dict:
+    configure_logging("bench", level="WARNING")
+    with tempfile.TemporaryDirectory() as tmp:
+        settings = Settings(
+            state_dir=Path(tmp),
+            nats_url=f"nats://127.0.0.1:{free_port()}",
+            redis_url="redis://127.0.0.1:1",
+        )
+        infra = Infra(settings)
+        infra.up(("nats",))
+        replicas: list[subprocess.Popen] = []
+        try:
+            replicas.append(start_replica(settings.nats_url, tmp))
+            asyncio.run(load(settings.nats_url, concurrency, concurrency, rounds))  # warm-up
+            one, _ = asyncio.run(load(settings.nats_url, requests, concurrency, rounds))
+            replicas.append(start_replica(settings.nats_url, tmp))
+            asyncio.run(load(settings.nats_url, concurrency, concurrency, rounds))
+            two, latencies = asyncio.run(load(settings.nats_url, requests, concurrency, rounds))
+        finally:
+            for proc in replicas:
+                terminate(proc.pid)
+            infra.down()
+    return {
+        "bench": "reward",
+        "scorer": "bench_cpu",
+        "requests": requests,
+        "concurrency": concurrency,
+        "scores_per_s_1": round(one, 1),
+        "scores_per_s_2": round(two, 1),
+        "scaling": round(two / one, 3),
+        "p99_ms": round(statistics.quantiles(latencies, n=100)[98] * 1e3, 1),
+    }
