@@ -241,3 +241,19 @@ async def test_python_tests_good_bad_and_hostile_code(gateway):
     assert (await play(client, "arith", {"a": 1, "b": 1, "op": "+"}, ["2"]))[
         -1
     ].done  # still healthy
+
+
+async def test_code_tests_scorer_runs_answers_in_the_gateway_sandbox(gateway):
+    from treadle_reward.scorers.base import ScoreInput
+    from treadle_reward.scorers.code_tests import CodeTests
+
+    scorer = CodeTests(gateway.grpc_addr)
+    task = {"tests": "assert double(4) == 8"}
+    good = await scorer.score(
+        ScoreInput(task=task, answer="```python\ndef double(x):\n    return 2 * x\n```")
+    )
+    bad = await scorer.score(ScoreInput(task=task, answer="def double(x):\n    return x"))
+    hog = await scorer.score(ScoreInput(task=task, answer="x = bytearray(2**34)"))
+    assert good.reward == 1.0 and good.breakdown["sandbox_ok"] == 1.0
+    assert bad.reward == 0.0 and bad.breakdown["sandbox_failed"] == 1.0
+    assert hog.reward == 0.0 and hog.breakdown["sandbox_memory"] == 1.0

@@ -83,6 +83,13 @@ class Settings(BaseSettings):
     reward_timeout_s: float = Field(30.0, gt=0, description="Reward request-reply timeout")
     reward_max_concurrency: int = Field(64, ge=1, description="reward: requests per scorer at once")
     reward_cache_size: int = Field(10_000, ge=0, description="reward: cached deterministic scores")
+    judge_base_url: str = Field(
+        "", description="reward llm_judge: OpenAI-compatible base URL (…/v1)"
+    )
+    judge_model: str = Field("", description="reward llm_judge: model name")
+    judge_api_key: str = Field(
+        "", description="reward llm_judge: API key, if the endpoint needs one"
+    )
     scorer_modules: str = Field(
         "", description="reward: comma-separated modules to import that register extra scorers"
     )

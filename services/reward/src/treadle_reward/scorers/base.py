@@ -61,9 +61,11 @@ def registry(extra_modules: tuple[str, ...] = ()) -> dict[str, Scorer]:
     for module in extra_modules:
         importlib.import_module(module)
     from treadle_reward.scorers import (  # noqa: F401  (importing registers the built-ins)
+        code_tests,
         composite,
         exact_match,
         format_regex,
+        llm_judge,
         math_verify,
     )
 

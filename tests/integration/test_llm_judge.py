@@ -1,0 +1,59 @@
+"""`llm_judge` against a local fake OpenAI-compatible server (a real HTTP server on a free
+port, started by the test; no network)."""
+
+import threading
+import time
+
+import pytest
+import uvicorn
+from fastapi import FastAPI
+
+from tests.conftest import free_port
+from treadle_reward.scorers.base import ScoreInput
+from treadle_reward.scorers.llm_judge import LLMJudge
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def fake_openai():
+    app = FastAPI()
+    seen: list[dict] = []
+
+    @app.post("/v1/chat/completions")
+    async def complete(body: dict) -> dict:
+        seen.append(body)
+        answer = body["messages"][-1]["content"]
+        content = (
+            "I cannot say"
+            if "mumble" in answer
+            else ("Fine work. Score: 9" if "42" in answer else "Score: 1")
+        )
+        return {"choices": [{"message": {"role": "assistant", "content": content}}]}
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}/v1", seen
+    server.should_exit = True
+    thread.join(timeout=5)
+
+
+async def test_judge_scores_good_and_bad_answers(fake_openai):
+    url, seen = fake_openai
+    judge = LLMJudge(base_url=url, model="judge-1", api_key="k")
+    good = await judge.score(
+        ScoreInput(task={"question": "6*7"}, answer="42", options={"rubric": "Be strict."})
+    )
+    bad = await judge.score(ScoreInput(task={"question": "6*7"}, answer="41"))
+    assert good.reward == pytest.approx(0.9) and bad.reward == pytest.approx(0.1)
+    assert seen[0]["model"] == "judge-1" and seen[0]["messages"][0]["content"].startswith(
+        "Be strict."
+    )
+    with pytest.raises(ValueError, match="no score"):
+        await judge.score(ScoreInput(task={}, answer="mumble"))
+    with pytest.raises(ValueError, match="TREADLE_JUDGE_BASE_URL"):
+        await LLMJudge(base_url="").score(ScoreInput(task={}, answer="42"))
