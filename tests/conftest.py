@@ -30,6 +30,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def free_ports(n: int) -> list[int]:
+    """`n` distinct free ports (all held open while choosing, so none repeats)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
 def free_port_range(n: int) -> int:
     """A base port with `n` consecutive free ports."""
     for _ in range(200):
@@ -60,10 +72,11 @@ class InfraUrls:
 def infra(tmp_path_factory) -> Iterator[InfraUrls]:
     """A private redis-server and nats-server (JetStream) for the whole session."""
     state = tmp_path_factory.mktemp("infra")
+    redis_port, nats_port = free_ports(2)
     settings = Settings(
         state_dir=state,
-        redis_url=f"redis://127.0.0.1:{free_port()}",
-        nats_url=f"nats://127.0.0.1:{free_port()}",
+        redis_url=f"redis://127.0.0.1:{redis_port}",
+        nats_url=f"nats://127.0.0.1:{nats_port}",
     )
     manager = Infra(settings)
     manager.up()
@@ -93,7 +106,7 @@ class ServiceProc:
 
 def start_service(name: str, infra: InfraUrls, tmp: Path, **env: str) -> ServiceProc:
     """Run `python -m treadle_<name>` with TREADLE_* env on free ports; wait for /readyz."""
-    http, grpc_port = free_port(), free_port()
+    http, grpc_port = free_ports(2)
     full_env = {
         **os.environ,
         "TREADLE_REDIS_URL": infra.redis_url,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, free_port, free_port_range
+from tests.conftest import ROOT, free_port_range, free_ports
 from treadle_common.clients.rollout import GenerationClient
 from treadle_common.clients.trainer import TrainerClient
 from treadle_common.infra import alive
@@ -23,11 +23,12 @@ TREADLE = str(Path(sys.executable).parent / "treadle")
 
 @pytest.fixture
 def cli_env(tmp_path) -> dict[str, str]:
+    redis_port, nats_port = free_ports(2)
     return {
         **os.environ,
         "TREADLE_STATE_DIR": str(tmp_path / ".treadle"),
-        "TREADLE_REDIS_URL": f"redis://127.0.0.1:{free_port()}",
-        "TREADLE_NATS_URL": f"nats://127.0.0.1:{free_port()}",
+        "TREADLE_REDIS_URL": f"redis://127.0.0.1:{redis_port}",
+        "TREADLE_NATS_URL": f"nats://127.0.0.1:{nats_port}",
         "TREADLE_BASE_PORT": str(free_port_range(8)),
     }
 

@@ -5,7 +5,7 @@ import socket
 import pytest
 import redis
 
-from tests.conftest import free_port
+from tests.conftest import free_ports
 from treadle_common.infra import Infra, InfraError, alive
 from treadle_common.settings import Settings
 
@@ -13,10 +13,11 @@ pytestmark = pytest.mark.integration
 
 
 def settings_for(tmp_path, redis_port=None, nats_port=None) -> Settings:
+    free_redis, free_nats = free_ports(2)
     return Settings(
         state_dir=tmp_path,
-        redis_url=f"redis://127.0.0.1:{redis_port or free_port()}",
-        nats_url=f"nats://127.0.0.1:{nats_port or free_port()}",
+        redis_url=f"redis://127.0.0.1:{redis_port or free_redis}",
+        nats_url=f"nats://127.0.0.1:{nats_port or free_nats}",
     )
 
 

@@ -57,3 +57,27 @@ async def test_judge_scores_good_and_bad_answers(fake_openai):
         await judge.score(ScoreInput(task={}, answer="mumble"))
     with pytest.raises(ValueError, match="TREADLE_JUDGE_BASE_URL"):
         await LLMJudge(base_url="").score(ScoreInput(task={}, answer="42"))
+
+
+async def test_reward_model_scores_in_batches(tmp_path):
+    import asyncio
+
+    from treadle_common.tiny_model import init_tiny_classifier
+    from treadle_reward.scorers.reward_model import RewardModel
+
+    scorer = RewardModel(init_tiny_classifier(tmp_path / "rm"))
+    forwards: list[int] = []
+    original = scorer._forward
+    scorer._forward = lambda requests: forwards.append(len(requests)) or original(requests)
+    inputs = [ScoreInput(task={"q": "2+2"}, answer=a) for a in ("4", "5", "four", "4")]
+    scores = await asyncio.gather(*(scorer.score(i) for i in inputs))
+    assert forwards == [4]  # concurrent requests shared one forward pass
+    assert all(0.0 < s.reward < 1.0 for s in scores)
+    assert scores[0].reward == pytest.approx(scores[3].reward)  # same input, same score
+    assert scores[0].reward != pytest.approx(scores[1].reward)
+    raw = await scorer.score(
+        ScoreInput(task={"q": "2+2"}, answer="4", options={"activation": "none"})
+    )
+    assert raw.reward == pytest.approx(scores[0].breakdown["reward_model_logit"], abs=1e-5)
+    with pytest.raises(ValueError, match="TREADLE_REWARD_MODEL_DIR"):
+        await RewardModel(model_dir="").score(inputs[0])

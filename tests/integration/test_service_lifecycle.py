@@ -11,15 +11,15 @@ import httpx
 import nats
 import pytest
 
-from tests.conftest import ServiceProc, free_port, wait_ready
+from tests.conftest import ServiceProc, free_port, free_ports, wait_ready
 from treadle_common import names
 
 pytestmark = pytest.mark.integration
 
 
 def test_not_ready_without_nats_and_says_why(tmp_path, infra):
-    http = free_port()
-    dead_nats = f"nats://127.0.0.1:{free_port()}"
+    http, dead_port = free_ports(2)
+    dead_nats = f"nats://127.0.0.1:{dead_port}"
     env = {
         **os.environ,
         "TREADLE_NATS_URL": dead_nats,

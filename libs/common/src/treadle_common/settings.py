@@ -90,6 +90,9 @@ class Settings(BaseSettings):
     judge_api_key: str = Field(
         "", description="reward llm_judge: API key, if the endpoint needs one"
     )
+    reward_model_dir: str = Field(
+        "", description="reward reward_model: HF sequence-classifier directory"
+    )
     scorer_modules: str = Field(
         "", description="reward: comma-separated modules to import that register extra scorers"
     )

@@ -65,6 +65,31 @@ def build_tokenizer(vocab_size: int, seed: int):
     return fast
 
 
+def init_tiny_classifier(out_dir: Path | str, *, hidden_size: int = 64, seed: int = 0) -> Path:
+    """A tiny random sequence classifier (one label) with the same tokenizer: a reward model."""
+    import torch
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    out_dir = Path(out_dir)
+    tokenizer = build_tokenizer(512, seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=hidden_size,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    config.num_labels = 1
+    torch.manual_seed(seed)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    LlamaForSequenceClassification(config).save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
 def init_tiny(
     out_dir: Path | str,
     *,

@@ -67,6 +67,7 @@ def registry(extra_modules: tuple[str, ...] = ()) -> dict[str, Scorer]:
         format_regex,
         llm_judge,
         math_verify,
+        reward_model,
     )
 
     classes = dict(_BUILTIN)
