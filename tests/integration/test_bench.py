@@ -1,5 +1,5 @@
-"""`treadle bench weights` prints one JSON line: our path, the raw baseline, the ratios.
-Behaviour only (bytes and consistency); benchmarks are not timed tests."""
+"""`treadle bench ...` prints one JSON line: our path, the raw baseline, the ratio.
+Behaviour only (bytes, keys, consistency); benchmarks are not timed tests."""
 
 import json
 import subprocess
@@ -9,28 +9,23 @@ from pathlib import Path
 import pytest
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
+TREADLE = str(Path(sys.executable).parent / "treadle")
+
+
+def bench(*args: str) -> dict:
+    result = subprocess.run(
+        [TREADLE, "bench", *args, "--json"], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 1, result.stdout
+    return json.loads(lines[0])
 
 
 def test_bench_weights_json_line():
-    treadle = str(Path(sys.executable).parent / "treadle")
-    args = [
-        "bench",
-        "weights",
-        "--json",
-        "--size-mb",
-        "16",
-        "--num-tensors",
-        "8",
-        "--changed",
-        "0.25",
-        "--replicas",
-        "2",
-    ]
-    result = subprocess.run([treadle, *args], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.strip().splitlines()
-    assert len(lines) == 1
-    report = json.loads(lines[0])
+    report = bench(
+        "weights", "--size-mb", "16", "--num-tensors", "8", "--changed", "0.25", "--replicas", "2"
+    )
     for key in (
         "publish_gbps",
         "fetch_gbps",
@@ -45,36 +40,14 @@ def test_bench_weights_json_line():
 
 
 def test_bench_env_json_line():
-    treadle = str(Path(sys.executable).parent / "treadle")
-    result = subprocess.run(
-        [treadle, "bench", "env", "--json", "--sessions", "4", "--seconds", "1"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout)
+    report = bench("env", "--sessions", "4", "--seconds", "1")
     assert report["env"] == "arith" and report["sessions"] == 4
     assert report["steps_per_s"] > 0 and report["raw_grpc_rps"] > 0 and report["ratio"] > 0
     assert 0 < report["p50_ms"] <= report["p99_ms"]
 
 
 def test_bench_reward_json_line():
-    treadle = str(Path(sys.executable).parent / "treadle")
-    args = [
-        "bench",
-        "reward",
-        "--json",
-        "--requests",
-        "20",
-        "--concurrency",
-        "4",
-        "--rounds",
-        "1000",
-    ]
-    result = subprocess.run([treadle, *args], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout)
+    report = bench("reward", "--requests", "20", "--concurrency", "4", "--rounds", "1000")
     assert report["scores_per_s_1"] > 0 and report["scores_per_s_2"] > 0 and report["p99_ms"] > 0
     assert report["scaling"] == pytest.approx(
         report["scores_per_s_2"] / report["scores_per_s_1"], rel=0.01

@@ -2,6 +2,7 @@
 API of a running env-gateway; plus the gateway's answers to bad input."""
 
 import json
+import os
 import time
 
 import grpc
@@ -36,8 +37,6 @@ class Crashy(Env):
 def gateway(infra, tmp_path_factory):
     plugins = tmp_path_factory.mktemp("plugins")
     (plugins / "crashy_env.py").write_text(CRASHY_ENV)
-    import os
-
     svc = start_service(
         "env-gateway",
         infra,
@@ -197,7 +196,7 @@ async def test_bad_input_and_a_crashing_env(gateway):
     ].done  # still serving
 
 
-async def test_latency_injection_is_heavy_tailed_and_reproducible(gateway):
+async def test_latency_injection_delays_steps_and_rejects_unknown_distributions(gateway):
     client = EnvClient(gateway.grpc_addr)
     options = {"latency": {"fixed_ms": 30}}
     start = time.perf_counter()

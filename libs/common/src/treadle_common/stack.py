@@ -254,11 +254,11 @@ def prepare(
 ) -> StackSpec:
     """Start infrastructure, make sure the model exists and every service port is free."""
     state_dir = settings.state_dir.resolve()
-    if read_stack(state_dir) is not None and status(state_dir)["running"]:
-        record = read_stack(state_dir)
-        if record and alive(record["supervisor_pid"]):
+    record = read_stack(state_dir)
+    if record is not None:
+        if alive(record["supervisor_pid"]):
             raise StackError(f"a stack is already running from {state_dir} (treadle down stops it)")
-        stack_file(state_dir).unlink(missing_ok=True)
+        stack_file(state_dir).unlink(missing_ok=True)  # left by a supervisor that died
     ports = StackSpec.ports_from(base_port if base_port is not None else settings.base_port)
     for service, kinds in ports.items():
         for kind, port in kinds.items():

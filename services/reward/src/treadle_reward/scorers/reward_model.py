@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from pathlib import Path
 
 from treadle_reward.scorers.base import Score, ScoreInput, Scorer, register
@@ -66,9 +67,7 @@ class RewardModel(Scorer):
         scores = []
         for request, logit in zip(requests, logits, strict=True):
             raw = (
-                logit
-                if request.options.get("activation") == "none"
-                else 1 / (1 + pow(2.718281828459045, -logit))
+                logit if request.options.get("activation") == "none" else 1 / (1 + math.exp(-logit))
             )
             scores.append(Score(reward=raw, breakdown={"reward_model_logit": logit}))
         return scores
