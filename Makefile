@@ -1,7 +1,7 @@
 # Treadle — thin targets; the README names them.
 #   make setup   create .venv and install the whole workspace editable (idempotent)
 #   make demo    run recipes/demo.yaml on the embedded stack
-#   make test    setup + lint + proto check + the whole test suite (what CI runs)
+#   make test    setup + lint + proto check + the whole test suite, vLLM included (CI)
 #   make lint    ruff lint + format check + mypy on libs/common
 #   make bench   the `treadle bench` workloads (JSON)
 VENV ?= .venv
@@ -14,7 +14,7 @@ SERVICES := weight-store env-gateway reward rollout trainer
 STAMP := $(VENV)/.treadle-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint bench protos clean
+.PHONY: setup demo test test-vllm lint bench protos clean
 
 setup: $(STAMP)
 
@@ -39,11 +39,18 @@ protos: setup
 test: lint
 	$(PY) scripts/gen_protos.py --check
 	$(PY) scripts/run_pytest.py $(PYTEST_ARGS)
+	$(MAKE) test-vllm
+
+# the vLLM engine, for real on CPU, in its own venv (scripts/setup_vllm.sh builds it)
+test-vllm:
+	scripts/setup_vllm.sh
+	.venv-vllm/bin/python scripts/run_pytest.py tests/vllm -m vllm -p no:cacheprovider
 
 bench: setup
 	$(VENV)/bin/treadle bench weights --json
 	$(VENV)/bin/treadle bench env --json
 	$(VENV)/bin/treadle bench reward --json
+	$(VENV)/bin/treadle bench rollout --json
 
 clean:
-	rm -rf $(VENV) .treadle
+	rm -rf $(VENV) .venv-vllm .treadle

@@ -7,7 +7,7 @@ treadle down                     stop everything `up` started
 treadle run RECIPE [--set a=b]   run a recipe on the stack (starting one if none runs)
 treadle model init-tiny DIR      build the tiny local HF model
 treadle weights list|export       inspect / export weight-store versions as HF directories
-treadle bench weights|env|reward [--json]   weight sync: weight-store (full, delta) vs safetensors
+treadle bench weights|env|reward|rollout [--json]   our path vs a raw baseline, as JSON
 """
 
 from __future__ import annotations
@@ -289,6 +289,21 @@ def bench_reward(
     from benchmarks import reward
 
     print(json.dumps(reward.run(requests, concurrency, rounds), indent=None if as_json else 2))
+
+
+@bench_app.command("rollout")
+def bench_rollout(
+    prompts: Annotated[int, typer.Option(help="Concurrent requests per round")] = 32,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens generated per request")] = 32,
+    rounds: Annotated[int, typer.Option(help="Measured rounds per side")] = 3,
+    swaps: Annotated[int, typer.Option(help="Weight versions published under load")] = 5,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
+) -> None:
+    """Generation through the rollout service (hf engine) vs the same engine in-process."""
+    from benchmarks import rollout
+
+    result = rollout.run(prompts, max_new_tokens, rounds, swaps)
+    print(json.dumps(result, indent=None if as_json else 2))
 
 
 def main() -> None:

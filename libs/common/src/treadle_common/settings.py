@@ -80,6 +80,23 @@ class Settings(BaseSettings):
     rollout_model: Path | None = Field(None, description="HF model directory rollout serves")
     rollout_model_name: str | None = Field(None, description="weight-store name of that model")
     rollout_max_concurrent_tasks: int = Field(8, ge=1, description="Tasks in flight per replica")
+    rollout_engine: Literal["hf", "vllm"] = Field(
+        "hf", description="rollout engine: hf (transformers) or vllm (needs .venv-vllm)"
+    )
+    rollout_swap_policy: Literal["continue", "abort"] = Field(
+        "continue",
+        description="In-flight sequences at a weight swap: continue with new weights, or abort "
+        "and regenerate the turn",
+    )
+    rollout_max_batch: int = Field(64, ge=1, description="rollout hf: sequences per decode step")
+    rollout_max_context: int | None = Field(
+        None, ge=16, description="rollout: context length (default: the model's)"
+    )
+    rollout_vllm_dtype: str = Field("auto", description="rollout vllm: dtype (float32 on CPU)")
+    rollout_vllm_kv_cache_gb: int = Field(1, ge=1, description="rollout vllm: CPU KV cache")
+    rollout_session_ttl_s: float = Field(
+        3600.0, gt=0, description="rollout: idle recorded OpenAI-API sessions expire after"
+    )
     reward_timeout_s: float = Field(30.0, gt=0, description="Reward request-reply timeout")
     reward_max_concurrency: int = Field(64, ge=1, description="reward: requests per scorer at once")
     reward_cache_size: int = Field(10_000, ge=0, description="reward: cached deterministic scores")

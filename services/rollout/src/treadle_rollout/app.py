@@ -1,17 +1,19 @@
-"""Rollout service: the policy engine, episodes, live weight swaps.
+"""Rollout service: the policy engine, episodes, live weight swaps, the OpenAI-compatible API.
 
-Redis tasks --TaskWorker--> EpisodeRunner --generate--> Engine (hf)
+Redis tasks --TaskWorker--> EpisodeRunner --generate--> Engine (hf | vllm)
                                  |--create/step (gRPC)--> env-gateway
                                  |--score (NATS req/reply)--> reward
                                  '--trajectory--> Redis trajectories
 NATS treadle.weights.{model} --WeightSync--fetch delta (gRPC)--> weight-store --> Engine swap
-gRPC Generation.Generate / HTTP /v1/info, /v1/swaps
+gRPC Generation.Generate / HTTP /v1/info, /v1/swaps, OpenAI /v1/chat/completions, ...
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
+
+import grpc
 
 from treadle_common.clients.env import EnvClient
 from treadle_common.clients.reward import RewardClient
@@ -20,7 +22,8 @@ from treadle_common.proto.treadle.v1 import generation_pb2 as gpb
 from treadle_common.proto.treadle.v1 import generation_pb2_grpc
 from treadle_common.service import ServiceRuntime
 from treadle_common.settings import Settings
-from treadle_rollout.engines.base import Engine, Sampling
+from treadle_rollout import metrics, openai_api
+from treadle_rollout.engines.base import ContextOverflow, Engine, Sampling
 from treadle_rollout.engines.hf import HFEngine
 from treadle_rollout.episodes import EpisodeRunner
 from treadle_rollout.weight_sync import WeightSync
@@ -34,9 +37,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Generate(self, request: gpb.GenerateRequest, context):
         s = request.sampling
         sampling = Sampling(
-            temperature=s.temperature, top_p=s.top_p or 1.0, max_new_tokens=s.max_new_tokens or 16
+            temperature=s.temperature,
+            top_p=s.top_p or 1.0,
+            max_new_tokens=s.max_new_tokens or 16,
+            seed=s.seed or None,  # proto3: 0 = unseeded
         )
-        gen = await self.engine.generate(list(request.prompt_tokens), sampling)
+        try:
+            gen = await self.engine.generate(list(request.prompt_tokens), sampling)
+        except ContextOverflow as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return gpb.GenerateResult(
             request_id=request.request_id,
             tokens=gen.tokens,
@@ -46,36 +55,78 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         )
 
 
+async def build_engine(settings: Settings, model_dir: Path, model_name: str) -> Engine:
+    if settings.rollout_engine == "vllm":
+        from treadle_rollout.engines.vllm import VLLMEngine
+
+        engine = VLLMEngine(
+            model_dir,
+            model_name,
+            swap_policy=settings.rollout_swap_policy,
+            max_context=settings.rollout_max_context or 2048,
+            kv_cache_gb=settings.rollout_vllm_kv_cache_gb,
+            dtype=settings.rollout_vllm_dtype,
+        )
+        await engine.start()
+        return engine
+    return HFEngine(
+        model_dir,
+        model_name,
+        swap_policy=settings.rollout_swap_policy,
+        max_batch=settings.rollout_max_batch,
+        max_context=settings.rollout_max_context,
+    )
+
+
 async def main(settings: Settings) -> None:
     if settings.rollout_model is None:
         raise SystemExit("rollout needs TREADLE_ROLLOUT_MODEL (an HF model directory)")
     model_dir = Path(settings.rollout_model)
     model_name = settings.rollout_model_name or model_dir.name
     runtime = ServiceRuntime(SERVICE, settings, uses_redis=True)
-    engine = HFEngine(model_dir, model_name)
+    engine = await build_engine(settings, model_dir, model_name)
     store = WeightStoreClient(settings.weight_store_addr)
     env = EnvClient(settings.env_gateway_addr)
     sync = WeightSync(engine, store)
     server = runtime.make_grpc_server()
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(engine), server)
+    frontend = openai_api.OpenAIFrontend(
+        engine,
+        openai_api.SessionRecorder(engine.tokenizer, ttl_s=settings.rollout_session_ttl_s),
+    )
+    openai_api.mount(runtime.app, frontend)
 
     async def env_check() -> None:
         await env.list_envs()
 
+    async def weights_check() -> None:
+        """Unreachable weight-store: the old version keeps serving, readiness says so."""
+        await store.list_versions(model_name)
+
     runtime.add_check("env-gateway", env_check)
+    runtime.add_check("weight-store", weights_check)
     holder: dict[str, TaskWorker] = {}
 
     def info() -> dict:
         worker = holder.get("worker")
+        metrics.ENGINE_RUNNING.set(engine.running)
         return {
             "model": model_name,
             "model_dir": str(model_dir.resolve()),
-            "engine": "hf",
+            "engine": engine.name,
+            "swap_policy": settings.rollout_swap_policy,
             "policy_version": engine.version,
+            "version_lag": sync.version_lag,
+            "weight_sync_error": sync.last_error,
             "swaps": len(sync.swaps),
             "last_swap": asdict(sync.swaps[-1]) if sync.swaps else None,
+            "engine_requests": engine.running,
+            "engine_busy_fraction": round(engine.busy_fraction(), 4),
             "tasks_done": worker.tasks_done if worker else 0,
+            "tasks_invalid": worker.invalid_tasks if worker else 0,
+            "admission_waits": worker.admission_waits if worker else 0,
             "trajectories_pushed": worker.trajectories_pushed if worker else 0,
+            "recorded_sessions": len(frontend.recorder.sessions),
         }
 
     runtime.set_info(info)
@@ -86,13 +137,9 @@ async def main(settings: Settings) -> None:
 
     async def work() -> None:
         nc = await runtime.wait_nats()
-        runner = EpisodeRunner(
-            engine,
-            engine.tokenizer,
-            env,
-            RewardClient(nc, settings.reward_timeout_s),
-            settings.instance,
-        )
+        reward = RewardClient(nc, settings.reward_timeout_s)
+        frontend.redis, frontend.reward = runtime.redis, reward
+        runner = EpisodeRunner(engine, engine.tokenizer, env, reward, settings.instance)
         worker = TaskWorker(
             runtime.redis,
             runner,
@@ -107,4 +154,7 @@ async def main(settings: Settings) -> None:
     async def weights() -> None:
         await sync.run(await runtime.wait_nats())
 
-    await runtime.serve(work(), weights())
+    try:
+        await runtime.serve(work(), weights())
+    finally:
+        await engine.close()

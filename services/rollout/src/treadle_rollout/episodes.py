@@ -1,10 +1,7 @@
 """One episode: chat-templated turns against the env-gateway, scored by the reward service.
 
-Token bookkeeping is exact: the trajectory's tokens are exactly the tokens the engine saw
-and produced. Generated tokens get loss_mask 1, their behaviour logprob and the policy
-version that produced them; prompt and env tokens get mask 0. Each new env turn is
-tokenized as the text the chat template adds after the previous turn, so earlier tokens are
-never re-tokenized.
+Token bookkeeping is exact (see `transcript.py`): the trajectory's tokens are exactly the
+tokens the engine saw and produced.
 """
 
 from __future__ import annotations
@@ -12,7 +9,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
 
 import grpc
 
@@ -20,32 +16,9 @@ from treadle_common.clients.env import EnvClient
 from treadle_common.clients.reward import RewardClient
 from treadle_common.proto.treadle.v1 import reward_pb2, task_pb2
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
-from treadle_rollout.engines.base import Engine, Sampling
-
-
-@dataclass
-class Transcript:
-    """Token-exact record of one episode as it is built."""
-
-    tokens: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    messages: list[dict] = field(default_factory=list)
-    text: str = ""
-    """The text the tokens stand for (the chat template's rendering so far)."""
-
-    def add_context(self, tokens: list[int]) -> None:
-        self.tokens += tokens
-        self.loss_mask += [0] * len(tokens)
-        self.logprobs += [0.0] * len(tokens)
-        self.versions += [-1] * len(tokens)
-
-    def add_generated(self, tokens: list[int], logprobs: list[float], versions: list[int]) -> None:
-        self.tokens += tokens
-        self.loss_mask += [1] * len(tokens)
-        self.logprobs += logprobs
-        self.versions += versions
+from treadle_rollout import metrics
+from treadle_rollout.engines.base import ContextOverflow, Engine, Sampling
+from treadle_rollout.transcript import TemplateNotPrefixStable, Transcript
 
 
 class EpisodeRunner:
@@ -58,24 +31,17 @@ class EpisodeRunner:
         self.reward = reward
         self.replica = replica
 
-    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
-
-    def _encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    def _append_observation(self, t: Transcript, observation) -> None:
-        """Append env messages and the next generation prompt as context tokens."""
-        t.messages += [{"role": m.role, "content": m.content} for m in observation.messages]
-        after = self._render(t.messages, add_generation_prompt=True)
-        if not after.startswith(t.text):
-            raise _EngineFailure("chat template is not prefix-stable; cannot keep tokens exact")
-        t.add_context(self._encode(after[len(t.text) :]))
-        t.text = after
-
     async def run(self, task: task_pb2.Task, sample_index: int) -> tpb.Trajectory:
+        metrics.EPISODES_IN_FLIGHT.inc()
+        try:
+            traj = await self._run(task, sample_index)
+        finally:
+            metrics.EPISODES_IN_FLIGHT.dec()
+        for phase in ("queue", "generate", "env", "reward", "total"):
+            metrics.PHASE.labels(phase).observe(getattr(traj.timings, f"{phase}_s"))
+        return traj
+
+    async def _run(self, task: task_pb2.Task, sample_index: int) -> tpb.Trajectory:
         started = time.time()
         traj = tpb.Trajectory(
             trajectory_id=uuid.uuid4().hex,
@@ -87,7 +53,7 @@ class EpisodeRunner:
             rollout_replica=self.replica,
         )
         traj.timings.queue_s = max(0.0, started - task.created_at)
-        t = Transcript()
+        t = Transcript(self.tokenizer)
         try:
             info = await self._play(task, sample_index, t, traj)
         except grpc.aio.AioRpcError as exc:
@@ -102,7 +68,7 @@ class EpisodeRunner:
             return _failed(traj, t, tpb.TRAJECTORY_STATUS_SANDBOX_ERROR, str(exc), started)
         except _EnvFailure as exc:
             return _failed(traj, t, tpb.TRAJECTORY_STATUS_ENV_ERROR, str(exc), started)
-        except _EngineFailure as exc:
+        except (_EngineFailure, TemplateNotPrefixStable) as exc:
             return _failed(traj, t, tpb.TRAJECTORY_STATUS_ENGINE_ERROR, str(exc), started)
         reward_start = time.time()
         answer = (
@@ -151,18 +117,19 @@ class EpisodeRunner:
         )
         info: dict = {}
         try:
-            self._append_observation(t, session.observation)
+            t.add_messages(_messages(session.observation))
             for turn in range(max(1, task.max_turns)):
                 gen_start = time.time()
                 try:
                     gen = await self.engine.generate(t.tokens, sampling)
+                except ContextOverflow as exc:  # the context is full: the episode ends here
+                    traj.status = tpb.TRAJECTORY_STATUS_TRUNCATED
+                    traj.error = str(exc)
+                    break
                 except Exception as exc:  # the engine's failure becomes a trajectory status
                     raise _EngineFailure(f"{type(exc).__name__}: {exc}") from exc
                 traj.timings.generate_s += time.time() - gen_start
-                t.add_generated(gen.tokens, gen.logprobs, gen.versions)
-                t.text += self.tokenizer.decode(gen.tokens, skip_special_tokens=False)
-                text = self.tokenizer.decode(gen.tokens, skip_special_tokens=True)
-                t.messages.append({"role": "assistant", "content": text})
+                text = t.add_generation(gen)
                 traj.num_turns = turn + 1
                 env_start = time.time()
                 step = await self.env.step(session.session_id, text)
@@ -174,10 +141,8 @@ class EpisodeRunner:
                 info = json.loads(step.info_json or "{}")
                 if step.done:
                     break
-                if gen.finish_reason != "stop":  # close the assistant turn before the env's reply
-                    t.add_context([self.tokenizer.eos_token_id])
-                    t.text += self.tokenizer.eos_token
-                self._append_observation(t, step.observation)
+                t.close_turn(gen)  # before the env's reply
+                t.add_messages(_messages(step.observation))
             else:
                 traj.status = tpb.TRAJECTORY_STATUS_TRUNCATED
         finally:
@@ -197,11 +162,12 @@ class _SandboxFailure(RuntimeError):
     pass
 
 
+def _messages(observation) -> list[dict]:
+    return [{"role": m.role, "content": m.content} for m in observation.messages]
+
+
 def _fill(traj: tpb.Trajectory, t: Transcript, started: float) -> None:
-    traj.tokens.extend(t.tokens)
-    traj.loss_mask.extend(t.loss_mask)
-    traj.logprobs.extend(t.logprobs)
-    traj.token_versions.extend(t.versions)
+    t.fill(traj)
     traj.timings.total_s = time.time() - started
 
 

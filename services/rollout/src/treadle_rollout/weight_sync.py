@@ -1,7 +1,9 @@
 """Live weight updates: announcements on NATS -> delta fetch from the weight-store -> swap.
 
 Only the chunks the engine does not hold travel. The swap happens at the engine's pause
-point (between generations); every swap's pause is recorded.
+point (between decode steps); every swap's pause is recorded. When the weight-store cannot
+be reached the engine keeps serving the version it has; `last_error` says why (and the
+service's `/readyz` reports it).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from nats.aio.client import Client as NATS
 from treadle_common.clients.weights import WeightStoreClient, watch
 from treadle_common.logs import get_logger
 from treadle_common.proto.treadle.v1 import weights_pb2 as pb
+from treadle_rollout import metrics
 from treadle_rollout.engines.base import Engine
 
 log = get_logger(__name__)
@@ -37,9 +40,15 @@ class WeightSync:
         self._latest_announced = -1
         self._wake = asyncio.Event()
         self._swapped = asyncio.Condition()
+        self.last_error: str | None = None
+
+    @property
+    def version_lag(self) -> int:
+        return max(0, self._latest_announced - self.engine.version)
 
     async def on_announcement(self, ann: pb.WeightAnnouncement) -> None:
         self._latest_announced = max(self._latest_announced, ann.version)
+        metrics.VERSION_LAG.set(self.version_lag)
         self._wake.set()
 
     async def run(self, nc: NATS) -> None:
@@ -53,6 +62,7 @@ class WeightSync:
             try:
                 await self.update_to(target)
             except Exception as exc:  # keep serving the old weights; retry shortly
+                self.last_error = f"update to version {target} failed: {exc!r}"
                 log.error("weight update failed", version=target, error=repr(exc))
                 await asyncio.sleep(1.0)
                 self._wake.set()
@@ -66,21 +76,30 @@ class WeightSync:
         async with self._swapped:
             await self._swapped.wait_for(lambda: self.engine.version >= version)
 
+    async def wait_for_newer(self, version: int, timeout_s: float) -> bool:
+        """Wait (at most `timeout_s`) until the engine holds a version newer than `version`."""
+        async with self._swapped:
+            try:
+                await asyncio.wait_for(
+                    self._swapped.wait_for(lambda: self.engine.version > version), timeout_s
+                )
+            except TimeoutError:
+                return False
+        return True
+
     async def update_to(self, version: int) -> SwapRecord:
-        start = time.perf_counter()
-        fetched = await self.store.fetch(
-            self.engine.model_name, version, have=self.engine.held_chunks(), skip_assets=True
-        )
-        fetch_s = time.perf_counter() - start
-        pause_s = await self.engine.update_weights(fetched)
-        record = SwapRecord(version, pause_s, fetch_s, fetched.bytes_received)
+        stats = await self.engine.update_to(self.store, version)
+        record = SwapRecord(stats.version, stats.pause_s, stats.fetch_s, stats.bytes_fetched)
         self.swaps.append(record)
+        self.last_error = None
+        metrics.SWAP_PAUSE.observe(stats.pause_s)
+        metrics.VERSION_LAG.set(self.version_lag)
         async with self._swapped:
             self._swapped.notify_all()
         log.info(
             "weights swapped",
-            version=version,
-            pause_ms=round(pause_s * 1e3, 2),
-            fetched_mb=round(fetched.bytes_received / 2**20, 3),
+            version=stats.version,
+            pause_ms=round(stats.pause_s * 1e3, 2),
+            fetched_mb=round(stats.bytes_fetched / 2**20, 3),
         )
         return record

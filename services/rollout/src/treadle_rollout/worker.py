@@ -1,7 +1,10 @@
 """Task worker: Redis tasks in, a group of episodes per task, trajectories out.
 
     treadle:runs (set) -> for each active run: XREADGROUP treadle:{run}:tasks (group `rollout`)
-      -> wait for the task's minimum policy version -> group_size episodes concurrently
+      -> validate (a malformed task is acked and counted as invalid, with its reason)
+      -> wait for the task's minimum policy version
+      -> staleness admission (shared Redis bound; a refused group waits for a newer version)
+      -> group_size episodes concurrently
       -> MULTI: XADD each trajectory to treadle:{run}:trajectories + count them -> EXEC
       -> XACK the task (only now: its trajectories are durable in Redis)
 
@@ -11,18 +14,42 @@ Tasks left pending by a dead replica are reclaimed after `reclaim_idle_ms`.
 from __future__ import annotations
 
 import asyncio
+import json
 
 import redis.asyncio as aioredis
 
-from treadle_common import metrics, names
+from treadle_common import admission, metrics, names
 from treadle_common.clients import streams
 from treadle_common.logs import get_logger
 from treadle_common.proto.treadle.v1 import task_pb2
+from treadle_rollout import metrics as rollout_metrics
 from treadle_rollout.episodes import EpisodeRunner
 from treadle_rollout.weight_sync import WeightSync
 
 log = get_logger(__name__)
 SERVICE = "rollout"
+MAX_GROUP_SIZE = 1024
+
+
+def invalid_reason(task: task_pb2.Task | streams.InvalidEntry) -> str | None:
+    """Why a task cannot be played, or None if it can."""
+    if isinstance(task, streams.InvalidEntry):
+        return task.reason
+    for name in ("task_id", "run_id", "env", "scorer"):
+        if not getattr(task, name):
+            return f"task has no {name}"
+    if not 1 <= task.group_size <= MAX_GROUP_SIZE:
+        return f"group_size {task.group_size} is not in 1..{MAX_GROUP_SIZE}"
+    try:
+        payload = json.loads(task.payload_json or "{}")
+    except json.JSONDecodeError as exc:
+        return f"payload_json is not JSON: {exc}"
+    if not isinstance(payload, dict):
+        return "payload_json is not a JSON object"
+    s = task.sampling
+    if s.temperature < 0 or not 0 <= s.top_p <= 1 or s.max_new_tokens < 0:
+        return "sampling parameters out of range"
+    return None
 
 
 class TaskWorker:
@@ -45,6 +72,8 @@ class TaskWorker:
         self.stopping = False
         self.tasks_done = 0
         self.trajectories_pushed = 0
+        self.invalid_tasks = 0
+        self.admission_waits = 0
         self._groups: set[str] = set()
 
     async def active_streams(self) -> list[str]:
@@ -85,17 +114,25 @@ class TaskWorker:
                 count=1,
                 block_ms=500,
             )
-            for stream, entry_id, task in entries:
+            for stream, entry_id, task in entries:  # task may be an InvalidEntry
                 await self.slots.acquire()
                 job = asyncio.create_task(self._run_task(stream, entry_id, task))
                 self.in_flight.add(job)
                 job.add_done_callback(self.in_flight.discard)
 
-    async def _run_task(self, stream: str, entry_id: str, task: task_pb2.Task) -> None:
+    async def _run_task(
+        self, stream: str, entry_id: str, task: task_pb2.Task | streams.InvalidEntry
+    ) -> None:
         try:
+            reason = invalid_reason(task)
+            if reason is not None:
+                await self._reject(stream, entry_id, reason)
+                return
+            assert isinstance(task, task_pb2.Task)
             await self.sync.ensure_version(task.min_policy_version)
+            await self._admit(task)
             group = await asyncio.gather(
-                *(self.runner.run(task, i) for i in range(max(1, task.group_size)))
+                *(self.runner.run(task, i) for i in range(task.group_size))
             )
             async with self.r.pipeline(transaction=True) as pipe:
                 for traj in group:
@@ -107,9 +144,31 @@ class TaskWorker:
             self.trajectories_pushed += len(group)
         except Exception as exc:  # the task stays pending and is retried (reclaimed)
             metrics.DROPPED.labels(SERVICE, "task_attempt", type(exc).__name__).inc()
-            log.error("task failed; left pending for retry", task=task.task_id, error=repr(exc))
+            log.error("task failed; left pending for retry", entry=entry_id, error=repr(exc))
         finally:
             self.slots.release()
+
+    async def _reject(self, stream: str, entry_id: str, reason: str) -> None:
+        self.invalid_tasks += 1
+        metrics.DROPPED.labels(SERVICE, "task", "invalid").inc()
+        log.warning("invalid task acked", entry=entry_id, reason=reason)
+        run = stream.split(":")[1]
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.hincrby(names.run_state(run), "tasks_invalid", 1)
+            pipe.hset(names.run_state(run), "last_invalid_task", f"{entry_id}: {reason}")
+            pipe.xack(stream, names.ROLLOUT_GROUP, entry_id)
+            await pipe.execute()
+
+    async def _admit(self, task: task_pb2.Task) -> None:
+        """Wait until the run's staleness bound lets this group start."""
+        while True:
+            version = self.sync.engine.version
+            decision = await admission.admit(self.r, task.run_id, task.task_id, version)
+            if decision.admitted:
+                return
+            self.admission_waits += 1
+            rollout_metrics.ADMISSION_WAITS.inc()
+            await self.sync.wait_for_newer(version, timeout_s=2.0)
 
     async def drain(self) -> None:
         """Stop taking tasks; finish the ones in flight (their trajectories land, then ack)."""

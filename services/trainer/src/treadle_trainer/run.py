@@ -241,6 +241,11 @@ class RunOwner:
                 block_ms=1000,
             )
             for _, entry_id, traj in batch:
+                if isinstance(traj, streams.InvalidEntry):
+                    self._count_drop("invalid_entry")
+                    log.warning("invalid trajectory acked", entry=entry_id, reason=traj.reason)
+                    await self.r.xack(stream, names.TRAINER_GROUP, entry_id)
+                    continue
                 if traj.trajectory_id in self._seen:
                     self.status.duplicates += 1
                     await self.r.xack(stream, names.TRAINER_GROUP, entry_id)
@@ -257,10 +262,13 @@ class RunOwner:
             if reason is None:
                 kept.append(t)
                 continue
-            self._dropped[reason] += 1
-            metrics.DROPPED.labels(SERVICE, "trajectory", reason).inc()
-        self.status.dropped = dict(self._dropped)
+            self._count_drop(reason)
         return kept
+
+    def _count_drop(self, reason: str) -> None:
+        self._dropped[reason] += 1
+        metrics.DROPPED.labels(SERVICE, "trajectory", reason).inc()
+        self.status.dropped = dict(self._dropped)
 
     async def _final_counts(self) -> None:
         state = await self.r.hgetall(names.run_state(self.config.run_id))

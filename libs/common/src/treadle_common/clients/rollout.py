@@ -16,10 +16,15 @@ class GenerationClient:
         await self.channel.close()
 
     async def generate(
-        self, prompt_tokens: list[int], max_new_tokens: int = 16, temperature: float = 1.0
+        self,
+        prompt_tokens: list[int],
+        max_new_tokens: int = 16,
+        temperature: float = 1.0,
+        seed: int = 0,
     ) -> generation_pb2.GenerateResult:
+        """Generate; `seed` 0 means unseeded."""
         sampling = common_pb2.SamplingParams(
-            temperature=temperature, top_p=1.0, max_new_tokens=max_new_tokens
+            temperature=temperature, top_p=1.0, max_new_tokens=max_new_tokens, seed=seed
         )
         request = generation_pb2.GenerateRequest(prompt_tokens=prompt_tokens, sampling=sampling)
         return await self.stub.Generate(request, timeout=120)

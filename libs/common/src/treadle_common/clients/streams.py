@@ -7,10 +7,11 @@ reclaimed with XAUTOCLAIM after `min_idle_ms`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 from redis.exceptions import ResponseError
 
 from treadle_common.names import STREAM_FIELD
@@ -31,9 +32,22 @@ async def add(r: aioredis.Redis | aioredis.client.Pipeline, stream: str, message
     return await r.xadd(stream, {STREAM_FIELD: message.SerializeToString()})
 
 
-def decode(entry_fields: dict, cls: type[M]) -> M:
+@dataclass(frozen=True)
+class InvalidEntry:
+    """An entry that is not a valid message: consumers ack it and count `reason`."""
+
+    reason: str
+
+
+def decode(entry_fields: dict, cls: type[M]) -> M | InvalidEntry:
+    raw = entry_fields.get(STREAM_FIELD.encode())
+    if raw is None:
+        return InvalidEntry(f"entry has no {STREAM_FIELD!r} field")
     message = cls()
-    message.ParseFromString(entry_fields[STREAM_FIELD.encode()])
+    try:
+        message.ParseFromString(raw)
+    except DecodeError as exc:
+        return InvalidEntry(f"not a {cls.__name__} protobuf: {exc}")
     return message
 
 
@@ -46,7 +60,7 @@ async def read_group(
     *,
     count: int = 16,
     block_ms: int = 1000,
-) -> list[tuple[str, str, M]]:
+) -> list[tuple[str, str, M | InvalidEntry]]:
     """New entries for this consumer: (stream, entry id, message)."""
     if not streams:
         return []
@@ -69,7 +83,7 @@ async def reclaim(
     *,
     min_idle_ms: int,
     count: int = 16,
-) -> list[tuple[str, str, M]]:
+) -> list[tuple[str, str, M | InvalidEntry]]:
     """Take over entries idle longer than `min_idle_ms` (their consumer died)."""
     reply: Any = await r.xautoclaim(stream, group, consumer, min_idle_ms, "0-0", count=count)
     entries = reply[1]  # redis 7 appends a third element (deleted ids); 6.2 does not
@@ -78,7 +92,7 @@ async def reclaim(
 
 async def pending_own(
     r: aioredis.Redis, stream: str, group: str, consumer: str, cls: type[M], count: int = 1000
-) -> list[tuple[str, str, M]]:
+) -> list[tuple[str, str, M | InvalidEntry]]:
     """Entries already delivered to this consumer and not acked (replay after a restart)."""
     reply: Any = await r.xreadgroup(group, consumer, {stream: "0"}, count=count)
     out = []

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from typing import Any
 
-from treadle_common.clients.weights import FetchResult
+from treadle_common.clients.weights import WeightStoreClient
 
 
 @dataclass
@@ -28,8 +29,25 @@ class Generation:
     """`stop` (end-of-turn token) or `length`."""
 
 
+@dataclass
+class SwapStats:
+    version: int
+    pause_s: float
+    """How long generation was stopped for the swap."""
+    fetch_s: float
+    bytes_fetched: int
+
+
+class ContextOverflow(ValueError):
+    """The prompt does not fit in the model's context: the episode is truncated, not failed."""
+
+
 class Engine(abc.ABC):
+    name: str
+    """Backend name (`hf`, `vllm`, `openai`)."""
     model_name: str
+    tokenizer: Any
+    """The model's HF tokenizer (chat template, eos)."""
     version: int = 0
     """Weight-store version of the weights currently loaded (0 = the base model)."""
 
@@ -38,9 +56,22 @@ class Engine(abc.ABC):
         """Sample a continuation of `prompt_tokens`."""
 
     @abc.abstractmethod
-    async def update_weights(self, fetched: FetchResult) -> float:
-        """Apply a fetched version at a safe point; return the generation pause in seconds."""
+    async def update_to(self, store: WeightStoreClient, version: int) -> SwapStats:
+        """Fetch `version` from the weight-store (only chunks not held) and apply it at the
+        engine's pause point."""
 
     @abc.abstractmethod
     def held_chunks(self) -> set[str]:
         """Chunk hashes of the loaded weights (what a delta fetch can skip)."""
+
+    @property
+    def running(self) -> int:
+        """Requests in the engine (running or waiting)."""
+        return 0
+
+    def busy_fraction(self) -> float:
+        """Fraction of wall time spent computing since start."""
+        return 0.0
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the engine's resources."""

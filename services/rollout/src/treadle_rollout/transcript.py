@@ -1,0 +1,84 @@
+"""Token-exact chat transcripts, shared by env episodes and recorded OpenAI-API sessions.
+
+The trajectory's tokens are exactly the tokens the engine saw and produced. Generated tokens
+get loss_mask 1, their behaviour logprob and the policy version that produced them; prompt,
+env and user tokens get mask 0 and version -1. New messages are tokenized as the text the
+chat template adds after what is already recorded, so earlier tokens are never re-tokenized.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
+from treadle_rollout.engines.base import Generation
+
+
+class TemplateNotPrefixStable(RuntimeError):
+    """The chat template rendered earlier turns differently: tokens cannot stay exact."""
+
+
+@dataclass
+class Transcript:
+    tokenizer: object
+    tokens: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    messages: list[dict] = field(default_factory=list)
+    text: str = ""
+    """The text the tokens stand for (the chat template's rendering so far)."""
+
+    def render(self, messages: list[dict]) -> str:
+        return self.tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+            messages, tokenize=False, add_generation_prompt=True
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]  # type: ignore[operator]
+
+    def add_context(self, tokens: list[int]) -> None:
+        self.tokens += tokens
+        self.loss_mask += [0] * len(tokens)
+        self.logprobs += [0.0] * len(tokens)
+        self.versions += [-1] * len(tokens)
+
+    def set_messages(self, messages: list[dict]) -> None:
+        """The conversation is now `messages` (what is recorded, plus new turns); append the
+        new turns and the generation prompt as context tokens."""
+        after = self.render(messages)
+        if not after.startswith(self.text):
+            raise TemplateNotPrefixStable(
+                "the conversation no longer starts with the recorded turns; tokens cannot stay "
+                "exact"
+            )
+        self.add_context(self.encode(after[len(self.text) :]))
+        self.text = after
+        self.messages = list(messages)
+
+    def add_messages(self, messages: list[dict]) -> None:
+        self.set_messages([*self.messages, *messages])
+
+    def add_generation(self, gen: Generation) -> str:
+        """Record a generated turn; return the assistant text (special tokens removed)."""
+        self.tokens += gen.tokens
+        self.loss_mask += [1] * len(gen.tokens)
+        self.logprobs += gen.logprobs
+        self.versions += gen.versions
+        self.text += self.tokenizer.decode(gen.tokens, skip_special_tokens=False)  # type: ignore[attr-defined]
+        content = self.tokenizer.decode(gen.tokens, skip_special_tokens=True)  # type: ignore[attr-defined]
+        self.messages.append({"role": "assistant", "content": content})
+        return content
+
+    def close_turn(self, gen: Generation) -> None:
+        """End an assistant turn cut at the token limit with the end-of-turn token."""
+        if gen.finish_reason != "stop":
+            eos = self.tokenizer.eos_token_id  # type: ignore[attr-defined]
+            self.add_context([eos])
+            self.text += self.tokenizer.eos_token  # type: ignore[attr-defined]
+
+    def fill(self, traj: tpb.Trajectory) -> None:
+        traj.tokens.extend(self.tokens)
+        traj.loss_mask.extend(self.loss_mask)
+        traj.logprobs.extend(self.logprobs)
+        traj.token_versions.extend(self.versions)

