@@ -8,10 +8,18 @@ import sys
 
 import pytest
 
-args = sys.argv[1:]
-code = pytest.main(args)
-if code == pytest.ExitCode.NO_TESTS_COLLECTED:
-    selected = "-m" in args or "-k" in args
-    print(f"pytest collected no tests{' for this selection' if selected else ''}", file=sys.stderr)
-    code = 0 if selected else 1
-sys.exit(int(code))
+
+def main() -> int:
+    args = sys.argv[1:]
+    code = pytest.main(args)
+    if code == pytest.ExitCode.NO_TESTS_COLLECTED:
+        selected = "-m" in args or "-k" in args
+        where = " for this selection" if selected else ""
+        print(f"pytest collected no tests{where}", file=sys.stderr)
+        code = 0 if selected else 1
+    return int(code)
+
+
+# guarded: vLLM starts its engine with multiprocessing `spawn`, which re-imports __main__
+if __name__ == "__main__":
+    sys.exit(main())

@@ -166,3 +166,25 @@ async def test_malformed_tasks_are_acked_and_counted(redis_client):
     assert pending["pending"] == 0
     state = await redis_client.hgetall(names.run_state(run))
     assert int(state[b"tasks_invalid"]) == 2 and b"task has no env" in state[b"last_invalid_task"]
+
+
+async def test_openai_engine_is_token_exact_against_an_openai_compatible_server(
+    openai_server, tiny_model
+):
+    """The `openai` engine driving a Treadle rollout's /v1/completions: same tokens, and
+    logprobs that match the served model."""
+    from tests.reference import teacher_forced_logprobs
+    from treadle_rollout.engines.base import Sampling
+    from treadle_rollout.engines.openai import OpenAIEngine
+
+    client, served = openai_server
+    engine = OpenAIEngine(tiny_model, "tiny", base_url=str(client.base_url))
+    prompt = served.tokenizer("3+4= what is the answer", add_special_tokens=False)["input_ids"]
+    gen = await engine.generate(prompt, Sampling(1.0, 1.0, 8, seed=5))
+    direct = await served.generate(prompt, Sampling(1.0, 1.0, 8, seed=5))
+    assert gen.tokens == direct.tokens and gen.finish_reason == direct.finish_reason
+    reference = teacher_forced_logprobs(served.model, prompt, gen.tokens)
+    assert gen.logprobs == pytest.approx(reference, abs=1e-4)
+    with pytest.raises(NotImplementedError):
+        await engine.update_to(None, 1)  # type: ignore[arg-type]
+    await engine.close()

@@ -80,9 +80,14 @@ class Settings(BaseSettings):
     rollout_model: Path | None = Field(None, description="HF model directory rollout serves")
     rollout_model_name: str | None = Field(None, description="weight-store name of that model")
     rollout_max_concurrent_tasks: int = Field(8, ge=1, description="Tasks in flight per replica")
-    rollout_engine: Literal["hf", "vllm"] = Field(
-        "hf", description="rollout engine: hf (transformers) or vllm (needs .venv-vllm)"
+    rollout_engine: Literal["hf", "vllm", "openai"] = Field(
+        "hf",
+        description="rollout engine: hf (transformers), vllm (needs .venv-vllm) or openai "
+        "(an OpenAI-compatible server; fixed policy)",
     )
+    rollout_openai_base_url: str = Field("", description="rollout openai: server base URL (…/v1)")
+    rollout_openai_model: str = Field("", description="rollout openai: served model name")
+    rollout_openai_api_key: str = Field("", description="rollout openai: API key, if needed")
     rollout_swap_policy: Literal["continue", "abort"] = Field(
         "continue",
         description="In-flight sequences at a weight swap: continue with new weights, or abort "

@@ -69,6 +69,18 @@ async def build_engine(settings: Settings, model_dir: Path, model_name: str) -> 
         )
         await engine.start()
         return engine
+    if settings.rollout_engine == "openai":
+        from treadle_rollout.engines.openai import OpenAIEngine
+
+        if not settings.rollout_openai_base_url:
+            raise SystemExit("the openai engine needs TREADLE_ROLLOUT_OPENAI_BASE_URL")
+        return OpenAIEngine(
+            model_dir,
+            model_name,
+            base_url=settings.rollout_openai_base_url,
+            served_model=settings.rollout_openai_model or None,
+            api_key=settings.rollout_openai_api_key,
+        )
     return HFEngine(
         model_dir,
         model_name,
@@ -152,6 +164,8 @@ async def main(settings: Settings) -> None:
         await worker.run()
 
     async def weights() -> None:
+        if engine.name == "openai":
+            return  # a fixed policy: nothing to swap
         await sync.run(await runtime.wait_nats())
 
     try:

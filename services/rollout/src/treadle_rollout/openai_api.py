@@ -96,6 +96,9 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[int]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=5)
+    return_tokens_as_token_ids: bool = Field(
+        False, description="Logprob tokens as `token_id:N`, end-of-turn included (token-exact)"
+    )
 
 
 class FinishSession(BaseModel):
@@ -281,8 +284,13 @@ class OpenAIFrontend:
                 "logprobs": None,
             }
             if req.logprobs is not None:
+                if req.return_tokens_as_token_ids:
+                    ids, logprobs = gen.tokens, gen.logprobs
+                    names_ = [f"token_id:{t}" for t in ids]
+                else:
+                    names_ = [self.tokenizer.decode([t]) for t in visible]
                 entry["logprobs"] = {
-                    "tokens": [self.tokenizer.decode([t]) for t in visible],
+                    "tokens": names_,
                     "token_logprobs": logprobs,
                     "top_logprobs": None,
                     "text_offset": None,
