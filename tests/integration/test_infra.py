@@ -60,7 +60,7 @@ def test_s3_server_answers_s3(tmp_path):
 
     from tests.conftest import free_port_range
 
-    base = free_port_range(6)
+    base = free_port_range(6, also_offset=10000)
     settings = Settings(
         state_dir=tmp_path,
         redis_url="redis://127.0.0.1:1",
