@@ -1,15 +1,21 @@
 """Shared plumbing of the `treadle bench` workloads: a server process next to the client,
-and identity (de)serializers for the raw-bytes baselines."""
+real Treadle service processes, and identity (de)serializers for the raw-bytes baselines."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
+import httpx
+
+from treadle_common.infra import terminate
 
 
 def identity(data: bytes) -> bytes:
@@ -44,3 +50,37 @@ async def serve(server: grpc.aio.Server, port: int) -> None:
     await server.start()
     print("ready", flush=True)
     await server.wait_for_termination()
+
+
+def start_service(
+    module: str,
+    env: dict[str, str],
+    http_port: int,
+    *,
+    log: Path | None = None,
+    ready_path: str = "/readyz",
+    timeout_s: float = 120.0,
+) -> subprocess.Popen:
+    """`python -m module` with `env` added; returns once `ready_path` answers 200."""
+    output = open(log, "wb") if log else contextlib.nullcontext(subprocess.DEVNULL)
+    with output as out:  # the child keeps its own copy of the file
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module],
+            env={**os.environ, **env, "TREADLE_HTTP_PORT": str(http_port)},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            detail = log.read_text()[-2000:] if log else ""
+            raise RuntimeError(f"{module} exited with {proc.returncode}\n{detail}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{http_port}{ready_path}", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    terminate(proc.pid)
+    raise RuntimeError(f"{module} did not answer {ready_path} in {timeout_s}s")

@@ -13,18 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import nats
 
-from benchmarks.harness import free_port
+from benchmarks.harness import free_port, start_service
 from treadle_common.clients.reward import RewardClient
 from treadle_common.infra import Infra, terminate
 from treadle_common.logs import configure_logging
@@ -33,33 +30,14 @@ from treadle_common.settings import Settings
 
 
 def start_replica(nats_url: str, state_dir: str) -> subprocess.Popen:
-    port = free_port()
     env = {
-        **os.environ,
         "TREADLE_NATS_URL": nats_url,
-        "TREADLE_HTTP_PORT": str(port),
         "TREADLE_STATE_DIR": state_dir,
         "TREADLE_SCORER_MODULES": "benchmarks.cpu_scorer",
         "TREADLE_REWARD_CACHE_SIZE": "0",
         "TREADLE_LOG_LEVEL": "WARNING",
     }
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "treadle_reward"],
-        env=env,
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    terminate(proc.pid)
-    raise RuntimeError("reward replica did not become ready")
+    return start_service("treadle_reward", env, free_port(), timeout_s=60)
 
 
 async def load(

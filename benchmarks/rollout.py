@@ -16,10 +16,8 @@ and swaps at a step boundary.
 from __future__ import annotations
 
 import asyncio
-import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,7 +25,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from benchmarks.harness import free_port
+from benchmarks.harness import free_port, start_service
 from treadle_common.clients.rollout import GenerationClient
 from treadle_common.clients.torch_weights import TorchWeightClient
 from treadle_common.infra import Infra, terminate
@@ -36,31 +34,6 @@ from treadle_common.settings import Settings
 from treadle_common.tiny_model import init_tiny
 from treadle_rollout.engines.base import Sampling
 from treadle_rollout.engines.hf import HFEngine
-
-
-def start(module: str, env: dict[str, str], log: Path) -> subprocess.Popen:
-    with open(log, "wb") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", module],
-            env={**os.environ, **env},
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{log.name} exited:\n{log.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{log.name} not healthy in {timeout_s}s")
 
 
 def make_prompts(tokenizer, n: int) -> list[list[int]]:
@@ -103,12 +76,12 @@ async def swap_pauses(http: str, grpc_addr: str, store_addr: str, model_dir: Pat
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     client = TorchWeightClient(store_addr)
-    tokenizer_prompts = [[5, 6, 7, 8] * 4] * 8
+    load_prompts = [[5, 6, 7, 8] * 4] * 8
     async with httpx.AsyncClient() as http_client:
         for step in range(1, swaps + 1):
             with torch.no_grad():
                 model.model.norm.weight.mul_(1.01)
-            load = asyncio.create_task(service_round(grpc_addr, tokenizer_prompts, 24))
+            load = asyncio.create_task(service_round(grpc_addr, load_prompts, 24))
             version = await client.publish(model.state_dict(), "bench-tiny", step=step)
             await load
             while True:
@@ -144,34 +117,30 @@ def run(prompts: int = 32, max_new_tokens: int = 32, rounds: int = 3, swaps: int
                 "TREADLE_LOG_LEVEL": "WARNING",
                 "TREADLE_WEIGHT_STORE_ADDR": f"127.0.0.1:{ports['ws_grpc']}",
             }
-            ws_log, ro_log = tmp / "weight-store.log", tmp / "rollout.log"
             procs.append(
-                start(
+                start_service(
                     "treadle_weight_store",
-                    {
-                        **common,
-                        "TREADLE_HTTP_PORT": str(ports["ws_http"]),
-                        "TREADLE_GRPC_PORT": str(ports["ws_grpc"]),
-                    },
-                    ws_log,
+                    {**common, "TREADLE_GRPC_PORT": str(ports["ws_grpc"])},
+                    ports["ws_http"],
+                    log=tmp / "weight-store.log",
+                    ready_path="/healthz",
                 )
             )
-            wait_healthy(f"http://127.0.0.1:{ports['ws_http']}", procs[-1], ws_log)
-            procs.append(
-                start(
+            procs.append(  # healthy is enough: the bench needs no env-gateway
+                start_service(
                     "treadle_rollout",
                     {
                         **common,
-                        "TREADLE_HTTP_PORT": str(ports["ro_http"]),
                         "TREADLE_GRPC_PORT": str(ports["ro_grpc"]),
                         "TREADLE_ROLLOUT_MODEL": str(model_dir),
                         "TREADLE_ROLLOUT_MODEL_NAME": "bench-tiny",
                     },
-                    ro_log,
+                    ports["ro_http"],
+                    log=tmp / "rollout.log",
+                    ready_path="/healthz",
                 )
             )
             http = f"http://127.0.0.1:{ports['ro_http']}"
-            wait_healthy(http, procs[-1], ro_log)
             grpc_addr = f"127.0.0.1:{ports['ro_grpc']}"
             result = asyncio.run(
                 _measure(

@@ -15,6 +15,11 @@ def tasks_stream(run: str) -> str:
     return f"treadle:{run}:tasks"
 
 
+def run_of(key: str) -> str:
+    """The run id in a per-run key (`treadle:{run}:...`)."""
+    return key.split(":")[1]
+
+
 def trajectories_stream(run: str) -> str:
     """Stream of `Trajectory` protobufs; rollout -> trainer (consumer group `trainer`)."""
     return f"treadle:{run}:trajectories"

@@ -71,20 +71,7 @@ class EpisodeRunner:
         except (_EngineFailure, TemplateNotPrefixStable) as exc:
             return _failed(traj, t, tpb.TRAJECTORY_STATUS_ENGINE_ERROR, str(exc), started)
         reward_start = time.time()
-        answer = (
-            t.messages[-1]["content"]
-            if t.messages and t.messages[-1]["role"] == "assistant"
-            else ""
-        )
-        result = await self.reward.score(
-            reward_pb2.ScoreRequest(
-                scorer=task.scorer,
-                task_json=task.payload_json,
-                answer=answer,
-                transcript_json=json.dumps(t.messages),
-                info_json=json.dumps(info),
-            )
-        )
+        result = await self.reward.score(t.score_request(task.scorer, task.payload_json, info))
         traj.timings.reward_s = time.time() - reward_start
         if result.status != reward_pb2.SCORE_STATUS_OK:
             status = reward_pb2.ScoreStatus.Name(result.status)

@@ -17,7 +17,6 @@ Errors use OpenAI's error body: `{"error": {"message", "type", "param", "code"}}
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -284,13 +283,13 @@ class OpenAIFrontend:
                 "logprobs": None,
             }
             if req.logprobs is not None:
-                if req.return_tokens_as_token_ids:
-                    ids, logprobs = gen.tokens, gen.logprobs
-                    names_ = [f"token_id:{t}" for t in ids]
+                if req.return_tokens_as_token_ids:  # every token, end-of-turn included
+                    logprobs = gen.logprobs
+                    shown = [f"token_id:{t}" for t in gen.tokens]
                 else:
-                    names_ = [self.tokenizer.decode([t]) for t in visible]
+                    shown = [self.tokenizer.decode([t]) for t in visible]
                 entry["logprobs"] = {
-                    "tokens": names_,
+                    "tokens": shown,
                     "token_logprobs": logprobs,
                     "top_logprobs": None,
                     "text_offset": None,
@@ -338,15 +337,8 @@ class OpenAIFrontend:
     async def _score(self, body: FinishSession, t: Transcript) -> float:
         if self.reward is None:
             raise OpenAIError(503, "this replica has no reward client", type_="server_error")
-        answer = next((m["content"] for m in reversed(t.messages) if m["role"] == "assistant"), "")
-        result = await self.reward.score(
-            reward_pb2.ScoreRequest(
-                scorer=body.scorer,
-                task_json=body.task_json,
-                answer=answer,
-                transcript_json=json.dumps(t.messages),
-            )
-        )
+        assert body.scorer is not None
+        result = await self.reward.score(t.score_request(body.scorer, body.task_json))
         if result.status != reward_pb2.SCORE_STATUS_OK:
             raise OpenAIError(
                 502,

@@ -8,8 +8,11 @@ chat template adds after what is already recorded, so earlier tokens are never r
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
+from treadle_common.proto.treadle.v1 import reward_pb2
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
 from treadle_rollout.engines.base import Generation
 
@@ -20,7 +23,7 @@ class TemplateNotPrefixStable(RuntimeError):
 
 @dataclass
 class Transcript:
-    tokenizer: object
+    tokenizer: Any
     tokens: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -30,12 +33,12 @@ class Transcript:
     """The text the tokens stand for (the chat template's rendering so far)."""
 
     def render(self, messages: list[dict]) -> str:
-        return self.tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+        return self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True
         )
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]  # type: ignore[operator]
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def add_context(self, tokens: list[int]) -> None:
         self.tokens += tokens
@@ -65,17 +68,31 @@ class Transcript:
         self.loss_mask += [1] * len(gen.tokens)
         self.logprobs += gen.logprobs
         self.versions += gen.versions
-        self.text += self.tokenizer.decode(gen.tokens, skip_special_tokens=False)  # type: ignore[attr-defined]
-        content = self.tokenizer.decode(gen.tokens, skip_special_tokens=True)  # type: ignore[attr-defined]
+        self.text += self.tokenizer.decode(gen.tokens, skip_special_tokens=False)
+        content = self.tokenizer.decode(gen.tokens, skip_special_tokens=True)
         self.messages.append({"role": "assistant", "content": content})
         return content
 
     def close_turn(self, gen: Generation) -> None:
         """End an assistant turn cut at the token limit with the end-of-turn token."""
         if gen.finish_reason != "stop":
-            eos = self.tokenizer.eos_token_id  # type: ignore[attr-defined]
+            eos = self.tokenizer.eos_token_id
             self.add_context([eos])
-            self.text += self.tokenizer.eos_token  # type: ignore[attr-defined]
+            self.text += self.tokenizer.eos_token
+
+    def score_request(
+        self, scorer: str, task_json: str, info: dict | None = None
+    ) -> reward_pb2.ScoreRequest:
+        """What the reward service scores: the final assistant message (empty if the
+        conversation did not end on one) and the whole transcript."""
+        last = self.messages[-1] if self.messages else {}
+        return reward_pb2.ScoreRequest(
+            scorer=scorer,
+            task_json=task_json,
+            answer=last.get("content", "") if last.get("role") == "assistant" else "",
+            transcript_json=json.dumps(self.messages),
+            info_json=json.dumps(info or {}),
+        )
 
     def fill(self, traj: tpb.Trajectory) -> None:
         traj.tokens.extend(self.tokens)

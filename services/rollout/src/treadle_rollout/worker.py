@@ -152,7 +152,7 @@ class TaskWorker:
         self.invalid_tasks += 1
         metrics.DROPPED.labels(SERVICE, "task", "invalid").inc()
         log.warning("invalid task acked", entry=entry_id, reason=reason)
-        run = stream.split(":")[1]
+        run = names.run_of(stream)
         async with self.r.pipeline(transaction=True) as pipe:
             pipe.hincrby(names.run_state(run), "tasks_invalid", 1)
             pipe.hset(names.run_state(run), "last_invalid_task", f"{entry_id}: {reason}")

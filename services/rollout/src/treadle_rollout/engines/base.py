@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import abc
+import contextlib
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +41,34 @@ class SwapStats:
     bytes_fetched: int
 
 
+class BusyMeter:
+    """Requests in flight, and the fraction of wall time with at least one of them."""
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self.busy_s = 0.0
+        self.started_at = time.perf_counter()
+        self._busy_since = 0.0
+
+    @contextlib.contextmanager
+    def track(self) -> Iterator[None]:
+        if self.in_flight == 0:
+            self._busy_since = time.perf_counter()
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self.busy_s += time.perf_counter() - self._busy_since
+
+    def fraction(self) -> float:
+        busy = self.busy_s
+        if self.in_flight:
+            busy += time.perf_counter() - self._busy_since
+        return busy / max(1e-9, time.perf_counter() - self.started_at)
+
+
 class ContextOverflow(ValueError):
     """The prompt does not fit in the model's context: the episode is truncated, not failed."""
 
@@ -64,14 +95,17 @@ class Engine(abc.ABC):
     def held_chunks(self) -> set[str]:
         """Chunk hashes of the loaded weights (what a delta fetch can skip)."""
 
+    meter: BusyMeter
+    """Engines that do not schedule themselves wrap each request in `meter.track()`."""
+
     @property
     def running(self) -> int:
         """Requests in the engine (running or waiting)."""
-        return 0
+        return self.meter.in_flight
 
     def busy_fraction(self) -> float:
-        """Fraction of wall time spent computing since start."""
-        return 0.0
+        """Fraction of wall time the engine was working (here: had a request in flight)."""
+        return self.meter.fraction()
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release the engine's resources."""

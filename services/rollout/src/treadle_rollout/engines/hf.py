@@ -55,11 +55,9 @@ class _Seq:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish: str | None = None
-    restarts: int = 0
 
     def restart(self) -> None:
         self.tokens, self.logprobs, self.versions = [], [], []
-        self.restarts += 1
 
 
 class _Batch:
@@ -72,10 +70,6 @@ class _Batch:
 
     def clear(self) -> None:
         self.__init__()  # type: ignore[misc]
-
-
-def _layers(cache: DynamicCache) -> list:
-    return list(cache.layers)
 
 
 def _left_pad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
@@ -93,7 +87,7 @@ def _merge(batch: _Batch, seqs: list[_Seq], cache: DynamicCache, mask_B_T: torch
         batch.seqs, batch.cache, batch.mask_B_T = list(seqs), cache, mask_B_T
         return
     length = max(batch.mask_B_T.shape[1], mask_B_T.shape[1])
-    for old, new in zip(_layers(batch.cache), _layers(cache), strict=True):
+    for old, new in zip(batch.cache.layers, cache.layers, strict=True):
         old.keys = torch.cat([_left_pad(old.keys, length, 2), _left_pad(new.keys, length, 2)])
         old.values = torch.cat([_left_pad(old.values, length, 2), _left_pad(new.values, length, 2)])
     batch.mask_B_T = torch.cat(
@@ -110,14 +104,14 @@ def _keep(batch: _Batch, rows: list[int]) -> None:
     assert batch.cache is not None
     if len(rows) < len(batch.seqs):
         index = torch.tensor(rows, device=batch.mask_B_T.device)
-        for layer in _layers(batch.cache):
+        for layer in batch.cache.layers:
             layer.keys, layer.values = layer.keys[index], layer.values[index]
         batch.mask_B_T = batch.mask_B_T[index]
         batch.seqs = [batch.seqs[i] for i in rows]
     used = batch.mask_B_T.any(dim=0).nonzero()
     start = int(used[0]) if len(used) else 0
     if start > 0:
-        for layer in _layers(batch.cache):
+        for layer in batch.cache.layers:
             layer.keys, layer.values = layer.keys[:, :, start:], layer.values[:, :, start:]
         batch.mask_B_T = batch.mask_B_T[:, start:]
 
@@ -161,7 +155,6 @@ class HFEngine(Engine):
         self._scheduler: asyncio.Task | None = None
         self.busy_s = 0.0
         self.started_at = time.perf_counter()
-        self.tokens_generated = 0
         self.restarted_turns = 0
 
     # -- public API -------------------------------------------------------------------------
@@ -339,7 +332,6 @@ class HFEngine(Engine):
                 seq.finish = "length"
             elif len(seq.prompt) + len(seq.tokens) >= self.max_context:
                 seq.finish = "length"
-        self.tokens_generated += len(seqs)
         metrics.TOKENS.inc(len(seqs))
 
 

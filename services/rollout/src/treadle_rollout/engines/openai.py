@@ -9,7 +9,6 @@ This engine does not take weight updates: the policy is whatever the server serv
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import httpx
@@ -18,6 +17,7 @@ from transformers import AutoTokenizer
 from treadle_common.clients.weights import WeightStoreClient
 from treadle_rollout import metrics
 from treadle_rollout.engines.base import (
+    BusyMeter,
     ContextOverflow,
     Engine,
     Generation,
@@ -49,9 +49,7 @@ class OpenAIEngine(Engine):
         self.http = httpx.AsyncClient(
             base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s
         )
-        self._in_flight = 0
-        self._busy_s = 0.0
-        self._started_at = time.perf_counter()
+        self.meter = BusyMeter()
 
     def _token_ids(self, tokens: list[str]) -> list[int]:
         if all(t.startswith(TOKEN_ID_PREFIX) for t in tokens):
@@ -71,13 +69,8 @@ class OpenAIEngine(Engine):
         }
         if sampling.seed is not None:
             body["seed"] = sampling.seed
-        self._in_flight += 1
-        started = time.perf_counter()
-        try:
+        with self.meter.track():
             response = await self.http.post("/completions", json=body)
-        finally:
-            self._in_flight -= 1
-            self._busy_s += time.perf_counter() - started
         if response.status_code == 400 and "context_length" in response.text:
             raise ContextOverflow(response.json().get("error", {}).get("message", response.text))
         if response.status_code != 200:
@@ -100,13 +93,6 @@ class OpenAIEngine(Engine):
 
     def held_chunks(self) -> set[str]:
         return set()
-
-    @property
-    def running(self) -> int:
-        return self._in_flight
-
-    def busy_fraction(self) -> float:
-        return min(1.0, self._busy_s / max(1e-9, time.perf_counter() - self._started_at))
 
     async def close(self) -> None:
         await self.http.aclose()

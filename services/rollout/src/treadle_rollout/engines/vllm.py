@@ -26,6 +26,7 @@ from transformers import AutoTokenizer
 from treadle_common.clients.weights import WeightStoreClient
 from treadle_rollout import metrics
 from treadle_rollout.engines.base import (
+    BusyMeter,
     ContextOverflow,
     Engine,
     Generation,
@@ -64,9 +65,7 @@ class VLLMEngine(Engine):
         self._llm = None
         self._held: set[str] = set()
         self._swap_epoch = 0
-        self._in_flight = 0
-        self._busy_s = 0.0
-        self._started_at = time.perf_counter()
+        self.meter = BusyMeter()
 
     async def start(self) -> None:
         """Start vLLM (tens of seconds on CPU) and give the worker its weight copy."""
@@ -112,9 +111,7 @@ class VLLMEngine(Engine):
             stop_token_ids=[self.eos_id],
             output_kind=RequestOutputKind.DELTA,
         )
-        self._in_flight += 1
-        started = time.perf_counter()
-        try:
+        with self.meter.track():
             while True:
                 epoch = self._swap_epoch
                 tokens: list[int] = []
@@ -139,9 +136,6 @@ class VLLMEngine(Engine):
                 metrics.TOKENS.inc(len(tokens))
                 reason = "stop" if tokens and tokens[-1] == self.eos_id else "length"
                 return Generation(tokens, logprobs, versions, reason)
-        finally:
-            self._in_flight -= 1
-            self._busy_s += time.perf_counter() - started
 
     async def update_to(self, store: WeightStoreClient, version: int) -> SwapStats:
         # vLLM's engine loop serves the RPC, so the fetch stalls generation too: the pause
@@ -166,14 +160,6 @@ class VLLMEngine(Engine):
 
     def held_chunks(self) -> set[str]:
         return self._held
-
-    @property
-    def running(self) -> int:
-        return self._in_flight
-
-    def busy_fraction(self) -> float:
-        """Fraction of wall time with at least one request in flight (an upper bound)."""
-        return min(1.0, self._busy_s / max(1e-9, time.perf_counter() - self._started_at))
 
     async def close(self) -> None:
         if self._llm is not None:
