@@ -52,3 +52,16 @@ def test_bench_reward_json_line():
     assert report["scaling"] == pytest.approx(
         report["scores_per_s_2"] / report["scores_per_s_1"], rel=0.01
     )
+
+
+def test_bench_rollout_json_line():
+    report = bench(
+        "rollout", "--prompts", "4", "--max-new-tokens", "4", "--rounds", "1", "--swaps", "2"
+    )
+    assert report["engine"] == "hf" and report["prompts"] == 4
+    assert report["service_tokens_per_s"] > 0 and report["raw_engine_tokens_per_s"] > 0
+    assert report["ratio"] == pytest.approx(
+        report["service_tokens_per_s"] / report["raw_engine_tokens_per_s"], rel=0.01
+    )
+    assert report["swaps"] == 2  # both published versions were swapped in by the service
+    assert 0 <= report["swap_pause_ms_p50"] <= report["swap_pause_ms_max"]
