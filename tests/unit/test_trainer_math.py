@@ -1,57 +1,203 @@
+"""Losses, advantages, aggregation, validation and packing, each against a hand example."""
+
+import math
+
 import pytest
 import torch
 
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
-from treadle_trainer.batches import drop_reason, grpo_advantages, staleness, to_tensors
-from treadle_trainer.losses import policy_gradient
+from treadle_trainer.batches import (
+    Datum,
+    Entry,
+    GroupBuffer,
+    collate,
+    drop_reason,
+    group_advantages,
+    invalid_reason,
+    pack,
+    staleness,
+)
+from treadle_trainer.losses import (
+    LOSSES,
+    LossParams,
+    TokenInputs,
+    aggregation_coefs,
+    k3_kl,
+    total_loss,
+)
 
 pytestmark = pytest.mark.unit
+L = math.log
 
 
-def traj(
-    group: str, reward: float, versions=(3, 3), status=tpb.TRAJECTORY_STATUS_OK
-) -> tpb.Trajectory:
+def traj(group="g", reward=0.0, versions=(3, 3), status=tpb.TRAJECTORY_STATUS_OK, tid="t"):
     return tpb.Trajectory(
+        trajectory_id=tid,
         group_id=group,
         reward=reward,
         tokens=[5, 6, 7],
         loss_mask=[0, 1, 1],
+        logprobs=[0.0, -0.5, -0.7],
         token_versions=[-1, *versions],
         status=status,
     )
 
 
-def test_grpo_advantages_by_hand():
-    trajs = [traj("g", 1.0), traj("g", 0.0), traj("h", 0.5), traj("h", 0.5)]
-    adv = grpo_advantages(trajs)
-    # group g: mean 0.5, population std 0.5 -> +1, -1 ; group h: constant -> 0
-    assert adv == pytest.approx([1.0, -1.0, 0.0, 0.0], abs=1e-5)
+# --- advantages --------------------------------------------------------------------------------
 
 
-def test_policy_gradient_by_hand():
-    logprobs = torch.tensor([[-1.0, -2.0], [-0.5, -4.0]])
+def test_advantages_by_hand():
+    g = [traj(reward=1.0), traj(reward=0.0), traj(reward=0.0), traj(reward=1.0)]
+    # mean 0.5, population std 0.5
+    assert group_advantages(g, "grpo") == pytest.approx([1, -1, -1, 1], abs=1e-5)
+    assert group_advantages(g, "dr_grpo") == pytest.approx([0.5, -0.5, -0.5, 0.5])
+    # rloo: 1 - mean(0, 0, 1) = 2/3 ; 0 - mean(1, 0, 1) = -2/3
+    assert group_advantages(g, "rloo") == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3])
+    assert group_advantages([traj(reward=0.5)] * 2, "grpo") == pytest.approx([0, 0])
+    assert group_advantages([traj(reward=0.5)], "rloo") == [0.0]
+
+
+# --- losses: one token with logp = ln 0.5, behaviour mu = ln 0.25 (ratio 2), A = +1 / -1 ---------
+
+
+def one(logp=L(0.5), mu=L(0.25), adv=1.0, prox=None):
+    t = lambda v: torch.tensor([[v]], dtype=torch.float64, requires_grad=False)  # noqa: E731
+    return TokenInputs(t(logp), t(adv), t(mu), None if prox is None else t(prox))
+
+
+P = LossParams(clip_low=0.2, clip_high=0.28, is_cap=2.0)
+
+
+@pytest.mark.parametrize(
+    ("name", "inputs", "expected"),
+    [
+        ("cross_entropy", one(), -L(0.5)),  # -logp = ln 2
+        ("policy_gradient", one(adv=-1.0), L(0.5)),  # -A logp = logp
+        ("importance_sampling", one(), -2.0),  # -r A
+        # ppo, A>0, r=2: min(2, clip(2)=1.28) -> -1.28 (clip-higher bound)
+        ("ppo", one(), -1.28),
+        # ppo, A<0, r=2: min(-2, -1.28) = -2 -> loss 2 (no clipping on the pessimistic side)
+        ("ppo", one(adv=-1.0), 2.0),
+        # ppo, A<0, r=0.5: min(-0.5, -0.8) = -0.8 -> 0.8 (lower clip 1-0.2)
+        ("ppo", one(logp=L(0.125), mu=L(0.25), adv=-1.0), 0.8),
+        # cispo: -sg(clip(r)) A logp = -1.28 * ln 0.5
+        ("cispo", one(), -1.28 * L(0.5)),
+        # decoupled: prox = ln 0.4 -> behaviour weight min(2, 0.4/0.25=1.6) = 1.6,
+        # r' = 0.5/0.4 = 1.25 (inside the clip) -> -1.6 * 1.25
+        ("decoupled_ppo", one(prox=L(0.4)), -1.6 * 1.25),
+        # prox = ln 1.0: weight 4 truncated to 2; r' = 0.5 clipped to 0.8 for A<0: min(-.5,-.8)
+        ("decoupled_ppo", one(prox=0.0, adv=-1.0), 2.0 * 0.8),
+    ],
+)
+def test_loss_values_by_hand(name, inputs, expected):
+    per_token, _ = LOSSES[name](inputs, P)
+    assert per_token.item() == pytest.approx(expected, abs=1e-9)
+
+
+def test_gradients_follow_the_clip():
+    # ppo, A>0, r=2 is clipped: no gradient; r=1.1 is not: d(-rA)/dlogp = -r
+    for logp, grad in ((L(0.5), 0.0), (L(0.275), -1.1)):
+        x = one(logp=logp)
+        x.logprobs.requires_grad_(True)
+        LOSSES["ppo"](x, P)[0].sum().backward()
+        assert x.logprobs.grad.item() == pytest.approx(grad)
+    # cispo keeps a gradient on clipped tokens: -w A = -1.28
+    x = one()
+    x.logprobs.requires_grad_(True)
+    LOSSES["cispo"](x, P)[0].sum().backward()
+    assert x.logprobs.grad.item() == pytest.approx(-1.28)
+
+
+def test_clip_fraction_and_kl():
+    _, stats = LOSSES["ppo"](one(), P)
+    assert stats["clip_fraction"].item() == 1.0
+    # k3: ref = ln 0.25, logp = ln 0.5 -> 0.5 - ln 0.5 - 1
+    assert k3_kl(torch.tensor(L(0.5)), torch.tensor(L(0.25))).item() == pytest.approx(
+        0.5 - L(0.5) - 1
+    )
+    assert k3_kl(torch.tensor(-1.0), torch.tensor(-1.0)).item() == 0.0
+
+
+# --- aggregation ---------------------------------------------------------------------------------
+
+
+def test_aggregation_coefs_by_hand():
+    counts, groups = [1, 3, 2], ["a", "a", "b"]
+    assert aggregation_coefs(counts, groups, "token") == pytest.approx([1 / 6] * 3)
+    assert aggregation_coefs(counts, groups, "sequence") == pytest.approx([1 / 3, 1 / 9, 1 / 6])
+    # groups a (4 tokens), b (2 tokens): each group's token mean, averaged over 2 groups
+    assert aggregation_coefs(counts, groups, "group") == pytest.approx([1 / 8, 1 / 8, 1 / 4])
+    assert aggregation_coefs(counts, groups, "sum") == [1.0] * 3
+    with pytest.raises(ValueError, match="token, sequence, group, sum"):
+        aggregation_coefs(counts, groups, "mean")
+
+
+def test_total_loss_aggregates_with_mask_and_kl():
+    logp = torch.tensor([[-1.0, -2.0], [-0.5, -4.0]])
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
-    adv = torch.tensor([1.0, -2.0])
-    # -(1*(-1) + 1*(-2) + (-2)*(-0.5)) / 3 = -(-1 - 2 + 1) / 3 = 2/3
-    assert policy_gradient(logprobs, adv, mask).item() == pytest.approx(2 / 3)
+    adv = torch.tensor([[1.0, 1.0], [-2.0, -2.0]])
+    x = TokenInputs(logp, adv, logp.clone())
+    # policy gradient, token mean: -(1*-1 + 1*-2 + -2*-0.5) / 3 = 2/3
+    coef = torch.tensor(aggregation_coefs([2, 1], ["a", "b"], "token"))
+    value, _ = total_loss("policy_gradient", LossParams(), x, mask, coef)
+    assert value.item() == pytest.approx(2 / 3)
+    # sequence mean: seq0 mean = 1.5, seq1 = -1 -> 0.25
+    coef = torch.tensor(aggregation_coefs([2, 1], ["a", "b"], "sequence"))
+    value, _ = total_loss("policy_gradient", LossParams(), x, mask, coef)
+    assert value.item() == pytest.approx(0.25)
+    # kl at ref == logp adds nothing
+    value, stats = total_loss("policy_gradient", LossParams(kl_coef=0.5), x, mask, coef, logp)
+    assert value.item() == pytest.approx(0.25) and stats["kl"].abs().sum() == 0
+
+
+# --- validation, groups, packing ------------------------------------------------------------------
 
 
 def test_staleness_uses_the_oldest_generated_token():
-    assert staleness(traj("g", 0, versions=(2, 4)), trainer_version=5) == 3
+    assert staleness(traj(versions=(2, 4)), trainer_version=5) == 3
 
 
-def test_drop_reasons():
-    assert drop_reason(traj("g", 0, versions=(1, 1)), 3, max_staleness=1) == "stale"
-    assert (
-        drop_reason(traj("g", 0, status=tpb.TRAJECTORY_STATUS_REWARD_ERROR), 3, 1) == "reward_error"
-    )
-    assert drop_reason(traj("g", 0), 3, 0) is None
+def test_drop_and_invalid_reasons():
+    assert drop_reason(traj(versions=(1, 1)), 3, max_staleness=1) == "stale"
+    assert drop_reason(traj(status=tpb.TRAJECTORY_STATUS_REWARD_ERROR), 3, 1) == "reward_error"
+    assert drop_reason(traj(), 3, 0) is None
+    assert invalid_reason(traj(), vocab_size=100) is None
+    bad = traj()
+    bad.logprobs.append(0.0)
+    assert invalid_reason(bad, 100) == "length_mismatch"
+    assert invalid_reason(traj(), vocab_size=7) == "token_out_of_vocab"
+    assert invalid_reason(tpb.Trajectory(group_id="g"), 100) == "missing_ids"
+    nan = traj()
+    nan.reward = float("nan")
+    assert invalid_reason(nan, 100) == "bad_reward"
 
 
-def test_to_tensors_shifts_and_masks():
-    batch = to_tensors(
-        [traj("g", 1.0), tpb.Trajectory(tokens=[1, 2], loss_mask=[0, 1])], [0.5, -0.5], pad_id=0
-    )
-    assert batch.input_ids_B_T.tolist() == [[5, 6], [1, 0]]
-    assert batch.targets_B_T.tolist() == [[6, 7], [2, 0]]
-    assert batch.mask_B_T.tolist() == [[1.0, 1.0], [1.0, 0.0]]
+def test_group_buffer_releases_complete_groups_in_completion_order():
+    buf = GroupBuffer(group_size=2)
+    for i, g in enumerate(["a", "b", "b", "c", "a"]):
+        buf.add(Entry(str(i), traj(group=g, tid=str(i))))
+    assert [g.group_id for g in buf.take(5)] == ["b", "a"]
+    assert list(buf.partial) == ["c"]
+
+
+def test_datum_shifts_and_masks():
+    d = Datum.from_trajectory(traj(), advantage=2.0)
+    assert (d.input_ids, d.targets, d.weights) == ([5, 6], [6, 7], [1.0, 1.0])
+    assert d.advantages == [2.0, 2.0] and d.logprobs == pytest.approx([-0.5, -0.7])
+    mb = collate([d, Datum([1], [2], [1.0], [-1.0], [-0.1])], [0.5, 0.25], pad_id=0)
+    assert mb.input_ids_B_T.tolist() == [[5, 6], [1, 0]]
+    assert mb.mask_B_T.tolist() == [[1.0, 1.0], [1.0, 0.0]]
+    assert mb.coef_B.tolist() == [0.5, 0.25]
+
+
+def test_pack_respects_the_token_budget_and_keeps_the_batch_loss():
+    data = [
+        Datum([1] * n, [2] * n, [1.0] * n, [1.0] * n, [-1.0] * n, group=str(n))
+        for n in (3, 1, 5, 2, 4)
+    ]
+    mbs = pack(data, token_budget=6, aggregation="sequence", pad_id=0)
+    assert all(mb.input_ids_B_T.numel() <= 6 or mb.input_ids_B_T.shape[0] == 1 for mb in mbs)
+    assert [mb.input_ids_B_T.shape[0] for mb in mbs] == [2, 1, 1, 1]  # (1,2) (3) (4) (5)
+    assert sum(mb.input_ids_B_T.shape[0] for mb in mbs) == 5
+    # sum over micro-batches of sum(coef * tokens) = 1 for a mean aggregation
+    assert sum(float((mb.coef_B[:, None] * mb.mask_B_T).sum()) for mb in mbs) == pytest.approx(1)

@@ -44,16 +44,49 @@ class RolloutConfig(Strict):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
 
 
+LossName = Literal[
+    "cross_entropy", "policy_gradient", "importance_sampling", "ppo", "cispo", "decoupled_ppo"
+]
+AdvantageName = Literal["grpo", "dr_grpo", "rloo"]
+
+
 class TrainerConfig(Strict):
     num_steps: int = Field(3, ge=1, description="Optimizer steps in the run")
     tasks_per_step: int = Field(4, ge=1, description="Groups (tasks) per training batch")
     lr: float = Field(1e-4, gt=0, description="AdamW learning rate")
-    loss: Literal["policy_gradient"] = Field(
-        "policy_gradient", description="Loss name (issue 7 adds the PPO family)"
+    loss: LossName = Field("policy_gradient", description="Policy loss (see losses.py)")
+    advantage: AdvantageName = Field("grpo", description="Group advantage estimator")
+    loss_aggregation: Literal["token", "sequence", "group", "sum"] = Field(
+        "token", description="Mean over tokens, over sequences, over groups, or a plain sum"
+    )
+    clip_low: float = Field(0.2, ge=0, description="PPO/CISPO: ratio >= 1 - clip_low")
+    clip_high: float = Field(0.28, ge=0, description="PPO/CISPO: ratio <= 1 + clip_high")
+    is_cap: float = Field(2.0, gt=0, description="decoupled_ppo: truncated behaviour IS weight")
+    kl_coef: float = Field(0.0, ge=0, description="k3 KL to the frozen initial policy")
+    max_grad_norm: float = Field(1.0, gt=0, description="Global gradient-norm clip")
+    drop_constant_reward_groups: bool = Field(
+        False, description="Drop groups whose rewards are all equal (no learning signal)"
+    )
+    micro_batch_tokens: int = Field(
+        8192, ge=1, description="Padded tokens per micro-batch (gradient accumulation)"
+    )
+    checkpoint_every: int = Field(
+        1, ge=1, description="Checkpoint every K steps; trajectories are acked only then"
+    )
+    bf16: bool = Field(True, description="bf16 compute on GPU (ignored on CPU)")
+    external_groups: bool = Field(
+        False, description="Also train on groups the trainer did not feed (recorded sessions)"
     )
     max_staleness: int = Field(1, ge=0, description="Max policy versions a trajectory may lag")
     batch_timeout_s: float = Field(300.0, gt=0, description="Give up waiting for a batch after")
     seed: int = Field(0, description="Seed for data order and torch")
+
+
+class DataConfig(Strict):
+    path: Path | None = Field(
+        None, description="JSONL or Parquet file of task payloads; none = the env's generator"
+    )
+    shuffle: bool = Field(True, description="Shuffle each epoch (seeded by trainer.seed)")
 
 
 class RunConfig(Strict):
@@ -63,6 +96,7 @@ class RunConfig(Strict):
     mode: Literal["sync", "async"] = Field("sync", description="sync = max_staleness 0 + barrier")
     model: ModelConfig
     env: EnvConfig = Field(default_factory=EnvConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
     scorer: str = Field("exact_match", description="Reward-service scorer name")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)

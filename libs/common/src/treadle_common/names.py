@@ -30,8 +30,30 @@ def run_state(run: str) -> str:
     return f"treadle:{run}:state"
 
 
+def run_config(run: str) -> str:
+    """The run's recipe as JSON (a restarted trainer resumes the run from it)."""
+    return f"treadle:{run}:config"
+
+
+def fed_tasks(run: str) -> str:
+    """Set of task ids the trainer fed (a trajectory of any other group is unknown)."""
+    return f"treadle:{run}:fed"
+
+
+def ledger_stream(run: str) -> str:
+    """One entry per committed (checkpointed) step: trajectories trained and dropped."""
+    return f"treadle:{run}:ledger"
+
+
+def run_owner(run: str) -> str:
+    """Lease key: the trainer instance that owns the run (expires if it dies)."""
+    return f"treadle:{run}:owner"
+
+
 ROLLOUT_GROUP = "rollout"
 TRAINER_GROUP = "trainer"
+TRAINER_CONSUMER = "owner"
+"""The trainer's consumer name: stable, so a restarted owner replays its pending entries."""
 STREAM_FIELD = "pb"
 """Field of a stream entry that holds the serialized protobuf."""
 

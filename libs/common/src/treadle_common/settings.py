@@ -102,6 +102,9 @@ class Settings(BaseSettings):
     rollout_session_ttl_s: float = Field(
         3600.0, gt=0, description="rollout: idle recorded OpenAI-API sessions expire after"
     )
+    trainer_lease_s: float = Field(
+        15.0, gt=0, description="trainer: run-ownership lease; a dead owner's run resumes after"
+    )
     reward_timeout_s: float = Field(30.0, gt=0, description="Reward request-reply timeout")
     reward_max_concurrency: int = Field(64, ge=1, description="reward: requests per scorer at once")
     reward_cache_size: int = Field(10_000, ge=0, description="reward: cached deterministic scores")

@@ -1,13 +1,28 @@
 """`python -m treadle_trainer` / `treadle-trainer`: run the trainer service.
 
-Settings come from the environment (TREADLE_*), see treadle_common.settings.
+Settings come from the environment (TREADLE_*), see treadle_common.settings. Under
+`torchrun --nproc-per-node N -m treadle_trainer`, rank 0 serves and ranks 1..N-1 follow it
+(FSDP2 backend, see backends/fsdp.py).
 """
+
+import os
 
 from treadle_common.service import run_service
 
 
 def main() -> None:
-    run_service("treadle_trainer.app")
+    if int(os.environ.get("RANK", "0")) > 0:
+        from treadle_trainer.backends.fsdp import follow
+
+        follow()
+        return
+    try:
+        run_service("treadle_trainer.app")
+    finally:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            from treadle_trainer.backends.fsdp import shutdown_followers
+
+            shutdown_followers()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,10 @@
-"""Trainer service: accepts runs over HTTP and owns them until they finish.
+"""Trainer service: owns runs (submitted over HTTP, resumed after a crash) and serves the
+Tinker-style training API.
 
-    POST /v1/runs (a recipe as JSON) --> RunOwner.execute (background) --> GET /v1/runs/{id}
+    POST /v1/runs (a recipe as JSON) --> lease treadle:{run}:owner --> RunOwner.execute
+    GET  /v1/runs/{id}                 status, steps, counters, drops by reason
+    on start: every active run in Redis whose owner lease lapsed is restored and resumed
+    /v1/training/...                   see `training_api.py`
 
 See `run.py` for the dataflow of one run.
 """
@@ -15,9 +19,13 @@ from treadle_common import names
 from treadle_common.clients.env import EnvClient
 from treadle_common.clients.weights import WeightStoreClient
 from treadle_common.config import RunConfig
+from treadle_common.logs import get_logger
 from treadle_common.service import ServiceRuntime
 from treadle_common.settings import Settings
+from treadle_trainer import training_api
 from treadle_trainer.run import SERVICE, RunOwner, RunStatus
+
+log = get_logger(__name__)
 
 
 async def main(settings: Settings) -> None:
@@ -26,7 +34,42 @@ async def main(settings: Settings) -> None:
     env = EnvClient(settings.env_gateway_addr)
     runs: dict[str, RunOwner] = {}
     tasks: set[asyncio.Task] = set()
+    lease_ms = int(settings.trainer_lease_s * 1000)
     runtime.set_info(lambda: {"runs": {rid: o.status.state for rid, o in runs.items()}})
+
+    async def own(owner: RunOwner) -> None:
+        """Hold the run's lease while its owner executes it."""
+        key = names.run_owner(owner.config.run_id)
+        work = asyncio.create_task(owner.execute())
+        while not work.done():
+            await runtime.redis.set(key, settings.instance, px=lease_ms)
+            await asyncio.wait([work], timeout=settings.trainer_lease_s / 3)
+        await runtime.redis.delete(key)
+
+    def launch(config: RunConfig) -> None:
+        owner = RunOwner(config, runtime.redis, store, env)
+        runs[config.run_id] = owner
+        task = asyncio.create_task(own(owner))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    async def resume_orphans() -> None:
+        """Take over active runs whose owner died (its lease expired), until we stop."""
+        while not runtime.draining:
+            for member in await runtime.redis.smembers(names.RUNS_KEY):
+                run = member.decode()
+                if run in runs:
+                    continue
+                raw = await runtime.redis.get(names.run_config(run))
+                if raw is None:
+                    continue
+                if not await runtime.redis.set(
+                    names.run_owner(run), settings.instance, px=lease_ms, nx=True
+                ):
+                    continue
+                log.info("resuming run", run=run)
+                launch(RunConfig.model_validate_json(raw))
+            await asyncio.sleep(1.0)
 
     @runtime.app.post("/v1/runs", status_code=202, tags=["runs"])
     async def start_run(config: RunConfig) -> RunStatus:
@@ -35,17 +78,16 @@ async def main(settings: Settings) -> None:
         if config.run_id in runs:
             raise HTTPException(409, f"run {config.run_id} already exists")
         if await runtime.redis.exists(
-            names.tasks_stream(config.run_id), names.trajectories_stream(config.run_id)
+            names.tasks_stream(config.run_id),
+            names.trajectories_stream(config.run_id),
+            names.run_config(config.run_id),
         ):
             raise HTTPException(
                 409, f"run {config.run_id} already has state in Redis; use a new run_id"
             )
-        owner = RunOwner(config, runtime.redis, store, env, consumer=settings.instance)
-        runs[config.run_id] = owner
-        task = asyncio.create_task(owner.execute())
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-        return owner.status
+        await runtime.redis.set(names.run_owner(config.run_id), settings.instance, px=lease_ms)
+        launch(config)
+        return runs[config.run_id].status
 
     @runtime.app.get("/v1/runs", tags=["runs"])
     async def list_runs() -> list[RunStatus]:
@@ -57,7 +99,11 @@ async def main(settings: Settings) -> None:
             raise HTTPException(404, f"no run {run_id}")
         return runs[run_id].status
 
+    training_api.mount(runtime.app, store, settings.state_dir)
+    resumer = asyncio.create_task(resume_orphans())
+
     async def drain() -> None:
+        resumer.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
 

@@ -1,13 +1,20 @@
-"""Batch assembly: trajectories from Redis -> filtered, grouped, advantages, padded tensors."""
+"""Batch assembly: trajectories -> validated, grouped, advantages, micro-batches by token budget.
+
+Trajectory --validate--> GroupBuffer (complete GRPO groups, by group id)
+    --advantages (grpo | dr_grpo | rloo)--> Datum per trajectory (shifted by one token)
+    --aggregation coefficients over the whole batch--> pack by token budget --> MicroBatch
+"""
 
 from __future__ import annotations
 
-from collections import defaultdict
-from dataclasses import dataclass
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
+from treadle_trainer.losses import aggregation_coefs
 
 TRAINABLE = (tpb.TRAJECTORY_STATUS_OK, tpb.TRAJECTORY_STATUS_TRUNCATED)
 
@@ -18,55 +25,208 @@ def staleness(traj: tpb.Trajectory, trainer_version: int) -> int:
     return trainer_version - min(generated) if generated else 0
 
 
+def invalid_reason(traj: tpb.Trajectory, vocab_size: int) -> str | None:
+    """Why a trajectory cannot be trained on at all (malformed), or None."""
+    n = len(traj.tokens)
+    if not traj.trajectory_id or not traj.group_id:
+        return "missing_ids"
+    if n < 2:
+        return "too_short"
+    if not len(traj.loss_mask) == len(traj.logprobs) == len(traj.token_versions) == n:
+        return "length_mismatch"
+    if any(not 0 <= t < vocab_size for t in traj.tokens):
+        return "token_out_of_vocab"
+    if any(m not in (0, 1) for m in traj.loss_mask):
+        return "bad_loss_mask"
+    if any(not math.isfinite(x) or x > 0 for x in traj.logprobs):
+        return "bad_logprobs"
+    if not math.isfinite(traj.reward):
+        return "bad_reward"
+    return None
+
+
 def drop_reason(traj: tpb.Trajectory, trainer_version: int, max_staleness: int) -> str | None:
+    """Why a well-formed trajectory is not trained on now (status, staleness), or None."""
     if traj.status not in TRAINABLE:
         return tpb.TrajectoryStatus.Name(traj.status).removeprefix("TRAJECTORY_STATUS_").lower()
     if staleness(traj, trainer_version) > max_staleness:
         return "stale"
-    if not any(traj.loss_mask):
+    if not any(traj.loss_mask[1:]):
         return "no_generated_tokens"
     return None
 
 
-def grpo_advantages(trajs: list[tpb.Trajectory], eps: float = 1e-6) -> list[float]:
-    """Per trajectory: (reward - group mean) / (group std + eps)."""
-    groups: dict[str, list[int]] = defaultdict(list)
-    for i, t in enumerate(trajs):
-        groups[t.group_id].append(i)
-    advantages = [0.0] * len(trajs)
-    for members in groups.values():
-        rewards = torch.tensor([trajs[i].reward for i in members], dtype=torch.float64)
-        centered = rewards - rewards.mean()
-        std = rewards.std(unbiased=False) if len(members) > 1 else torch.tensor(0.0)
-        for i, a in zip(members, (centered / (std + eps)).tolist(), strict=True):
-            advantages[i] = a
-    return advantages
+# --- advantages -------------------------------------------------------------------------
+
+
+def grpo(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """(r - group mean) / (group std + eps) (population std)."""
+    return (rewards - rewards.mean()) / (rewards.std(unbiased=False) + eps)
+
+
+def dr_grpo(rewards: torch.Tensor) -> torch.Tensor:
+    """Dr. GRPO: r - group mean (no std normalisation, which biases toward easy/hard prompts)."""
+    return rewards - rewards.mean()
+
+
+def rloo(rewards: torch.Tensor) -> torch.Tensor:
+    """Leave-one-out baseline: r_i - mean of the other members."""
+    n = rewards.numel()
+    if n < 2:
+        return torch.zeros_like(rewards)
+    return (rewards - rewards.mean()) * n / (n - 1)
+
+
+ADVANTAGES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "grpo": grpo,
+    "dr_grpo": dr_grpo,
+    "rloo": rloo,
+}
+
+
+def group_advantages(trajs: Sequence[tpb.Trajectory], method: str) -> list[float]:
+    """Advantages of one group's trajectories."""
+    rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float64)
+    return ADVANTAGES[method](rewards).tolist()
+
+
+def is_constant(trajs: Sequence[tpb.Trajectory]) -> bool:
+    return len({t.reward for t in trajs}) <= 1
+
+
+# --- groups ------------------------------------------------------------------------------
 
 
 @dataclass
-class TensorBatch:
+class Entry:
+    entry_id: str
+    traj: tpb.Trajectory
+
+
+@dataclass
+class Group:
+    group_id: str
+    entries: list[Entry] = field(default_factory=list)
+
+
+class GroupBuffer:
+    """Collects trajectories by group id until a group holds `group_size` of them."""
+
+    def __init__(self, group_size: int):
+        self.group_size = group_size
+        self.partial: dict[str, Group] = {}
+        self.ready: list[Group] = []
+
+    def add(self, entry: Entry) -> None:
+        group = self.partial.setdefault(entry.traj.group_id, Group(entry.traj.group_id))
+        group.entries.append(entry)
+        if len(group.entries) >= self.group_size:
+            self.ready.append(self.partial.pop(group.group_id))
+
+    def take(self, n: int) -> list[Group]:
+        taken, self.ready = self.ready[:n], self.ready[n:]
+        return taken
+
+    def __len__(self) -> int:
+        return len(self.ready)
+
+    def trajectory_ids(self) -> set[str]:
+        groups = [*self.partial.values(), *self.ready]
+        return {e.traj.trajectory_id for g in groups for e in g.entries}
+
+
+# --- tensors -----------------------------------------------------------------------------
+
+
+@dataclass
+class Datum:
+    """One training sequence, already shifted: predict targets[t] from input_ids[:t+1]."""
+
+    input_ids: list[int]
+    targets: list[int]
+    weights: list[float]
+    advantages: list[float]
+    logprobs: list[float]
+    group: str = ""
+
+    @staticmethod
+    def from_trajectory(traj: tpb.Trajectory, advantage: float) -> Datum:
+        mask = [float(m) for m in traj.loss_mask[1:]]
+        return Datum(
+            input_ids=list(traj.tokens[:-1]),
+            targets=list(traj.tokens[1:]),
+            weights=mask,
+            advantages=[advantage * m for m in mask],
+            logprobs=list(traj.logprobs[1:]),
+            group=traj.group_id,
+        )
+
+
+@dataclass
+class MicroBatch:
     input_ids_B_T: torch.Tensor
     targets_B_T: torch.Tensor
     mask_B_T: torch.Tensor
+    advantages_B_T: torch.Tensor
+    logprobs_B_T: torch.Tensor
     attention_B_T: torch.Tensor
-    advantages_B: torch.Tensor
+    coef_B: torch.Tensor
+
+    FIELDS = (
+        "input_ids_B_T",
+        "targets_B_T",
+        "mask_B_T",
+        "advantages_B_T",
+        "logprobs_B_T",
+        "attention_B_T",
+        "coef_B",
+    )
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, f) for f in self.FIELDS]
+
+    @property
+    def num_tokens(self) -> float:
+        return float(self.mask_B_T.sum())
 
 
-def to_tensors(trajs: list[tpb.Trajectory], advantages: list[float], pad_id: int) -> TensorBatch:
-    """Right-padded next-token tensors; mask = loss_mask of each target token."""
-    length = max(len(t.tokens) for t in trajs) - 1
-    shape = (len(trajs), length)
+def collate(data: Sequence[Datum], coefs: Sequence[float], pad_id: int) -> MicroBatch:
+    """Right-padded tensors of the given data."""
+    shape = (len(data), max(len(d.input_ids) for d in data))
     input_ids = torch.full(shape, pad_id, dtype=torch.long)
     targets = torch.full(shape, pad_id, dtype=torch.long)
-    mask = torch.zeros(shape, dtype=torch.float32)
+    floats = [torch.zeros(shape, dtype=torch.float32) for _ in range(3)]
     attention = torch.zeros(shape, dtype=torch.long)
-    for b, t in enumerate(trajs):
-        n = len(t.tokens) - 1
-        tokens = torch.tensor(list(t.tokens), dtype=torch.long)
-        input_ids[b, :n] = tokens[:-1]
-        targets[b, :n] = tokens[1:]
-        mask[b, :n] = torch.tensor(list(t.loss_mask[1:]), dtype=torch.float32)
+    for b, d in enumerate(data):
+        n = len(d.input_ids)
+        input_ids[b, :n] = torch.tensor(d.input_ids)
+        targets[b, :n] = torch.tensor(d.targets)
+        for tensor, values in zip(floats, (d.weights, d.advantages, d.logprobs), strict=True):
+            tensor[b, :n] = torch.tensor(values, dtype=torch.float32)
         attention[b, :n] = 1
-    return TensorBatch(
-        input_ids, targets, mask, attention, torch.tensor(advantages, dtype=torch.float32)
+    return MicroBatch(
+        input_ids, targets, *floats, attention, torch.tensor(coefs, dtype=torch.float32)
     )
+
+
+def pack(
+    data: Sequence[Datum], token_budget: int, aggregation: str, pad_id: int
+) -> list[MicroBatch]:
+    """Micro-batches of at most `token_budget` padded tokens (a longer sequence goes alone).
+
+    Aggregation coefficients are computed over the whole batch first, so the sum of the
+    micro-batch losses equals the loss of the batch in one piece.
+    """
+    coefs = aggregation_coefs([sum(d.weights) for d in data], [d.group for d in data], aggregation)
+    order = sorted(range(len(data)), key=lambda i: len(data[i].input_ids))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        longest = len(data[i].input_ids)  # sorted: the newcomer is the longest
+        if current and (len(current) + 1) * longest > token_budget:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return [collate([data[i] for i in b], [coefs[i] for i in b], pad_id) for b in batches]

@@ -1,28 +1,35 @@
-"""Run ownership: feed tasks, consume trajectories, train, publish, count everything.
+"""Run ownership: feed tasks, assemble groups, train, publish, checkpoint, ack exactly once.
 
-    env-gateway SampleTasks --> tasks --XADD--> treadle:{run}:tasks  (min_policy_version = current)
-    treadle:{run}:trajectories --XREADGROUP (group `trainer`)--> filter (status, staleness)
-        --> GRPO advantages --> loss --> optimizer step
-        --> publish the new weights to the weight-store (delta) --> it announces on NATS
-        --> XACK the step's trajectories
+    dataset / env generator --cursor--> MULTI: XADD treadle:{run}:tasks + cursor + fed ids
+        (fed up to (step + max_staleness) * tasks_per_step; rollout admission does the rest)
+    treadle:{run}:trajectories --XREADGROUP (group `trainer`, consumer `owner`)--> validate
+        --> GroupBuffer (complete groups) --> staleness / status drops --> advantages
+        --> micro-batches by token budget --> backend.forward_backward + optim_step
+        --> publish the new weights (delta) to the weight-store (it announces on NATS)
+    every `checkpoint_every` steps: checkpoint (model, optimizer, RNG, cursor, run state) -->
+        MULTI: XACK every entry those steps used or dropped + one ledger entry per step -> EXEC
 
-Every trajectory read is counted exactly once as consumed; duplicates and drops are counted
-with their reasons. (Checkpointing before the ack arrives with the trainer issue.)
+A crash loses only uncommitted steps: the restarted owner loads the last committed checkpoint,
+re-publishes its weights, and replays its still-pending entries, so the ledger holds every
+trajectory exactly once (trained, or dropped with its reason).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import shutil
+import statistics
 import time
 import uuid
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
 from pydantic import BaseModel, Field
 
-from treadle_common import metrics, names
+from treadle_common import admission, metrics, names
 from treadle_common.clients import streams
 from treadle_common.clients.env import EnvClient
 from treadle_common.clients.torch_weights import model_assets, state_dict_to_raw
@@ -31,24 +38,47 @@ from treadle_common.config import RunConfig
 from treadle_common.logs import get_logger
 from treadle_common.proto.treadle.v1 import common_pb2, task_pb2
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
-from treadle_trainer.batches import drop_reason, grpo_advantages, staleness, to_tensors
-from treadle_trainer.policy import TorchPolicy
+from treadle_trainer import metrics as tm
+from treadle_trainer.backends import AdamParams, BackendSpec, TorchBackend, build_backend
+from treadle_trainer.batches import (
+    Datum,
+    Entry,
+    Group,
+    GroupBuffer,
+    drop_reason,
+    group_advantages,
+    invalid_reason,
+    is_constant,
+    pack,
+    staleness,
+)
+from treadle_trainer.data import TaskSource, load_rows
+from treadle_trainer.losses import LossParams
 
 log = get_logger(__name__)
 SERVICE = "trainer"
+KEEP_CHECKPOINTS = 2
 
 
 class StepRecord(BaseModel):
     step: int
     version: int
     mean_reward: float
+    reward_std: float = 0.0
     num_trajectories: int
+    num_tokens: float = 0.0
     max_staleness: int
     loss: float
     grad_norm: float
+    entropy: float = 0.0
+    kl: float = 0.0
+    clip_fraction: float = 0.0
+    wait_for_batch_s: float = 0.0
+    train_s: float = 0.0
     publish_s: float
     bytes_published: int
     duration_s: float
+    tokens_per_s: float = 0.0
 
 
 class RunStatus(BaseModel):
@@ -56,6 +86,8 @@ class RunStatus(BaseModel):
     state: str = Field("pending", description="pending | running | succeeded | failed")
     error: str | None = None
     step: int = 0
+    checkpoint_step: int = 0
+    resumed: int = Field(0, description="Times this run was restored from a checkpoint")
     base_version: int | None = None
     versions: list[int] = Field(default_factory=list)
     tasks_fed: int = 0
@@ -76,7 +108,7 @@ class RunOwner:
         r: aioredis.Redis,
         store: WeightStoreClient,
         env: EnvClient,
-        consumer: str,
+        consumer: str = names.TRAINER_CONSUMER,
     ):
         self.config = config
         self.r = r
@@ -84,17 +116,34 @@ class RunOwner:
         self.env = env
         self.consumer = consumer
         self.status = RunStatus(run_id=config.run_id)
+        self.backend: TorchBackend | None = None
+        self.run_dir = config.output_dir / config.run_id
+        self._stream = names.trajectories_stream(config.run_id)
         self._seen: set[str] = set()
+        self._fed: set[str] = set()
         self._dropped: Counter[str] = Counter()
+        self._buffer = GroupBuffer(config.rollout.group_size)
+        self._uncommitted: list[dict[str, Any]] = []  # steps trained since the last checkpoint
+        self._loose_drops: list[tuple[str, str, str]] = []  # (entry, trajectory, reason)
         self._last_publish_bytes = 0
         self._assets = model_assets(config.model.path)  # config + tokenizer travel with weights
+        t = config.trainer
+        self.loss_params = LossParams(
+            clip_low=t.clip_low, clip_high=t.clip_high, is_cap=t.is_cap, kl_coef=t.kl_coef
+        )
+        self.adam = AdamParams(learning_rate=t.lr, max_grad_norm=t.max_grad_norm)
 
     @property
     def max_staleness(self) -> int:
         return 0 if self.config.mode == "sync" else self.config.trainer.max_staleness
 
+    @property
+    def total_tasks(self) -> int:
+        return self.config.trainer.num_steps * self.config.trainer.tasks_per_step
+
     async def execute(self) -> RunStatus:
         self.status.state = "running"
+        await self.r.hset(names.run_state(self.config.run_id), "state", "running")
         try:
             await self._execute()
             self.status.state = "succeeded"
@@ -102,86 +151,285 @@ class RunOwner:
             self.status.state, self.status.error = "failed", f"{type(exc).__name__}: {exc}"
             log.error("run failed", run=self.config.run_id, error=self.status.error)
         finally:
-            await self.r.srem(names.RUNS_KEY, self.config.run_id)
+            run = self.config.run_id
+            await self.r.hset(names.run_state(run), "state", self.status.state)
+            await self.r.srem(names.RUNS_KEY, run)
             await self._final_counts()
+            if self.backend is not None:
+                await asyncio.to_thread(self.backend.close)
         return self.status
 
+    # --- setup and restore -----------------------------------------------------------------------
     async def _execute(self) -> None:
-        cfg = self.config
-        policy = await asyncio.to_thread(
-            TorchPolicy, cfg.model.path, cfg.trainer.lr, cfg.trainer.loss, cfg.trainer.seed
+        cfg, t = self.config, self.config.trainer
+        spec = BackendSpec(
+            model_dir=str(cfg.model.path), seed=t.seed, reference=t.kl_coef > 0, bf16=t.bf16
         )
-        traj_stream = names.trajectories_stream(cfg.run_id)
-        await streams.ensure_group(self.r, traj_stream, names.TRAINER_GROUP)
-        version = await self._base_version(policy)
-        self.status.base_version = version
-        tasks = await self.env.sample_tasks(
-            cfg.env.name,
-            cfg.trainer.num_steps * cfg.trainer.tasks_per_step,
-            seed=cfg.trainer.seed,
-            options=cfg.env.options,
+        self.backend = await asyncio.to_thread(build_backend, spec)
+        source = await self._task_source()
+        await streams.ensure_group(self.r, self._stream, names.TRAINER_GROUP)
+        await self.r.set(names.run_config(cfg.run_id), cfg.model_dump_json())
+        if await self._restore():
+            version = await self._publish(step=self.status.step)  # rollout goes back to it
+        else:
+            version = await self._base_version()
+            self.status.base_version = version
+        await admission.configure(
+            self.r,
+            cfg.run_id,
+            groups_per_step=t.tasks_per_step,
+            max_staleness=self.max_staleness,
+            base_version=version - self.status.step,
         )
         await self.r.sadd(names.RUNS_KEY, cfg.run_id)
-        for step in range(1, cfg.trainer.num_steps + 1):
+        for _, entry_id, traj in await streams.pending_own(
+            self.r, self._stream, names.TRAINER_GROUP, self.consumer, tpb.Trajectory, 1_000_000
+        ):
+            self._accept(entry_id, traj)  # replay what the last owner read but never committed
+        while self.status.step < t.num_steps:
+            step = self.status.step + 1
             started = time.perf_counter()
-            chunk = tasks[
-                (step - 1) * cfg.trainer.tasks_per_step : step * cfg.trainer.tasks_per_step
-            ]
-            await self._feed(chunk, version)
-            entries = await self._collect(traj_stream, len(chunk) * cfg.rollout.group_size)
-            trainable = self._filter([t for _, t in entries], version)
-            stats = await asyncio.to_thread(self._train, policy, trainable)
-            publish_start = time.perf_counter()
-            version = await self._publish(policy, step=step)
-            publish_s = time.perf_counter() - publish_start
-            await self.r.xack(traj_stream, names.TRAINER_GROUP, *[eid for eid, _ in entries])
-            self.status.trajectories_acked += len(entries)
-            self.status.step = step
-            rewards = [
-                t.reward
-                for _, t in entries
-                if t.status in (tpb.TRAJECTORY_STATUS_OK, tpb.TRAJECTORY_STATUS_TRUNCATED)
-            ]
-            record = StepRecord(
-                step=step,
-                version=version,
-                num_trajectories=len(trainable),
-                mean_reward=sum(rewards) / len(rewards) if rewards else 0.0,
-                max_staleness=max((staleness(t, version - 1) for t in trainable), default=0),
-                publish_s=publish_s,
-                bytes_published=self._last_publish_bytes,
-                duration_s=time.perf_counter() - started,
-                **stats,
-            )
-            self.status.steps.append(record)
-            log.info("step", **record.model_dump())
+            upto = min(self.total_tasks, (step + self.max_staleness) * t.tasks_per_step)
+            await self._feed(source, upto, version)
+            groups = await self._collect(t.tasks_per_step)
+            wait_s = time.perf_counter() - started
+            version = await self._step(step, groups, version, started, wait_s)
+            if step % t.checkpoint_every == 0 or step == t.num_steps:
+                await self._checkpoint(version)
 
-    def _train(self, policy: TorchPolicy, trainable: list[tpb.Trajectory]) -> dict[str, float]:
-        if not trainable:
-            return {"loss": 0.0, "grad_norm": 0.0}
-        batch = to_tensors(trainable, grpo_advantages(trainable), policy.pad_id)
-        stats = policy.train_step(batch)
-        self.status.trajectories_trained += len(trainable)
-        return {"loss": stats["loss"], "grad_norm": stats["grad_norm"]}
+    async def _task_source(self) -> TaskSource:
+        cfg = self.config
+        if cfg.data.path is not None:
+            rows = await asyncio.to_thread(load_rows, cfg.data.path)
+            return TaskSource(rows, cfg.trainer.seed, cfg.data.shuffle)
+        rows = await self.env.sample_tasks(
+            cfg.env.name, self.total_tasks, seed=cfg.trainer.seed, options=cfg.env.options
+        )
+        return TaskSource(rows, cfg.trainer.seed, shuffle=False)
 
-    async def _base_version(self, policy: TorchPolicy) -> int:
+    async def _restore(self) -> bool:
+        """Load the last committed checkpoint of this run, if any; True when restored."""
+        run = self.config.run_id
+        state = await self.r.hgetall(names.run_state(run))
+        self.status.tasks_fed = int(state.get(b"tasks_fed", 0))
+        self._fed = {m.decode() for m in await self.r.smembers(names.fed_tasks(run))}
+        path = state.get(b"checkpoint_path")
+        if path is None:
+            return False
+        assert self.backend is not None
+        meta = await asyncio.to_thread(self.backend.load, Path(path.decode()))
+        restored = RunStatus.model_validate(meta["run"])
+        restored.tasks_fed, restored.state = self.status.tasks_fed, "running"
+        restored.resumed += 1
+        self.status = restored
+        self._seen = set(meta["seen"])
+        self._dropped = Counter(restored.dropped)
+        log.info("run restored", run=run, step=restored.step, checkpoint=path.decode())
+        return True
+
+    async def _base_version(self) -> int:
         """The version rollout must hold before generating for step 1.
 
         0 (the model directory itself) when the store has no version of this model; the
         latest version when it already holds exactly our initial weights; otherwise our
         initial weights are published as a new version.
         """
+        assert self.backend is not None
         versions = await self.store.list_versions(self.config.model.name)
         if not versions:
             return 0
         latest = await self.store.get_manifest(self.config.model.name, versions[-1].version)
-        ours, _ = build_manifest(self.config.model.name, state_dict_to_raw(policy.state_dict_cpu()))
+        state = await asyncio.to_thread(self.backend.state_dict_cpu)
+        ours, _ = build_manifest(self.config.model.name, state_dict_to_raw(state))
         if chunk_positions(latest) == chunk_positions(ours):
             return latest.version
-        return await self._publish(policy, step=0)
+        return await self._publish(step=0)
 
-    async def _publish(self, policy: TorchPolicy, step: int) -> int:
-        state = policy.state_dict_cpu()
+    # --- feeding ------------------------------------------------------------------------------
+    async def _feed(self, source: TaskSource, upto: int, version: int) -> None:
+        """Feed tasks until `upto` were fed; cursor, tasks and ids move in one transaction."""
+        cfg = self.config
+        cursor = self.status.tasks_fed
+        if cursor >= upto:
+            return
+        sampling = common_pb2.SamplingParams(
+            temperature=cfg.rollout.sampling.temperature,
+            top_p=cfg.rollout.sampling.top_p,
+            max_new_tokens=cfg.rollout.sampling.max_new_tokens,
+        )
+        ids = [uuid.uuid4().hex for _ in range(upto - cursor)]
+        async with self.r.pipeline(transaction=True) as pipe:
+            for task_id, payload in zip(ids, source.take(cursor, upto - cursor), strict=True):
+                task = task_pb2.Task(
+                    task_id=task_id,
+                    run_id=cfg.run_id,
+                    env=cfg.env.name,
+                    payload_json=json.dumps(payload),
+                    group_size=cfg.rollout.group_size,
+                    max_turns=cfg.rollout.max_turns,
+                    sampling=sampling,
+                    scorer=cfg.scorer,
+                    model=cfg.model.name,
+                    min_policy_version=version if self.max_staleness == 0 else 0,
+                    created_at=time.time(),
+                )
+                await streams.add(pipe, names.tasks_stream(cfg.run_id), task)
+            pipe.sadd(names.fed_tasks(cfg.run_id), *ids)
+            pipe.hset(names.run_state(cfg.run_id), "tasks_fed", upto)
+            await pipe.execute()
+        self._fed.update(ids)
+        self.status.tasks_fed = upto
+
+    # --- collecting -----------------------------------------------------------------------------
+    def _accept(self, entry_id: str, traj: tpb.Trajectory | streams.InvalidEntry) -> None:
+        """Validate one entry read from Redis: into the group buffer, or a counted drop."""
+        assert self.backend is not None
+        if isinstance(traj, streams.InvalidEntry):
+            return self._drop(entry_id, "", "invalid_entry")
+        reason = invalid_reason(traj, self.backend.vocab_size)
+        if reason is None and traj.trajectory_id in self._seen:
+            self.status.duplicates += 1
+            reason = "duplicate"
+        if reason is None and traj.group_id not in self._fed:
+            if not self.config.trainer.external_groups:
+                reason = "unknown_group"
+        if reason is not None:
+            return self._drop(entry_id, traj.trajectory_id, reason)
+        self._seen.add(traj.trajectory_id)
+        self.status.trajectories_consumed += 1
+        self._buffer.add(Entry(entry_id, traj))
+
+    def _drop(self, entry_id: str, trajectory_id: str, reason: str) -> None:
+        self._loose_drops.append((entry_id, trajectory_id, reason))
+        self._count_drop(reason)
+        log.warning("trajectory dropped", entry=entry_id, reason=reason)
+
+    async def _collect(self, num_groups: int) -> list[Group]:
+        """Read until `num_groups` complete groups are buffered, then take them."""
+        t = self.config.trainer
+        deadline = time.monotonic() + t.batch_timeout_s
+        while len(self._buffer) < num_groups:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"only {len(self._buffer)}/{num_groups} complete groups after "
+                    f"{t.batch_timeout_s}s"
+                )
+            batch = await streams.read_group(
+                self.r,
+                [self._stream],
+                names.TRAINER_GROUP,
+                self.consumer,
+                tpb.Trajectory,
+                count=max(num_groups * self.config.rollout.group_size, 64),
+                block_ms=1000,
+            )
+            for _, entry_id, traj in batch:
+                self._accept(entry_id, traj)
+        return self._buffer.take(num_groups)
+
+    # --- one step -------------------------------------------------------------------------------
+    async def _step(
+        self, step: int, groups: list[Group], version: int, started: float, wait_s: float
+    ) -> int:
+        assert self.backend is not None
+        t = self.config.trainer
+        run = self.config.run_id
+        data: list[Datum] = []
+        trained: list[str] = []
+        dropped: dict[str, str] = {}
+        entries = [e.entry_id for g in groups for e in g.entries]
+        rewards = [
+            e.traj.reward
+            for g in groups
+            for e in g.entries
+            if e.traj.status in (tpb.TRAJECTORY_STATUS_OK, tpb.TRAJECTORY_STATUS_TRUNCATED)
+        ]
+        stale: list[int] = []
+        for group in groups:
+            kept = []
+            for e in group.entries:
+                reason = drop_reason(e.traj, version, self.max_staleness)
+                if reason is None:
+                    kept.append(e.traj)
+                else:
+                    dropped[e.traj.trajectory_id] = reason
+            if kept and t.drop_constant_reward_groups and is_constant(kept):
+                dropped.update({k.trajectory_id: "constant_reward" for k in kept})
+                kept = []
+            for traj, adv in zip(kept, group_advantages(kept, t.advantage), strict=True):
+                data.append(Datum.from_trajectory(traj, adv))
+                trained.append(traj.trajectory_id)
+                stale.append(staleness(traj, version))
+        for reason in dropped.values():
+            self._count_drop(reason)
+        train_start = time.perf_counter()
+        stats = await asyncio.to_thread(self._train, data)
+        train_s = time.perf_counter() - train_start
+        publish_start = time.perf_counter()
+        version = await self._publish(step=step)
+        publish_s = time.perf_counter() - publish_start
+        self.status.trajectories_trained += len(trained)
+        loose, self._loose_drops = self._loose_drops, []
+        entries += [entry for entry, _, _ in loose]
+        dropped.update({tid or entry: reason for entry, tid, reason in loose})
+        self._uncommitted.append(
+            {
+                "step": step,
+                "version": version,
+                "entries": entries,
+                "trained": trained,
+                "dropped": dropped,
+            }
+        )
+        duration = time.perf_counter() - started
+        record = StepRecord(
+            step=step,
+            version=version,
+            num_trajectories=len(trained),
+            mean_reward=statistics.fmean(rewards) if rewards else 0.0,
+            reward_std=statistics.pstdev(rewards) if rewards else 0.0,
+            max_staleness=max(stale, default=0),
+            wait_for_batch_s=wait_s,
+            train_s=train_s,
+            publish_s=publish_s,
+            bytes_published=self._last_publish_bytes,
+            duration_s=duration,
+            tokens_per_s=stats.get("num_tokens", 0.0) / duration if duration else 0.0,
+            **stats,
+        )
+        self.status.step = step
+        self.status.steps.append(record)
+        self._observe(record, stale)
+        log.info("step", run=run, **record.model_dump())
+        return version
+
+    def _train(self, data: list[Datum]) -> dict[str, float]:
+        assert self.backend is not None
+        if not data:
+            return {"loss": 0.0, "grad_norm": 0.0}
+        t = self.config.trainer
+        mbs = pack(data, t.micro_batch_tokens, t.loss_aggregation, self.backend.pad_id)
+        out = self.backend.forward_backward(mbs, t.loss, self.loss_params)
+        out.update(self.backend.optim_step(self.adam))
+        fields = set(StepRecord.model_fields)
+        return {k: v for k, v in out.items() if k in fields}
+
+    def _observe(self, record: StepRecord, stale: list[int]) -> None:
+        run = self.config.run_id
+        values = record.model_dump()
+        values["reward_mean"], values["policy_version"] = record.mean_reward, record.version
+        for name, gauge in tm.STEP_GAUGES.items():
+            gauge.labels(run).set(values.get(name, 0.0))
+        for s in stale:
+            tm.STALENESS.labels(run).observe(s)
+        tm.WAIT_FOR_BATCH.labels(run).observe(record.wait_for_batch_s)
+        tm.STEP_SECONDS.labels(run).observe(record.duration_s)
+        tm.PUBLISH_SECONDS.labels(run).observe(record.publish_s)
+        tm.TOKENS.labels(run).inc(record.num_tokens)
+
+    async def _publish(self, step: int) -> int:
+        assert self.backend is not None
+        state = await asyncio.to_thread(self.backend.state_dict_cpu)
         response = await self.store.publish(
             self.config.model.name,
             state_dict_to_raw(state),
@@ -194,76 +442,51 @@ class RunOwner:
         self.status.versions.append(response.version)
         return response.version
 
-    async def _feed(self, tasks: list[dict[str, Any]], min_version: int) -> None:
-        cfg = self.config
-        sampling = common_pb2.SamplingParams(
-            temperature=cfg.rollout.sampling.temperature,
-            top_p=cfg.rollout.sampling.top_p,
-            max_new_tokens=cfg.rollout.sampling.max_new_tokens,
-        )
+    # --- checkpoint and commit ------------------------------------------------------------------
+    async def _checkpoint(self, version: int) -> None:
+        """Checkpoint, then ack and ledger every entry of the steps since the last one."""
+        assert self.backend is not None
+        run, step = self.config.run_id, self.status.step
+        started = time.perf_counter()
+        path = (self.run_dir / "checkpoints" / f"step-{step:06d}").resolve()
+        acked = sum(len(s["entries"]) for s in self._uncommitted)
+        self.status.checkpoint_step = step
+        self.status.trajectories_acked += acked
+        # buffered (read, not yet trained) entries stay pending: a restored owner re-reads them
+        buffered = self._buffer.trajectory_ids()
+        run_state = self.status.model_dump(mode="json")
+        run_state["trajectories_consumed"] -= len(buffered)
+        meta = {
+            "run": run_state,
+            "seen": sorted(self._seen - buffered),
+            "version": version,
+            "model": self.config.model.name,
+        }
+        await asyncio.to_thread(self.backend.save, path, meta)
         async with self.r.pipeline(transaction=True) as pipe:
-            for payload in tasks:
-                task = task_pb2.Task(
-                    task_id=uuid.uuid4().hex,
-                    run_id=cfg.run_id,
-                    env=cfg.env.name,
-                    payload_json=json.dumps(payload),
-                    group_size=cfg.rollout.group_size,
-                    max_turns=cfg.rollout.max_turns,
-                    sampling=sampling,
-                    scorer=cfg.scorer,
-                    model=cfg.model.name,
-                    min_policy_version=min_version,
-                    created_at=time.time(),
+            for s in self._uncommitted:
+                if s["entries"]:
+                    pipe.xack(self._stream, names.TRAINER_GROUP, *s["entries"])
+                pipe.xadd(
+                    names.ledger_stream(run),
+                    {
+                        "step": s["step"],
+                        "version": s["version"],
+                        "checkpoint": str(path),
+                        "trained": json.dumps(s["trained"]),
+                        "dropped": json.dumps(s["dropped"]),
+                    },
                 )
-                await streams.add(pipe, names.tasks_stream(cfg.run_id), task)
-            pipe.hincrby(names.run_state(cfg.run_id), "tasks_fed", len(tasks))
-            await pipe.execute()
-        self.status.tasks_fed += len(tasks)
-
-    async def _collect(self, stream: str, needed: int) -> list[tuple[str, tpb.Trajectory]]:
-        """Read until `needed` distinct trajectories arrived; duplicates are counted and acked."""
-        out: list[tuple[str, tpb.Trajectory]] = []
-        deadline = time.monotonic() + self.config.trainer.batch_timeout_s
-        while len(out) < needed:
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"only {len(out)}/{needed} trajectories after "
-                    f"{self.config.trainer.batch_timeout_s}s"
-                )
-            batch = await streams.read_group(
-                self.r,
-                [stream],
-                names.TRAINER_GROUP,
-                self.consumer,
-                tpb.Trajectory,
-                count=needed - len(out),
-                block_ms=1000,
+            pipe.hset(
+                names.run_state(run),
+                mapping={"checkpoint_step": step, "checkpoint_path": str(path)},
             )
-            for _, entry_id, traj in batch:
-                if isinstance(traj, streams.InvalidEntry):
-                    self._count_drop("invalid_entry")
-                    log.warning("invalid trajectory acked", entry=entry_id, reason=traj.reason)
-                    await self.r.xack(stream, names.TRAINER_GROUP, entry_id)
-                    continue
-                if traj.trajectory_id in self._seen:
-                    self.status.duplicates += 1
-                    await self.r.xack(stream, names.TRAINER_GROUP, entry_id)
-                    continue
-                self._seen.add(traj.trajectory_id)
-                self.status.trajectories_consumed += 1
-                out.append((entry_id, traj))
-        return out
-
-    def _filter(self, trajs: list[tpb.Trajectory], version: int) -> list[tpb.Trajectory]:
-        kept = []
-        for t in trajs:
-            reason = drop_reason(t, version, self.max_staleness)
-            if reason is None:
-                kept.append(t)
-                continue
-            self._count_drop(reason)
-        return kept
+            await pipe.execute()
+        self._uncommitted.clear()
+        old = sorted((self.run_dir / "checkpoints").glob("step-*"))[:-KEEP_CHECKPOINTS]
+        for stale_dir in old:
+            shutil.rmtree(stale_dir, ignore_errors=True)
+        tm.CHECKPOINT_SECONDS.labels(run).observe(time.perf_counter() - started)
 
     def _count_drop(self, reason: str) -> None:
         self._dropped[reason] += 1
@@ -273,9 +496,8 @@ class RunOwner:
     async def _final_counts(self) -> None:
         state = await self.r.hgetall(names.run_state(self.config.run_id))
         self.status.trajectories_produced = int(state.get(b"trajectories_produced", 0))
-        stream = names.trajectories_stream(self.config.run_id)
         try:
-            pending = await self.r.xpending(stream, names.TRAINER_GROUP)
+            pending = await self.r.xpending(self._stream, names.TRAINER_GROUP)
             self.status.pending_after_run = int(pending["pending"])
         except Exception:  # the stream never existed (the run failed early)
             self.status.pending_after_run = None

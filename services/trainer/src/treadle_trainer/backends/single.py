@@ -1,0 +1,239 @@
+"""Single-process torch backend: the policy model, its optimizer, a frozen reference and
+checkpoints. `FSDPBackend` reuses everything here and only overrides how the model is wrapped,
+which micro-batches a rank runs and how results are reduced.
+
+Checkpoint directory (written to `DIR.tmp`, then renamed):
+    model.safetensors   full model state dict
+    optimizer.pt        full optimizer state dict (read back with `weights_only=True`)
+    rng.safetensors     torch CPU (and CUDA) RNG state
+    meta.json           model signature (names, shapes) + the caller's run state
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import defaultdict
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, Field
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from treadle_trainer.batches import MicroBatch
+from treadle_trainer.losses import NEEDS_PROXIMAL, LossParams, TokenInputs, total_loss
+
+
+class BackendSpec(BaseModel):
+    model_dir: str
+    seed: int = 0
+    reference: bool = Field(False, description="Keep a frozen copy for the KL penalty")
+    bf16: bool = Field(True, description="bf16 compute on GPU (ignored on CPU)")
+    device: str | None = None
+
+
+class AdamParams(BaseModel):
+    learning_rate: float = Field(1e-4, gt=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.999, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0, description="Clip the global grad norm to this")
+
+
+class IncompatibleCheckpoint(ValueError):
+    """A checkpoint written for a different model."""
+
+
+def token_logprobs(
+    model: torch.nn.Module, mb: MicroBatch, device: str, entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log pi(target) per token [B, T] and, optionally, the policy entropy per token."""
+    logits_B_T_V = model(
+        input_ids=mb.input_ids_B_T.to(device), attention_mask=mb.attention_B_T.to(device)
+    ).logits.float()
+    logp_B_T_V = torch.log_softmax(logits_B_T_V, dim=-1)
+    targets = mb.targets_B_T.to(device)
+    chosen = logp_B_T_V.gather(2, targets[..., None]).squeeze(-1)
+    ent = None
+    if entropy:
+        with torch.no_grad():
+            ent = -(logp_B_T_V.exp() * logp_B_T_V).sum(-1)
+    return chosen, ent
+
+
+class TorchBackend:
+    world_size = 1
+    rank = 0
+
+    def __init__(self, spec: BackendSpec):
+        self.spec = spec
+        torch.manual_seed(spec.seed)
+        self.device = spec.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        tokenizer = AutoTokenizer.from_pretrained(spec.model_dir)
+        pad = tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else tokenizer.eos_token_id
+        self.model = self._load_model()
+        self.vocab_size = int(self.model.config.vocab_size)
+        self.reference = self._load_model().eval().requires_grad_(False) if spec.reference else None
+        self._wrap()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.signature = {k: list(v.shape) for k, v in self.model.state_dict().items()}
+
+    def _load_model(self) -> torch.nn.Module:
+        return AutoModelForCausalLM.from_pretrained(self.spec.model_dir, dtype=torch.float32).to(
+            self.device
+        )
+
+    def _wrap(self) -> None:
+        """Distribute the model (FSDP); nothing to do in one process."""
+
+    def _autocast(self):
+        if self.device.startswith("cuda") and self.spec.bf16:
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return nullcontext()
+
+    # --- distribution hooks (overridden by FSDP) ---------------------------------------------
+    def _assign(self, mbs: list[MicroBatch]) -> list[tuple[MicroBatch, bool]]:
+        """The micro-batches this rank runs; False marks a zero-weight filler."""
+        return [(mb, True) for mb in mbs]
+
+    def _sum(self, values: torch.Tensor) -> torch.Tensor:
+        return values
+
+    @property
+    def _grad_scale(self) -> float:
+        return 1.0
+
+    # --- training ------------------------------------------------------------------------------
+    def forward_backward(
+        self, mbs: list[MicroBatch], loss: str, params: LossParams
+    ) -> dict[str, float]:
+        """Accumulate gradients of the aggregated loss over the micro-batches."""
+        self.model.train()
+        keys = ("loss", "tokens", "entropy", "kl", "clip_fraction", "ratio", "behaviour_weight")
+        sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
+        present: set[str] = set()
+        for mb, active in self._assign(mbs):
+            mask = mb.mask_B_T.to(self.device)
+            coef = mb.coef_B.to(self.device) * (1.0 if active else 0.0)
+            proximal = ref = None
+            with torch.no_grad(), self._autocast():
+                if loss in NEEDS_PROXIMAL:
+                    proximal, _ = token_logprobs(self.model, mb, self.device)
+                if self.reference is not None and params.kl_coef > 0:
+                    ref, _ = token_logprobs(self.reference, mb, self.device)
+            with self._autocast():
+                logprobs, entropy = token_logprobs(self.model, mb, self.device, entropy=True)
+            inputs = TokenInputs(
+                logprobs=logprobs,
+                advantages=mb.advantages_B_T.to(self.device),
+                behaviour_logprobs=mb.logprobs_B_T.to(self.device),
+                proximal_logprobs=proximal,
+            )
+            value, stats = total_loss(loss, params, inputs, mask, coef, ref)
+            (value * self._grad_scale).backward()
+            if not active:
+                continue
+            sums["loss"] += value.detach().double().cpu()
+            weight = (mask > 0).float()
+            sums["tokens"] += weight.sum().double().cpu()
+            assert entropy is not None
+            stats["entropy"] = entropy
+            for name, per_token in stats.items():
+                sums[name] += (per_token * weight).sum().double().cpu()
+                present.add(name)
+        totals = self._sum(torch.stack([sums[k] for k in keys]))
+        out = dict(zip(keys, totals.tolist(), strict=True))
+        tokens = max(out["tokens"], 1.0)
+        return {
+            "loss": out["loss"],
+            "num_tokens": out["tokens"],
+            **{k: out[k] / tokens for k in keys[2:] if k in present},
+        }
+
+    def optim_step(self, adam: AdamParams) -> dict[str, float]:
+        for group in self.optimizer.param_groups:
+            group.update(
+                lr=adam.learning_rate,
+                betas=(adam.beta1, adam.beta2),
+                eps=adam.eps,
+                weight_decay=adam.weight_decay,
+            )
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), adam.max_grad_norm)
+        if hasattr(norm, "full_tensor"):  # a DTensor under FSDP
+            norm = norm.full_tensor()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": float(norm)}
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # --- state --------------------------------------------------------------------------------
+    def _options(self, load: bool = False) -> StateDictOptions:
+        return StateDictOptions(
+            full_state_dict=True,
+            cpu_offload=not load,
+            broadcast_from_rank0=load and self.world_size > 1,
+        )
+
+    def state_dict_cpu(self) -> dict[str, torch.Tensor]:
+        """The full model state dict on the CPU (complete on rank 0)."""
+        sd = get_model_state_dict(self.model, options=self._options())
+        return {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
+
+    def save(self, path: Path, meta: dict[str, Any]) -> None:
+        """Write a checkpoint atomically: `path.tmp` first, renamed to `path` when complete."""
+        model_sd = {k: v.clone() for k, v in self.state_dict_cpu().items()}  # tied weights
+        optim_sd = get_optimizer_state_dict(self.model, self.optimizer, options=self._options())
+        if self.rank != 0:
+            return
+        tmp = path.with_name(path.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_file(model_sd, str(tmp / "model.safetensors"))
+        torch.save(optim_sd, tmp / "optimizer.pt")
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        save_file(rng, str(tmp / "rng.safetensors"))
+        (tmp / "meta.json").write_text(json.dumps({"signature": self.signature, **meta}))
+        shutil.rmtree(path, ignore_errors=True)
+        tmp.rename(path)
+
+    def load(self, path: Path) -> dict[str, Any]:
+        """Restore model, optimizer and RNG; refuse a checkpoint of another model."""
+        meta = json.loads((path / "meta.json").read_text())
+        if meta.get("signature") != self.signature:
+            theirs, ours = meta.get("signature") or {}, self.signature
+            diff = sorted(set(theirs) ^ set(ours)) or [k for k in ours if theirs.get(k) != ours[k]]
+            raise IncompatibleCheckpoint(
+                f"checkpoint {path} was written for a different model "
+                f"({len(theirs)} vs {len(ours)} tensors; first difference: {diff[:3]})"
+            )
+        primary = self.rank == 0
+        model_sd = load_file(str(path / "model.safetensors")) if primary else {}
+        optim_sd = torch.load(path / "optimizer.pt", weights_only=True) if primary else {}
+        set_model_state_dict(self.model, model_sd, options=self._options(load=True))
+        set_optimizer_state_dict(
+            self.model, self.optimizer, optim_state_dict=optim_sd, options=self._options(load=True)
+        )
+        rng = load_file(str(path / "rng.safetensors"))
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+        return meta
+
+    def close(self) -> None:
+        """Release resources (followers are told to stop under FSDP)."""

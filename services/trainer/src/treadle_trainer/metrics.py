@@ -1,0 +1,38 @@
+"""Trainer metrics (Prometheus), labelled by run."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+STEP_GAUGES = {
+    name: Gauge(f"treadle_trainer_{name}", doc, ["run"])
+    for name, doc in {
+        "loss": "Loss of the last step",
+        "reward_mean": "Mean reward of the last batch",
+        "reward_std": "Reward standard deviation of the last batch",
+        "kl": "Mean per-token KL to the reference (k3) of the last step",
+        "entropy": "Mean per-token policy entropy of the last step",
+        "clip_fraction": "Fraction of tokens whose ratio was clipped in the last step",
+        "grad_norm": "Gradient norm before clipping of the last step",
+        "tokens_per_s": "Trained tokens per second of the last step (wall clock, step_s)",
+        "step": "Last completed step",
+        "policy_version": "Weight version published by the last step",
+    }.items()
+}
+STALENESS = Histogram(
+    "treadle_trainer_staleness",
+    "Staleness of trained trajectories (versions behind the trainer)",
+    ["run"],
+    buckets=(0, 1, 2, 3, 4, 6, 8, 16),
+)
+WAIT_FOR_BATCH = Histogram(
+    "treadle_trainer_wait_for_batch_seconds", "Time waiting for a complete batch", ["run"]
+)
+STEP_SECONDS = Histogram("treadle_trainer_step_seconds", "Wall time of a whole step", ["run"])
+PUBLISH_SECONDS = Histogram(
+    "treadle_trainer_publish_seconds", "Time publishing the step's weights", ["run"]
+)
+CHECKPOINT_SECONDS = Histogram(
+    "treadle_trainer_checkpoint_seconds", "Time writing a checkpoint and committing", ["run"]
+)
+TOKENS = Counter("treadle_trainer_tokens_total", "Loss tokens trained on", ["run"])

@@ -1,0 +1,198 @@
+"""The trainer service as a real process on real Redis, NATS and weight-store: SIGKILL between
+a step and its checkpoint, restart, and the run ledger shows every trajectory exactly once.
+Plus the Tinker-style training API over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+import uuid
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+
+from benchmarks.synthetic_rollout import SyntheticRollout
+from tests.conftest import ServiceProc, start_service
+from treadle_common import names
+from treadle_common.clients import streams
+from treadle_common.clients.weights import WeightStoreClient
+from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
+
+pytestmark = pytest.mark.integration
+GROUPS_PER_STEP, GROUP_SIZE, STEPS = 2, 2, 4
+
+
+@pytest.fixture
+def weight_store(infra, tmp_path):
+    (tmp_path / "ws").mkdir()
+    svc = start_service("weight-store", infra, tmp_path / "ws")
+    yield svc
+    svc.stop()
+
+
+def start_trainer(infra, tmp_path, weight_store: ServiceProc) -> ServiceProc:
+    return start_service(
+        "trainer",
+        infra,
+        tmp_path,
+        TREADLE_WEIGHT_STORE_ADDR=weight_store.grpc_addr or "",
+        TREADLE_TRAINER_LEASE_S="2",
+    )
+
+
+async def wait_run(http: str, run: str, until, timeout_s: float = 120, producer=None) -> dict:
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(base_url=http, timeout=5) as client:
+        while True:
+            response = await client.get(f"/v1/runs/{run}")
+            if response.status_code == 200 and until(status := response.json()):
+                return status
+            assert time.monotonic() < deadline, f"run {run} did not get there: {response.text}"
+            if producer is not None and producer.done():
+                producer.result()  # surface the synthetic rollout's error
+            await asyncio.sleep(0.05)
+
+
+async def test_sigkill_between_step_and_checkpoint_trains_every_trajectory_once(
+    infra, tmp_path, tiny_model, weight_store
+):
+    run = f"crash-{uuid.uuid4().hex[:6]}"
+    dataset = tmp_path / "tasks.jsonl"
+    dataset.write_text("".join(json.dumps({"q": i}) + "\n" for i in range(5)))
+    recipe = {
+        "run_id": run,
+        "mode": "async",
+        "model": {"path": str(tiny_model), "name": "crashm"},
+        "data": {"path": str(dataset)},
+        "rollout": {"group_size": GROUP_SIZE},
+        "trainer": {
+            "num_steps": STEPS,
+            "tasks_per_step": GROUPS_PER_STEP,
+            "loss": "ppo",
+            "advantage": "rloo",
+            "max_staleness": 8,
+            "checkpoint_every": 2,
+            "micro_batch_tokens": 128,
+        },
+        "output_dir": str(tmp_path / "runs"),
+    }
+    r = aioredis.from_url(infra.redis_url)
+    store = WeightStoreClient(weight_store.grpc_addr or "")
+    vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
+    rollout = SyntheticRollout(r, store, run, "crashm", vocab_size=vocab, gated=True)
+    trainer = start_trainer(infra, tmp_path, weight_store)
+    producer = None
+    try:
+        async with httpx.AsyncClient(base_url=trainer.http) as client:
+            response = await client.post("/v1/runs", json=recipe)
+            assert response.status_code == 202, response.text
+        producer = asyncio.create_task(rollout.run_forever())
+        # bad input on the stream: one undecodable entry, one trajectory of an unknown group
+        stream = names.trajectories_stream(run)
+        await r.xadd(stream, {names.STREAM_FIELD: b"\xff not a protobuf"})
+        stranger = rollout.trajectory(tpb_task(run, "not-fed"), 0, version=0)
+        await streams.add(r, stream, stranger)
+        rollout.release(2 * GROUPS_PER_STEP + 1)  # steps 1-2 (checkpointed), one group ahead
+        await wait_run(trainer.http, run, lambda s: s["checkpoint_step"] == 2, producer=producer)
+        rollout.release(GROUPS_PER_STEP - 1)  # step 3
+        before = await wait_run(trainer.http, run, lambda s: s["step"] >= 3)
+        assert before["checkpoint_step"] == 2 and await r.xlen(names.ledger_stream(run)) == 2
+        os.kill(trainer.proc.pid, signal.SIGKILL)  # step 3 trained and published, not committed
+        trainer.proc.wait(timeout=10)
+
+        trainer = start_trainer(infra, tmp_path, weight_store)
+        rollout.release(100)
+        final = await wait_run(trainer.http, run, lambda s: s["state"] != "running", 180)
+    finally:
+        if producer is not None:
+            producer.cancel()
+        trainer.stop()
+    assert final["state"] == "succeeded", final["error"]
+    assert final["resumed"] == 1 and final["step"] == STEPS == final["checkpoint_step"]
+    assert final["pending_after_run"] == 0
+
+    ledger = await r.xrange(names.ledger_stream(run))
+    assert [int(f[b"step"]) for _, f in ledger] == [1, 2, 3, 4]
+    trained = [t for _, f in ledger for t in json.loads(f[b"trained"])]
+    dropped = {k: v for _, f in ledger for k, v in json.loads(f[b"dropped"]).items()}
+    assert len(trained) == len(set(trained)) == STEPS * GROUPS_PER_STEP * GROUP_SIZE
+    assert sorted(dropped.values()) == ["invalid_entry", "unknown_group"]
+    assert stranger.trajectory_id in dropped
+    # every trajectory the rollout produced and the trainer needed was trained exactly once,
+    # including the ones of step 3 that the killed process had already trained
+    assert set(trained) <= set(rollout.produced)
+    assert set(rollout.produced[: 3 * GROUPS_PER_STEP * GROUP_SIZE]) <= set(trained)
+    assert final["trajectories_trained"] == len(trained)
+    assert final["dropped"] == {"invalid_entry": 1, "unknown_group": 1}
+    # the restarted owner re-published its restored weights before training on
+    versions = await store.list_versions("crashm")
+    assert len(versions) == len(final["versions"]) + 1  # + step 3 of the killed process
+    await store.close()
+    await r.aclose()
+
+
+def tpb_task(run: str, task_id: str):
+    from treadle_common.proto.treadle.v1 import task_pb2
+
+    return task_pb2.Task(task_id=task_id, run_id=run, env="x", group_size=1)
+
+
+async def test_training_api_sft_steps_lower_the_loss(infra, tmp_path, tiny_model, weight_store):
+    trainer = start_trainer(infra, tmp_path, weight_store)
+    try:
+        async with httpx.AsyncClient(base_url=trainer.http, timeout=60) as client:
+            created = await client.post(
+                "/v1/training/sessions", json={"model_path": str(tiny_model), "model_name": "sft"}
+            )
+            assert created.status_code == 201, created.text
+            sid = created.json()["session_id"]
+            seq = [5, 17, 42, 99, 7, 3, 250, 11]
+            datum = {
+                "model_input": seq[:-1],
+                "target_tokens": seq[1:],
+                "weights": [0, 0, 1, 1, 1, 1, 1],
+            }
+            body = {"loss_fn": "cross_entropy", "data": [datum, datum]}
+            losses = []
+            for _ in range(5):
+                fb = await client.post(f"/v1/training/sessions/{sid}/forward_backward", json=body)
+                assert fb.status_code == 200, fb.text
+                losses.append(fb.json()["loss"])
+                step = await client.post(
+                    f"/v1/training/sessions/{sid}/optim_step", json={"learning_rate": 1e-2}
+                )
+                assert step.status_code == 200, step.text
+            assert losses[-1] < losses[0] * 0.8, losses
+            assert fb.json()["num_tokens"] == 10
+            saved = await client.post(f"/v1/training/sessions/{sid}/save_weights")
+            assert saved.status_code == 200 and saved.json()["version"] >= 1
+            state = await client.post(f"/v1/training/sessions/{sid}/save_state", json={})
+            assert state.json()["step"] == 5
+            loaded = await client.post(
+                f"/v1/training/sessions/{sid}/load_state", json={"path": state.json()["path"]}
+            )
+            assert loaded.json() == {"step": 5}
+            # bad input: clear 4xx, the service stays up
+            bad = [
+                ({**body, "loss_fn": "nope"}, 422, "cross_entropy"),
+                ({**body, "data": [{**datum, "weights": [1]}]}, 422, "weights has 1 entries"),
+                ({**body, "data": [{**datum, "model_input": [10**6] * 7}]}, 400, "token ids"),
+            ]
+            for payload, code, text in bad:
+                response = await client.post(
+                    f"/v1/training/sessions/{sid}/forward_backward", json=payload
+                )
+                assert response.status_code == code and text in response.text, response.text
+            missing = await client.post(
+                f"/v1/training/sessions/{sid}/load_state", json={"path": str(tmp_path / "x")}
+            )
+            assert missing.status_code == 404
+            unknown = await client.post("/v1/training/sessions/zzz/optim_step", json={})
+            assert unknown.status_code == 404 and "zzz" in unknown.text
+            assert (await client.get("/healthz")).status_code == 200
+    finally:
+        trainer.stop()
