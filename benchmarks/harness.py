@@ -15,7 +15,8 @@ from pathlib import Path
 import grpc
 import httpx
 
-from treadle_common.infra import terminate
+from treadle_common.infra import Infra, terminate
+from treadle_common.settings import Settings
 
 
 def identity(data: bytes) -> bytes:
@@ -84,3 +85,40 @@ def start_service(
         time.sleep(0.2)
     terminate(proc.pid)
     raise RuntimeError(f"{module} did not answer {ready_path} in {timeout_s}s")
+
+
+@contextlib.contextmanager
+def infra_with_weight_store(tmp: Path) -> Iterator[tuple[Settings, dict[str, str], list]]:
+    """Private redis + nats and a weight-store process; yields (settings, the TREADLE_* env
+    every further service needs, the list of processes to add yours to: all stopped on exit)."""
+    settings = Settings(
+        state_dir=tmp / "infra",
+        redis_url=f"redis://127.0.0.1:{free_port()}",
+        nats_url=f"nats://127.0.0.1:{free_port()}",
+    )
+    infra = Infra(settings)
+    infra.up()
+    procs: list[subprocess.Popen] = []
+    try:
+        ws_http, ws_grpc = free_port(), free_port()
+        common = {
+            "TREADLE_REDIS_URL": settings.redis_url,
+            "TREADLE_NATS_URL": settings.nats_url,
+            "TREADLE_STATE_DIR": str(tmp / "state"),
+            "TREADLE_LOG_LEVEL": "WARNING",
+            "TREADLE_WEIGHT_STORE_ADDR": f"127.0.0.1:{ws_grpc}",
+        }
+        procs.append(
+            start_service(
+                "treadle_weight_store",
+                {**common, "TREADLE_GRPC_PORT": str(ws_grpc)},
+                ws_http,
+                log=tmp / "weight-store.log",
+                ready_path="/healthz",
+            )
+        )
+        yield settings, common, procs
+    finally:
+        for proc in reversed(procs):
+            terminate(proc.pid, timeout_s=20)
+        infra.down()

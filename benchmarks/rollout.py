@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -25,12 +24,10 @@ from pathlib import Path
 import httpx
 import torch
 
-from benchmarks.harness import free_port, start_service
+from benchmarks.harness import free_port, infra_with_weight_store, start_service
 from treadle_common.clients.rollout import GenerationClient
 from treadle_common.clients.torch_weights import TorchWeightClient
-from treadle_common.infra import Infra, terminate
 from treadle_common.logs import configure_logging
-from treadle_common.settings import Settings
 from treadle_common.tiny_model import init_tiny
 from treadle_rollout.engines.base import Sampling
 from treadle_rollout.engines.hf import HFEngine
@@ -99,33 +96,8 @@ def run(prompts: int = 32, max_new_tokens: int = 32, rounds: int = 3, swaps: int
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
         model_dir = init_tiny(tmp / "bench-tiny")
-        redis_port, nats_port = free_port(), free_port()
-        settings = Settings(
-            state_dir=tmp / "infra",
-            redis_url=f"redis://127.0.0.1:{redis_port}",
-            nats_url=f"nats://127.0.0.1:{nats_port}",
-        )
-        infra = Infra(settings)
-        infra.up()
-        procs: list[subprocess.Popen] = []
-        try:
-            ports = {k: free_port() for k in ("ws_http", "ws_grpc", "ro_http", "ro_grpc")}
-            common = {
-                "TREADLE_REDIS_URL": settings.redis_url,
-                "TREADLE_NATS_URL": settings.nats_url,
-                "TREADLE_STATE_DIR": str(tmp / "state"),
-                "TREADLE_LOG_LEVEL": "WARNING",
-                "TREADLE_WEIGHT_STORE_ADDR": f"127.0.0.1:{ports['ws_grpc']}",
-            }
-            procs.append(
-                start_service(
-                    "treadle_weight_store",
-                    {**common, "TREADLE_GRPC_PORT": str(ports["ws_grpc"])},
-                    ports["ws_http"],
-                    log=tmp / "weight-store.log",
-                    ready_path="/healthz",
-                )
-            )
+        with infra_with_weight_store(tmp) as (settings, common, procs):
+            ports = {k: free_port() for k in ("ro_http", "ro_grpc")}
             procs.append(  # healthy is enough: the bench needs no env-gateway
                 start_service(
                     "treadle_rollout",
@@ -154,10 +126,6 @@ def run(prompts: int = 32, max_new_tokens: int = 32, rounds: int = 3, swaps: int
                     swaps,
                 )
             )
-        finally:
-            for proc in reversed(procs):
-                terminate(proc.pid, timeout_s=20)
-            infra.down()
     return {"bench": "rollout", "engine": "hf", "prompts": prompts, **result}
 
 

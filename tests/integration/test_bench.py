@@ -65,3 +65,16 @@ def test_bench_rollout_json_line():
     )
     assert report["swaps"] == 2  # both published versions were swapped in by the service
     assert 0 <= report["swap_pause_ms_p50"] <= report["swap_pause_ms_max"]
+
+
+def test_bench_trainer_json_line():
+    report = bench(
+        "trainer", "--steps", "3", "--groups", "2", "--group-size", "2", "--completion-len", "8"
+    )
+    assert report["bench"] == "trainer" and report["loss"] == "ppo"
+    assert report["sequences_per_step"] == 4 and len(report["step_s"]) == 3
+    assert report["service_tokens_per_s"] > 0 and report["raw_tokens_per_s"] > 0
+    assert report["ratio"] == pytest.approx(
+        report["service_tokens_per_s"] / report["raw_tokens_per_s"], rel=0.01
+    )
+    assert 0 < report["publish_s_p50"] < report["step_s_p50"]

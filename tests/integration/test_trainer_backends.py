@@ -48,3 +48,17 @@ def test_two_rank_fsdp_matches_single_process(tiny_model, tmp_path):
     assert single["second"]["kl"] > 0 and single["second"]["loss"] != single["first"]["loss"]
     assert fsdp["checksum"] == pytest.approx(single["checksum"], rel=1e-6)
     assert fsdp["meta_step"] == single["meta_step"] == 1
+
+
+def test_checkpoint_of_another_model_is_refused(tiny_model, tmp_path):
+    from treadle_trainer.backends import BackendSpec, TorchBackend
+    from treadle_trainer.backends.single import IncompatibleCheckpoint
+
+    backend = TorchBackend(BackendSpec(model_dir=str(tiny_model)))
+    backend.save(tmp_path / "ckpt", {"step": 3})
+    assert backend.load(tmp_path / "ckpt")["step"] == 3
+    meta = json.loads((tmp_path / "ckpt" / "meta.json").read_text())
+    meta["signature"]["lm_head.weight"] = [7, 7]
+    (tmp_path / "ckpt" / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(IncompatibleCheckpoint, match="different model.*lm_head.weight"):
+        backend.load(tmp_path / "ckpt")

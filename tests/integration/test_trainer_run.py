@@ -20,7 +20,6 @@ from tests.conftest import ServiceProc, start_service
 from treadle_common import names
 from treadle_common.clients import streams
 from treadle_common.clients.weights import WeightStoreClient
-from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
 
 pytestmark = pytest.mark.integration
 GROUPS_PER_STEP, GROUP_SIZE, STEPS = 2, 2, 4

@@ -58,3 +58,11 @@ def test_bad_override_form(tmp_path):
 def test_override_of_unknown_field_fails(tmp_path):
     with pytest.raises(RecipeError, match=r"trainer\.nope"):
         load_recipe(write(tmp_path, "model: {path: m}\n"), ["trainer.nope=1"])
+
+
+def test_unknown_loss_or_advantage_names_the_known_ones(tmp_path):
+    path = write(tmp_path, "model: {path: m}\ntrainer: {loss: ppo2, advantage: gae}\n")
+    with pytest.raises(RecipeError) as err:
+        load_recipe(path)
+    assert "trainer.loss" in str(err.value) and "'decoupled_ppo'" in str(err.value)
+    assert "trainer.advantage" in str(err.value) and "'rloo'" in str(err.value)

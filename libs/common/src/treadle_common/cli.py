@@ -7,7 +7,7 @@ treadle down                     stop everything `up` started
 treadle run RECIPE [--set a=b]   run a recipe on the stack (starting one if none runs)
 treadle model init-tiny DIR      build the tiny local HF model
 treadle weights list|export       inspect / export weight-store versions as HF directories
-treadle bench weights|env|reward|rollout [--json]   our path vs a raw baseline, as JSON
+treadle bench weights|env|reward|rollout|trainer [--json]   our path vs a raw baseline, as JSON
 """
 
 from __future__ import annotations
@@ -303,6 +303,21 @@ def bench_rollout(
     from benchmarks import rollout
 
     result = rollout.run(prompts, max_new_tokens, rounds, swaps)
+    print(json.dumps(result, indent=None if as_json else 2))
+
+
+@bench_app.command("trainer")
+def bench_trainer(
+    steps: Annotated[int, typer.Option(help="Training steps (the first 2 warm up)")] = 10,
+    groups: Annotated[int, typer.Option(help="Groups (tasks) per step")] = 16,
+    group_size: Annotated[int, typer.Option(help="Trajectories per group")] = 4,
+    completion_len: Annotated[int, typer.Option(help="Generated tokens per trajectory")] = 224,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
+) -> None:
+    """Full trainer steps (Redis -> loss -> AdamW -> publish) vs a plain torch loop."""
+    from benchmarks import trainer
+
+    result = trainer.run(steps, groups, group_size, completion_len=completion_len)
     print(json.dumps(result, indent=None if as_json else 2))
 
 

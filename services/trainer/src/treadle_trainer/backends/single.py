@@ -60,7 +60,7 @@ def token_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(target) per token [B, T] and, optionally, the policy entropy per token."""
     logits_B_T_V = model(
-        input_ids=mb.input_ids_B_T.to(device), attention_mask=mb.attention_B_T.to(device)
+        input_ids=mb.input_ids_B_T.to(device)
     ).logits.float()
     logp_B_T_V = torch.log_softmax(logits_B_T_V, dim=-1)
     targets = mb.targets_B_T.to(device)

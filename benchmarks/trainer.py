@@ -1,0 +1,174 @@
+"""`treadle bench trainer`: the trainer service's full step vs a plain torch loop.
+
+Service path: a real trainer process owns an async run on private redis + nats with a real
+weight-store; a synthetic rollout (benchmarks/synthetic_rollout.py) answers its tasks with
+fixed-shape trajectories through Redis. Each step reads the trajectories from Redis, validates
+and groups them, computes advantages, runs the PPO loss and AdamW, and publishes the weights
+(delta) to the weight store. service_tokens_per_s = loss tokens / step wall time (steady-state
+steps, after the warm-up ones; the median step,
+as the CPU of this 2-core machine is shared with the weight store).
+
+Raw baseline (same run, after the service finished, so they never share the CPU): the same
+trajectories of one step as padded tensors in this process, the same model, the same PPO loss
+(written inline) and AdamW with gradient clipping, in a plain loop; nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import redis.asyncio as aioredis
+import torch
+from transformers import AutoModelForCausalLM
+
+from benchmarks.harness import free_port, infra_with_weight_store, start_service
+from benchmarks.synthetic_rollout import SyntheticRollout
+from treadle_common import names
+from treadle_common.clients.weights import WeightStoreClient
+from treadle_common.logs import configure_logging
+from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
+from treadle_common.tiny_model import init_tiny
+
+MODEL = "bench-trainer"
+WARMUP_STEPS = 2
+"""Not measured: the first steps overlap the synthetic rollout filling the queue."""
+
+
+def run(
+    steps: int = 10,
+    groups: int = 16,
+    group_size: int = 4,
+    prompt_len: int = 32,
+    completion_len: int = 224,
+) -> dict:
+    configure_logging("bench", level="WARNING")
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        tmp = Path(tmp_dir)
+        model_dir = init_tiny(tmp / "tiny")
+        dataset = tmp / "tasks.jsonl"
+        dataset.write_text("".join(json.dumps({"i": i}) + "\n" for i in range(groups * steps)))
+        with infra_with_weight_store(tmp) as (settings, common, procs):
+            http_port = free_port()
+            procs.append(
+                start_service("treadle_trainer", common, http_port, log=tmp / "trainer.log")
+            )
+            recipe = {
+                "run_id": "bench",
+                "mode": "async",
+                "model": {"path": str(model_dir), "name": MODEL},
+                "data": {"path": str(dataset)},
+                "rollout": {"group_size": group_size},
+                "trainer": {
+                    "num_steps": steps,
+                    "tasks_per_step": groups,
+                    "loss": "ppo",
+                    "lr": 1e-5,
+                    "max_staleness": steps,
+                    "checkpoint_every": steps,
+                },
+                "output_dir": str(tmp / "runs"),
+            }
+            status, batch = asyncio.run(
+                _service(
+                    f"http://127.0.0.1:{http_port}",
+                    settings.redis_url,
+                    common["TREADLE_WEIGHT_STORE_ADDR"],
+                    recipe,
+                    prompt_len,
+                    completion_len,
+                )
+            )
+        if status["state"] != "succeeded":
+            raise RuntimeError(f"bench run failed: {status['error']}")
+        raw_tps = _raw(model_dir, batch, steps - WARMUP_STEPS)
+    measured = status["steps"][WARMUP_STEPS:]
+    service_tps = statistics.median(s["num_tokens"] / s["duration_s"] for s in measured)
+    return {
+        "bench": "trainer",
+        "loss": "ppo",
+        "steps": steps,
+        "sequences_per_step": groups * group_size,
+        "tokens_per_sequence": prompt_len + completion_len,
+        "service_tokens_per_s": round(service_tps, 1),
+        "raw_tokens_per_s": round(raw_tps, 1),
+        "ratio": round(service_tps / raw_tps, 3),
+        "step_s": [round(s["duration_s"], 3) for s in status["steps"]],
+        "step_s_p50": round(statistics.median(s["duration_s"] for s in measured), 4),
+        "train_s_p50": round(statistics.median(s["train_s"] for s in measured), 4),
+        "publish_s_p50": round(statistics.median(s["publish_s"] for s in measured), 4),
+        "wait_for_batch_s_p50": round(
+            statistics.median(s["wait_for_batch_s"] for s in measured), 4
+        ),
+    }
+
+
+async def _service(http, redis_url, store_addr, recipe, prompt_len, completion_len):
+    r = aioredis.from_url(redis_url)
+    store = WeightStoreClient(store_addr)
+    vocab = json.loads((Path(recipe["model"]["path"]) / "config.json").read_text())["vocab_size"]
+    rollout = SyntheticRollout(
+        r, store, "bench", MODEL, vocab, prompt_len=prompt_len, completion_len=completion_len
+    )
+    async with httpx.AsyncClient(base_url=http, timeout=30) as client:
+        response = await client.post("/v1/runs", json=recipe)
+        response.raise_for_status()
+        producer = asyncio.create_task(rollout.run_forever())
+        try:
+            while (status := (await client.get("/v1/runs/bench")).json())["state"] == "running":
+                if producer.done():
+                    producer.result()
+                await asyncio.sleep(1.0)
+        finally:
+            producer.cancel()
+    needed = recipe["trainer"]["tasks_per_step"] * recipe["rollout"]["group_size"]
+    entries = await r.xrange(names.trajectories_stream("bench"), count=needed)
+    batch = [tpb.Trajectory.FromString(f[names.STREAM_FIELD.encode()]) for _, f in entries]
+    await store.close()
+    await r.aclose()
+    return status, batch
+
+
+def _raw(model_dir: Path, batch: list[tpb.Trajectory], steps: int) -> float:
+    """PPO + AdamW on the batch in a plain loop; loss tokens per second."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    tokens = torch.tensor([list(t.tokens) for t in batch])
+    mask = torch.tensor([list(t.loss_mask[1:]) for t in batch], dtype=torch.float32)
+    old = torch.tensor([list(t.logprobs[1:]) for t in batch])
+    rewards = torch.tensor([t.reward for t in batch])
+    groups: dict[str, list[int]] = {}
+    for i, t in enumerate(batch):
+        groups.setdefault(t.group_id, []).append(i)
+    adv = torch.zeros(len(batch))
+    for members in groups.values():
+        r = rewards[members]
+        adv[members] = (r - r.mean()) / (r.std(unbiased=False) + 1e-6)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    model.train()
+
+    def step() -> None:
+        logits = model(input_ids=inputs).logits.float()
+        logp = torch.log_softmax(logits, -1).gather(2, targets[..., None]).squeeze(-1)
+        ratio = torch.exp(logp - old)
+        a = adv[:, None]
+        surrogate = torch.minimum(ratio * a, torch.clamp(ratio, 0.8, 1.28) * a)
+        loss = -(surrogate * mask).sum() / mask.sum()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+
+    step()  # warm-up, as the service's first step
+    rates = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        step()
+        rates.append(float(mask.sum()) / (time.perf_counter() - started))
+    return statistics.median(rates)
