@@ -59,9 +59,9 @@ def token_logprobs(
     model: torch.nn.Module, mb: MicroBatch, device: str, entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(target) per token [B, T] and, optionally, the policy entropy per token."""
-    logits_B_T_V = model(
-        input_ids=mb.input_ids_B_T.to(device)
-    ).logits.float()
+    # Right padding under causal attention: real tokens never see the pads after them, so
+    # no attention mask is needed (and the fused causal attention path stays available).
+    logits_B_T_V = model(input_ids=mb.input_ids_B_T.to(device)).logits.float()
     logp_B_T_V = torch.log_softmax(logits_B_T_V, dim=-1)
     targets = mb.targets_B_T.to(device)
     chosen = logp_B_T_V.gather(2, targets[..., None]).squeeze(-1)
