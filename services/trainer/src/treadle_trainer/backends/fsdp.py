@@ -219,10 +219,12 @@ def follow() -> None:
             raise RuntimeError(f"command {op!r} before build")
         elif not backend.run_command(op, header):
             backend = None
+    dist.barrier()  # both sides leave together; a one-sided teardown aborts gloo's peer
     dist.destroy_process_group()
 
 
 def shutdown_followers() -> None:
     if dist.is_initialized() and dist.get_rank() == 0:
         _send("shutdown", {})
+        dist.barrier()
         dist.destroy_process_group()
