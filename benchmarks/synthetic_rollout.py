@@ -47,7 +47,7 @@ class SyntheticRollout:
 
     def trajectory(self, task: task_pb2.Task, index: int, version: int) -> tpb.Trajectory:
         p, c = self.prompt_len, self.completion_len
-        tokens = [self.rng.randrange(self.vocab) for _ in range(p + c)]
+        tokens = self.rng.choices(range(self.vocab), k=p + c)
         return tpb.Trajectory(
             trajectory_id=uuid.uuid4().hex,
             group_id=task.task_id,
@@ -57,7 +57,7 @@ class SyntheticRollout:
             sample_index=index,
             tokens=tokens,
             loss_mask=[0] * p + [1] * c,
-            logprobs=[0.0] * p + [-self.rng.uniform(0.5, 6.0) for _ in range(c)],
+            logprobs=[0.0] * p + [-0.5 - 5.5 * self.rng.random() for _ in range(c)],
             token_versions=[-1] * p + [version] * c,
             reward=float(self.rng.random() < 0.5),
             status=tpb.TRAJECTORY_STATUS_OK,

@@ -37,7 +37,8 @@ from treadle_common.tiny_model import init_tiny
 
 MODEL = "bench-trainer"
 WARMUP_STEPS = 2
-"""Not measured: the first steps overlap the synthetic rollout filling the queue."""
+"""Not measured: the first steps, and any step that overlapped the synthetic rollout (it
+shares this machine's CPU with the trainer)."""
 
 
 def run(
@@ -74,7 +75,7 @@ def run(
                 },
                 "output_dir": str(tmp / "runs"),
             }
-            status, batch = asyncio.run(
+            status, batch, quiet_from = asyncio.run(
                 _service(
                     f"http://127.0.0.1:{http_port}",
                     settings.redis_url,
@@ -87,7 +88,8 @@ def run(
         if status["state"] != "succeeded":
             raise RuntimeError(f"bench run failed: {status['error']}")
         raw_tps = _raw(model_dir, batch, steps - WARMUP_STEPS)
-    measured = status["steps"][WARMUP_STEPS:]
+    first = max(WARMUP_STEPS + 1, quiet_from)
+    measured = [s for s in status["steps"] if s["step"] >= first] or status["steps"][-1:]
     service_tps = statistics.median(s["num_tokens"] / s["duration_s"] for s in measured)
     return {
         "bench": "trainer",
@@ -99,6 +101,7 @@ def run(
         "raw_tokens_per_s": round(raw_tps, 1),
         "ratio": round(service_tps / raw_tps, 3),
         "step_s": [round(s["duration_s"], 3) for s in status["steps"]],
+        "measured_steps": [s["step"] for s in measured],
         "step_s_p50": round(statistics.median(s["duration_s"] for s in measured), 4),
         "train_s_p50": round(statistics.median(s["train_s"] for s in measured), 4),
         "publish_s_p50": round(statistics.median(s["publish_s"] for s in measured), 4),
@@ -119,11 +122,15 @@ async def _service(http, redis_url, store_addr, recipe, prompt_len, completion_l
         response = await client.post("/v1/runs", json=recipe)
         response.raise_for_status()
         producer = asyncio.create_task(rollout.run_forever())
+        total_groups = recipe["trainer"]["num_steps"] * recipe["trainer"]["tasks_per_step"]
+        quiet_from = None  # the first step that started after the producer went quiet
         try:
             while (status := (await client.get("/v1/runs/bench")).json())["state"] == "running":
                 if producer.done():
                     producer.result()
-                await asyncio.sleep(1.0)
+                if quiet_from is None and rollout.groups >= total_groups:
+                    quiet_from = status["step"] + 2
+                await asyncio.sleep(0.5)
         finally:
             producer.cancel()
     needed = recipe["trainer"]["tasks_per_step"] * recipe["rollout"]["group_size"]
@@ -131,7 +138,7 @@ async def _service(http, redis_url, store_addr, recipe, prompt_len, completion_l
     batch = [tpb.Trajectory.FromString(f[names.STREAM_FIELD.encode()]) for _, f in entries]
     await store.close()
     await r.aclose()
-    return status, batch
+    return status, batch, quiet_from or status["step"]
 
 
 def _raw(model_dir: Path, batch: list[tpb.Trajectory], steps: int) -> float:
