@@ -39,7 +39,13 @@ from treadle_common.logs import get_logger
 from treadle_common.proto.treadle.v1 import common_pb2, task_pb2
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
 from treadle_trainer import metrics as tm
-from treadle_trainer.backends import AdamParams, BackendSpec, TorchBackend, build_backend
+from treadle_trainer.backends import (
+    AdamParams,
+    BackendSpec,
+    TorchBackend,
+    build_backend,
+    on_torch_thread,
+)
 from treadle_trainer.batches import (
     Datum,
     Entry,
@@ -156,7 +162,7 @@ class RunOwner:
             await self.r.srem(names.RUNS_KEY, run)
             await self._final_counts()
             if self.backend is not None:
-                await asyncio.to_thread(self.backend.close)
+                await on_torch_thread(self.backend.close)
         return self.status
 
     # --- setup and restore -----------------------------------------------------------------------
@@ -165,7 +171,7 @@ class RunOwner:
         spec = BackendSpec(
             model_dir=str(cfg.model.path), seed=t.seed, reference=t.kl_coef > 0, bf16=t.bf16
         )
-        self.backend = await asyncio.to_thread(build_backend, spec)
+        self.backend = await on_torch_thread(build_backend, spec)
         source = await self._task_source()
         await streams.ensure_group(self.r, self._stream, names.TRAINER_GROUP)
         await self.r.set(names.run_config(cfg.run_id), cfg.model_dump_json())
@@ -217,7 +223,7 @@ class RunOwner:
         if path is None:
             return False
         assert self.backend is not None
-        meta = await asyncio.to_thread(self.backend.load, Path(path.decode()))
+        meta = await on_torch_thread(self.backend.load, Path(path.decode()))
         restored = RunStatus.model_validate(meta["run"])
         restored.tasks_fed, restored.state = self.status.tasks_fed, "running"
         restored.resumed += 1
@@ -239,7 +245,7 @@ class RunOwner:
         if not versions:
             return 0
         latest = await self.store.get_manifest(self.config.model.name, versions[-1].version)
-        state = await asyncio.to_thread(self.backend.state_dict_cpu)
+        state = await on_torch_thread(self.backend.state_dict_cpu)
         ours, _ = build_manifest(self.config.model.name, state_dict_to_raw(state))
         if chunk_positions(latest) == chunk_positions(ours):
             return latest.version
@@ -363,7 +369,7 @@ class RunOwner:
         for reason in dropped.values():
             self._count_drop(reason)
         train_start = time.perf_counter()
-        stats = await asyncio.to_thread(self._train, data)
+        stats = await on_torch_thread(self._train, data)
         train_s = time.perf_counter() - train_start
         publish_start = time.perf_counter()
         version = await self._publish(step=step)
@@ -429,7 +435,7 @@ class RunOwner:
 
     async def _publish(self, step: int) -> int:
         assert self.backend is not None
-        state = await asyncio.to_thread(self.backend.state_dict_cpu)
+        state = await on_torch_thread(self.backend.state_dict_cpu)
         response = await self.store.publish(
             self.config.model.name,
             state_dict_to_raw(state),
@@ -462,7 +468,7 @@ class RunOwner:
             "version": version,
             "model": self.config.model.name,
         }
-        await asyncio.to_thread(self.backend.save, path, meta)
+        await on_torch_thread(self.backend.save, path, meta)
         async with self.r.pipeline(transaction=True) as pipe:
             for s in self._uncommitted:
                 if s["entries"]:

@@ -26,7 +26,13 @@ from pydantic import BaseModel, Field, model_validator
 from treadle_common.clients.torch_weights import model_assets, state_dict_to_raw
 from treadle_common.clients.weights import WeightStoreClient
 from treadle_common.config import LossName
-from treadle_trainer.backends import AdamParams, BackendSpec, TorchBackend, build_backend
+from treadle_trainer.backends import (
+    AdamParams,
+    BackendSpec,
+    TorchBackend,
+    build_backend,
+    on_torch_thread,
+)
 from treadle_trainer.backends.single import IncompatibleCheckpoint
 from treadle_trainer.batches import Datum, pack
 from treadle_trainer.losses import LossParams
@@ -105,7 +111,7 @@ def mount(app: FastAPI, store: WeightStoreClient, state_dir: Path) -> None:
         spec = BackendSpec(
             model_dir=request.model_path, seed=request.seed, reference=request.kl_reference
         )
-        backend = await asyncio.to_thread(build_backend, spec)
+        backend = await on_torch_thread(build_backend, spec)
         sid = uuid.uuid4().hex[:12]
         sessions[sid] = Session(sid, request, backend, state_dir / "training" / sid)
         return {"session_id": sid, "vocab_size": backend.vocab_size}
@@ -126,7 +132,7 @@ def mount(app: FastAPI, store: WeightStoreClient, state_dir: Path) -> None:
             session.backend.pad_id,
         )
         async with session.lock:
-            return await asyncio.to_thread(
+            return await on_torch_thread(
                 session.backend.forward_backward, mbs, request.loss_fn, request.loss_params
             )
 
@@ -134,7 +140,7 @@ def mount(app: FastAPI, store: WeightStoreClient, state_dir: Path) -> None:
     async def optim_step(sid: str, adam: AdamParams) -> dict:
         session = get(sid)
         async with session.lock:
-            out = await asyncio.to_thread(session.backend.optim_step, adam)
+            out = await on_torch_thread(session.backend.optim_step, adam)
             session.steps += 1
         return {**out, "step": session.steps}
 
@@ -142,7 +148,7 @@ def mount(app: FastAPI, store: WeightStoreClient, state_dir: Path) -> None:
     async def save_weights(sid: str) -> dict:
         session = get(sid)
         async with session.lock:
-            state = await asyncio.to_thread(session.backend.state_dict_cpu)
+            state = await on_torch_thread(session.backend.state_dict_cpu)
         response = await store.publish(
             session.request.model_name,
             state_dict_to_raw(state),
@@ -159,7 +165,7 @@ def mount(app: FastAPI, store: WeightStoreClient, state_dir: Path) -> None:
         session = get(sid)
         path = session.root / (request.name or f"step-{session.steps:06d}")
         async with session.lock:
-            await asyncio.to_thread(session.backend.save, path, {"step": session.steps})
+            await on_torch_thread(session.backend.save, path, {"step": session.steps})
         return {"path": str(path.resolve()), "step": session.steps}
 
     @app.post("/v1/training/sessions/{sid}/load_state", tags=["training"])
@@ -170,7 +176,7 @@ def mount(app: FastAPI, store: WeightStoreClient, state_dir: Path) -> None:
             raise HTTPException(404, f"no checkpoint at {path}")
         async with session.lock:
             try:
-                meta = await asyncio.to_thread(session.backend.load, path)
+                meta = await on_torch_thread(session.backend.load, path)
             except IncompatibleCheckpoint as exc:
                 raise HTTPException(409, str(exc)) from exc
             session.steps = int(meta.get("step", 0))
@@ -181,4 +187,4 @@ def mount(app: FastAPI, store: WeightStoreClient, state_dir: Path) -> None:
         session = get(sid)
         async with session.lock:
             del sessions[sid]
-            await asyncio.to_thread(session.backend.close)
+            await on_torch_thread(session.backend.close)
