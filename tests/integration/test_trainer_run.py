@@ -127,6 +127,8 @@ async def test_sigkill_between_step_and_checkpoint_trains_every_trajectory_once(
     assert set(rollout.produced[: 3 * GROUPS_PER_STEP * GROUP_SIZE]) <= set(trained)
     assert final["trajectories_trained"] == len(trained)
     assert final["dropped"] == {"invalid_entry": 1, "unknown_group": 1}
+    assert final["rejected"] == 2
+    assert final["trajectories_acked"] == final["trajectories_consumed"] + final["rejected"]
     # the restarted owner re-published its restored weights before training on
     versions = await store.list_versions("crashm")
     assert len(versions) == len(final["versions"]) + 1  # + step 3 of the killed process

@@ -116,7 +116,7 @@ class RunClient:
             run["trajectories_consumed"] == run["trajectories_produced"]
             and run["duplicates"] == 0
             and run["pending_after_run"] == 0
-            and run["trajectories_acked"] == run["trajectories_consumed"]
+            and run["trajectories_acked"] == run["trajectories_consumed"] + run["rejected"]
         )
         return {
             "run_id": run["run_id"],
@@ -128,6 +128,7 @@ class RunClient:
             "trajectories_consumed": run["trajectories_consumed"],
             "trajectories_trained": run["trajectories_trained"],
             "trajectories_acked": run["trajectories_acked"],
+            "rejected": run["rejected"],
             "duplicates": run["duplicates"],
             "pending_after_run": run["pending_after_run"],
             "dropped": run["dropped"],

@@ -101,6 +101,7 @@ class RunStatus(BaseModel):
     trajectories_consumed: int = 0
     trajectories_trained: int = 0
     trajectories_acked: int = 0
+    rejected: int = Field(0, description="Entries dropped as they were read (acked, not consumed)")
     duplicates: int = 0
     dropped: dict[str, int] = Field(default_factory=dict)
     pending_after_run: int | None = None
@@ -307,6 +308,7 @@ class RunOwner:
 
     def _drop(self, entry_id: str, trajectory_id: str, reason: str) -> None:
         self._loose_drops.append((entry_id, trajectory_id, reason))
+        self.status.rejected += 1
         self._count_drop(reason)
         log.warning("trajectory dropped", entry=entry_id, reason=reason)
 
