@@ -20,6 +20,7 @@ from tests.conftest import ServiceProc, start_service
 from treadle_common import names
 from treadle_common.clients import streams
 from treadle_common.clients.weights import WeightStoreClient
+from treadle_common.proto.treadle.v1 import task_pb2
 
 pytestmark = pytest.mark.integration
 GROUPS_PER_STEP, GROUP_SIZE, STEPS = 2, 2, 4
@@ -93,7 +94,8 @@ async def test_sigkill_between_step_and_checkpoint_trains_every_trajectory_once(
         # bad input on the stream: one undecodable entry, one trajectory of an unknown group
         stream = names.trajectories_stream(run)
         await r.xadd(stream, {names.STREAM_FIELD: b"\xff not a protobuf"})
-        stranger = rollout.trajectory(tpb_task(run, "not-fed"), 0, version=0)
+        not_fed = task_pb2.Task(task_id="not-fed", run_id=run, env="x", group_size=1)
+        stranger = rollout.trajectory(not_fed, 0, version=0)
         await streams.add(r, stream, stranger)
         rollout.release(2 * GROUPS_PER_STEP + 1)  # steps 1-2 (checkpointed), one group ahead
         await wait_run(trainer.http, run, lambda s: s["checkpoint_step"] == 2, producer=producer)
@@ -134,12 +136,6 @@ async def test_sigkill_between_step_and_checkpoint_trains_every_trajectory_once(
     assert len(versions) == len(final["versions"]) + 1  # + step 3 of the killed process
     await store.close()
     await r.aclose()
-
-
-def tpb_task(run: str, task_id: str):
-    from treadle_common.proto.treadle.v1 import task_pb2
-
-    return task_pb2.Task(task_id=task_id, run_id=run, env="x", group_size=1)
 
 
 async def test_training_api_sft_steps_lower_the_loss(infra, tmp_path, tiny_model, weight_store):

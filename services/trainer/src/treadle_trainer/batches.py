@@ -169,7 +169,6 @@ class MicroBatch:
     mask_B_T: torch.Tensor
     advantages_B_T: torch.Tensor
     logprobs_B_T: torch.Tensor
-    attention_B_T: torch.Tensor
     coef_B: torch.Tensor
 
     FIELDS = (
@@ -178,7 +177,6 @@ class MicroBatch:
         "mask_B_T",
         "advantages_B_T",
         "logprobs_B_T",
-        "attention_B_T",
         "coef_B",
     )
 
@@ -191,22 +189,19 @@ class MicroBatch:
 
 
 def collate(data: Sequence[Datum], coefs: Sequence[float], pad_id: int) -> MicroBatch:
-    """Right-padded tensors of the given data."""
+    """Right-padded tensors of the given data (causal attention needs no mask for right pads;
+    padded positions carry weight 0)."""
     shape = (len(data), max(len(d.input_ids) for d in data))
     input_ids = torch.full(shape, pad_id, dtype=torch.long)
     targets = torch.full(shape, pad_id, dtype=torch.long)
     floats = [torch.zeros(shape, dtype=torch.float32) for _ in range(3)]
-    attention = torch.zeros(shape, dtype=torch.long)
     for b, d in enumerate(data):
         n = len(d.input_ids)
         input_ids[b, :n] = torch.tensor(d.input_ids)
         targets[b, :n] = torch.tensor(d.targets)
         for tensor, values in zip(floats, (d.weights, d.advantages, d.logprobs), strict=True):
             tensor[b, :n] = torch.tensor(values, dtype=torch.float32)
-        attention[b, :n] = 1
-    return MicroBatch(
-        input_ids, targets, *floats, attention, torch.tensor(coefs, dtype=torch.float32)
-    )
+    return MicroBatch(input_ids, targets, *floats, torch.tensor(coefs, dtype=torch.float32))
 
 
 def pack(
