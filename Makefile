@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml libs/common/pyproject.toml $(foreach s,$(SERVICES),serv
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet $(TORCH_SPEC)
-	$(PIP) install --quiet -e 'libs/common[hf,infra]' $(foreach s,$(SERVICES),-e services/$(s)) -e '.[dev]'
+	$(PIP) install --quiet -e 'libs/common[hf,infra,report]' $(foreach s,$(SERVICES),-e services/$(s)) -e '.[dev]'
 	touch $@
 
 demo: setup

@@ -7,6 +7,7 @@ parsed as YAML scalars, so `--set trainer.lr=1e-4` is a float.
 
 from __future__ import annotations
 
+import json
 import uuid
 from pathlib import Path
 from typing import Any, Literal
@@ -24,6 +25,16 @@ class ModelConfig(Strict):
     name: str = Field("tiny", description="Weight-store model name; rollout listens on it")
     init_tiny: bool = Field(
         False, description="Build a tiny random model at `path` if it does not exist"
+    )
+    tiny_hidden_size: int = Field(
+        128, ge=64, multiple_of=64, description="init_tiny: hidden size (heads of 64)"
+    )
+    tiny_layers: int = Field(2, ge=1, description="init_tiny: decoder layers")
+    init_version: int | None = Field(
+        None,
+        ge=0,
+        description="Start from this weight-store version of `name` instead of `path`'s weights "
+        "(`treadle run` sets it to the SFT warm-up's version)",
     )
 
 
@@ -89,6 +100,35 @@ class DataConfig(Strict):
     shuffle: bool = Field(True, description="Shuffle each epoch (seeded by trainer.seed)")
 
 
+class SFTConfig(Strict):
+    """A supervised warm-up through the trainer's training API before the RL run."""
+
+    steps: int = Field(0, ge=0, description="Optimizer steps (0 = no warm-up)")
+    batch_size: int = Field(32, ge=1, description="Demonstrations per step")
+    lr: float = Field(1e-3, gt=0, description="Adam learning rate")
+    num_examples: int = Field(
+        256, ge=1, description="Env tasks sampled (split `sft`) as demonstrations"
+    )
+    answer_field: str = Field(
+        "answer", description="Task field whose value is the demonstrated reply"
+    )
+
+
+class EvalConfig(Strict):
+    """Greedy evaluation on held-out env tasks (split `eval`), run by the rollout service."""
+
+    num_tasks: int = Field(0, ge=0, description="Held-out tasks (0 = no evaluation)")
+    max_new_tokens: int | None = Field(
+        None, ge=1, description="Defaults to rollout.sampling.max_new_tokens"
+    )
+    every: int = Field(
+        0, ge=0, description="Also evaluate after every N trainer steps (0 = start/end only)"
+    )
+    min_improvement: float | None = Field(
+        None, description="Fail the run unless the final eval reward beats the first by this"
+    )
+
+
 class RunConfig(Strict):
     """A run: model, environment, scorer, rollout and trainer settings."""
 
@@ -100,6 +140,8 @@ class RunConfig(Strict):
     scorer: str = Field("exact_match", description="Reward-service scorer name")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     output_dir: Path = Field(Path(".treadle/runs"), description="Where run outputs are written")
 
 
@@ -149,3 +191,8 @@ def format_validation_error(path: Path, exc: ValidationError) -> str:
 def dump_resolved(config: RunConfig, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+
+
+def task_key(task: dict[str, Any]) -> str:
+    """A task's identity for held-out filtering: its payload as canonical JSON."""
+    return json.dumps(task, sort_keys=True, separators=(",", ":"))

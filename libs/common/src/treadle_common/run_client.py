@@ -1,13 +1,21 @@
-"""`treadle run`: submit a recipe to the trainer and follow it to the end.
+"""`treadle run`: evaluate, warm up, submit a recipe to the trainer and follow it to the end.
 
 Uses the stack `treadle up` started when one is healthy (its rollout must serve the recipe's
-model); otherwise starts one for the recipe's model and stops it afterwards. Prints the
-run's counts (tasks, trajectories produced/consumed/acked, duplicates, drops) and writes the
-resolved config and the summary under `{output_dir}/{run_id}/`.
+model); otherwise starts one for the recipe's model and stops it afterwards. The phases:
+
+1. greedy evaluation on the held-out tasks (`eval`), through rollout's `POST /v1/evaluate`;
+2. the SFT warm-up (`sft`) through the trainer's training API, then evaluation again;
+3. the RL run, started from the warm-up's weight-store version, with a live table;
+4. the final evaluation, the final weights exported as an HF directory, a plot.
+
+Writes the resolved config, `metrics.jsonl`, `metrics.png`, `summary.json` and
+`final-model/` under `{output_dir}/{run_id}/`. Exits non-zero when the run fails, when
+exactly-once accounting does not add up, or when `eval.min_improvement` is not met.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from pathlib import Path
@@ -18,8 +26,14 @@ from rich.live import Live
 from rich.table import Table
 
 from treadle_common import stack
+from treadle_common.clients.env import EnvClient
+from treadle_common.clients.weights import WeightStoreClient
 from treadle_common.config import RunConfig, dump_resolved
+from treadle_common.evaluation import held_out_tasks
+from treadle_common.report import RunReport
 from treadle_common.settings import Settings
+from treadle_common.warmup import TrainingSession, demonstrations
+from treadle_common.weights_export import export_hf
 
 FINAL = ("succeeded", "failed")
 
@@ -37,7 +51,13 @@ class RunClient:
         if cfg.model.init_tiny and not (cfg.model.path / "config.json").exists():
             from treadle_common.tiny_model import init_tiny
 
-            init_tiny(cfg.model.path, seed=cfg.trainer.seed)
+            init_tiny(
+                cfg.model.path,
+                hidden_size=cfg.model.tiny_hidden_size,
+                num_layers=cfg.model.tiny_layers,
+                num_heads=cfg.model.tiny_hidden_size // 64,
+                seed=cfg.trainer.seed,
+            )
         own_stack = False
         current = stack.status(self.state_dir)
         if not current["healthy"]:
@@ -63,12 +83,19 @@ class RunClient:
             if own_stack:
                 stack.down(self.settings)
 
-    def _urls(self) -> dict[str, str]:
+    def _spec(self) -> stack.StackSpec:
         record = stack.read_stack(self.state_dir)
         if record is None:
             raise RuntimeError(f"no stack recorded in {self.state_dir}")
-        spec = stack.StackSpec(**record["spec"])
+        return stack.StackSpec(**record["spec"])
+
+    def _urls(self) -> dict[str, str]:
+        spec = self._spec()
         return {s: spec.http_url(s) for s in ("trainer", "rollout", "weight-store")}
+
+    def _grpc(self, service: str) -> str:
+        spec = self._spec()
+        return f"{spec.host}:{spec.ports[service]['grpc']}"
 
     def _follow(self) -> int:
         cfg = self.config
@@ -81,7 +108,10 @@ class RunClient:
             )
             return 1
         out_dir = cfg.output_dir / cfg.run_id
+        report = RunReport(out_dir)
         dump_resolved(cfg, out_dir / "config.yaml")
+        held_out = asyncio.run(self._prepare(urls, report))
+        dump_resolved(cfg, out_dir / "config.yaml")  # with the warm-up's init_version
         response = httpx.post(
             f"{urls['trainer']}/v1/runs", json=cfg.model_dump(mode="json"), timeout=30
         )
@@ -91,20 +121,135 @@ class RunClient:
             )
             return 1
         run = response.json()
-        with Live(self._table(run), console=self.console, refresh_per_second=2) as live:
+        reported = evaluated = 0
+        with Live(self._table(run, report), console=self.console, refresh_per_second=2) as live:
             while run["state"] not in FINAL:
                 time.sleep(0.5)
                 run = httpx.get(f"{urls['trainer']}/v1/runs/{cfg.run_id}", timeout=10).json()
-                live.update(self._table(run))
+                for record in run["steps"][reported:]:
+                    report.add("step", record, at=record["finished_at"] or None)
+                reported = len(run["steps"])
+                every = cfg.eval.every
+                if held_out and every and run["state"] not in FINAL and run["steps"]:
+                    step = run["steps"][-1]
+                    if step["step"] % every == 0 and step["step"] != evaluated:
+                        evaluated = step["step"]
+                        self._evaluate(
+                            urls["rollout"], held_out, f"step {evaluated}", step["version"], report
+                        )
+                live.update(self._table(run, report))
         summary = self._summary(run, urls)
+        last = summary["rollout_policy_version"]
+        if held_out:
+            self._evaluate(urls["rollout"], held_out, "end", last, report)
+            summary["eval"] = {e["phase"]: e["mean_reward"] for e in report.of("eval")}
+        if run["state"] == "succeeded":
+            summary["final_model_dir"] = str(asyncio.run(self._export(last, out_dir)))
+        if report.of("step"):
+            summary["plot"] = str(report.plot())
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         self.console.print_json(json.dumps(summary))
-        ok = run["state"] == "succeeded" and summary["exactly_once"]
+        ok = run["state"] == "succeeded" and summary["exactly_once"] and self._improved(report)
         self.console.print(
             ("[green]run succeeded[/green]" if ok else "[red]run failed[/red]")
             + f" — outputs in {out_dir}"
         )
         return 0 if ok else 1
+
+    async def _prepare(self, urls: dict[str, str], report: RunReport) -> list[dict]:
+        """Held-out tasks, the start evaluation and the SFT warm-up (then evaluation again).
+
+        The recipe's model is published first, so the start evaluation scores the policy
+        the run begins from, whatever versions the weight store already holds.
+        """
+        cfg = self.config
+        env = EnvClient(self._grpc("env-gateway"))
+        try:
+            held_out = await held_out_tasks(env, cfg)
+            data = await demonstrations(env, cfg, held_out) if cfg.sft.steps else []
+        finally:
+            await env.close()
+        if not held_out and not data:
+            return held_out
+        async with TrainingSession(urls["trainer"], cfg) as session:
+            cfg.model.init_version = await session.save_weights()
+            if held_out:
+                self._evaluate(urls["rollout"], held_out, "start", cfg.model.init_version, report)
+            if not data:
+                return held_out
+            with self.console.status("SFT warm-up") as status:
+
+                def on_step(record: dict) -> None:
+                    report.add("sft", record)
+                    status.update(
+                        f"SFT warm-up: step {record['sft_step']}/{cfg.sft.steps}, "
+                        f"loss {record['loss']:.4f}"
+                    )
+
+                warm = await session.sft(data, on_step)
+        self.console.print(
+            f"SFT warm-up: {warm['steps']} steps on {warm['examples']} demonstrations in "
+            f"{warm['seconds']:.0f}s, loss {warm['first_loss']:.3f} -> {warm['last_loss']:.3f}, "
+            f"version {warm['version']}"
+        )
+        cfg.model.init_version = warm["version"]
+        if held_out:
+            self._evaluate(urls["rollout"], held_out, "after_sft", warm["version"], report)
+        return held_out
+
+    def _evaluate(
+        self, url: str, tasks: list[dict], phase: str, version: int, report: RunReport
+    ) -> dict:
+        cfg = self.config
+        self._wait_rollout_version(url, version)
+        response = httpx.post(
+            f"{url}/v1/evaluate",
+            json={
+                "env": cfg.env.name,
+                "tasks": tasks,
+                "scorer": cfg.scorer,
+                "max_turns": cfg.rollout.max_turns,
+                "max_new_tokens": cfg.eval.max_new_tokens or cfg.rollout.sampling.max_new_tokens,
+            },
+            timeout=600,
+        )
+        response.raise_for_status()
+        result = response.json()
+        report.add(
+            "eval",
+            {
+                "phase": phase,
+                "mean_reward": result["mean_reward"],
+                "num_tasks": result["num_tasks"],
+                "policy_versions": result["policy_versions"],
+                "statuses": result["statuses"],
+                "seconds": round(result["seconds"], 2),
+            },
+        )
+        self.console.print(
+            f"eval ({phase}): mean reward {result['mean_reward']:.3f} on "
+            f"{result['num_tasks']} held-out tasks, policy version {result['policy_versions']}"
+        )
+        return result
+
+    async def _export(self, version: int, out_dir: Path) -> Path:
+        client = WeightStoreClient(self._grpc("weight-store"))
+        try:
+            return await export_hf(client, self.config.model.name, version, out_dir / "final-model")
+        finally:
+            await client.close()
+
+    def _improved(self, report: RunReport) -> bool:
+        want, evals = self.config.eval.min_improvement, report.of("eval")
+        if want is None or not evals:
+            return True
+        gain = evals[-1]["mean_reward"] - evals[0]["mean_reward"]
+        verdict = "[green]met[/green]" if gain >= want else "[red]NOT met[/red]"
+        self.console.print(
+            f"eval reward {evals[0]['mean_reward']:.3f} -> {evals[-1]['mean_reward']:.3f} "
+            f"(+{gain:.3f}; eval.min_improvement {want}: {verdict})"
+        )
+        return gain >= want
 
     def _summary(self, run: dict, urls: dict[str, str]) -> dict:
         last = run["versions"][-1] if run["versions"] else run["base_version"]
@@ -148,28 +293,28 @@ class RunClient:
                 return info
             time.sleep(0.2)
 
-    def _table(self, run: dict) -> Table:
-        table = Table(title=f"run {run['run_id']} — {run['state']}")
-        for column in (
-            "step",
-            "version",
-            "mean reward",
-            "trajectories",
-            "loss",
-            "staleness",
-            "publish MB",
-            "s",
-        ):
+    def _table(self, run: dict, report: RunReport) -> Table:
+        evals = ", ".join(f"{e['phase']} {e['mean_reward']:.3f}" for e in report.of("eval"))
+        steps = run["steps"]
+        table = Table(
+            title=f"run {run['run_id']} ({self.config.mode}) — {run['state']}, "
+            f"step {run['step']}/{self.config.trainer.num_steps}",
+            caption=f"eval: {evals}" if evals else None,
+        )
+        columns = ("step", "version", "reward", "trajectories", "loss", "tokens/s", "staleness")
+        for column in (*columns, "publish MB", "wait s", "s"):
             table.add_column(column)
-        for s in run["steps"]:
+        for s in steps[-12:]:
             table.add_row(
                 str(s["step"]),
                 str(s["version"]),
                 f"{s['mean_reward']:.3f}",
                 str(s["num_trajectories"]),
                 f"{s['loss']:.4f}",
+                f"{s['tokens_per_s']:.0f}",
                 str(s["max_staleness"]),
                 f"{s['bytes_published'] / 2**20:.2f}",
+                f"{s['wait_for_batch_s']:.1f}",
                 f"{s['duration_s']:.1f}",
             )
         return table

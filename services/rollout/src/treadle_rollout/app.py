@@ -22,7 +22,7 @@ from treadle_common.proto.treadle.v1 import generation_pb2 as gpb
 from treadle_common.proto.treadle.v1 import generation_pb2_grpc
 from treadle_common.service import ServiceRuntime
 from treadle_common.settings import Settings
-from treadle_rollout import metrics, openai_api
+from treadle_rollout import evaluate, metrics, openai_api
 from treadle_rollout.engines.base import ContextOverflow, Engine, Sampling
 from treadle_rollout.engines.hf import HFEngine
 from treadle_rollout.episodes import EpisodeRunner
@@ -118,6 +118,7 @@ async def main(settings: Settings) -> None:
     runtime.add_check("env-gateway", env_check)
     runtime.add_check("weight-store", weights_check)
     holder: dict[str, TaskWorker] = {}
+    evaluate.mount(runtime.app, lambda: holder["worker"].runner if "worker" in holder else None)
 
     def info() -> dict:
         worker = holder.get("worker")

@@ -35,9 +35,11 @@ from treadle_common.clients.env import EnvClient
 from treadle_common.clients.torch_weights import model_assets, state_dict_to_raw
 from treadle_common.clients.weights import WeightStoreClient, build_manifest, chunk_positions
 from treadle_common.config import RunConfig
+from treadle_common.evaluation import held_out_tasks, without_held_out
 from treadle_common.logs import get_logger
 from treadle_common.proto.treadle.v1 import common_pb2, task_pb2
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
+from treadle_common.weights_export import export_hf
 from treadle_trainer import metrics as tm
 from treadle_trainer.backends import (
     AdamParams,
@@ -58,7 +60,7 @@ from treadle_trainer.batches import (
     pack,
     staleness,
 )
-from treadle_trainer.data import TaskSource, load_rows
+from treadle_trainer.data import DatasetError, TaskSource, load_rows
 from treadle_trainer.losses import LossParams
 
 log = get_logger(__name__)
@@ -85,6 +87,7 @@ class StepRecord(BaseModel):
     bytes_published: int
     duration_s: float
     tokens_per_s: float = 0.0
+    finished_at: float = Field(0.0, description="Unix time the step's weights were published")
 
 
 class RunStatus(BaseModel):
@@ -169,8 +172,9 @@ class RunOwner:
     # --- setup and restore -----------------------------------------------------------------------
     async def _execute(self) -> None:
         cfg, t = self.config, self.config.trainer
+        model_dir = await self._initial_model_dir()
         spec = BackendSpec(
-            model_dir=str(cfg.model.path), seed=t.seed, reference=t.kl_coef > 0, bf16=t.bf16
+            model_dir=str(model_dir), seed=t.seed, reference=t.kl_coef > 0, bf16=t.bf16
         )
         self.backend = await on_torch_thread(build_backend, spec)
         source = await self._task_source()
@@ -205,14 +209,30 @@ class RunOwner:
                 await self._checkpoint(version)
 
     async def _task_source(self) -> TaskSource:
+        """The dataset or the env's generator, minus the held-out eval tasks."""
         cfg = self.config
         if cfg.data.path is not None:
             rows = await asyncio.to_thread(load_rows, cfg.data.path)
-            return TaskSource(rows, cfg.trainer.seed, cfg.data.shuffle)
-        rows = await self.env.sample_tasks(
-            cfg.env.name, self.total_tasks, seed=cfg.trainer.seed, options=cfg.env.options
-        )
-        return TaskSource(rows, cfg.trainer.seed, shuffle=False)
+        else:
+            rows = await self.env.sample_tasks(
+                cfg.env.name, self.total_tasks, seed=cfg.trainer.seed, options=cfg.env.options
+            )
+        rows = without_held_out(rows, await held_out_tasks(self.env, cfg))
+        if not rows:
+            raise DatasetError("every training task is in the held-out eval set")
+        return TaskSource(rows, cfg.trainer.seed, cfg.data.path is not None and cfg.data.shuffle)
+
+    async def _initial_model_dir(self) -> Path:
+        """`model.path`, or `model.init_version` exported as an HF directory in the run dir."""
+        m = self.config.model
+        if m.init_version is None:
+            return m.path
+        out = self.run_dir / f"init-v{m.init_version}"
+        if not (out / "model.safetensors").exists():
+            tmp = out.with_name(out.name + ".tmp")
+            await export_hf(self.store, m.name, m.init_version, tmp)
+            tmp.rename(out)
+        return out
 
     async def _restore(self) -> bool:
         """Load the last committed checkpoint of this run, if any; True when restored."""
@@ -403,6 +423,7 @@ class RunOwner:
             bytes_published=self._last_publish_bytes,
             duration_s=duration,
             tokens_per_s=stats.get("num_tokens", 0.0) / duration if duration else 0.0,
+            finished_at=time.time(),
             **stats,
         )
         self.status.step = step

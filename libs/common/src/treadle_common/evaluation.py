@@ -1,0 +1,40 @@
+"""Held-out evaluation: the eval split of a run's env, kept out of training and warm-up.
+
+The trainer (task feeding), the SFT warm-up and `treadle run` (scoring through the rollout
+service's `POST /v1/evaluate`) all derive the same held-out set from the recipe, so no
+held-out task is ever trained on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from treadle_common.clients.env import EnvClient
+from treadle_common.config import RunConfig, task_key
+
+EVAL_SPLIT = "eval"
+
+
+async def held_out_tasks(env: EnvClient, config: RunConfig) -> list[dict[str, Any]]:
+    """The recipe's eval tasks, without repeats (empty when `eval.num_tasks` is 0)."""
+    if config.eval.num_tasks == 0:
+        return []
+    rows = await env.sample_tasks(
+        config.env.name,
+        config.eval.num_tasks,
+        seed=config.trainer.seed,
+        split=EVAL_SPLIT,
+        options=config.env.options,
+    )
+    unique: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        unique.setdefault(task_key(row), row)
+    return list(unique.values())
+
+
+def without_held_out(
+    rows: list[dict[str, Any]], held_out: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """`rows` minus every task of the held-out set."""
+    keys = {task_key(t) for t in held_out}
+    return [r for r in rows if task_key(r) not in keys]

@@ -1,0 +1,88 @@
+"""`POST /v1/evaluate`: score the current policy on given tasks, greedy by default.
+
+Each task is played as one episode on the normal path (env-gateway sessions, the reward
+service's scorer), but its trajectory is returned as a score, never queued for training.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, HTTPException
+from pydantic import BaseModel, Field
+
+from treadle_common.proto.treadle.v1 import common_pb2, task_pb2
+from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
+from treadle_rollout.episodes import EpisodeRunner
+
+MAX_TASKS = 4096
+
+
+class EvaluateRequest(BaseModel):
+    env: str = Field(min_length=1, description="Environment registered in the env-gateway")
+    tasks: list[dict[str, Any]] = Field(min_length=1, max_length=MAX_TASKS)
+    scorer: str = Field("exact_match", min_length=1)
+    max_turns: int = Field(1, ge=1, le=1024)
+    temperature: float = Field(0.0, ge=0.0, description="0 = greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_new_tokens: int = Field(16, ge=1, le=32768)
+    concurrency: int = Field(64, ge=1, le=1024, description="Episodes in flight at once")
+
+
+class EvaluateResult(BaseModel):
+    num_tasks: int
+    mean_reward: float
+    rewards: list[float] = Field(description="Per task, in request order (failed = 0)")
+    statuses: dict[str, int]
+    policy_versions: list[int] = Field(description="Distinct policy versions that generated")
+    seconds: float
+
+
+def mount(app: FastAPI, runner: Callable[[], EpisodeRunner | None]) -> None:
+    @app.post("/v1/evaluate", tags=["evaluate"])
+    async def evaluate(request: EvaluateRequest) -> EvaluateResult:
+        episodes = runner()
+        if episodes is None:
+            raise HTTPException(503, "rollout is still connecting to NATS; retry shortly")
+        started = time.perf_counter()
+        gate = asyncio.Semaphore(request.concurrency)
+        sampling = common_pb2.SamplingParams(
+            temperature=request.temperature,
+            top_p=request.top_p,
+            max_new_tokens=request.max_new_tokens,
+        )
+        eval_id = f"eval-{uuid.uuid4().hex[:8]}"
+
+        async def play(index: int, payload: dict[str, Any]) -> tpb.Trajectory:
+            task = task_pb2.Task(
+                task_id=f"{eval_id}-{index}",
+                run_id=eval_id,
+                env=request.env,
+                payload_json=json.dumps(payload),
+                group_size=1,
+                max_turns=request.max_turns,
+                sampling=sampling,
+                scorer=request.scorer,
+                created_at=time.time(),
+            )
+            async with gate:
+                return await episodes.run(task, 0)
+
+        trajs = await asyncio.gather(*(play(i, t) for i, t in enumerate(request.tasks)))
+        rewards = [t.reward for t in trajs]  # a failed episode keeps its reward at 0
+        versions = sorted({v for t in trajs for v in t.token_versions if v >= 0})
+        return EvaluateResult(
+            num_tasks=len(trajs),
+            mean_reward=statistics.fmean(rewards),
+            rewards=rewards,
+            statuses=dict(Counter(tpb.TrajectoryStatus.Name(t.status) for t in trajs)),
+            policy_versions=versions,
+            seconds=time.perf_counter() - started,
+        )
