@@ -58,6 +58,46 @@ def test_skeleton_recipe_runs_three_steps_through_every_service(cli_env, tmp_pat
     assert (summary_path.parent / "config.yaml").exists()
     # the stack the run started is gone again: no supervisor state left behind
     assert not (tmp_path / ".treadle" / "stack.json").exists()
+    assert_one_trace_spans_every_service(tmp_path / ".treadle" / "traces")
+
+
+def assert_one_trace_spans_every_service(trace_dir: Path) -> None:
+    """A trained trajectory's trace holds spans of all four services, correctly parented."""
+    spans = [
+        json.loads(line)
+        for path in trace_dir.glob("*.jsonl")
+        for line in path.read_text().splitlines()
+    ]
+    traces: dict[str, list[dict]] = {}
+    for span in spans:
+        traces.setdefault(span["context"]["trace_id"], []).append(span)
+    trained = [t for t in traces.values() if any(s["name"] == "trainer.step" for s in t)]
+    assert trained, f"no trace reaches a trainer step among {len(traces)} traces"
+    trace = trained[0]
+    services = {s["resource"]["attributes"]["service.name"] for s in trace}
+    assert services == {"trainer", "rollout", "env-gateway", "reward"}, services
+    names = {s["name"] for s in trace}
+    assert {
+        "trainer.feed_task",
+        "rollout.queued",
+        "rollout.task",
+        "rollout.episode",
+        "rollout.generate",
+        "env.CreateSession",
+        "env.Step",
+        "reward.score",
+        "trainer.queued",
+        "trainer.step",
+    } <= names, names
+    by_id = {s["context"]["span_id"]: s for s in trace}
+    (root,) = [s for s in trace if s["parent_id"] is None]
+    assert root["name"] == "trainer.feed_task"
+    for span in trace:  # every other span hangs off a span of the same trace
+        assert span is root or span["parent_id"] in by_id, span["name"]
+    parent = {s["name"]: by_id[s["parent_id"]]["name"] for s in trace if s["parent_id"]}
+    assert (
+        parent["env.Step"] == parent["reward.score"] == parent["trainer.step"] == "rollout.episode"
+    )
 
 
 def test_up_status_down_without_orphans(cli_env, tmp_path):

@@ -31,7 +31,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from nats.aio.client import Client as NATS
 from nats.js.kv import KeyValue
 
-from treadle_common import __version__, metrics, names
+from treadle_common import __version__, metrics, names, tracing
 from treadle_common.logs import configure_logging, get_logger
 from treadle_common.settings import Settings
 
@@ -86,6 +86,13 @@ class ServiceRuntime:
         self.grpc_health = health.aio.HealthServicer()
         self._add_routes()
         configure_logging(service, settings.log_level, settings.log_json)
+        tracing.setup(
+            service,
+            settings.traces,
+            settings.trace_dir or settings.state_dir / "traces",
+            settings.instance,
+            settings.otlp_endpoint,
+        )
 
     # -- configuration ---------------------------------------------------------------------
     def add_check(self, name: str, check: Check) -> None:
@@ -256,6 +263,7 @@ class ServiceRuntime:
                 await self.nats.drain()
         if self.redis is not None:
             await self.redis.aclose()
+        await asyncio.to_thread(tracing.flush)
         log.info("stopped")
 
     async def _run_main(self, main: Awaitable[None]) -> None:

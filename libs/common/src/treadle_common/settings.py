@@ -126,6 +126,11 @@ class Settings(BaseSettings):
     drain_timeout_s: float = Field(20.0, gt=0, description="Max seconds to drain on SIGTERM")
     log_level: str = Field("INFO", description="Python log level")
     log_json: bool = Field(False, description="Log JSON lines instead of console text")
+    traces: Literal["file", "otlp", "off"] = Field(
+        "file", description="Where spans go: JSON lines under trace_dir, an OTLP collector, nowhere"
+    )
+    trace_dir: Path | None = Field(None, description="file traces (default state_dir/traces)")
+    otlp_endpoint: str = Field("127.0.0.1:4317", description="OTLP gRPC collector (traces=otlp)")
 
     @model_validator(mode="after")
     def _refuse_default_secrets(self) -> Settings:

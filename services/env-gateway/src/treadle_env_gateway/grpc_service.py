@@ -6,8 +6,9 @@ import contextlib
 import json
 
 import grpc
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from treadle_common import metrics
+from treadle_common import metrics, tracing
 from treadle_common.proto.treadle.v1 import env_pb2 as pb
 from treadle_common.proto.treadle.v1 import env_pb2_grpc
 from treadle_env_gateway.envs.base import Action, EnvError, Message, ToolCall, UnknownEnv
@@ -64,13 +65,18 @@ async def _as_status(context: grpc.aio.ServicerContext, method: str):
         CapacityExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
         EnvCrashed: grpc.StatusCode.INTERNAL,
     }
-    try:
-        yield
-        metrics.REQUESTS.labels(SERVICE, method, "ok").inc()
-    except tuple(codes) as exc:
-        metrics.REQUESTS.labels(SERVICE, method, type(exc).__name__).inc()
-        message = exc.args[0] if exc.args else str(exc)
-        await context.abort(codes[type(exc)], message)
+    parent = tracing.from_grpc(context.invocation_metadata())
+    with tracing.tracer().start_as_current_span(
+        f"env.{method}", context=parent, kind=SpanKind.SERVER
+    ) as span:
+        try:
+            yield span
+            metrics.REQUESTS.labels(SERVICE, method, "ok").inc()
+        except tuple(codes) as exc:
+            metrics.REQUESTS.labels(SERVICE, method, type(exc).__name__).inc()
+            message = exc.args[0] if exc.args else str(exc)
+            span.set_status(Status(StatusCode.ERROR, message))
+            await context.abort(codes[type(exc)], message)
 
 
 class EnvGatewayServicer(env_pb2_grpc.EnvGatewayServicer):
@@ -89,7 +95,8 @@ class EnvGatewayServicer(env_pb2_grpc.EnvGatewayServicer):
             return pb.SampleTasksResponse(tasks_json=[json.dumps(t) for t in tasks])
 
     async def CreateSession(self, request: pb.CreateSessionRequest, context):
-        async with _as_status(context, "CreateSession"):
+        async with _as_status(context, "CreateSession") as span:
+            span.set_attribute("treadle.env", request.env)
             task = parse_json(request.task_json, "task_json")
             options = parse_json(request.options_json, "options_json")
             session, observation = await self.sessions.create(
@@ -124,5 +131,6 @@ class EnvGatewayServicer(env_pb2_grpc.EnvGatewayServicer):
             )
 
     async def CloseSession(self, request: pb.CloseSessionRequest, context):
-        await self.sessions.close(request.session_id)
-        return pb.CloseSessionResponse()
+        async with _as_status(context, "CloseSession"):
+            await self.sessions.close(request.session_id)
+            return pb.CloseSessionResponse()

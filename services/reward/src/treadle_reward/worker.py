@@ -17,9 +17,10 @@ from collections import OrderedDict
 from google.protobuf.message import DecodeError
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from opentelemetry.trace import SpanKind
 from prometheus_client import Gauge
 
-from treadle_common import metrics, names
+from treadle_common import metrics, names, tracing
 from treadle_common.logs import get_logger
 from treadle_common.proto.treadle.v1 import reward_pb2 as pb
 from treadle_reward.scorers.base import ScoreInput, Scorer
@@ -169,7 +170,13 @@ class ScoringService:
         subject_scorer = msg.subject.removeprefix("treadle.reward.")
         if not request.scorer:
             request.scorer = subject_scorer
-        result = await self.score(request)
+        with tracing.tracer().start_as_current_span(
+            "reward.score", context=tracing.from_headers(msg.headers), kind=SpanKind.SERVER
+        ) as span:
+            span.set_attribute("treadle.scorer", request.scorer)
+            result = await self.score(request)
+            span.set_attribute("treadle.reward", result.reward)
+            span.set_attribute("treadle.status", pb.ScoreStatus.Name(result.status))
         await msg.respond(result.SerializeToString())
 
     async def subscribe(self, nc: NATS) -> None:

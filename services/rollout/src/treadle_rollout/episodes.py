@@ -12,6 +12,7 @@ import uuid
 
 import grpc
 
+from treadle_common import tracing
 from treadle_common.clients.env import EnvClient
 from treadle_common.clients.reward import RewardClient
 from treadle_common.proto.treadle.v1 import reward_pb2, task_pb2
@@ -34,7 +35,18 @@ class EpisodeRunner:
     async def run(self, task: task_pb2.Task, sample_index: int) -> tpb.Trajectory:
         metrics.EPISODES_IN_FLIGHT.inc()
         try:
-            traj = await self._run(task, sample_index)
+            with tracing.tracer().start_as_current_span("rollout.episode") as span:
+                traj = await self._run(task, sample_index)
+                tracing.inject_proto(traj.trace)  # the trainer's spans join this trace
+                span.set_attributes(
+                    {
+                        "treadle.trajectory_id": traj.trajectory_id,
+                        "treadle.sample_index": sample_index,
+                        "treadle.status": tpb.TrajectoryStatus.Name(traj.status),
+                        "treadle.reward": traj.reward,
+                        "treadle.num_tokens": len(traj.tokens),
+                    }
+                )
         finally:
             metrics.EPISODES_IN_FLIGHT.dec()
         for phase in ("queue", "generate", "env", "reward", "total"):
@@ -108,7 +120,11 @@ class EpisodeRunner:
             for turn in range(max(1, task.max_turns)):
                 gen_start = time.time()
                 try:
-                    gen = await self.engine.generate(t.tokens, sampling)
+                    with tracing.tracer().start_as_current_span("rollout.generate") as span:
+                        gen = await self.engine.generate(t.tokens, sampling)
+                        span.set_attributes(
+                            {"treadle.turn": turn, "treadle.new_tokens": len(gen.tokens)}
+                        )
                 except ContextOverflow as exc:  # the context is full: the episode ends here
                     traj.status = tpb.TRAJECTORY_STATUS_TRUNCATED
                     traj.error = str(exc)

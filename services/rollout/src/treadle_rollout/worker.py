@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import redis.asyncio as aioredis
+from opentelemetry.trace import SpanKind
 
-from treadle_common import admission, metrics, names
+from treadle_common import admission, metrics, names, tracing
 from treadle_common.clients import streams
 from treadle_common.logs import get_logger
 from treadle_common.proto.treadle.v1 import task_pb2
@@ -129,11 +131,24 @@ class TaskWorker:
                 await self._reject(stream, entry_id, reason)
                 return
             assert isinstance(task, task_pb2.Task)
-            await self.sync.ensure_version(task.min_policy_version)
-            await self._admit(task)
-            group = await asyncio.gather(
-                *(self.runner.run(task, i) for i in range(task.group_size))
-            )
+            parent = tracing.from_proto(task.trace)
+            picked_up = time.time()
+            tracer = tracing.tracer()
+            tracer.start_span(
+                "rollout.queued", context=parent, start_time=tracing.ns(task.created_at)
+            ).end(end_time=tracing.ns(picked_up))
+            with tracer.start_as_current_span(
+                "rollout.task", context=parent, kind=SpanKind.CONSUMER
+            ) as span:
+                span.set_attributes(
+                    {"treadle.task_id": task.task_id, "treadle.group_size": task.group_size}
+                )
+                with tracer.start_as_current_span("rollout.wait_for_weights_and_admission"):
+                    await self.sync.ensure_version(task.min_policy_version)
+                    await self._admit(task)
+                group = await asyncio.gather(
+                    *(self.runner.run(task, i) for i in range(task.group_size))
+                )
             async with self.r.pipeline(transaction=True) as pipe:
                 for traj in group:
                     await streams.add(pipe, names.trajectories_stream(task.run_id), traj)

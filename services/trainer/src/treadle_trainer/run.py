@@ -27,9 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
+from opentelemetry.context import Context
+from opentelemetry.trace import SpanKind
 from pydantic import BaseModel, Field
 
-from treadle_common import admission, metrics, names
+from treadle_common import admission, metrics, names, tracing
 from treadle_common.clients import streams
 from treadle_common.clients.env import EnvClient
 from treadle_common.clients.torch_weights import model_assets, state_dict_to_raw
@@ -300,6 +302,11 @@ class RunOwner:
                     min_policy_version=version if self.max_staleness == 0 else 0,
                     created_at=time.time(),
                 )
+                with tracing.tracer().start_as_current_span(
+                    "trainer.feed_task", context=Context(), kind=SpanKind.PRODUCER
+                ) as span:  # the root of this task's trace
+                    span.set_attributes({"treadle.run_id": cfg.run_id, "treadle.task_id": task_id})
+                    tracing.inject_proto(task.trace)
                 await streams.add(pipe, names.tasks_stream(cfg.run_id), task)
             pipe.sadd(names.fed_tasks(cfg.run_id), *ids)
             pipe.hset(names.run_state(cfg.run_id), "tasks_fed", upto)
@@ -410,6 +417,7 @@ class RunOwner:
             }
         )
         duration = time.perf_counter() - started
+        self._trace_step(groups, step, version, train_start, duration - (train_start - started))
         record = StepRecord(
             step=step,
             version=version,
@@ -431,6 +439,30 @@ class RunOwner:
         self._observe(record, stale)
         log.info("step", run=run, **record.model_dump())
         return version
+
+    def _trace_step(
+        self, groups: list[Group], step: int, version: int, train_start: float, train_s: float
+    ) -> None:
+        """In each trajectory's trace: its wait in the queue and the step that consumed it."""
+        tracer = tracing.tracer()
+        now, mono = time.time(), time.perf_counter()
+        start = now - (mono - train_start)
+        for group in groups:
+            for e in group.entries:
+                parent = tracing.from_proto(e.traj.trace)
+                if parent is None:
+                    continue
+                queued_at = int(e.entry_id.split("-")[0]) / 1000  # the stream entry's XADD time
+                tracer.start_span(
+                    "trainer.queued", context=parent, start_time=tracing.ns(queued_at)
+                ).end(end_time=tracing.ns(start))
+                span = tracer.start_span(
+                    "trainer.step", context=parent, start_time=tracing.ns(start)
+                )
+                span.set_attributes(
+                    {"treadle.step": step, "treadle.version": version, "treadle.entry": e.entry_id}
+                )
+                span.end(end_time=tracing.ns(start + train_s))
 
     def _train(self, data: list[Datum]) -> dict[str, float]:
         assert self.backend is not None

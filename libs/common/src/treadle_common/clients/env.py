@@ -7,6 +7,7 @@ from typing import Any
 
 import grpc
 
+from treadle_common import tracing
 from treadle_common.proto.treadle.v1 import env_pb2 as pb
 from treadle_common.proto.treadle.v1 import env_pb2_grpc
 
@@ -29,17 +30,21 @@ class EnvClient:
         request = pb.CreateSessionRequest(
             env=env, task_json=json.dumps(task), seed=seed, options_json=json.dumps(options or {})
         )
-        return await self.stub.CreateSession(request, timeout=30)
+        return await self.stub.CreateSession(request, timeout=30, metadata=tracing.grpc_metadata())
 
     async def step(
         self, session_id: str, text: str = "", tool_calls: list[pb.ToolCall] | None = None
     ) -> pb.StepResponse:
         action = pb.Action(text=text, tool_calls=tool_calls or [])
         request = pb.StepRequest(session_id=session_id, action=action)
-        return await self.stub.Step(request, timeout=120)
+        return await self.stub.Step(request, timeout=120, metadata=tracing.grpc_metadata())
 
     async def close_session(self, session_id: str) -> None:
-        await self.stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), timeout=10)
+        await self.stub.CloseSession(
+            pb.CloseSessionRequest(session_id=session_id),
+            timeout=10,
+            metadata=tracing.grpc_metadata(),
+        )
 
     async def sample_tasks(
         self, env: str, num_tasks: int, seed: int, split: str = "train", options: dict | None = None

@@ -12,7 +12,7 @@ from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
-from treadle_common import names
+from treadle_common import names, tracing
 from treadle_common.proto.treadle.v1 import reward_pb2 as pb
 
 
@@ -27,7 +27,10 @@ class RewardClient:
         subject = names.reward_subject(request.scorer)
         try:
             reply = await self.nc.request(
-                subject, request.SerializeToString(), timeout=self.timeout_s
+                subject,
+                request.SerializeToString(),
+                timeout=self.timeout_s,
+                headers=tracing.nats_headers(),
             )
         except NoRespondersError:
             return _failed(request, pb.SCORE_STATUS_ERROR, f"no reward replica serves {subject}")

@@ -1,0 +1,122 @@
+"""OpenTelemetry traces across every hop: one trace per task, from feeding to training.
+
+    trainer feeds a task        -> Task.trace (Redis entry)        -> rollout.task
+    rollout.episode             -> gRPC metadata                   -> env.create / env.step
+                                -> NATS headers                    -> reward.score
+    the trajectory              -> Trajectory.trace (Redis entry)  -> trainer.queued, trainer.step
+
+Context travels as W3C `traceparent`/`tracestate` (the global propagator). Spans go to OTLP
+when `TREADLE_TRACES=otlp` (`TREADLE_OTLP_ENDPOINT`, gRPC), else to a JSON-lines file per
+process under `{state_dir}/traces/` (`TREADLE_TRACES=file`, the default), or nowhere (`off`).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from opentelemetry import propagate, trace
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+from treadle_common.proto.treadle.v1 import common_pb2
+
+_lock = threading.Lock()
+_configured = False
+
+
+class JsonlSpanExporter(SpanExporter):
+    """Each finished span as one JSON line (the SDK's own `to_json` form)."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = path.open("a")
+        self._lock = threading.Lock()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        lines = [json.dumps(json.loads(s.to_json()), separators=(",", ":")) for s in spans]
+        with self._lock:
+            self._file.write("".join(line + "\n" for line in lines))
+            self._file.flush()
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+def setup(service: str, mode: str, trace_dir: Path, instance: str, otlp_endpoint: str) -> None:
+    """Install the process-wide tracer provider once (later calls do nothing)."""
+    global _configured
+    with _lock:
+        if _configured or mode == "off":
+            return
+        _configured = True
+    resource = Resource.create({"service.name": service, "service.instance.id": instance})
+    provider = TracerProvider(resource=resource)
+    exporter: SpanExporter
+    if mode == "otlp":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        exporter = OTLPSpanExporter(endpoint=otlp_endpoint, insecure=True)
+    else:
+        exporter = JsonlSpanExporter(trace_dir / f"{service}-{instance}.jsonl")
+    provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=1000))
+    trace.set_tracer_provider(provider)
+
+
+def flush() -> None:
+    provider = trace.get_tracer_provider()
+    if isinstance(provider, TracerProvider):
+        provider.force_flush()
+
+
+def tracer() -> trace.Tracer:
+    return trace.get_tracer("treadle")
+
+
+# --- carriers ----------------------------------------------------------------------------------
+def _carrier() -> dict[str, str]:
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return carrier
+
+
+def inject_proto(message: common_pb2.TraceContext) -> None:
+    """Write the current span's context into a proto `TraceContext` (Redis entries)."""
+    carrier = _carrier()
+    message.traceparent = carrier.get("traceparent", "")
+    message.tracestate = carrier.get("tracestate", "")
+
+
+def from_proto(message: common_pb2.TraceContext) -> Context | None:
+    if not message.traceparent:
+        return None
+    return propagate.extract({"traceparent": message.traceparent, "tracestate": message.tracestate})
+
+
+def grpc_metadata() -> tuple[tuple[str, str], ...]:
+    """The current context as gRPC call metadata."""
+    return tuple(_carrier().items())
+
+
+def from_grpc(metadata: Iterable[tuple[str, Any]] | None) -> Context:
+    return propagate.extract({k: v for k, v in metadata or () if isinstance(v, str)})
+
+
+def nats_headers() -> dict[str, str]:
+    """The current context as NATS message headers."""
+    return _carrier()
+
+
+def from_headers(headers: Mapping[str, str] | None) -> Context:
+    return propagate.extract(dict(headers or {}))
+
+
+def ns(unix_seconds: float) -> int:
+    return int(unix_seconds * 1e9)
