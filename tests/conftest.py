@@ -7,7 +7,6 @@ the fixture, on a free port, with its data in a temporary directory, and stopped
 from __future__ import annotations
 
 import os
-import random
 import socket
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from treadle_common.infra import Infra, terminate
+from treadle_common.infra import Infra, free_port_range, terminate
 from treadle_common.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,33 +40,6 @@ def free_ports(n: int) -> list[int]:
     finally:
         for sock in socks:
             sock.close()
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port_range(n: int, also_offset: int | None = None) -> int:
-    """A base port with `n` consecutive free ports (and the same `n` at `base + also_offset`).
-
-    Chosen below the kernel's ephemeral range (32768+), so an outgoing connection cannot
-    take one of them between this check and the server binding it.
-    """
-    rng = random.Random()
-    top = 32768 - n - (also_offset or 0)
-    for _ in range(500):
-        base = rng.randrange(10000, top)
-        ports = list(range(base, base + n))
-        if also_offset:
-            ports += [p + also_offset for p in ports]
-        if all(_bindable(p) for p in ports):
-            return base
-    raise RuntimeError("no free port range")
 
 
 @dataclass

@@ -32,7 +32,8 @@ class ScriptedEnv:
     def __init__(self):
         self.steps: list[str] = []
 
-    async def create(self, env, task, seed=0):
+    async def create(self, env, task, seed=0, options=None):
+        self.options = options
         obs = env_pb2.Observation(messages=[env_pb2.Message(role="user", content="guess")])
         return env_pb2.Session(session_id="s1", observation=obs)
 
@@ -98,6 +99,22 @@ async def test_multi_turn_tokens_are_exact(tokenizer):
     assert all(v == -1 for v, m in zip(traj.token_versions, traj.loss_mask, strict=True) if not m)
     assert len(traj.logprobs) == len(traj.tokens) == len(traj.loss_mask)
     assert reward.requests[0].answer == "3" and env.steps == ["5", "3"]
+
+
+async def test_special_tokens_inside_a_turn_keep_later_turns_exact(tokenizer):
+    """A policy that emits special tokens mid-turn (a random model does) must not break the
+    next turn's rendering; the env's session options reach the env-gateway."""
+    engine = ScriptedEngine(tokenizer, ["5<|im_start|><|pad|>", "3"])
+    env, reward = ScriptedEnv(), ScriptedReward()
+    t = task()
+    t.env_options_json = json.dumps({"latency": {"fixed_ms": 5}})
+    traj = await EpisodeRunner(engine, tokenizer, env, reward, "rep").run(t, 0)
+    assert traj.status == tpb.TRAJECTORY_STATUS_OK, traj.error
+    assert env.steps == ["5<|im_start|><|pad|>", "3"]
+    assert env.options == {"latency": {"fixed_ms": 5}}
+    assert engine.prompts[1] == list(traj.tokens[: len(engine.prompts[1])])
+    generated = [tok for tok, m in zip(traj.tokens, traj.loss_mask, strict=True) if m]
+    assert tokenizer.decode(generated) == "5<|im_start|><|pad|><|im_end|>3<|im_end|>"
 
 
 async def test_reward_failure_is_a_status_not_a_zero(tokenizer):

@@ -7,7 +7,7 @@ treadle down                     stop everything `up` started
 treadle run RECIPE [--set a=b]   run a recipe on the stack (starting one if none runs)
 treadle model init-tiny DIR      build the tiny local HF model
 treadle weights list|export       inspect / export weight-store versions as HF directories
-treadle bench weights|env|reward|rollout|trainer [--json]   our path vs a raw baseline, as JSON
+treadle bench weights|env|reward|rollout|trainer|e2e [--json]   our path vs a raw baseline, as JSON
 """
 
 from __future__ import annotations
@@ -318,6 +318,23 @@ def bench_trainer(
     from benchmarks import trainer
 
     result = trainer.run(steps, groups, group_size, completion_len=completion_len)
+    print(json.dumps(result, indent=None if as_json else 2))
+
+
+@bench_app.command("e2e")
+def bench_e2e(
+    recipe: Annotated[Path, typer.Option(help="Workload recipe")] = Path("recipes/agentic.yaml"),
+    steps: Annotated[int, typer.Option(help="Trainer steps per mode")] = 12,
+    max_concurrent_tasks: Annotated[
+        int,
+        typer.Option(help="Rollout task groups in flight (TREADLE_ROLLOUT_MAX_CONCURRENT_TASKS)"),
+    ] = 64,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
+) -> None:
+    """The same recipe in sync and in async mode, for the same number of steps."""
+    from benchmarks import e2e
+
+    result = e2e.run(recipe, steps, max_concurrent_tasks)
     print(json.dumps(result, indent=None if as_json else 2))
 
 

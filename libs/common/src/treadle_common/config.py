@@ -38,15 +38,30 @@ class ModelConfig(Strict):
     )
 
 
+class LengthTail(Strict):
+    """Long-tail response lengths for benchmarks, on models that rarely stop by themselves."""
+
+    median: int = Field(ge=1, description="Median per-task max_new_tokens")
+    sigma: float = Field(1.0, gt=0, description="Lognormal sigma (1.0: p99 is ~10x the median)")
+
+
 class SamplingConfig(Strict):
     temperature: float = Field(1.0, ge=0.0, description="Softmax temperature (0 = greedy)")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass")
     max_new_tokens: int = Field(16, ge=1, description="Tokens generated per turn at most")
+    length_tail: LengthTail | None = Field(
+        None,
+        description="Draw each task's max_new_tokens from a lognormal (capped at "
+        "max_new_tokens), seeded by the task's position in the run",
+    )
 
 
 class EnvConfig(Strict):
     name: str = Field("arith", description="Environment registered in the env-gateway")
-    options: dict[str, Any] = Field(default_factory=dict, description="Env task-generator options")
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Env options: the task generator's and each session's (e.g. `latency`)",
+    )
 
 
 class RolloutConfig(Strict):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -98,6 +99,24 @@ def port_free(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def free_port_range(n: int, also_offset: int | None = None, host: str = "127.0.0.1") -> int:
+    """A base port with `n` consecutive free ports (and the same `n` at `base + also_offset`).
+
+    Chosen below the kernel's ephemeral range (32768+), so an outgoing connection cannot
+    take one of them between this check and the server binding it.
+    """
+    rng = random.Random()
+    top = 32768 - n - (also_offset or 0)
+    for _ in range(500):
+        base = rng.randrange(10000, top)
+        ports = list(range(base, base + n))
+        if also_offset:
+            ports += [p + also_offset for p in ports]
+        if all(port_free(host, p) for p in ports):
+            return base
+    raise RuntimeError("no free port range")
 
 
 class Infra:

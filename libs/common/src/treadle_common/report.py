@@ -23,6 +23,15 @@ class RunReport:
         self.started = time.time()
         self.records: list[dict[str, Any]] = []
 
+    @classmethod
+    def load(cls, out_dir: Path) -> RunReport:
+        """A finished run's report, read back from its `metrics.jsonl`."""
+        report = cls.__new__(cls)
+        report.out_dir, report.path = out_dir, out_dir / "metrics.jsonl"
+        report.records = [json.loads(line) for line in report.path.read_text().splitlines()]
+        report.started = 0.0
+        return report
+
     def add(self, kind: str, record: dict[str, Any], at: float | None = None) -> None:
         at = time.time() if at is None else at
         row = {"kind": kind, "t": round(at - self.started, 3), **record}

@@ -3,7 +3,8 @@
 Session option `latency`:
     {"fixed_ms": 50}                                       every step waits 50 ms
     {"distribution": "lognormal", "median_ms": 200, "sigma": 1.0}   heavy-tailed waits
-Delays are drawn from a generator seeded by the session seed, so runs are reproducible.
+Delays are drawn from a generator seeded by the task and the session seed, so runs are
+reproducible.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from treadle_env_gateway.envs.base import EnvError
 
 
 class Latency:
-    def __init__(self, spec: dict[str, Any], seed: int):
+    def __init__(self, spec: dict[str, Any], seed: int | str):
         self.rng = random.Random(seed)
         self.fixed_ms = float(spec.get("fixed_ms", 0.0))
         self.distribution = spec.get("distribution")
@@ -42,7 +43,7 @@ class Latency:
         return delay
 
 
-def latency_from(options: dict[str, Any], seed: int) -> Latency | None:
+def latency_from(options: dict[str, Any], seed: int | str) -> Latency | None:
     spec = options.get("latency")
     if spec is None:
         return None

@@ -7,6 +7,7 @@ route a step to the replica that owns the session.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -92,7 +93,8 @@ class SessionManager:
                 f"{len(self.sessions)} sessions open; the limit is {self.max_sessions}"
             )
         env = cls(options)
-        latency = latency_from(options, seed)
+        # delays differ per task and sample, and repeat exactly for the same (task, seed)
+        latency = latency_from(options, f"{json.dumps(task, sort_keys=True)}:{seed}")
         try:
             observation = await env.reset(task, seed)
         except EnvError:

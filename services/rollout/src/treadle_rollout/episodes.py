@@ -45,6 +45,7 @@ class EpisodeRunner:
                         "treadle.status": tpb.TrajectoryStatus.Name(traj.status),
                         "treadle.reward": traj.reward,
                         "treadle.num_tokens": len(traj.tokens),
+                        "treadle.error": traj.error,
                     }
                 )
         finally:
@@ -106,7 +107,10 @@ class EpisodeRunner:
     ) -> dict:
         env_start = time.time()
         session = await self.env.create(
-            task.env, json.loads(task.payload_json or "{}"), seed=sample_index
+            task.env,
+            json.loads(task.payload_json or "{}"),
+            seed=sample_index,
+            options=json.loads(task.env_options_json or "{}"),
         )
         traj.timings.env_s += time.time() - env_start
         sampling = Sampling(

@@ -63,13 +63,20 @@ class Transcript:
         self.set_messages([*self.messages, *messages])
 
     def add_generation(self, gen: Generation) -> str:
-        """Record a generated turn; return the assistant text (special tokens removed)."""
+        """Record a generated turn; return the assistant text (without its stop token).
+
+        Special tokens generated inside the turn stay in the text: the chat template then
+        renders the turn exactly as the tokens read, so later turns stay prefix-stable.
+        """
         self.tokens += gen.tokens
         self.loss_mask += [1] * len(gen.tokens)
         self.logprobs += gen.logprobs
         self.versions += gen.versions
         self.text += self.tokenizer.decode(gen.tokens, skip_special_tokens=False)
-        content = self.tokenizer.decode(gen.tokens, skip_special_tokens=True)
+        body = gen.tokens
+        if gen.finish_reason == "stop" and body and body[-1] in self.tokenizer.all_special_ids:
+            body = body[:-1]
+        content = self.tokenizer.decode(body, skip_special_tokens=False)
         self.messages.append({"role": "assistant", "content": content})
         return content
 

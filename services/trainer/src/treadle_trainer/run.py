@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import random
 import shutil
 import statistics
 import time
@@ -287,8 +289,11 @@ class RunOwner:
             max_new_tokens=cfg.rollout.sampling.max_new_tokens,
         )
         ids = [uuid.uuid4().hex for _ in range(upto - cursor)]
+        env_options = json.dumps(cfg.env.options)
         async with self.r.pipeline(transaction=True) as pipe:
-            for task_id, payload in zip(ids, source.take(cursor, upto - cursor), strict=True):
+            for i, (task_id, payload) in enumerate(
+                zip(ids, source.take(cursor, upto - cursor), strict=True), start=cursor
+            ):
                 task = task_pb2.Task(
                     task_id=task_id,
                     run_id=cfg.run_id,
@@ -301,7 +306,14 @@ class RunOwner:
                     model=cfg.model.name,
                     min_policy_version=version if self.max_staleness == 0 else 0,
                     created_at=time.time(),
+                    env_options_json=env_options,
                 )
+                tail = cfg.rollout.sampling.length_tail
+                if tail is not None:
+                    draw = random.Random(f"{cfg.trainer.seed}-{i}").lognormvariate(
+                        math.log(tail.median), tail.sigma
+                    )
+                    task.sampling.max_new_tokens = max(1, min(sampling.max_new_tokens, round(draw)))
                 with tracing.tracer().start_as_current_span(
                     "trainer.feed_task", context=Context(), kind=SpanKind.PRODUCER
                 ) as span:  # the root of this task's trace

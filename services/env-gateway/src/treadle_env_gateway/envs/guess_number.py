@@ -19,9 +19,9 @@ class GuessNumber(Env):
     ) -> list[dict[str, Any]]:
         rng = random.Random(f"guess-{split}-{seed}")
         low, high = int(options.get("low", 1)), int(options.get("high", 100))
-        return [
-            {"low": low, "high": high, "target": rng.randint(low, high)} for _ in range(num_tasks)
-        ]
+        targets = [rng.randint(low, high) for _ in range(num_tasks)]
+        # `answer` lets `exact_match` score the final guess
+        return [{"low": low, "high": high, "target": t, "answer": str(t)} for t in targets]
 
     async def reset(self, task: dict[str, Any], seed: int) -> list[Message]:
         try:

@@ -1,0 +1,136 @@
+"""`treadle bench e2e`: the same recipe in `sync` and in `async` mode on one stack.
+
+Both modes run the agentic workload (`recipes/agentic.yaml`: multi-turn, heavy-tailed tool
+latency, long-tail lengths) for the same number of trainer steps from the same initial
+weights, through `treadle run` itself, on a private stack (own Redis/NATS, free ports).
+
+- `sync_s` / `async_s`: training wall-clock time, from the start of step 1 (feeding its
+  tasks) to the publish of the last step, from the trainer's step records;
+- `speedup` = sync_s / async_s;
+- `trainer_idle_fraction_async`: time the trainer waited for batches / its wall-clock time,
+  steps 2..N (step 1 is the pipeline fill, in both modes; `..._incl_fill` counts it);
+- `max_staleness_seen`: the largest policy lag of a trained trajectory in async mode;
+- `eval_reward_sync` / `eval_reward_async`: greedy held-out reward after each run.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from treadle_common import stack
+from treadle_common.config import load_recipe
+from treadle_common.infra import free_port_range
+from treadle_common.report import RunReport
+from treadle_common.run_client import RunClient
+from treadle_common.settings import Settings
+from treadle_common.tiny_model import init_tiny
+
+DEFAULT_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "agentic.yaml"
+
+
+def _timings(steps: list[dict[str, Any]]) -> dict[str, float]:
+    first_start = steps[0]["finished_at"] - steps[0]["duration_s"]
+    wall = steps[-1]["finished_at"] - first_start
+    after_fill = steps[-1]["finished_at"] - steps[1]["finished_at"] if len(steps) > 1 else wall
+    wait_after_fill = sum(s["wait_for_batch_s"] for s in steps[1:])
+    return {
+        "wall_s": wall,
+        "idle_fraction": wait_after_fill / after_fill if after_fill > 0 else 0.0,
+        "idle_fraction_incl_fill": sum(s["wait_for_batch_s"] for s in steps) / wall,
+        "max_staleness": max(s["max_staleness"] for s in steps),
+        "step_s_p50": sorted(s["duration_s"] for s in steps)[len(steps) // 2],
+    }
+
+
+def run(
+    recipe: Path = DEFAULT_RECIPE,
+    steps: int = 12,
+    max_concurrent_tasks: int = 64,
+    keep: Path | None = None,
+) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix="treadle-bench-e2e-")) if keep is None else keep
+    console = Console(file=sys.stderr)
+    # every service of the stack inherits these
+    os.environ["TREADLE_ROLLOUT_MAX_CONCURRENT_TASKS"] = str(max_concurrent_tasks)
+    os.environ.setdefault("TREADLE_LOG_LEVEL", "WARNING")
+    base = free_port_range(8)
+    redis_port, nats_port = free_port_range(1), free_port_range(1)
+    settings = Settings(
+        state_dir=tmp / "state",
+        redis_url=f"redis://127.0.0.1:{redis_port}",
+        nats_url=f"nats://127.0.0.1:{nats_port}",
+        base_port=base,
+    )
+    model_dir = tmp / "models" / "tiny"
+    results: dict[str, dict[str, Any]] = {}
+    configs = {
+        mode: load_recipe(
+            recipe,
+            [
+                f"mode={mode}",
+                f"run_id=bench-{mode}",
+                f"trainer.num_steps={steps}",
+                f"model.path={model_dir}",
+                f"output_dir={tmp / 'runs'}",
+            ],
+        )
+        for mode in ("sync", "async")
+    }
+    m = configs["sync"].model
+    init_tiny(
+        model_dir,
+        hidden_size=m.tiny_hidden_size,
+        num_layers=m.tiny_layers,
+        num_heads=m.tiny_hidden_size // 64,
+        seed=configs["sync"].trainer.seed,
+    )
+    spec = stack.prepare(settings, model_dir.resolve(), m.name, None)
+    stack.launch_detached(spec)
+    try:
+        if not stack.wait_healthy(settings.state_dir.resolve(), 180)["healthy"]:
+            raise RuntimeError(f"bench stack not healthy; logs in {settings.state_dir}")
+        for mode, cfg in configs.items():
+            started = time.perf_counter()
+            code = RunClient(cfg, settings, console).execute(health_timeout_s=180)
+            if code != 0:
+                raise RuntimeError(f"{mode} run failed; outputs in {tmp / 'runs'}")
+            report = RunReport.load(cfg.output_dir / cfg.run_id)
+            results[mode] = {
+                **_timings(report.of("step")),
+                "run_s": time.perf_counter() - started,
+                "eval_end": report.of("eval")[-1]["mean_reward"] if report.of("eval") else None,
+                "train_reward_last": report.of("step")[-1]["mean_reward"],
+            }
+    finally:
+        stack.down(settings)
+    sync, asyn = results["sync"], results["async"]
+    return {
+        "workload": recipe.name,
+        "steps": steps,
+        "tasks_per_step": configs["sync"].trainer.tasks_per_step,
+        "group_size": configs["sync"].rollout.group_size,
+        "max_staleness": configs["async"].trainer.max_staleness,
+        "rollout_max_concurrent_tasks": max_concurrent_tasks,
+        "sync_s": round(sync["wall_s"], 2),
+        "async_s": round(asyn["wall_s"], 2),
+        "speedup": round(sync["wall_s"] / asyn["wall_s"], 3),
+        "trainer_idle_fraction_sync": round(sync["idle_fraction"], 3),
+        "trainer_idle_fraction_async": round(asyn["idle_fraction"], 3),
+        "trainer_idle_fraction_async_incl_fill": round(asyn["idle_fraction_incl_fill"], 3),
+        "max_staleness_seen": asyn["max_staleness"],
+        "max_staleness_seen_sync": sync["max_staleness"],
+        "step_s_p50_sync": round(sync["step_s_p50"], 3),
+        "step_s_p50_async": round(asyn["step_s_p50"], 3),
+        "eval_reward_sync": sync["eval_end"],
+        "eval_reward_async": asyn["eval_end"],
+        "train_reward_last_sync": round(sync["train_reward_last"], 4),
+        "train_reward_last_async": round(asyn["train_reward_last"], 4),
+        "outputs": str(tmp / "runs"),
+    }
