@@ -9,6 +9,8 @@ weights, through `treadle run` itself, on a private stack (own Redis/NATS, free 
 - `speedup` = sync_s / async_s;
 - `trainer_idle_fraction_async`: time the trainer waited for batches / its wall-clock time,
   steps 2..N (step 1 is the pipeline fill, in both modes; `..._incl_fill` counts it);
+- `rollout_engine_busy_fraction_*`: the share of each run's time the rollout engine was
+  generating (the other side of the trainer's idle time);
 - `max_staleness_seen`: the largest policy lag of a trained trajectory in async mode;
 - `eval_reward_sync` / `eval_reward_async`: greedy held-out reward after each run.
 """
@@ -22,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 from rich.console import Console
 
 from treadle_common import stack
@@ -38,8 +41,9 @@ DEFAULT_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "agentic.yaml
 def _timings(steps: list[dict[str, Any]]) -> dict[str, float]:
     first_start = steps[0]["finished_at"] - steps[0]["duration_s"]
     wall = steps[-1]["finished_at"] - first_start
-    after_fill = steps[-1]["finished_at"] - steps[1]["finished_at"] if len(steps) > 1 else wall
-    wait_after_fill = sum(s["wait_for_batch_s"] for s in steps[1:])
+    rest = steps[1:] or steps  # step 1 fills the pipeline
+    after_fill = steps[-1]["finished_at"] - (rest[0]["finished_at"] - rest[0]["duration_s"])
+    wait_after_fill = sum(s["wait_for_batch_s"] for s in rest)
     return {
         "wall_s": wall,
         "idle_fraction": wait_after_fill / after_fill if after_fill > 0 else 0.0,
@@ -96,15 +100,19 @@ def run(
     try:
         if not stack.wait_healthy(settings.state_dir.resolve(), 180)["healthy"]:
             raise RuntimeError(f"bench stack not healthy; logs in {settings.state_dir}")
+        rollout_info = f"{spec.http_url('rollout')}/v1/info"
         for mode, cfg in configs.items():
             started = time.perf_counter()
+            busy_before = httpx.get(rollout_info, timeout=10).json()["engine_busy_s"]
             code = RunClient(cfg, settings, console).execute(health_timeout_s=180)
+            busy = httpx.get(rollout_info, timeout=10).json()["engine_busy_s"] - busy_before
             if code != 0:
                 raise RuntimeError(f"{mode} run failed; outputs in {tmp / 'runs'}")
             report = RunReport.load(cfg.output_dir / cfg.run_id)
             results[mode] = {
                 **_timings(report.of("step")),
                 "run_s": time.perf_counter() - started,
+                "rollout_busy": busy / (time.perf_counter() - started),
                 "eval_end": report.of("eval")[-1]["mean_reward"] if report.of("eval") else None,
                 "train_reward_last": report.of("step")[-1]["mean_reward"],
             }
@@ -124,6 +132,8 @@ def run(
         "trainer_idle_fraction_sync": round(sync["idle_fraction"], 3),
         "trainer_idle_fraction_async": round(asyn["idle_fraction"], 3),
         "trainer_idle_fraction_async_incl_fill": round(asyn["idle_fraction_incl_fill"], 3),
+        "rollout_engine_busy_fraction_sync": round(sync["rollout_busy"], 3),
+        "rollout_engine_busy_fraction_async": round(asyn["rollout_busy"], 3),
         "max_staleness_seen": asyn["max_staleness"],
         "max_staleness_seen_sync": sync["max_staleness"],
         "step_s_p50_sync": round(sync["step_s_p50"], 3),

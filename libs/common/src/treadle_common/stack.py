@@ -75,6 +75,9 @@ class StackSpec:
             "TREADLE_HTTP_PORT": str(ports[service]["http"]),
             "TREADLE_INSTANCE": f"{service}-local",
         }
+        # the services share this machine's cores: OpenMP workers that spin while idle would
+        # take them from the other services (override by setting it yourself)
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         env.pop("TREADLE_GRPC_PORT", None)
         if "grpc" in ports[service]:
             env["TREADLE_GRPC_PORT"] = str(ports[service]["grpc"])

@@ -135,6 +135,7 @@ async def main(settings: Settings) -> None:
             "last_swap": asdict(sync.swaps[-1]) if sync.swaps else None,
             "engine_requests": engine.running,
             "engine_busy_fraction": round(engine.busy_fraction(), 4),
+            "engine_busy_s": round(engine.busy_seconds(), 3),
             "tasks_done": worker.tasks_done if worker else 0,
             "tasks_invalid": worker.invalid_tasks if worker else 0,
             "admission_waits": worker.admission_waits if worker else 0,

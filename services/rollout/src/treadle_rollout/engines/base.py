@@ -107,5 +107,9 @@ class Engine(abc.ABC):
         """Fraction of wall time the engine was working (here: had a request in flight)."""
         return self.meter.fraction()
 
+    def busy_seconds(self) -> float:
+        """Seconds the engine was working since it started."""
+        return self.meter.fraction() * (time.perf_counter() - self.meter.started_at)
+
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release the engine's resources."""

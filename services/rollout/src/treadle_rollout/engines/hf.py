@@ -198,6 +198,9 @@ class HFEngine(Engine):
     def busy_fraction(self) -> float:
         return self.busy_s / max(1e-9, time.perf_counter() - self.started_at)
 
+    def busy_seconds(self) -> float:
+        return self.busy_s
+
     async def close(self) -> None:
         if self._scheduler is not None:
             self._scheduler.cancel()
