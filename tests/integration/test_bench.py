@@ -78,3 +78,22 @@ def test_bench_trainer_json_line():
         report["service_tokens_per_s"] / report["raw_tokens_per_s"], rel=0.01
     )
     assert 0 < report["publish_s_p50"] < report["step_s_p50"]
+
+
+def test_bench_e2e_runs_both_modes_on_one_stack():
+    root = Path(__file__).resolve().parents[2]
+    report = bench("e2e", "--steps", "3", "--recipe", str(root / "recipes" / "agentic.yaml"))
+    assert report["steps"] == 3 and report["workload"] == "agentic.yaml"
+    assert report["sync_s"] > 0 and report["async_s"] > 0
+    assert report["speedup"] == pytest.approx(report["sync_s"] / report["async_s"], rel=0.01)
+    assert report["max_staleness_seen_sync"] == 0  # sync: every trajectory is on-policy
+    assert 0 <= report["max_staleness_seen"] <= report["max_staleness"]
+    for key in ("trainer_idle_fraction_sync", "trainer_idle_fraction_async"):
+        assert 0 <= report[key] <= 1, key
+    for key in ("rollout_engine_busy_fraction_sync", "rollout_engine_busy_fraction_async"):
+        assert 0 < report[key] <= 1, key
+    assert 0 <= report["eval_reward_sync"] <= 1 and 0 <= report["eval_reward_async"] <= 1
+    runs = Path(report["outputs"])
+    for mode in ("sync", "async"):  # treadle run's own outputs, exactly-once checked
+        summary = json.loads((runs / f"bench-{mode}" / "summary.json").read_text())
+        assert summary["exactly_once"] and summary["steps"] == 3
