@@ -77,3 +77,27 @@ async def test_capacity_and_idle_expiry(service):
     )
     assert (await client.create("arith", {"a": 1, "b": 1, "op": "+"})).session_id
     await client.close()
+
+
+async def test_stall_detector_names_the_stage_that_made_no_progress(service):
+    gw = service("env-gateway", TREADLE_STALL_AFTER_S="0.5")
+    client = EnvClient(gw.grpc_addr)
+    task = {"a": 1, "b": 2, "op": "+"}
+    slow = await client.create("arith", task, options={"latency": {"fixed_ms": 3000}})
+    step = asyncio.create_task(client.step(slow.session_id, "3"))
+
+    def stage() -> dict:
+        return httpx.get(f"{gw.http}/v1/info").json()["progress"]["step"]
+
+    for _ in range(50):  # the slow step is pending; after 0.5 s without progress: stalled
+        await asyncio.sleep(0.1)
+        if stage()["stalled"]:
+            break
+    assert stage()["stalled"] and stage()["pending"] == 1
+    await asyncio.sleep(1.2)  # the detector's loop has seen it: gauge set
+    gauge = 'treadle_stage_stalled{service="env-gateway",stage="step"} 1.0'
+    assert gauge in httpx.get(f"{gw.http}/metrics").text
+    assert (await step).done
+    after = stage()
+    assert not after["stalled"] and after["pending"] == 0 and after["done"] == 1
+    await client.close()

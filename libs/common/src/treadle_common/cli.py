@@ -86,6 +86,13 @@ def status_table(current: dict) -> Table:
     for name, s in current.get("services", {}).items():
         bad = {k: v for k, v in s["checks"].items() if v != "ok"}
         detail = ", ".join(f"{k}: {v}" for k, v in bad.items()) or f"ports {s['ports']}"
+        stalls = [
+            f"[red]STALLED {stage}[/red] ({p['pending']} pending, idle {p['idle_s']}s)"
+            for stage, p in s.get("progress", {}).items()
+            if p["stalled"]
+        ]
+        if stalls:
+            detail = "; ".join(stalls + [f"{k}: {v}" for k, v in bad.items()])
         table.add_row(
             name, "service", _mark(s["healthy"]), str(s["pid"]), str(s["restarts"]), detail[:80]
         )
@@ -161,7 +168,18 @@ def status(
         console.print("no stack is running (treadle up starts one)")
     else:
         console.print(status_table(current))
+        if current.get("time"):
+            console.print(time_table(current["time"]))
     raise typer.Exit(0 if current["healthy"] else 1)
+
+
+def time_table(breakdown: dict) -> Table:
+    table = Table(title="where time goes")
+    table.add_column("component")
+    table.add_column("numbers")
+    for name, values in breakdown.items():
+        table.add_row(name, ", ".join(f"{k} {v}" for k, v in values.items()))
+    return table
 
 
 # -- model ---------------------------------------------------------------------------------

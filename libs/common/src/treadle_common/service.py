@@ -33,6 +33,7 @@ from nats.js.kv import KeyValue
 
 from treadle_common import __version__, metrics, names, tracing
 from treadle_common.logs import configure_logging, get_logger
+from treadle_common.progress import Progress
 from treadle_common.settings import Settings
 
 log = get_logger(__name__)
@@ -84,6 +85,7 @@ class ServiceRuntime:
         self._info: Callable[[], dict[str, Any]] = dict
         self.grpc_server: grpc.aio.Server | None = None
         self.grpc_health = health.aio.HealthServicer()
+        self.progress = Progress(service, settings.stall_after_s)
         self._add_routes()
         configure_logging(service, settings.log_level, settings.log_json)
         tracing.setup(
@@ -167,6 +169,7 @@ class ServiceRuntime:
                 "version": __version__,
                 "instance": self.settings.instance,
                 "uptime_s": round(time.time() - self.started_at, 3),
+                "progress": self.progress.snapshot(),
                 **self._info(),
             }
 
@@ -229,6 +232,7 @@ class ServiceRuntime:
             asyncio.create_task(server.serve(sockets=[http_sock]), name="http"),
             asyncio.create_task(self._connect_nats(), name="nats-connect"),
             asyncio.create_task(self._heartbeat(), name="heartbeat"),
+            asyncio.create_task(self.progress.watch(self.stop_event), name="stall-detector"),
             *(asyncio.create_task(self._run_main(m), name="main") for m in mains),
         ]
         log.info("service started", http=http_port, grpc=self.settings.grpc_port)

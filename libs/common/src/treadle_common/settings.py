@@ -126,6 +126,9 @@ class Settings(BaseSettings):
     drain_timeout_s: float = Field(20.0, gt=0, description="Max seconds to drain on SIGTERM")
     log_level: str = Field("INFO", description="Python log level")
     log_json: bool = Field(False, description="Log JSON lines instead of console text")
+    stall_after_s: float = Field(
+        120.0, gt=0, description="A stage with pending work and no progress this long is stalled"
+    )
     traces: Literal["file", "otlp", "off"] = Field(
         "file", description="Where spans go: JSON lines under trace_dir, an OTLP collector, nowhere"
     )

@@ -203,6 +203,45 @@ def service_health(url: str) -> dict:
         return {"ready": False, "checks": {"http": f"unreachable: {exc}"}}
 
 
+def service_info(url: str) -> dict:
+    try:
+        return httpx.get(f"{url}/v1/info", timeout=2.0).json()
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
+def time_breakdown(spec: StackSpec, infos: dict[str, dict]) -> dict:
+    """Where time goes: the trainer waiting for batches vs rollout generating or waiting."""
+    out: dict = {}
+    rollout = infos.get("rollout", {})
+    if rollout:
+        out["rollout"] = {
+            "engine_busy_fraction": rollout.get("engine_busy_fraction"),
+            "policy_version": rollout.get("policy_version"),
+            "version_lag": rollout.get("version_lag"),
+            "admission_waits": rollout.get("admission_waits"),
+            "engine_requests": rollout.get("engine_requests"),
+        }
+    try:
+        runs = httpx.get(f"{spec.http_url('trainer')}/v1/runs", timeout=2.0).json()
+    except (httpx.HTTPError, ValueError):
+        runs = []
+    for run in runs:
+        steps = run.get("steps", [])[-20:]
+        total = sum(s["duration_s"] for s in steps)
+        if not total:
+            continue
+        out[f"trainer {run['run_id']}"] = {
+            "state": run["state"],
+            "step": run["step"],
+            "wait_for_batch_fraction": round(sum(s["wait_for_batch_s"] for s in steps) / total, 3),
+            "train_fraction": round(sum(s["train_s"] for s in steps) / total, 3),
+            "publish_fraction": round(sum(s["publish_s"] for s in steps) / total, 3),
+            "max_staleness": max(s["max_staleness"] for s in steps),
+        }
+    return out
+
+
 def status(state_dir: Path) -> dict:
     """Machine-readable health of the stack recorded in `state_dir`."""
     record = read_stack(state_dir)
@@ -213,9 +252,11 @@ def status(state_dir: Path) -> dict:
     for name, url in (("redis", spec.redis_url), ("nats", spec.nats_url)):
         why = probe(name, url)
         infra[name] = {"url": url, "healthy": why is None, "detail": why or "ok"}
-    services = {}
+    services, infos = {}, {}
     for name, svc in record["services"].items():
         health = service_health(spec.http_url(name))
+        infos[name] = service_info(spec.http_url(name))
+        progress = infos[name].get("progress", {})
         pid = svc["pid"]
         services[name] = {
             "pid": pid,
@@ -223,6 +264,8 @@ def status(state_dir: Path) -> dict:
             "state": svc["state"],
             "restarts": svc["restarts"],
             "ports": spec.ports[name],
+            "progress": progress,
+            "stalled": sorted(stage for stage, p in progress.items() if p["stalled"]),
             **health,
         }
         services[name]["healthy"] = services[name]["alive"] and health["ready"]
@@ -235,6 +278,8 @@ def status(state_dir: Path) -> dict:
         "supervisor_pid": record["supervisor_pid"],
         "infra": infra,
         "services": services,
+        "stalled": {n: s["stalled"] for n, s in services.items() if s["stalled"]},
+        "time": time_breakdown(spec, infos),
     }
 
 

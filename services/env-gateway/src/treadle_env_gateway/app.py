@@ -42,7 +42,7 @@ def build(settings: Settings) -> tuple[ServiceRuntime, SessionManager]:
         env_modules=modules,
     )
     env_pb2_grpc.add_EnvGatewayServicer_to_server(
-        EnvGatewayServicer(sessions), runtime.make_grpc_server()
+        EnvGatewayServicer(sessions, runtime.progress.stage("step")), runtime.make_grpc_server()
     )
     runtime.set_info(lambda: {"envs": sorted(sessions.envs), "sessions": len(sessions.sessions)})
     _add_routes(runtime, sessions)

@@ -9,6 +9,7 @@ import grpc
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from treadle_common import metrics, tracing
+from treadle_common.progress import Stage
 from treadle_common.proto.treadle.v1 import env_pb2 as pb
 from treadle_common.proto.treadle.v1 import env_pb2_grpc
 from treadle_env_gateway.envs.base import Action, EnvError, Message, ToolCall, UnknownEnv
@@ -80,8 +81,9 @@ async def _as_status(context: grpc.aio.ServicerContext, method: str):
 
 
 class EnvGatewayServicer(env_pb2_grpc.EnvGatewayServicer):
-    def __init__(self, sessions: SessionManager):
+    def __init__(self, sessions: SessionManager, stage: Stage | None = None):
         self.sessions = sessions
+        self.stage = stage or Stage(SERVICE, "step")
 
     async def ListEnvs(self, request, context):
         return pb.ListEnvsResponse(envs=sorted(self.sessions.envs))
@@ -119,7 +121,9 @@ class EnvGatewayServicer(env_pb2_grpc.EnvGatewayServicer):
 
     async def Step(self, request: pb.StepRequest, context):
         async with _as_status(context, "Step"):
-            result = await self.sessions.step(request.session_id, action_from_pb(request.action))
+            with self.stage.track():
+                action = action_from_pb(request.action)
+                result = await self.sessions.step(request.session_id, action)
             return pb.StepResponse(
                 observation=observation_pb(result.observation),
                 has_reward=result.reward is not None,

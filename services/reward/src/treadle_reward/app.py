@@ -36,6 +36,7 @@ def build(settings: Settings) -> tuple[ServiceRuntime, ScoringService]:
         timeout_s=settings.reward_timeout_s,
         max_concurrency=settings.reward_max_concurrency,
         cache_size=settings.reward_cache_size,
+        stage=runtime.progress.stage("score"),
     )
     runtime.set_info(lambda: {"scorers": sorted(scoring.scorers)})
 

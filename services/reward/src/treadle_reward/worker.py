@@ -22,6 +22,7 @@ from prometheus_client import Gauge
 
 from treadle_common import metrics, names, tracing
 from treadle_common.logs import get_logger
+from treadle_common.progress import Stage
 from treadle_common.proto.treadle.v1 import reward_pb2 as pb
 from treadle_reward.scorers.base import ScoreInput, Scorer
 
@@ -52,8 +53,10 @@ class ScoringService:
         timeout_s: float = 30.0,
         max_concurrency: int = 64,
         cache_size: int = 10_000,
+        stage: Stage | None = None,
     ):
         self.scorers = scorers
+        self.stage = stage or Stage(SERVICE, "score")
         self.timeout_s = timeout_s
         self.slots = {name: asyncio.Semaphore(max_concurrency) for name in scorers}
         self.cache: OrderedDict[bytes, pb.ScoreResult] = OrderedDict()
@@ -102,9 +105,10 @@ class ScoringService:
             metrics.REQUESTS.labels(SERVICE, request.scorer, "unknown_scorer").inc()
             return result
         PENDING.labels(request.scorer).inc()
-        async with self.slots[request.scorer]:
-            PENDING.labels(request.scorer).dec()
-            return await self._run(scorer, request, result)
+        with self.stage.track():
+            async with self.slots[request.scorer]:
+                PENDING.labels(request.scorer).dec()
+                return await self._run(scorer, request, result)
 
     async def _run(
         self, scorer: Scorer, request: pb.ScoreRequest, result: pb.ScoreResult

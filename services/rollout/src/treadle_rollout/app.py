@@ -100,6 +100,7 @@ async def main(settings: Settings) -> None:
     store = WeightStoreClient(settings.weight_store_addr)
     env = EnvClient(settings.env_gateway_addr)
     sync = WeightSync(engine, store)
+    runtime.progress.stages["weights"] = sync.stage
     server = runtime.make_grpc_server()
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(engine), server)
     frontend = openai_api.OpenAIFrontend(
@@ -153,7 +154,14 @@ async def main(settings: Settings) -> None:
         nc = await runtime.wait_nats()
         reward = RewardClient(nc, settings.reward_timeout_s)
         frontend.redis, frontend.reward = runtime.redis, reward
-        runner = EpisodeRunner(engine, engine.tokenizer, env, reward, settings.instance)
+        runner = EpisodeRunner(
+            engine,
+            engine.tokenizer,
+            env,
+            reward,
+            settings.instance,
+            generate_stage=runtime.progress.stage("generate"),
+        )
         worker = TaskWorker(
             runtime.redis,
             runner,
@@ -162,6 +170,8 @@ async def main(settings: Settings) -> None:
             max_concurrent_tasks=settings.rollout_max_concurrent_tasks,
         )
         holder["worker"] = worker
+        tasks = runtime.progress.stage("tasks", lambda: len(worker.in_flight))
+        worker.on_task_done = tasks.tick
         runtime.on_drain(worker.drain)
         await worker.run()
 

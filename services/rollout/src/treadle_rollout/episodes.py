@@ -15,6 +15,7 @@ import grpc
 from treadle_common import tracing
 from treadle_common.clients.env import EnvClient
 from treadle_common.clients.reward import RewardClient
+from treadle_common.progress import Stage
 from treadle_common.proto.treadle.v1 import reward_pb2, task_pb2
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
 from treadle_rollout import metrics
@@ -24,8 +25,15 @@ from treadle_rollout.transcript import TemplateNotPrefixStable, Transcript
 
 class EpisodeRunner:
     def __init__(
-        self, engine: Engine, tokenizer, env: EnvClient, reward: RewardClient, replica: str
+        self,
+        engine: Engine,
+        tokenizer,
+        env: EnvClient,
+        reward: RewardClient,
+        replica: str,
+        generate_stage: Stage | None = None,
     ):
+        self.generate_stage = generate_stage or Stage("rollout", "generate")
         self.engine = engine
         self.tokenizer = tokenizer
         self.env = env
@@ -124,7 +132,10 @@ class EpisodeRunner:
             for turn in range(max(1, task.max_turns)):
                 gen_start = time.time()
                 try:
-                    with tracing.tracer().start_as_current_span("rollout.generate") as span:
+                    with (
+                        tracing.tracer().start_as_current_span("rollout.generate") as span,
+                        self.generate_stage.track(),
+                    ):
                         gen = await self.engine.generate(t.tokens, sampling)
                         span.set_attributes(
                             {"treadle.turn": turn, "treadle.new_tokens": len(gen.tokens)}

@@ -16,6 +16,7 @@ from nats.aio.client import Client as NATS
 
 from treadle_common.clients.weights import WeightStoreClient, watch
 from treadle_common.logs import get_logger
+from treadle_common.progress import Stage
 from treadle_common.proto.treadle.v1 import weights_pb2 as pb
 from treadle_rollout import metrics
 from treadle_rollout.engines.base import Engine
@@ -37,6 +38,7 @@ class WeightSync:
         self.engine = engine
         self.store = store
         self.swaps: list[SwapRecord] = []
+        self.stage = Stage("rollout", "weights", lambda: self.version_lag)
         self._latest_announced = -1
         self._wake = asyncio.Event()
         self._swapped = asyncio.Condition()
@@ -91,6 +93,7 @@ class WeightSync:
         stats = await self.engine.update_to(self.store, version)
         record = SwapRecord(stats.version, stats.pause_s, stats.fetch_s, stats.bytes_fetched)
         self.swaps.append(record)
+        self.stage.tick()
         self.last_error = None
         metrics.SWAP_PAUSE.observe(stats.pause_s)
         metrics.VERSION_LAG.set(self.version_lag)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 
 import redis.asyncio as aioredis
 from opentelemetry.trace import SpanKind
@@ -77,6 +78,7 @@ class TaskWorker:
         self.invalid_tasks = 0
         self.admission_waits = 0
         self._groups: set[str] = set()
+        self.on_task_done: Callable[[], None] = lambda: None
 
     async def active_streams(self) -> list[str]:
         runs = sorted(m.decode() for m in await self.r.smembers(names.RUNS_KEY))
@@ -157,6 +159,7 @@ class TaskWorker:
             await self.r.xack(stream, names.ROLLOUT_GROUP, entry_id)
             self.tasks_done += 1
             self.trajectories_pushed += len(group)
+            self.on_task_done()
         except Exception as exc:  # the task stays pending and is retried (reclaimed)
             metrics.DROPPED.labels(SERVICE, "task_attempt", type(exc).__name__).inc()
             log.error("task failed; left pending for retry", entry=entry_id, error=repr(exc))

@@ -36,6 +36,10 @@ async def main(settings: Settings) -> None:
     tasks: set[asyncio.Task] = set()
     lease_ms = int(settings.trainer_lease_s * 1000)
     runtime.set_info(lambda: {"runs": {rid: o.status.state for rid, o in runs.items()}})
+    stages = (
+        runtime.progress.stage("trajectories", lambda: sum(o.collecting for o in runs.values())),
+        runtime.progress.stage("step"),
+    )
 
     async def own(owner: RunOwner) -> None:
         """Hold the run's lease while its owner executes it."""
@@ -47,7 +51,7 @@ async def main(settings: Settings) -> None:
         await runtime.redis.delete(key)
 
     def launch(config: RunConfig) -> None:
-        owner = RunOwner(config, runtime.redis, store, env)
+        owner = RunOwner(config, runtime.redis, store, env, stages=stages)
         runs[config.run_id] = owner
         task = asyncio.create_task(own(owner))
         tasks.add(task)

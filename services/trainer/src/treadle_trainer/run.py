@@ -41,6 +41,7 @@ from treadle_common.clients.weights import WeightStoreClient, build_manifest, ch
 from treadle_common.config import RunConfig
 from treadle_common.evaluation import held_out_tasks, without_held_out
 from treadle_common.logs import get_logger
+from treadle_common.progress import Stage
 from treadle_common.proto.treadle.v1 import common_pb2, task_pb2
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
 from treadle_common.weights_export import export_hf
@@ -123,8 +124,14 @@ class RunOwner:
         store: WeightStoreClient,
         env: EnvClient,
         consumer: str = names.TRAINER_CONSUMER,
+        stages: tuple[Stage, Stage] | None = None,
     ):
         self.config = config
+        self.read_stage, self.step_stage = stages or (
+            Stage("trainer", "trajectories"),
+            Stage("trainer", "step"),
+        )
+        self.collecting = False
         self.r = r
         self.store = store
         self.env = env
@@ -355,6 +362,14 @@ class RunOwner:
         """Read until `num_groups` complete groups are buffered, then take them."""
         t = self.config.trainer
         deadline = time.monotonic() + t.batch_timeout_s
+        self.collecting = True
+        try:
+            return await self._read_until(num_groups, deadline)
+        finally:
+            self.collecting = False
+
+    async def _read_until(self, num_groups: int, deadline: float) -> list[Group]:
+        t = self.config.trainer
         while len(self._buffer) < num_groups:
             if time.monotonic() > deadline:
                 raise TimeoutError(
@@ -372,6 +387,8 @@ class RunOwner:
             )
             for _, entry_id, traj in batch:
                 self._accept(entry_id, traj)
+            if batch:
+                self.read_stage.tick(len(batch))
         return self._buffer.take(num_groups)
 
     # --- one step -------------------------------------------------------------------------------
@@ -410,7 +427,8 @@ class RunOwner:
         for reason in dropped.values():
             self._count_drop(reason)
         train_start = time.perf_counter()
-        stats = await on_torch_thread(self._train, data)
+        with self.step_stage.track():
+            stats = await on_torch_thread(self._train, data)
         train_s = time.perf_counter() - train_start
         publish_start = time.perf_counter()
         version = await self._publish(step=step)
