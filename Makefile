@@ -23,6 +23,7 @@ $(STAMP): pyproject.toml libs/common/pyproject.toml $(foreach s,$(SERVICES),serv
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet $(TORCH_SPEC)
 	$(PIP) install --quiet -e 'libs/common[hf,infra,report]' $(foreach s,$(SERVICES),-e services/$(s)) -e '.[dev]'
+	$(PY) scripts/install_kubectl.py $(VENV)  # kubectl + kustomize, for the k8s/ tests
 	touch $@
 
 demo: setup

@@ -32,3 +32,19 @@ async def test_read_ack_and_reclaim_from_a_dead_consumer(infra):
     replay = await streams.pending_own(r, stream, "g", "alive", task_pb2.Task)
     assert sorted(m.task_id for _, _, m in replay) == ["t1", "t2"]
     await r.aclose()
+
+
+async def test_backlog_counts_undelivered_and_pending_entries(infra):
+    r = aioredis.from_url(infra.redis_url)
+    stream = "test:backlog:tasks"
+    await r.delete(stream)
+    for i in range(5):
+        await streams.add(r, stream, task_pb2.Task(task_id=f"t{i}"))
+    assert await streams.backlog(r, stream, "g") == 5  # nobody reads yet: the whole stream
+    await streams.ensure_group(r, stream, "g")
+    read = await streams.read_group(r, [stream], "g", "c1", task_pb2.Task, count=2, block_ms=10)
+    assert await streams.backlog(r, stream, "g") == 5  # 3 undelivered + 2 pending
+    await r.xack(stream, "g", *[entry_id for _, entry_id, _ in read])
+    assert await streams.backlog(r, stream, "g") == 3
+    assert await streams.backlog(r, "test:backlog:none", "g") == 0
+    await r.aclose()

@@ -187,11 +187,19 @@ def time_table(breakdown: dict) -> Table:
 def model_init_tiny(
     out_dir: Path,
     seed: Annotated[int, typer.Option(help="Random init and tokenizer seed")] = 0,
+    hidden_size: Annotated[int, typer.Option(help="Hidden size (a multiple of 64)")] = 128,
+    layers: Annotated[int, typer.Option(help="Decoder layers")] = 2,
 ) -> None:
     """Build a tiny random HF causal LM (Llama, head_dim 64) with a locally trained tokenizer."""
     from treadle_common.tiny_model import init_tiny
 
-    console.print(f"wrote {init_tiny(out_dir, seed=seed)}")
+    if (out_dir / "config.json").exists():
+        console.print(f"{out_dir} already holds a model; left as it is")
+        return
+    out = init_tiny(
+        out_dir, hidden_size=hidden_size, num_layers=layers, num_heads=hidden_size // 64, seed=seed
+    )
+    console.print(f"wrote {out}")
 
 
 # -- run -----------------------------------------------------------------------------------

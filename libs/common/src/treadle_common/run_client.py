@@ -59,7 +59,7 @@ class RunClient:
                 seed=cfg.trainer.seed,
             )
         own_stack = False
-        current = stack.status(self.state_dir)
+        current = {"healthy": True} if self.remote else stack.status(self.state_dir)
         if not current["healthy"]:
             if current["running"]:
                 self.console.print(
@@ -89,11 +89,33 @@ class RunClient:
             raise RuntimeError(f"no stack recorded in {self.state_dir}")
         return stack.StackSpec(**record["spec"])
 
+    @property
+    def remote(self) -> bool:
+        """A deployed stack (compose, Kubernetes) named by TREADLE_*_URL settings."""
+        return self.settings.trainer_url is not None
+
     def _urls(self) -> dict[str, str]:
+        s = self.settings
+        if self.remote:
+            if not (s.rollout_url and s.weight_store_url):
+                raise RuntimeError(
+                    "TREADLE_TRAINER_URL needs TREADLE_ROLLOUT_URL and _WEIGHT_STORE_URL"
+                )
+            assert s.trainer_url is not None
+            return {
+                "trainer": s.trainer_url,
+                "rollout": s.rollout_url,
+                "weight-store": s.weight_store_url,
+            }
         spec = self._spec()
-        return {s: spec.http_url(s) for s in ("trainer", "rollout", "weight-store")}
+        return {name: spec.http_url(name) for name in ("trainer", "rollout", "weight-store")}
 
     def _grpc(self, service: str) -> str:
+        if self.remote:
+            return {
+                "env-gateway": self.settings.env_gateway_addr,
+                "weight-store": self.settings.weight_store_addr,
+            }[service]
         spec = self._spec()
         return f"{spec.host}:{spec.ports[service]['grpc']}"
 

@@ -53,6 +53,11 @@ class Settings(BaseSettings):
     instance: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
 
     weight_store_addr: str = Field("127.0.0.1:50051", description="weight-store gRPC address")
+    trainer_url: str | None = Field(
+        None, description="`treadle run` against a deployed stack: the trainer's HTTP URL"
+    )
+    rollout_url: str | None = Field(None, description="... and rollout's HTTP URL")
+    weight_store_url: str | None = Field(None, description="... and the weight-store's HTTP URL")
     env_gateway_addr: str = Field("127.0.0.1:50052", description="env-gateway gRPC address")
     weight_store_dir: Path | None = Field(
         None, description="weight-store data dir for the local backend (default state_dir/weights)"

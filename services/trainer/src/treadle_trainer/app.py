@@ -16,6 +16,7 @@ import asyncio
 from fastapi import HTTPException
 
 from treadle_common import names
+from treadle_common.clients import streams
 from treadle_common.clients.env import EnvClient
 from treadle_common.clients.weights import WeightStoreClient
 from treadle_common.config import RunConfig
@@ -92,6 +93,27 @@ async def main(settings: Settings) -> None:
         await runtime.redis.set(names.run_owner(config.run_id), settings.instance, px=lease_ms)
         launch(config)
         return runs[config.run_id].status
+
+    @runtime.app.get("/v1/backlog", tags=["runs"])
+    async def backlog() -> dict:
+        """Work waiting in Redis for the active runs (KEDA scales rollout on `tasks_waiting`)."""
+        r = runtime.redis
+        active = [m.decode() for m in await r.smembers(names.RUNS_KEY)]
+        return {
+            "runs": len(active),
+            "tasks_waiting": sum(
+                [
+                    await streams.backlog(r, names.tasks_stream(run), names.ROLLOUT_GROUP)
+                    for run in active
+                ]
+            ),
+            "trajectories_waiting": sum(
+                [
+                    await streams.backlog(r, names.trajectories_stream(run), names.TRAINER_GROUP)
+                    for run in active
+                ]
+            ),
+        }
 
     @runtime.app.get("/v1/runs", tags=["runs"])
     async def list_runs() -> list[RunStatus]:

@@ -103,5 +103,18 @@ async def pending_own(
     return out
 
 
+async def backlog(r: aioredis.Redis, stream: str, group: str, cap: int = 100_000) -> int:
+    """Entries of `stream` the consumer group has not finished: not yet delivered + pending."""
+    if not await r.exists(stream):
+        return 0
+    for info in await r.xinfo_groups(stream):
+        if _s(info["name"]) != group:
+            continue
+        last = _s(info["last-delivered-id"])
+        undelivered = await r.xrange(stream, min=f"({last}", count=cap)  # works on Redis 6.2
+        return len(undelivered or []) + int(info["pending"])
+    return await r.xlen(stream)  # no consumer has read yet
+
+
 def _s(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value

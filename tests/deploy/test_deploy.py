@@ -1,0 +1,341 @@
+"""Deployment artifacts, checked offline with the real tools: every Dockerfile parsed, the
+compose file through the Docker Compose v2 binary, the kustomize overlays rendered by kubectl
+and validated strictly, the CRDs field-checked, and every TREADLE_* variable they set
+cross-checked against the settings class."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import compose
+import pytest
+import yaml
+
+from tests.conftest import ROOT
+from treadle_common.settings import Settings
+
+pytestmark = pytest.mark.unit
+
+SERVICES = ["weight-store", "env-gateway", "reward", "rollout", "trainer"]
+BIN = Path(sys.executable).parent
+COMPOSE = Path(compose.__file__).parent / "docker-compose"
+OVERLAYS = ["dev", "gpu"]
+SETTINGS_VARS = {f"TREADLE_{name.upper()}" for name in Settings.model_fields}
+
+
+# --- Dockerfiles ---------------------------------------------------------------------------------
+def instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n", " ", path.read_text())
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            keyword, _, args = line.partition(" ")
+            out.append((keyword.upper(), args.strip()))
+    return out
+
+
+def installed(steps: list[tuple[str, str]]) -> list[str]:
+    """What the `pip install` steps install (requirement arguments, options dropped)."""
+    out = []
+    for keyword, args in steps:
+        if keyword != "RUN":
+            continue
+        for command in re.split(r"&&|;", args):
+            words = shlex.split(command)
+            if words[:2] != ["pip", "install"]:
+                continue
+            skip = False
+            for word in words[2:]:
+                if skip:
+                    skip = False
+                elif word in ("--index-url", "--extra-index-url", "-r"):
+                    skip = True
+                elif not word.startswith("-"):
+                    out.append(word)
+    return out
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_each_service_image_installs_only_its_distribution_and_common(service):
+    for name in ("Dockerfile", "Dockerfile.gpu"):
+        path = ROOT / "services" / service / name
+        if name == "Dockerfile.gpu" and service not in ("rollout", "trainer"):
+            assert not path.exists()
+            continue
+        steps = instructions(path)
+        keywords = [k for k, _ in steps]
+        packages = [p for p in installed(steps) if not p.startswith("torch==")]
+        assert sorted(re.sub(r"\[.*\]$", "", p) for p in packages) == sorted(
+            ["/src/libs/common", f"/src/services/{service}"]
+        ), (path, packages)
+        copied = [args.split()[0] for k, args in steps if k == "COPY" and "--from" not in args]
+        assert copied == ["libs/common", f"services/{service}"], (path, copied)
+        users = [args for k, args in steps if k == "USER"]
+        assert users and users[-1] not in ("root", "0"), path
+        assert "HEALTHCHECK" in keywords and "CMD" in keywords, path
+        health = next(args for k, args in steps if k == "HEALTHCHECK")
+        assert "/healthz" in health, path
+        module = "treadle_" + service.replace("-", "_")
+        assert module in next(args for k, args in reversed(steps) if k == "CMD"), path
+        if name == "Dockerfile":  # slim, multi-stage: the runtime stage copies the venv only
+            froms = [args for k, args in steps if k == "FROM"]
+            assert len(froms) == 2 and froms[0].endswith("AS build"), path
+            assert any(k == "ARG" and "slim" in a for k, a in steps), path
+            assert any(k == "COPY" and a.startswith("--from=build") for k, a in steps), path
+
+
+def test_the_cli_image_installs_treadle_common_only():
+    steps = instructions(ROOT / "libs" / "common" / "Dockerfile")
+    packages = [p for p in installed(steps) if not p.startswith("torch==")]
+    assert packages == ["/src/libs/common[hf,report]"]
+    assert [a for k, a in steps if k == "USER"][-1] == "treadle"
+
+
+# --- compose -------------------------------------------------------------------------------------
+def compose_config(*profiles: str) -> dict:
+    args = [str(COMPOSE), "-f", str(ROOT / "compose.yaml")]
+    for profile in profiles:
+        args += ["--profile", profile]
+    checked = subprocess.run([*args, "config", "-q"], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stderr
+    rendered = subprocess.run(
+        [*args, "config", "--format", "json"], capture_output=True, text=True, check=True
+    )
+    return json.loads(rendered.stdout)
+
+
+def test_compose_validates_with_the_real_compose_binary():
+    config = compose_config("cpu", "gpu", "demo")
+    services = config["services"]
+    assert set(SERVICES) | {"rollout-gpu", "trainer-gpu", "demo"} <= set(services)
+    assert "--appendonly" in services["redis"]["command"]
+    assert "--jetstream" in services["nats"]["command"]
+    assert services["minio"]["image"].startswith("minio/minio")
+    for name, svc in services.items():
+        if name in ("model-init", "demo"):
+            continue
+        dockerfile = svc.get("build", {}).get("dockerfile")
+        from_image = dockerfile and "HEALTHCHECK" in dict(instructions(ROOT / dockerfile))
+        # compose keeps the image's HEALTHCHECK test when it only sets the timings
+        assert svc["healthcheck"].get("test") or from_image, f"{name} has no healthcheck"
+        for dep, cond in svc.get("depends_on", {}).items():
+            want = "service_completed_successfully" if dep == "model-init" else "service_healthy"
+            assert cond["condition"] == want, (name, dep)
+    for name in ("rollout-gpu", "trainer-gpu"):
+        assert services[name]["profiles"] == ["gpu"]
+        devices = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["capabilities"] == ["gpu"]
+    assert {"redis-data", "nats-data", "minio-data", "models", "trainer-state"} <= set(
+        config["volumes"]
+    )
+    # the default profile (.env: COMPOSE_PROFILES=cpu) starts the CPU stack
+    default = subprocess.run(
+        [str(COMPOSE), "config", "--services"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert set(default.stdout.split()) == {
+        "redis", "nats", "minio", "model-init", *SERVICES,
+    }  # fmt: skip
+
+
+# --- kubernetes ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module", params=OVERLAYS)
+def rendered(request) -> tuple[str, list[dict]]:
+    kubectl = BIN / "kubectl"
+    assert kubectl.exists(), "make setup installs kubectl (scripts/install_kubectl.py)"
+    out = subprocess.run(
+        [str(kubectl), "kustomize", str(ROOT / "k8s" / "overlays" / request.param)],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout, [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def kinds(docs: list[dict], kind: str) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def test_overlays_pass_strict_schema_validation(rendered, tmp_path):
+    text, docs = rendered
+    builtin = [d for d in docs if d["kind"] not in ("ScaledObject", "PyTorchJob")]
+    # the PyTorchJob's pod templates are built-in PodTemplates: validate them strictly too
+    for job in kinds(docs, "PyTorchJob").values():
+        for role, spec in job["spec"]["pytorchReplicaSpecs"].items():
+            builtin.append(
+                {
+                    "apiVersion": "v1",
+                    "kind": "PodTemplate",
+                    "metadata": {"name": f"{job['metadata']['name']}-{role.lower()}"},
+                    "template": spec["template"],
+                }
+            )
+    path = tmp_path / "builtin.yaml"
+    path.write_text(yaml.safe_dump_all(builtin))
+    result = subprocess.run(
+        [str(BIN / "kubernetes-validate"), "--strict", "--quiet", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Couldn't find schema" not in result.stdout + result.stderr
+
+
+SCALED_OBJECT_SPEC = {
+    "scaleTargetRef": {"name", "kind", "apiVersion", "envSourceContainerName"},
+    "pollingInterval": None,
+    "cooldownPeriod": None,
+    "initialCooldownPeriod": None,
+    "idleReplicaCount": None,
+    "minReplicaCount": None,
+    "maxReplicaCount": None,
+    "fallback": {"failureThreshold", "replicas", "behavior"},
+    "advanced": {
+        "restoreToOriginalReplicaCount",
+        "horizontalPodAutoscalerConfig",
+        "scalingModifiers",
+    },
+    "triggers": {"type", "name", "metadata", "metricType", "useCachedMetrics", "authenticationRef"},
+}
+TRIGGER_METADATA = {  # what each KEDA scaler we use requires
+    "metrics-api": {"url", "valueLocation", "targetValue"},
+    "prometheus": {"serverAddress", "query", "threshold"},
+    "cpu": {"value"},
+}
+
+
+def test_keda_scaled_objects_are_field_checked(rendered):
+    _, docs = rendered
+    scaled = kinds(docs, "ScaledObject")
+    assert set(scaled) == {"rollout", "reward"}
+    deployments = kinds(docs, "Deployment")
+    for obj in scaled.values():
+        assert obj["apiVersion"] == "keda.sh/v1alpha1"
+        spec = obj["spec"]
+        assert set(spec) <= set(SCALED_OBJECT_SPEC), set(spec) - set(SCALED_OBJECT_SPEC)
+        for key, allowed in SCALED_OBJECT_SPEC.items():
+            if allowed is None:
+                assert isinstance(spec.get(key, 0), int), key
+            elif key == "triggers":
+                for trigger in spec[key]:
+                    assert set(trigger) <= allowed and {"type", "metadata"} <= set(trigger)
+                    metadata = trigger["metadata"]
+                    assert all(isinstance(v, str) for v in metadata.values()), metadata
+                    assert TRIGGER_METADATA[trigger["type"]] <= set(metadata), trigger
+            elif key in spec:
+                assert set(spec[key]) <= allowed, (key, set(spec[key]) - allowed)
+        assert spec["scaleTargetRef"]["name"] in deployments
+        assert spec["minReplicaCount"] <= spec["maxReplicaCount"]
+    # KEDA takes over the reward HPA rather than fighting a second one
+    reward = scaled["reward"]
+    assert reward["metadata"]["annotations"]["scaledobject.keda.sh/transfer-hpa-ownership"]
+    assert reward["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["name"] == "reward"
+    assert "reward" in kinds(docs, "HorizontalPodAutoscaler")
+    # rollout scales on the trainer's Redis backlog endpoint, which exists
+    (metrics_api,) = scaled["rollout"]["spec"]["triggers"]
+    assert metrics_api["metadata"]["url"].endswith("/v1/backlog")
+
+
+def test_trainer_is_a_pytorchjob_with_rank0_serving(rendered):
+    _, docs = rendered
+    job = kinds(docs, "PyTorchJob")["trainer"]
+    assert job["apiVersion"] == "kubeflow.org/v1"
+    assert set(job["spec"]) <= {"runPolicy", "pytorchReplicaSpecs", "elasticPolicy", "nprocPerNode"}
+    assert job["spec"]["runPolicy"]["cleanPodPolicy"] in ("None", "All", "Running")
+    replicas = job["spec"]["pytorchReplicaSpecs"]
+    assert set(replicas) <= {"Master", "Worker"} and replicas["Master"]["replicas"] == 1
+    for spec in replicas.values():
+        assert set(spec) <= {"replicas", "restartPolicy", "template"}
+        assert spec["restartPolicy"] in ("Always", "OnFailure", "Never", "ExitCode")
+        assert spec["template"]["spec"]["containers"][0]["name"] == "pytorch"  # the operator's
+    service = kinds(docs, "Service")["trainer"]
+    assert service["spec"]["selector"]["training.kubeflow.org/replica-type"] == "master"
+
+
+def test_probes_headless_sessions_pdbs_and_policies(rendered):
+    text, docs = rendered
+    deployments = kinds(docs, "Deployment")
+    assert set(deployments) == {"weight-store", "env-gateway", "reward", "rollout"}
+    for name, dep in deployments.items():
+        container = dep["spec"]["template"]["spec"]["containers"][0]
+        assert container["livenessProbe"]["httpGet"]["path"] == "/healthz", name
+        assert container["readinessProbe"]["httpGet"]["path"] == "/readyz", name
+    services = kinds(docs, "Service")
+    assert services["env-gateway"]["spec"]["clusterIP"] == "None"  # sessions stick to a pod
+    assert set(kinds(docs, "HorizontalPodAutoscaler")) == {"reward", "env-gateway"}
+    assert set(kinds(docs, "PodDisruptionBudget")) == {
+        "env-gateway",
+        "reward",
+        "rollout",
+        "trainer",
+    }
+    policies = kinds(docs, "NetworkPolicy")
+    assert policies["default-deny-ingress"]["spec"]["podSelector"] == {}
+    redis = policies["redis-from-rollout-and-trainer"]["spec"]["ingress"][0]["from"][0]
+    assert redis["podSelector"]["matchExpressions"][0]["values"] == ["rollout", "trainer"]
+    assert kinds(docs, "PersistentVolumeClaim")["weight-store"]
+
+
+def test_gpu_overlay_requests_gpus_on_gpu_nodes():
+    out = subprocess.run(
+        [str(BIN / "kubectl"), "kustomize", str(ROOT / "k8s" / "overlays" / "gpu")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    rollout = kinds(docs, "Deployment")["rollout"]["spec"]["template"]["spec"]
+    assert rollout["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert rollout["containers"][0]["image"].startswith("treadle/rollout-gpu")
+    assert rollout["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    job = kinds(docs, "PyTorchJob")["trainer"]["spec"]["pytorchReplicaSpecs"]
+    assert job["Worker"]["replicas"] == 3
+    for role in ("Master", "Worker"):
+        pod = job[role]["template"]["spec"]
+        assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert pod["containers"][0]["image"].startswith("treadle/trainer-gpu")
+    config = kinds(docs, "ConfigMap")["treadle-rollout-config"]["data"]
+    assert config["TREADLE_ROLLOUT_ENGINE"] == "vllm"
+
+
+# --- TREADLE_* variables -------------------------------------------------------------------------
+def manifest_vars(docs: list[dict]) -> set[str]:
+    names: set[str] = set()
+    for doc in docs:
+        if doc["kind"] == "ConfigMap":
+            names |= set(doc.get("data", {}))
+        elif doc["kind"] == "Secret":
+            names |= set(doc.get("stringData", {})) | set(doc.get("data", {}))
+    for container in re.findall(r"- name: (TREADLE_[A-Z0-9_]+)", yaml.safe_dump_all(docs)):
+        names.add(container)
+    return names
+
+
+def test_every_variable_set_is_one_the_settings_class_reads(rendered):
+    compose_env = {
+        key
+        for svc in compose_config("cpu", "gpu", "demo")["services"].values()
+        for key in (svc.get("environment") or {})
+    }
+    docker_env = {
+        word.split("=")[0]
+        for path in [*ROOT.glob("services/*/Dockerfile*"), ROOT / "libs/common/Dockerfile"]
+        for keyword, args in instructions(path)
+        if keyword == "ENV"
+        for word in args.split()
+        if word.startswith("TREADLE_")
+    }
+    _, docs = rendered
+    treadle_vars = {v for v in compose_env | manifest_vars(docs) | docker_env if "TREADLE" in v}
+    assert treadle_vars - SETTINGS_VARS == set(), "set but never read"
+    # and what every service needs to find its infrastructure is set everywhere
+    needed = {"TREADLE_REDIS_URL", "TREADLE_NATS_URL", "TREADLE_WEIGHT_STORE_ADDR"}
+    assert needed <= manifest_vars(docs) and needed <= compose_env
+    assert {"TREADLE_ROLLOUT_MODEL", "TREADLE_ROLLOUT_MODEL_NAME"} <= manifest_vars(docs)
+    assert {"MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD"} <= compose_env  # minio's own
