@@ -130,6 +130,41 @@ def test_up_status_down_without_orphans(cli_env, tmp_path):
         # the thin clients reach the running services
         spec = json.loads((tmp_path / ".treadle" / "stack.json").read_text())["spec"]
         assert asyncio.run(_generate_and_list(spec["ports"])) == []  # no runs submitted yet
+        # `treadle run` against a deployed stack (compose, k8s): endpoints from TREADLE_*_URL
+        ports = spec["ports"]
+        remote_env = {
+            **cli_env,
+            "TREADLE_STATE_DIR": str(tmp_path / "elsewhere"),  # no stack record to find
+            "TREADLE_TRAINER_URL": f"http://127.0.0.1:{ports['trainer']['http']}",
+            "TREADLE_ROLLOUT_URL": f"http://127.0.0.1:{ports['rollout']['http']}",
+            "TREADLE_WEIGHT_STORE_URL": f"http://127.0.0.1:{ports['weight-store']['http']}",
+            "TREADLE_WEIGHT_STORE_ADDR": f"127.0.0.1:{ports['weight-store']['grpc']}",
+            "TREADLE_ENV_GATEWAY_ADDR": f"127.0.0.1:{ports['env-gateway']['grpc']}",
+        }
+        run = treadle(
+            "run",
+            str(ROOT / "recipes/skeleton.yaml"),
+            "--set",
+            f"model.path={spec['model_dir']}",
+            "--set",
+            f"model.name={spec['model_name']}",
+            "--set",
+            "run_id=remote-run",
+            env=remote_env,
+            cwd=tmp_path,
+        )
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        assert json.loads((tmp_path / ".treadle/runs/remote-run/summary.json").read_text())[
+            "exactly_once"
+        ]
+        assert not (tmp_path / "elsewhere" / "stack.json").exists()  # it started no stack
+        # status: nothing stalled, and where the finished run's time went
+        after_run = json.loads(treadle("status", "--json", env=cli_env, cwd=tmp_path).stdout)
+        assert after_run["stalled"] == {}
+        assert after_run["services"]["rollout"]["progress"]["generate"]["done"] > 0
+        spent = after_run["time"]["trainer remote-run"]
+        assert spent["step"] == 3 and 0 <= spent["wait_for_batch_fraction"] <= 1
+        assert 0 < after_run["time"]["rollout"]["engine_busy_fraction"] <= 1
         # a crashed service is reported and restarted by the supervisor
         os.kill(health["services"]["reward"]["pid"], signal.SIGKILL)
         deadline = time.monotonic() + 90
