@@ -12,7 +12,10 @@ weights, through `treadle run` itself, on a private stack (own Redis/NATS, free 
 - `rollout_engine_busy_fraction_*`: the share of each run's time the rollout engine was
   generating (the other side of the trainer's idle time);
 - `max_staleness_seen`: the largest policy lag of a trained trajectory in async mode;
-- `eval_reward_sync` / `eval_reward_async`: greedy held-out reward after each run.
+- `eval_reward_sync` / `eval_reward_async`: greedy held-out reward after each run;
+- with `--quality-recipe` (e.g. recipes/demo.yaml, a task the tiny model learns), the same
+  comparison there (async with max_staleness 2): `quality_eval_reward_sync` / `_async` and
+  its `quality_speedup`.
 """
 
 from __future__ import annotations
@@ -53,17 +56,10 @@ def _timings(steps: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
-def run(
-    recipe: Path = DEFAULT_RECIPE,
-    steps: int = 12,
-    max_concurrent_tasks: int = 64,
-    keep: Path | None = None,
-) -> dict[str, Any]:
-    tmp = Path(tempfile.mkdtemp(prefix="treadle-bench-e2e-")) if keep is None else keep
-    console = Console(file=sys.stderr)
-    # every service of the stack inherits these
-    os.environ["TREADLE_ROLLOUT_MAX_CONCURRENT_TASKS"] = str(max_concurrent_tasks)
-    os.environ.setdefault("TREADLE_LOG_LEVEL", "WARNING")
+def both_modes(
+    recipe: Path, tmp: Path, overrides: list[str], console: Console
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """Run `recipe` in sync, then async mode, on one private stack; per-mode results."""
     base = free_port_range(8)
     redis_port, nats_port = free_port_range(1), free_port_range(1)
     settings = Settings(
@@ -73,16 +69,15 @@ def run(
         base_port=base,
     )
     model_dir = tmp / "models" / "tiny"
-    results: dict[str, dict[str, Any]] = {}
     configs = {
         mode: load_recipe(
             recipe,
             [
                 f"mode={mode}",
                 f"run_id=bench-{mode}",
-                f"trainer.num_steps={steps}",
                 f"model.path={model_dir}",
                 f"output_dir={tmp / 'runs'}",
+                *overrides,
             ],
         )
         for mode in ("sync", "async")
@@ -95,6 +90,7 @@ def run(
         num_heads=m.tiny_hidden_size // 64,
         seed=configs["sync"].trainer.seed,
     )
+    results: dict[str, dict[str, Any]] = {}
     spec = stack.prepare(settings, model_dir.resolve(), m.name, None)
     stack.launch_detached(spec)
     try:
@@ -118,13 +114,40 @@ def run(
             }
     finally:
         stack.down(settings)
+    return configs["async"].model_dump(), results
+
+
+def run(
+    recipe: Path = DEFAULT_RECIPE,
+    steps: int = 12,
+    max_concurrent_tasks: int = 64,
+    quality_recipe: Path | None = None,
+) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix="treadle-bench-e2e-"))
+    console = Console(file=sys.stderr)
+    # every service of the stacks inherits these
+    os.environ["TREADLE_ROLLOUT_MAX_CONCURRENT_TASKS"] = str(max_concurrent_tasks)
+    os.environ.setdefault("TREADLE_LOG_LEVEL", "WARNING")
+    config, results = both_modes(recipe, tmp / "workload", [f"trainer.num_steps={steps}"], console)
+    quality: dict[str, Any] = {}
+    if quality_recipe is not None:  # a task the model can learn: does async learn as well?
+        # its async run may lag up to 2 versions (a sync recipe's own bound is 0)
+        staleness = ["trainer.max_staleness=2"]
+        _, learned = both_modes(quality_recipe, tmp / "quality", staleness, console)
+        quality = {
+            "quality_workload": quality_recipe.name,
+            "quality_eval_reward_sync": learned["sync"]["eval_end"],
+            "quality_eval_reward_async": learned["async"]["eval_end"],
+            "quality_speedup": round(learned["sync"]["wall_s"] / learned["async"]["wall_s"], 3),
+        }
     sync, asyn = results["sync"], results["async"]
     return {
         "workload": recipe.name,
         "steps": steps,
-        "tasks_per_step": configs["sync"].trainer.tasks_per_step,
-        "group_size": configs["sync"].rollout.group_size,
-        "max_staleness": configs["async"].trainer.max_staleness,
+        "tasks_per_step": config["trainer"]["tasks_per_step"],
+        "group_size": config["rollout"]["group_size"],
+        "max_staleness": config["trainer"]["max_staleness"],
+        "minibatches": config["trainer"]["minibatches"],
         "rollout_max_concurrent_tasks": max_concurrent_tasks,
         "sync_s": round(sync["wall_s"], 2),
         "async_s": round(asyn["wall_s"], 2),
@@ -142,5 +165,6 @@ def run(
         "eval_reward_async": asyn["eval_end"],
         "train_reward_last_sync": round(sync["train_reward_last"], 4),
         "train_reward_last_async": round(asyn["train_reward_last"], 4),
-        "outputs": str(tmp / "runs"),
+        **quality,
+        "outputs": str(tmp),
     }

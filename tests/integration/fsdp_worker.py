@@ -41,9 +41,12 @@ def main(model_dir: str, out: str) -> None:
     backend = build_backend(BackendSpec(model_dir=model_dir, seed=0, reference=True))
     mbs = pack(fixed_batch(backend.vocab_size), 40, "group", backend.pad_id)
     params = LossParams(kl_coef=0.1)
+    backend.snapshot_proximal()  # pi_prox: the weights before this batch's updates
     first = backend.forward_backward(mbs, "decoupled_ppo", params)
     step = backend.optim_step(AdamParams(learning_rate=1e-3))
     second = backend.forward_backward(mbs, "ppo", params)
+    backend.zero_grad()
+    third = backend.forward_backward(mbs, "decoupled_ppo", params)  # a 2nd minibatch update
     backend.zero_grad()
     ckpt = Path(out).with_suffix(".ckpt")
     backend.save(ckpt, {"step": 1})
@@ -58,6 +61,7 @@ def main(model_dir: str, out: str) -> None:
                 "first": first,
                 "grad_norm": step["grad_norm"],
                 "second": second,
+                "third": third,
                 "checksum": float(sum(v.double().abs().sum() for v in state.values())),
                 "meta_step": meta["step"],
             }

@@ -93,7 +93,7 @@ def test_bench_e2e_runs_both_modes_on_one_stack():
     for key in ("rollout_engine_busy_fraction_sync", "rollout_engine_busy_fraction_async"):
         assert 0 < report[key] <= 1, key
     assert 0 <= report["eval_reward_sync"] <= 1 and 0 <= report["eval_reward_async"] <= 1
-    runs = Path(report["outputs"])
+    runs = Path(report["outputs"]) / "workload" / "runs"
     for mode in ("sync", "async"):  # treadle run's own outputs, exactly-once checked
         summary = json.loads((runs / f"bench-{mode}" / "summary.json").read_text())
         assert summary["exactly_once"] and summary["steps"] == 3

@@ -39,7 +39,7 @@ def test_two_rank_fsdp_matches_single_process(tiny_model, tmp_path):
         tmp_path / "fsdp.json",
     )
     assert single["micro_batches"] == fsdp["micro_batches"] == 4  # uneven: 2 per rank
-    for key in ("first", "second"):
+    for key in ("first", "second", "third"):
         assert fsdp[key]["num_tokens"] == single[key]["num_tokens"] > 0
         for stat in ("loss", "entropy", "kl", "clip_fraction"):
             assert fsdp[key][stat] == pytest.approx(single[key][stat], rel=1e-4, abs=1e-6), stat
@@ -48,6 +48,11 @@ def test_two_rank_fsdp_matches_single_process(tiny_model, tmp_path):
     assert single["second"]["kl"] > 0 and single["second"]["loss"] != single["first"]["loss"]
     assert fsdp["checksum"] == pytest.approx(single["checksum"], rel=1e-6)
     assert fsdp["meta_step"] == single["meta_step"] == 1
+    # decoupled PPO: the first update's ratio to the snapshot is exactly 1; after an update
+    # the policy has moved from the proximal snapshot, and both backends agree by how much
+    assert single["first"]["ratio"] == pytest.approx(1.0, abs=1e-6)
+    assert abs(single["third"]["ratio"] - 1.0) > 1e-5
+    assert fsdp["third"]["ratio"] == pytest.approx(single["third"]["ratio"], rel=1e-5)
 
 
 def test_checkpoint_of_another_model_is_refused(tiny_model, tmp_path):

@@ -201,3 +201,17 @@ def test_pack_respects_the_token_budget_and_keeps_the_batch_loss():
     assert sum(mb.input_ids_B_T.shape[0] for mb in mbs) == 5
     # sum over micro-batches of sum(coef * tokens) = 1 for a mean aggregation
     assert sum(float((mb.coef_B[:, None] * mb.mask_B_T).sum()) for mb in mbs) == pytest.approx(1)
+
+
+def test_minibatches_keep_groups_whole_and_balanced():
+    from treadle_trainer.batches import Datum, split_minibatches
+
+    def datum(group: str) -> Datum:
+        return Datum([1], [2], [1.0], [0.0], [0.0], group=group)
+
+    data = [datum(g) for g in "aaabbcccdd"]  # 4 groups
+    chunks = split_minibatches(data, 2)
+    assert [[d.group for d in c] for c in chunks] == [list("aaabb"), list("cccdd")]
+    assert [len(c) for c in split_minibatches(data, 3)] == [3, 5, 2]  # whole groups only
+    assert len(split_minibatches(data, 10)) == 4  # at most one minibatch per group
+    assert split_minibatches(data, 1) == [data]

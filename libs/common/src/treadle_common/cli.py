@@ -355,12 +355,15 @@ def bench_e2e(
         int,
         typer.Option(help="Rollout task groups in flight (TREADLE_ROLLOUT_MAX_CONCURRENT_TASKS)"),
     ] = 64,
+    quality_recipe: Annotated[
+        Path | None, typer.Option(help="Also compare final eval reward on this recipe")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
 ) -> None:
     """The same recipe in sync and in async mode, for the same number of steps."""
     from benchmarks import e2e
 
-    result = e2e.run(recipe, steps, max_concurrent_tasks)
+    result = e2e.run(recipe, steps, max_concurrent_tasks, quality_recipe)
     print(json.dumps(result, indent=None if as_json else 2))
 
 

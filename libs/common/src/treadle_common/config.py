@@ -93,6 +93,12 @@ class TrainerConfig(Strict):
     drop_constant_reward_groups: bool = Field(
         False, description="Drop groups whose rewards are all equal (no learning signal)"
     )
+    minibatches: int = Field(
+        1,
+        ge=1,
+        description="Optimizer steps per batch: its groups split into this many minibatches "
+        "(decoupled_ppo's proximal policy is the batch's starting weights)",
+    )
     micro_batch_tokens: int = Field(
         8192, ge=1, description="Padded tokens per micro-batch (gradient accumulation)"
     )

@@ -225,3 +225,15 @@ def pack(
     if current:
         batches.append(current)
     return [collate([data[i] for i in b], [coefs[i] for i in b], pad_id) for b in batches]
+
+
+def split_minibatches(data: list[Datum], n: int) -> list[list[Datum]]:
+    """`data` (in group order) as up to `n` minibatches of whole groups, sizes within one group."""
+    groups: list[list[Datum]] = []
+    for d in data:
+        if not groups or groups[-1][0].group != d.group:
+            groups.append([])
+        groups[-1].append(d)
+    n = max(1, min(n, len(groups)))
+    bounds = [round(i * len(groups) / n) for i in range(n + 1)]
+    return [[d for g in groups[a:b] for d in g] for a, b in zip(bounds, bounds[1:], strict=False)]

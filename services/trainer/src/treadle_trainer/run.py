@@ -63,10 +63,11 @@ from treadle_trainer.batches import (
     invalid_reason,
     is_constant,
     pack,
+    split_minibatches,
     staleness,
 )
 from treadle_trainer.data import DatasetError, TaskSource, load_rows
-from treadle_trainer.losses import LossParams
+from treadle_trainer.losses import NEEDS_PROXIMAL, LossParams
 
 log = get_logger(__name__)
 SERVICE = "trainer"
@@ -499,11 +500,25 @@ class RunOwner:
         if not data:
             return {"loss": 0.0, "grad_norm": 0.0}
         t = self.config.trainer
-        mbs = pack(data, t.micro_batch_tokens, t.loss_aggregation, self.backend.pad_id)
-        out = self.backend.forward_backward(mbs, t.loss, self.loss_params)
-        out.update(self.backend.optim_step(self.adam))
+        chunks = split_minibatches(data, t.minibatches)
+        if t.loss in NEEDS_PROXIMAL and len(chunks) > 1:
+            self.backend.snapshot_proximal()  # pi_prox = the weights this batch starts from
+        outs = []
+        for chunk in chunks:
+            mbs = pack(chunk, t.micro_batch_tokens, t.loss_aggregation, self.backend.pad_id)
+            out = self.backend.forward_backward(mbs, t.loss, self.loss_params)
+            out.update(self.backend.optim_step(self.adam))
+            outs.append(out)
+        tokens = sum(o["num_tokens"] for o in outs) or 1.0
+        merged = {  # per-token statistics weighted by tokens; losses and norms averaged
+            k: sum(o[k] * o["num_tokens"] for o in outs) / tokens
+            if k not in ("loss", "grad_norm")
+            else sum(o[k] for o in outs) / len(outs)
+            for k in outs[0]
+        }
+        merged["num_tokens"] = tokens
         fields = set(StepRecord.model_fields)
-        return {k: v for k, v in out.items() if k in fields}
+        return {k: v for k, v in merged.items() if k in fields}
 
     def _observe(self, record: StepRecord, stale: list[int]) -> None:
         run = self.config.run_id

@@ -66,16 +66,21 @@ class FSDPBackend(TorchBackend):
         kwargs: dict[str, Any] = {"mesh": mesh}
         if mp is not None:
             kwargs["mp_policy"] = mp
-        blocks = set(getattr(self.model, "_no_split_modules", None) or [])
-        for module in self.model.modules():
-            if type(module).__name__ in blocks:
-                fully_shard(module, **kwargs)
-        fully_shard(self.model, **kwargs)
+        self._shard_kwargs = kwargs
+        self._shard(self.model)
         if self.reference is not None:
-            for module in self.reference.modules():
-                if type(module).__name__ in blocks:
-                    fully_shard(module, **kwargs)
-            fully_shard(self.reference, **kwargs)
+            self._shard(self.reference)
+
+    def _shard(self, model: torch.nn.Module) -> None:
+        """fully_shard each decoder block, then the root."""
+        blocks = set(getattr(model, "_no_split_modules", None) or [])
+        for module in model.modules():
+            if type(module).__name__ in blocks:
+                fully_shard(module, **self._shard_kwargs)
+        fully_shard(model, **self._shard_kwargs)
+
+    def _wrap_frozen(self, module: torch.nn.Module) -> None:
+        self._shard(module)
 
     def _autocast(self):
         return nullcontext()  # FSDP's MixedPrecisionPolicy casts instead
@@ -130,6 +135,10 @@ class FSDPBackend(TorchBackend):
         self._lead("zero_grad", {})
         super().zero_grad()
 
+    def snapshot_proximal(self) -> None:
+        self._lead("snapshot_proximal", {})
+        super().snapshot_proximal()
+
     def state_dict_cpu(self) -> dict[str, torch.Tensor]:
         self._lead("state_dict", {})
         return super().state_dict_cpu()
@@ -156,6 +165,8 @@ class FSDPBackend(TorchBackend):
             self.optim_step(AdamParams(**header))
         elif op == "zero_grad":
             self.zero_grad()
+        elif op == "snapshot_proximal":
+            self.snapshot_proximal()
         elif op == "state_dict":
             self.state_dict_cpu()
         elif op == "save":

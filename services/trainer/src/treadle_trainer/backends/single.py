@@ -86,6 +86,7 @@ class TorchBackend:
         self.model = self._load_model()
         self.vocab_size = int(self.model.config.vocab_size)
         self.reference = self._load_model().eval().requires_grad_(False) if spec.reference else None
+        self.proximal: torch.nn.Module | None = None  # decoupled PPO with several minibatches
         self._wrap()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.signature = {k: list(v.shape) for k, v in self.model.state_dict().items()}
@@ -97,6 +98,20 @@ class TorchBackend:
 
     def _wrap(self) -> None:
         """Distribute the model (FSDP); nothing to do in one process."""
+
+    def _wrap_frozen(self, module: torch.nn.Module) -> None:
+        """Distribute a frozen copy exactly like the model (FSDP); nothing in one process."""
+
+    def snapshot_proximal(self) -> None:
+        """Freeze the current weights as decoupled PPO's proximal policy for this batch: its
+        minibatch updates then move away from it and the clipped ratio bites."""
+        if self.proximal is None:
+            self.proximal = self._load_model().eval().requires_grad_(False)
+            self._wrap_frozen(self.proximal)
+        with torch.no_grad():
+            pairs = zip(self.proximal.parameters(), self.model.parameters(), strict=True)
+            for frozen, live in pairs:
+                frozen.copy_(live)  # under FSDP: local shards of the same placement
 
     def _autocast(self):
         if self.device.startswith("cuda") and self.spec.bf16:
@@ -130,7 +145,8 @@ class TorchBackend:
             proximal = ref = None
             with torch.no_grad(), self._autocast():
                 if loss in NEEDS_PROXIMAL:
-                    proximal, _ = token_logprobs(self.model, mb, self.device)
+                    pi_prox = self.proximal if self.proximal is not None else self.model
+                    proximal, _ = token_logprobs(pi_prox, mb, self.device)
                 if self.reference is not None and params.kl_coef > 0:
                     ref, _ = token_logprobs(self.reference, mb, self.device)
             with self._autocast():
