@@ -161,7 +161,7 @@ def status(
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
 ) -> None:
     """Health of the stack: every service's /readyz and every infra server."""
-    current = stack.status(get_settings().state_dir.resolve())
+    current = stack.status(get_settings().state_dir.resolve(), detail=True)
     if as_json:
         print(json.dumps(current, indent=2))
     elif not current["running"]:

@@ -73,8 +73,12 @@ class Progress:
         self.stages: dict[str, Stage] = {}
 
     def stage(self, name: str, pending: Callable[[], int] | None = None) -> Stage:
-        self.stages[name] = Stage(self.service, name, pending)
-        return self.stages[name]
+        return self.add(Stage(self.service, name, pending))
+
+    def add(self, stage: Stage) -> Stage:
+        """Watch a stage a component made itself."""
+        self.stages[stage.name] = stage
+        return stage
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
         return {name: s.snapshot(self.stall_after_s) for name, s in self.stages.items()}

@@ -15,22 +15,21 @@ from typing import Any
 
 
 class RunReport:
-    def __init__(self, out_dir: Path):
+    def __init__(self, out_dir: Path, records: list[dict[str, Any]] | None = None):
+        """A new report (an empty `metrics.jsonl`), or one holding `records` already."""
         self.out_dir = out_dir
-        out_dir.mkdir(parents=True, exist_ok=True)
         self.path = out_dir / "metrics.jsonl"
-        self.path.write_text("")
         self.started = time.time()
-        self.records: list[dict[str, Any]] = []
+        self.records = records if records is not None else []
+        if records is None:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            self.path.write_text("")
 
     @classmethod
     def load(cls, out_dir: Path) -> RunReport:
         """A finished run's report, read back from its `metrics.jsonl`."""
-        report = cls.__new__(cls)
-        report.out_dir, report.path = out_dir, out_dir / "metrics.jsonl"
-        report.records = [json.loads(line) for line in report.path.read_text().splitlines()]
-        report.started = 0.0
-        return report
+        lines = (out_dir / "metrics.jsonl").read_text().splitlines()
+        return cls(out_dir, [json.loads(line) for line in lines])
 
     def add(self, kind: str, record: dict[str, Any], at: float | None = None) -> None:
         at = time.time() if at is None else at

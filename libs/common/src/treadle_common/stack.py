@@ -242,8 +242,9 @@ def time_breakdown(spec: StackSpec, infos: dict[str, dict]) -> dict:
     return out
 
 
-def status(state_dir: Path) -> dict:
-    """Machine-readable health of the stack recorded in `state_dir`."""
+def status(state_dir: Path, detail: bool = False) -> dict:
+    """Machine-readable health of the stack recorded in `state_dir`; with `detail`, also where
+    the runs' time goes (reads every run's step records: for `treadle status`, not polling)."""
     record = read_stack(state_dir)
     if record is None:
         return {"running": False, "healthy": False, "infra": {}, "services": {}}
@@ -279,7 +280,7 @@ def status(state_dir: Path) -> dict:
         "infra": infra,
         "services": services,
         "stalled": {n: s["stalled"] for n, s in services.items() if s["stalled"]},
-        "time": time_breakdown(spec, infos),
+        "time": time_breakdown(spec, infos) if detail else {},
     }
 
 

@@ -100,7 +100,7 @@ async def main(settings: Settings) -> None:
     store = WeightStoreClient(settings.weight_store_addr)
     env = EnvClient(settings.env_gateway_addr)
     sync = WeightSync(engine, store)
-    runtime.progress.stages["weights"] = sync.stage
+    runtime.progress.add(sync.stage)
     server = runtime.make_grpc_server()
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(engine), server)
     frontend = openai_api.OpenAIFrontend(
