@@ -166,17 +166,19 @@ class RunOwner:
     async def execute(self) -> RunStatus:
         self.status.state = "running"
         await self.r.hset(names.run_state(self.config.run_id), "state", "running")
+        outcome = "failed"
         try:
             await self._execute()
-            self.status.state = "succeeded"
+            outcome = "succeeded"
         except Exception as exc:
-            self.status.state, self.status.error = "failed", f"{type(exc).__name__}: {exc}"
+            self.status.error = f"{type(exc).__name__}: {exc}"
             log.error("run failed", run=self.config.run_id, error=self.status.error)
         finally:
             run = self.config.run_id
-            await self.r.hset(names.run_state(run), "state", self.status.state)
             await self.r.srem(names.RUNS_KEY, run)
-            await self._final_counts()
+            await self._final_counts()  # before the final state: readers see complete counts
+            self.status.state = outcome
+            await self.r.hset(names.run_state(run), "state", outcome)
             if self.backend is not None:
                 await on_torch_thread(self.backend.close)
         return self.status
