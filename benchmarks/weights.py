@@ -11,6 +11,9 @@ WeightStore gRPC servicer plus a raw `bytes` stream service. In the same run we 
     fetch_ratio         raw download time / fetch time
     delta_bytes_ratio   bytes sent to publish a step that changed `changed` of the tensors / full
     fanout8_fetch_gbps  aggregate rate of 8 replica processes fetching the new version at once
+    raw_disk_write_gbps the same bytes written to one file in the store's directory, like
+                        `dd oflag=direct` (a publish persists every byte it receives, so on a
+                        machine whose disk is slower than its loopback this bounds publish)
 
 Rates are gigabits per second (1e9 bit/s) of tensor bytes; each is the median of `repeats`
 rounds after a warm-up round. Ratios are the median of the per-round ratios (ours and raw
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import mmap
 import os
 import statistics
 import subprocess
@@ -128,8 +132,30 @@ async def delta_bytes(address: str, state: dict, changed: list[str]) -> tuple[in
     return response.bytes_received, response.version
 
 
+def raw_disk_write(directory: str, num_bytes: int) -> float:
+    """Seconds to write `num_bytes` to a new file in 4 MiB O_DIRECT writes (buffered where
+    the filesystem has no O_DIRECT), from one page-aligned buffer."""
+    buf = mmap.mmap(-1, CHUNK)
+    buf.write(os.urandom(CHUNK))
+    path = os.path.join(directory, "raw-disk")
+    start = time.perf_counter()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT)
+    except OSError:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        for _ in range(num_bytes // CHUNK):
+            os.write(fd, buf)
+    finally:
+        os.close(fd)
+        elapsed = time.perf_counter() - start
+        os.unlink(path)
+    return elapsed
+
+
 def fanout(address: str, version: int, size_mb: int, num_tensors: int, replicas: int) -> float:
-    """`replicas` fetcher processes start together; seconds until the last one is done."""
+    """`replicas` fetcher processes start together; seconds until the last one holds the
+    version (process teardown is not counted)."""
     cmd = [
         sys.executable,
         "-m",
@@ -151,10 +177,13 @@ def fanout(address: str, version: int, size_mb: int, num_tensors: int, replicas:
         assert p.stdin is not None
         p.stdin.write("go\n")
         p.stdin.flush()
+    for p in procs:  # each says `done` once its tensors hold the version
+        assert p.stdout is not None and p.stdout.readline().strip() == "done"
+    elapsed = time.perf_counter() - start
     for p in procs:
         p.wait()
         assert p.returncode == 0
-    return time.perf_counter() - start
+    return elapsed
 
 
 def fetcher_main(address: str, version: int, size_mb: int, num_tensors: int) -> None:
@@ -166,6 +195,7 @@ def fetcher_main(address: str, version: int, size_mb: int, num_tensors: int) -> 
     async def go() -> None:
         client = WeightStoreClient(address)
         await fetch_into(client, "bench", version, state, ChunkCache({}))
+        print("done", flush=True)
         await client.close()
 
     asyncio.run(go())
@@ -189,6 +219,7 @@ def run(
             timings = asyncio.run(measure(address, state, repeats))
             sent, version = asyncio.run(delta_bytes(address, state, changed))
             fanout_s = fanout(address, version, size_mb, num_tensors, replicas)
+            disk_s = statistics.median(raw_disk_write(tmp, size) for _ in range(3))
     publish, fetch = gbps(size, timings["publish"]), gbps(size, timings["fetch"])
     raw_up, raw_down = gbps(size, timings["raw_up"]), gbps(size, timings["raw_down"])
     return {
@@ -207,6 +238,7 @@ def run(
         "delta_bytes_ratio": round(sent / size, 4),
         "fanout8_fetch_gbps": round(gbps(size * replicas, fanout_s), 3),
         "fanout_replicas": replicas,
+        "raw_disk_write_gbps": round(gbps(size, disk_s), 3),
     }
 
 

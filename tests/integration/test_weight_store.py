@@ -15,7 +15,14 @@ from treadle_common.clients.torch_weights import (
     fetch_into,
     state_dict_to_raw,
 )
-from treadle_common.clients.weights import WeightStoreClient, build_manifest, chunk_hash, watch
+from treadle_common.clients.weights import (
+    WeightStoreClient,
+    build_manifest,
+    chunk_hash,
+    hash_pieces,
+    layout_manifest,
+    watch,
+)
 from treadle_common.proto.treadle.v1 import weights_pb2 as pb
 
 pytestmark = pytest.mark.integration
@@ -118,8 +125,10 @@ async def test_interrupted_publish_leaves_nothing_visible_and_resumes(service, w
     ws = service("weight-store", **weight_store_env)
     client = WeightStoreClient(ws.grpc_addr)
     big = {"w": torch.randn(3 * MB)}  # 12 MiB -> 3 chunks
-    manifest, chunks = build_manifest("m", state_dict_to_raw(big))
-    first_chunk = manifest.tensors[0].chunks[0].hash
+    pending = layout_manifest("m", state_dict_to_raw(big))
+    hash_pieces(pending.pieces)
+    chunks = pending.chunks()
+    first_chunk = pending.manifest.tensors[0].chunks[0].hash
     gate = asyncio.Event()
 
     async def broken():
@@ -140,7 +149,7 @@ async def test_interrupted_publish_leaves_nothing_visible_and_resumes(service, w
             break
         await asyncio.sleep(0.05)
     assert first_chunk not in missing.missing and len(missing.missing) == 2  # resume sends the rest
-    done = await client.publish_manifest(manifest, chunks)
+    done = await client.publish_pending(pending)
     assert done.version == 1 and done.num_chunks_received == 2
     await client.close()
 

@@ -166,7 +166,7 @@ class WeightStoreServicer(weights_pb2_grpc.WeightStoreServicer):
                     num_bytes += len(chunk.data)
                     continue
                 await writes.finish()
-                manifest = await self.store.commit(item.manifest)
+                manifest = await self.store.commit(item.manifest, stored=received)
                 log.info(
                     "committed",
                     model=manifest.model,

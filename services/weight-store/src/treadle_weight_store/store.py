@@ -20,7 +20,7 @@ import contextlib
 import re
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from typing import Any
 
 from treadle_common.clients.chunk_codec import frame_header, frame_payload
@@ -100,13 +100,16 @@ class WeightStore:
         check_hash(digest)
         if len(data) > MAX_CHUNK_BYTES:
             raise BadRequest(f"chunk {digest} is {len(data)} bytes; the limit is {MAX_CHUNK_BYTES}")
-        if chunk_hash(data) != digest:  # xxh3 hashes 4 MiB in well under a millisecond
-            raise BadRequest(f"chunk {digest} does not match its content hash")
-        if frame is None:
-            await _io(self.backend.put_chunk, digest, (frame_header(digest, len(data)), data))
-            return
-        await _io(self.backend.put_chunk, digest, (frame,))
-        self.cache.put(digest, frame)  # replicas fetch a new version right after it is published
+        parts = (frame_header(digest, len(data)), data) if frame is None else (frame,)
+
+        def verify_and_write() -> None:  # in a worker thread: xxhash releases the GIL
+            if chunk_hash(data) != digest:
+                raise BadRequest(f"chunk {digest} does not match its content hash")
+            self.backend.put_chunk(digest, parts)
+
+        await _io(verify_and_write)
+        if frame is not None:  # replicas fetch a new version right after it is published
+            self.cache.put(digest, frame)
 
     async def get_frame(self, digest: str) -> bytes:
         """The chunk as its encoded FetchResponse (verified), from the cache or the backend."""
@@ -153,8 +156,11 @@ class WeightStore:
         version = await self.resolve(model, version)
         return pb.WeightManifest.FromString(await _io(self.backend.get_manifest, model, version))
 
-    async def commit(self, manifest: pb.WeightManifest) -> pb.WeightManifest:
-        """Make a version visible once every chunk it names is stored and valid."""
+    async def commit(
+        self, manifest: pb.WeightManifest, stored: Collection[str] = ()
+    ) -> pb.WeightManifest:
+        """Make a version visible once every chunk it names is stored and valid. `stored`:
+        chunks this publish stream has just verified and written (not looked up again)."""
         check_model(manifest.model)
         if manifest.version == 0:
             raise BadRequest(
@@ -165,7 +171,7 @@ class WeightStore:
                 raise BadRequest(
                     f"chunk {ref.hash} is {ref.size} bytes; the limit is {MAX_CHUNK_BYTES}"
                 )
-        missing = await self.missing(sorted(manifest_chunks(manifest)))
+        missing = await self.missing(sorted(manifest_chunks(manifest).difference(stored)))
         if missing:
             raise BadRequest(
                 f"manifest names {len(missing)} chunks the store lacks, e.g. {missing[0]}"
