@@ -25,7 +25,7 @@ from treadle_common.proto.treadle.v1 import weights_pb2 as pb
 from treadle_common.proto.treadle.v1 import weights_pb2_grpc
 
 CHUNK_BYTES = 4 * 1024 * 1024
-PUBLISH_BATCH = 8  # chunks per MissingChunks question while publishing
+PUBLISH_BATCH_BYTES = 32 * 1024 * 1024  # chunk bytes per MissingChunks question in a publish
 LATEST = -1
 _RETRYABLE = (
     grpc.StatusCode.UNAVAILABLE,
@@ -184,13 +184,18 @@ class WeightStoreClient:
         raise AssertionError("unreachable")
 
     async def publish_pending(self, pending: PendingPublish) -> pb.PublishResponse:
-        """One publish attempt, pipelined in batches of `PUBLISH_BATCH` chunks: while one
+        """One publish attempt, pipelined in batches of about `PUBLISH_BATCH_BYTES`: while one
         batch streams, the next is hashed (in a thread) and the store is asked which of its
-        chunks it lacks; the manifest goes last. A retry re-asks, so it sends only the rest."""
-        batches = [
-            pending.pieces[i : i + PUBLISH_BATCH]
-            for i in range(0, len(pending.pieces), PUBLISH_BATCH)
-        ]
+        chunks it lacks; the manifest goes last. A retry re-asks, so it sends only the rest.
+        A small model is one batch: one question, as without the pipeline."""
+        batches: list[list[tuple[pb.ChunkRef, memoryview]]] = [[]]
+        batch_bytes = 0
+        for piece in pending.pieces:
+            if batch_bytes >= PUBLISH_BATCH_BYTES:
+                batches.append([])
+                batch_bytes = 0
+            batches[-1].append(piece)
+            batch_bytes += len(piece[1])
 
         async def plan(batch: list[tuple[pb.ChunkRef, memoryview]]) -> list[str]:
             await asyncio.to_thread(hash_pieces, batch)
