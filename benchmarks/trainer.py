@@ -42,7 +42,7 @@ shares this machine's CPU with the trainer)."""
 
 
 def run(
-    steps: int = 10,
+    steps: int = 16,
     groups: int = 16,
     group_size: int = 4,
     prompt_len: int = 32,

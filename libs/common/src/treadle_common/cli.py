@@ -334,7 +334,7 @@ def bench_rollout(
 
 @bench_app.command("trainer")
 def bench_trainer(
-    steps: Annotated[int, typer.Option(help="Training steps (the first 2 warm up)")] = 10,
+    steps: Annotated[int, typer.Option(help="Training steps (the first 2 warm up)")] = 16,
     groups: Annotated[int, typer.Option(help="Groups (tasks) per step")] = 16,
     group_size: Annotated[int, typer.Option(help="Trajectories per group")] = 4,
     completion_len: Annotated[int, typer.Option(help="Generated tokens per trajectory")] = 224,

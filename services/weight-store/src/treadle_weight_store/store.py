@@ -88,9 +88,9 @@ class WeightStore:
     async def missing(self, hashes: list[str]) -> list[str]:
         for digest in hashes:
             check_hash(digest)
-        present = await asyncio.gather(*(_io(self.backend.has_chunk, h) for h in set(hashes)))
-        have = {h for h, ok in zip(set(hashes), present, strict=True) if ok}
-        return [h for h in dict.fromkeys(hashes) if h not in have]
+        unique = list(dict.fromkeys(hashes))
+        present = await _io(self.backend.has_chunks, unique) if unique else []
+        return [h for h, ok in zip(unique, present, strict=True) if not ok]
 
     async def put_chunk(
         self, digest: str, data: bytes | memoryview, frame: bytes | None = None

@@ -28,6 +28,11 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def has_chunk(self, digest: str) -> bool: ...
 
+    def has_chunks(self, digests: Sequence[str]) -> list[bool]:
+        """`has_chunk` of each; one call, so a store asks in one worker-thread hop (a local
+        stat is far cheaper than the hop). Backends with slow lookups parallelize it."""
+        return [self.has_chunk(d) for d in digests]
+
     @abc.abstractmethod
     def put_chunk(self, digest: str, parts: Sequence[bytes | memoryview]) -> None:
         """Store the concatenation of `parts` atomically (all bytes or none); idempotent."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from minio import Minio
 from minio.error import S3Error
@@ -55,6 +56,11 @@ class S3Backend(Backend):
 
     def has_chunk(self, digest: str) -> bool:
         return self._exists(chunk_key(digest))
+
+    def has_chunks(self, digests: Sequence[str]) -> list[bool]:
+        """HEAD requests in parallel (each is a round trip)."""
+        with ThreadPoolExecutor(max_workers=min(16, max(1, len(digests)))) as pool:
+            return list(pool.map(self.has_chunk, digests))
 
     def put_chunk(self, digest: str, parts: Sequence[bytes | memoryview]) -> None:
         self._put(chunk_key(digest), b"".join(parts))  # a single PUT is atomic in S3
