@@ -9,6 +9,7 @@ import pytest
 import torch
 from minio import Minio
 
+from treadle_common.clients import weights as weights_client
 from treadle_common.clients.torch_weights import (
     ChunkCache,
     TorchWeightClient,
@@ -95,6 +96,29 @@ async def test_publish_fetch_delta_and_announce_to_a_late_subscriber(
     assert httpx.get(f"{ws.http}/v1/models/m/versions/7").status_code == 404
     assert "'m' has no version 7" in httpx.get(f"{ws.http}/v1/models/m/versions/7").text
     await torch_client.close()
+    await client.close()
+
+
+async def test_pipelined_publish_over_many_batches(service, weight_store_env, monkeypatch):
+    """One chunk per MissingChunks batch: every batch is hashed ahead and asked about while
+    the previous one streams; a chunk repeated in a later batch travels once; a republish
+    with one tensor changed sends only its chunk."""
+    monkeypatch.setattr(weights_client, "PUBLISH_BATCH_BYTES", 1)
+    ws = service("weight-store", **weight_store_env)
+    client = TorchWeightClient(ws.grpc_addr)
+    same = torch.randn(2 * MB // 4)
+    tensors = {"a": torch.randn(3 * MB), "b": same, "c": same.clone(), "d": torch.randn(10)}
+    first = await client.store.publish("m", state_dict_to_raw(tensors))
+    unique = 12 * MB + 2 * MB + 40  # "c" is "b"'s bytes: not sent again
+    assert first.bytes_received == unique and first.num_chunks_received == 3 + 1 + 1
+    replica = {k: torch.zeros_like(v) for k, v in tensors.items()}
+    await client.fetch("m", first.version, into=replica)
+    assert all(torch.equal(replica[k], tensors[k]) for k in tensors)
+    tensors["d"] += 1
+    second = await client.store.publish("m", state_dict_to_raw(tensors))
+    assert second.bytes_received == 40 and second.num_chunks_received == 1
+    await client.fetch("m", second.version, into=replica)
+    assert torch.equal(replica["d"], tensors["d"])
     await client.close()
 
 

@@ -206,19 +206,19 @@ class WeightStoreClient:
 
         async def requests() -> AsyncIterator[bytes]:
             sent: set[str] = set()
-            planned = [asyncio.ensure_future(plan(batch)) for batch in batches[:1]]
+            next_plan = asyncio.ensure_future(plan(batches[0]))
             try:
                 for i, batch in enumerate(batches):
-                    missing = await planned.pop(0)
-                    planned += [asyncio.ensure_future(plan(b)) for b in batches[i + 1 : i + 2]]
+                    missing = await next_plan
+                    if i + 1 < len(batches):
+                        next_plan = asyncio.ensure_future(plan(batches[i + 1]))
                     data = {ref.hash: piece for ref, piece in batch}
                     for digest in missing:
                         if digest not in sent:  # identical chunks within one version
                             sent.add(digest)
                             yield codec.serialize_publish_request(ChunkView(digest, data[digest]))
             finally:
-                for task in planned:
-                    task.cancel()
+                next_plan.cancel()  # a broken stream: stop hashing ahead
             yield pb.PublishRequest(manifest=pending.manifest).SerializeToString()
 
         return await self.publish_call(requests())

@@ -49,8 +49,8 @@ class DirectWriter:
         return buf
 
     def write(self, fd: int, parts: Sequence[bytes | memoryview]) -> bool:
-        """Write `parts` to the empty file `fd`; False (nothing written) if O_DIRECT is not
-        supported here, so the caller writes them the ordinary way."""
+        """Write `parts` to the empty file `fd`; False (and the file empty again) if O_DIRECT
+        is not supported here, so the caller writes them the ordinary way."""
         total = sum(len(p) for p in parts)
         if not self.supported or total < DIRECT_MIN_BYTES:
             return False
@@ -67,7 +67,9 @@ class DirectWriter:
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
-            self.supported = False  # e.g. tmpfs; the file is still empty
+            self.supported = False  # e.g. tmpfs: start the file over the ordinary way
+            os.ftruncate(fd, 0)
+            os.lseek(fd, 0, os.SEEK_SET)
             return False
         finally:
             fcntl.fcntl(fd, fcntl.F_SETFL, flags)
