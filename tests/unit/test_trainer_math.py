@@ -215,3 +215,51 @@ def test_minibatches_keep_groups_whole_and_balanced():
     assert [len(c) for c in split_minibatches(data, 3)] == [3, 5, 2]  # whole groups only
     assert len(split_minibatches(data, 10)) == 4  # at most one minibatch per group
     assert split_minibatches(data, 1) == [data]
+
+
+def test_every_decoupled_ppo_batch_snapshots_its_proximal_policy():
+    """With minibatches > 1, each batch freezes the weights it starts from, including a batch
+    with a single group (one minibatch): it must not reuse an earlier batch's snapshot."""
+    from types import SimpleNamespace
+
+    from treadle_trainer.batches import Datum
+    from treadle_trainer.run import RunOwner
+
+    calls: list[str] = []
+
+    class ScriptedBackend:
+        pad_id = 0
+
+        def snapshot_proximal(self):
+            calls.append("snapshot")
+
+        def forward_backward(self, mbs, loss, params):
+            calls.append("forward_backward")
+            return {"loss": 1.0, "num_tokens": 1.0}
+
+        def optim_step(self, adam):
+            calls.append("optim_step")
+            return {"grad_norm": 0.0}
+
+    def owner(loss: str, minibatches: int):
+        trainer = SimpleNamespace(
+            minibatches=minibatches, loss=loss, micro_batch_tokens=64, loss_aggregation="token"
+        )
+        return SimpleNamespace(
+            backend=ScriptedBackend(),
+            config=SimpleNamespace(trainer=trainer),
+            loss_params=None,
+            adam=None,
+        )
+
+    def batch(groups: str) -> list[Datum]:
+        return [Datum([1, 2], [2, 3], [1.0, 1.0], [0.5, 0.5], [0.0, 0.0], group=g) for g in groups]
+
+    RunOwner._train(owner("decoupled_ppo", 2), batch("ab"))
+    assert calls == ["snapshot", *["forward_backward", "optim_step"] * 2]
+    calls.clear()
+    RunOwner._train(owner("decoupled_ppo", 2), batch("a"))  # one group: one minibatch
+    assert calls == ["snapshot", "forward_backward", "optim_step"]
+    calls.clear()
+    RunOwner._train(owner("ppo", 2), batch("ab"))  # ppo's ratio is to the behaviour policy
+    assert "snapshot" not in calls

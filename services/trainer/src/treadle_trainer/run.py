@@ -503,8 +503,10 @@ class RunOwner:
             return {"loss": 0.0, "grad_norm": 0.0}
         t = self.config.trainer
         chunks = split_minibatches(data, t.minibatches)
-        if t.loss in NEEDS_PROXIMAL and len(chunks) > 1:
-            self.backend.snapshot_proximal()  # pi_prox = the weights this batch starts from
+        if t.loss in NEEDS_PROXIMAL and t.minibatches > 1:
+            # pi_prox = the weights this batch starts from; every batch, even one that makes a
+            # single minibatch, or it would meet the snapshot of an earlier batch
+            self.backend.snapshot_proximal()
         outs = []
         for chunk in chunks:
             mbs = pack(chunk, t.micro_batch_tokens, t.loss_aggregation, self.backend.pad_id)
