@@ -154,7 +154,8 @@ class RunClient:
                 every = cfg.eval.every
                 if held_out and every and run["state"] not in FINAL and run["steps"]:
                     step = run["steps"][-1]
-                    if step["step"] % every == 0 and step["step"] != evaluated:
+                    last_step = step["step"] >= cfg.trainer.num_steps  # the end eval covers it
+                    if step["step"] % every == 0 and step["step"] != evaluated and not last_step:
                         evaluated = step["step"]
                         self._evaluate(
                             urls["rollout"], held_out, f"step {evaluated}", step["version"], report
