@@ -118,3 +118,51 @@ async def test_abort_policy_regenerates_the_turn(tiny_model):
     assert set(gen.versions) == {5} and len(gen.tokens) == 40
     assert engine.restarted_turns == 1
     await engine.close()
+
+
+async def test_next_turn_reuses_the_cached_prefix_with_exact_logprobs(engine):
+    tok = engine.tokenizer
+    prompt = tok("I am thinking of a number from 1 to 100. Guess it; answer with one number.")[
+        "input_ids"
+    ]
+    first = await engine.generate(prompt, Sampling(1.0, 1.0, 8, seed=1))
+    reply = tok(" Lower. Guess again.", add_special_tokens=False)["input_ids"]
+    second_prompt = prompt + first.tokens + reply
+    hits_before = engine.prefixes.hit_tokens
+    second = await engine.generate(second_prompt, Sampling(1.0, 1.0, 8, seed=2))
+    # everything the first turn fed to the model is reused: its prompt and all generated
+    # tokens but the last one (sampled, never fed)
+    assert engine.prefixes.hit_tokens - hits_before == len(prompt) + len(first.tokens) - 1
+    reference = teacher_forced_logprobs(engine.model, second_prompt, second.tokens)
+    assert second.logprobs == pytest.approx(reference, abs=1e-4)
+    assert len(engine.prefixes) == 1  # the second turn's entry replaced the first's
+
+
+async def test_siblings_and_batch_mates_share_a_prompt_prefix(engine):
+    tok = engine.tokenizer
+    shared = tok("Solve: 12 + 30 = ? Think, then answer with one number only please.")["input_ids"]
+    await engine.generate(shared, Sampling(1.0, 1.0, 4, seed=0))
+    prompts = [shared + tok(f" try {i}", add_special_tokens=False)["input_ids"] for i in range(3)]
+    prompts.append(tok("a prompt that shares nothing with the others")["input_ids"])
+    hits_before = engine.prefixes.hit_tokens
+    gens = await asyncio.gather(
+        *(engine.generate(p, Sampling(0.8, 1.0, 6, seed=i)) for i, p in enumerate(prompts))
+    )
+    assert engine.prefixes.hit_tokens - hits_before == 3 * len(shared)
+    for prompt, gen in zip(prompts, gens, strict=True):  # reused and fresh rows in one prefill
+        reference = teacher_forced_logprobs(engine.model, prompt, gen.tokens, temperature=0.8)
+        assert gen.logprobs == pytest.approx(reference, abs=1e-4)
+
+
+async def test_abort_policy_clears_the_prefix_cache_at_a_swap(tiny_model):
+    engine = HFEngine(tiny_model, "tiny", swap_policy="abort")
+    prompt = engine.tokenizer("the prefix cache forgets KV of older weights")["input_ids"]
+    await engine.generate(prompt, Sampling(1.0, 1.0, 4, seed=0))
+    assert len(engine.prefixes) == 1
+    fetched, new_model = new_weights(engine, version=2)
+    await engine.swap(fetched)
+    assert len(engine.prefixes) == 0
+    gen = await engine.generate(prompt, Sampling(1.0, 1.0, 4, seed=0))
+    reference = teacher_forced_logprobs(new_model, prompt, gen.tokens)
+    assert gen.logprobs == pytest.approx(reference, abs=1e-4)
+    await engine.close()

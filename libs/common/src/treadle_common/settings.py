@@ -99,6 +99,9 @@ class Settings(BaseSettings):
         "and regenerate the turn",
     )
     rollout_max_batch: int = Field(64, ge=1, description="rollout hf: sequences per decode step")
+    rollout_prefix_cache_mb: int = Field(
+        256, ge=0, description="rollout hf: KV of finished turns kept for reuse by prefix (0: off)"
+    )
     rollout_max_context: int | None = Field(
         None, ge=16, description="rollout: context length (default: the model's)"
     )

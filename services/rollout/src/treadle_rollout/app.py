@@ -87,6 +87,7 @@ async def build_engine(settings: Settings, model_dir: Path, model_name: str) -> 
         swap_policy=settings.rollout_swap_policy,
         max_batch=settings.rollout_max_batch,
         max_context=settings.rollout_max_context,
+        prefix_cache_mb=settings.rollout_prefix_cache_mb,
     )
 
 
@@ -137,6 +138,7 @@ async def main(settings: Settings) -> None:
             "engine_requests": engine.running,
             "engine_busy_fraction": round(engine.busy_fraction(), 4),
             "engine_busy_s": round(engine.busy_seconds(), 3),
+            **engine.stats(),
             "tasks_done": worker.tasks_done if worker else 0,
             "tasks_invalid": worker.invalid_tasks if worker else 0,
             "admission_waits": worker.admission_waits if worker else 0,

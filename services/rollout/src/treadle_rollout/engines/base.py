@@ -107,6 +107,10 @@ class Engine(abc.ABC):
         """Fraction of wall time the engine was working (here: had a request in flight)."""
         return self.meter.fraction()
 
+    def stats(self) -> dict[str, float | int]:
+        """Engine-specific counters for `/v1/info` (e.g. prefix-cache use)."""
+        return {}
+
     def busy_seconds(self) -> float:
         """Seconds the engine was working since it started."""
         return self.meter.fraction() * (time.perf_counter() - self.meter.started_at)

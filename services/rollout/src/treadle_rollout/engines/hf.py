@@ -6,11 +6,17 @@ One scheduler task owns the model. Each iteration (a *step*):
    running sequences and their KV cache (later tokens carry the new version); `abort`
    restarts their current turn from its prompt under the new weights;
 2. prefills the requests that arrived since the last step (left-padded, one forward) and
-   merges their KV cache into the running batch, so new requests join between decode steps;
+   merges their KV cache into the running batch, so new requests join between decode steps.
+   A request whose prompt starts with a finished sequence's tokens (the next turn of an
+   episode, a sibling of its group) reuses that sequence's KV from the prefix cache and
+   prefills only the rest (`prefix_cache.py`);
 3. runs one batched decode step for every running sequence, sampling per sequence
    (temperature, top-p, seed) and recording each token's logprob and policy version.
 
-Finished sequences leave the batch after every step. Forward passes run in a worker thread,
+Finished sequences leave the batch after every step; their KV goes to the prefix cache. Under
+swap policy `continue` cached KV outlives a swap, exactly as the running sequences' KV does
+(the recorded logprobs are still those of the distribution each token was sampled from);
+under `abort` a swap clears it. Forward passes run in a worker thread,
 so the event loop keeps serving while the engine computes.
 
 Logprobs are those of the distribution the token was sampled from: `log_softmax(logits / T)`
@@ -32,6 +38,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from treadle_common.clients.torch_weights import ChunkCache, apply_fetch
 from treadle_common.clients.weights import FetchResult, WeightStoreClient
 from treadle_rollout import metrics
+from treadle_rollout.engines import prefix_cache
 from treadle_rollout.engines.base import (
     ContextOverflow,
     Engine,
@@ -55,6 +62,7 @@ class _Seq:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish: str | None = None
+    hit: prefix_cache.Hit | None = None
 
     def restart(self) -> None:
         self.tokens, self.logprobs, self.versions = [], [], []
@@ -79,6 +87,18 @@ def _left_pad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
     shape = list(t.shape)
     shape[dim] = missing
     return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+def _right_align(cache: DynamicCache, mask_B_T: torch.Tensor) -> torch.Tensor:
+    """Move every row's cached columns to the right end, in order, dropping the padding
+    between a reused prefix and the prefilled rest; return the new mask."""
+    length = int(mask_B_T.sum(1).max())
+    # a stable sort puts each row's padding columns first and keeps its tokens in order
+    index_B_T = torch.sort(mask_B_T, dim=1, stable=True).indices[:, -length:]
+    for layer in cache.layers:
+        index = index_B_T[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+        layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
+    return mask_B_T.gather(1, index_B_T)
 
 
 def _merge(batch: _Batch, seqs: list[_Seq], cache: DynamicCache, mask_B_T: torch.Tensor) -> None:
@@ -128,6 +148,7 @@ class HFEngine(Engine):
         swap_policy: SwapPolicy = "continue",
         max_batch: int = 64,
         max_context: int | None = None,
+        prefix_cache_mb: int = 256,
     ):
         self.model_name = model_name
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -147,6 +168,7 @@ class HFEngine(Engine):
         self.max_batch = max_batch
         self.version = 0
         self.cache = ChunkCache.from_state_dict(self.model.state_dict())
+        self.prefixes = prefix_cache.PrefixCache(prefix_cache_mb << 20)
         self._batch = _Batch()
         self._waiting: list[_Seq] = []
         self._finished: list[_Seq] = []
@@ -201,6 +223,14 @@ class HFEngine(Engine):
     def busy_seconds(self) -> float:
         return self.busy_s
 
+    def stats(self) -> dict[str, float | int]:
+        p = self.prefixes
+        return {
+            "prefix_cache_entries": len(p),
+            "prefix_cache_mb": round(p.bytes / 2**20, 1),
+            "prefix_cache_hit_fraction": round(p.hit_tokens / max(1, p.lookup_tokens), 4),
+        }
+
     async def close(self) -> None:
         if self._scheduler is not None:
             self._scheduler.cancel()
@@ -248,6 +278,8 @@ class HFEngine(Engine):
                 future.set_exception(exc)
                 continue
             self.version = fetched.manifest.version
+            if self.swap_policy == "abort":
+                self.prefixes.clear()
             if self.swap_policy == "abort" and self._batch.seqs:
                 for seq in self._batch.seqs:
                     seq.restart()
@@ -278,35 +310,82 @@ class HFEngine(Engine):
             self._retire()
 
     def _retire(self) -> None:
-        """Move finished (and cancelled) rows out of the batch."""
+        """Move finished (and cancelled) rows out of the batch; cache the KV of finished ones."""
         rows = []
         for i, seq in enumerate(self._batch.seqs):
             if seq.finish is not None:
                 self._finished.append(seq)
+                self._remember(i, seq)
             elif not seq.future.cancelled():
                 rows.append(i)
         if len(rows) < len(self._batch.seqs):
             _keep(self._batch, rows)
 
+    def _remember(self, row: int, seq: _Seq) -> None:
+        """Put the KV of a finished row in the prefix cache: it covers the prompt and every
+        generated token but the last (which was sampled, never fed)."""
+        if self.prefixes.max_bytes <= 0:
+            return
+        batch = self._batch
+        assert batch.cache is not None
+        used_T = batch.mask_B_T[row].bool()
+        entry = prefix_cache.Entry(
+            seq.prompt + seq.tokens[:-1],
+            [layer.keys[row][:, used_T] for layer in batch.cache.layers],
+            [layer.values[row][:, used_T] for layer in batch.cache.layers],
+        )
+        assert entry.keys[0].shape[1] == len(entry.tokens)
+        self.prefixes.insert(entry, extends=seq.hit.entry if seq.hit else None)
+
     def _prefill(self, seqs: list[_Seq]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
-        length = max(len(s.prompt) for s in seqs)
+        """One forward over what each prompt does not find in the prefix cache."""
+        for seq in seqs:
+            seq.hit = self.prefixes.match(seq.prompt)
+        reused = [s.hit.length if s.hit else 0 for s in seqs]
+        past = max(reused)
+        length = max(len(s.prompt) - r for s, r in zip(seqs, reused, strict=True))
         ids_B_T = torch.full((len(seqs), length), self.pad_id, dtype=torch.long)
-        mask_B_T = torch.zeros((len(seqs), length), dtype=torch.long)
-        for i, seq in enumerate(seqs):
-            ids_B_T[i, length - len(seq.prompt) :] = torch.tensor(seq.prompt)
-            mask_B_T[i, length - len(seq.prompt) :] = 1
-        ids_B_T, mask_B_T = ids_B_T.to(self.device), mask_B_T.to(self.device)
-        positions_B_T = (mask_B_T.cumsum(1) - 1).clamp(min=0)
+        mask_B_T = torch.zeros((len(seqs), past + length), dtype=torch.long)
+        positions_B_T = torch.zeros((len(seqs), length), dtype=torch.long)
         cache = DynamicCache(config=self.model.config)
+        for i, (seq, r) in enumerate(zip(seqs, reused, strict=True)):
+            rest = seq.prompt[r:]
+            ids_B_T[i, length - len(rest) :] = torch.tensor(rest)
+            positions_B_T[i, length - len(rest) :] = torch.arange(r, len(seq.prompt))
+            mask_B_T[i, past - r : past] = 1
+            mask_B_T[i, past + length - len(rest) :] = 1
+        if past:
+            self._load_prefixes(cache, seqs, reused, past)
+        metrics.PREFILL_TOKENS.inc(sum(len(s.prompt) for s in seqs) - sum(reused))
+        metrics.PREFIX_CACHE_HIT_TOKENS.inc(sum(reused))
+        ids_B_T, mask_B_T = ids_B_T.to(self.device), mask_B_T.to(self.device)
         out = self.model(
             input_ids=ids_B_T,
             attention_mask=mask_B_T,
-            position_ids=positions_B_T,
+            position_ids=positions_B_T.to(self.device),
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
         )
-        return out.past_key_values, mask_B_T, out.logits[:, -1, :]
+        cache = out.past_key_values
+        if past:
+            mask_B_T = _right_align(cache, mask_B_T)
+        return cache, mask_B_T, out.logits[:, -1, :]
+
+    def _load_prefixes(
+        self, cache: DynamicCache, seqs: list[_Seq], reused: list[int], past: int
+    ) -> None:
+        """Fill `cache` with each row's reused prefix, right-aligned to `past` columns."""
+        first = next(s.hit.entry for s in seqs if s.hit)
+        for layer_idx, like in enumerate(first.keys):
+            heads, _, dim = like.shape
+            keys = like.new_zeros((len(seqs), heads, past, dim), device=self.device)
+            values = torch.zeros_like(keys)
+            for i, (seq, r) in enumerate(zip(seqs, reused, strict=True)):
+                if seq.hit:
+                    keys[i, :, past - r :] = seq.hit.entry.keys[layer_idx][:, :r]
+                    values[i, :, past - r :] = seq.hit.entry.values[layer_idx][:, :r]
+            cache.update(keys, values, layer_idx)
 
     def _decode(self) -> torch.Tensor:
         batch = self._batch
