@@ -166,3 +166,23 @@ async def test_abort_policy_clears_the_prefix_cache_at_a_swap(tiny_model):
     reference = teacher_forced_logprobs(new_model, prompt, gen.tokens)
     assert gen.logprobs == pytest.approx(reference, abs=1e-4)
     await engine.close()
+
+
+def test_sampling_follows_the_tempered_nucleus_and_reports_its_logprobs():
+    from treadle_rollout.engines.hf import sample
+
+    torch.manual_seed(0)
+    logits_V = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    n = 4000
+    params = [Sampling(1.0, 0.7, 1)] * n + [Sampling(1.0, 1.0, 1)] * n + [Sampling(0.0, 1.0, 1)]
+    tokens, logprobs = sample(logits_V.expand(len(params), -1), params)
+    nucleus, full, greedy = tokens[:n], tokens[n : 2 * n], tokens[-1]
+    # top_p 0.7: tokens 0 and 1 (0.5 + 0.3 reach it), renormalized to 0.625 / 0.375
+    assert set(nucleus) == {0, 1}
+    assert nucleus.count(0) / n == pytest.approx(0.625, abs=0.03)
+    expected = {0: torch.tensor(0.625).log().item(), 1: torch.tensor(0.375).log().item()}
+    assert [round(x, 4) for x in logprobs[:n]] == [round(expected[t], 4) for t in nucleus]
+    for token, share in enumerate([0.5, 0.3, 0.15, 0.05]):
+        assert full.count(token) / n == pytest.approx(share, abs=0.03)
+    assert logprobs[n] == pytest.approx(logits_V.log_softmax(-1)[full[0]].item(), abs=1e-6)
+    assert greedy == 0 and logprobs[-1] == pytest.approx(torch.tensor(0.5).log().item())

@@ -46,6 +46,7 @@ from treadle_rollout.engines.base import (
     Sampling,
     SwapStats,
 )
+from treadle_rollout.engines.kv_slab import KVSlab
 
 SwapPolicy = Literal["continue", "abort"]
 
@@ -69,24 +70,32 @@ class _Seq:
 
 
 class _Batch:
-    """The running sequences; row i of the cache and of the mask belongs to `seqs[i]`."""
+    """The running sequences; row i of the KV slab belongs to `seqs[i]`."""
 
-    def __init__(self) -> None:
+    def __init__(self, slab: KVSlab) -> None:
         self.seqs: list[_Seq] = []
-        self.cache: DynamicCache | None = None
-        self.mask_B_T = torch.zeros(0, 0, dtype=torch.long)
+        self.slab = slab
+
+    def add(self, seqs: list[_Seq], cache: DynamicCache, mask_B_T: torch.Tensor) -> None:
+        """Append prefilled sequences (their cache right-aligned, as `mask_B_T` says)."""
+        self.slab.add(
+            [layer.keys for layer in cache.layers],
+            [layer.values for layer in cache.layers],
+            mask_B_T,
+        )
+        self.seqs += seqs
+
+    def drop(self, rows: list[int]) -> None:
+        """Remove `rows`; the last rows move into the gaps, as in the slab."""
+        self.slab.remove(rows)
+        for row in sorted(rows, reverse=True):
+            last = self.seqs.pop()
+            if row < len(self.seqs):
+                self.seqs[row] = last
 
     def clear(self) -> None:
-        self.__init__()  # type: ignore[misc]
-
-
-def _left_pad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
-    missing = length - t.shape[dim]
-    if missing == 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = missing
-    return torch.cat([t.new_zeros(shape), t], dim=dim)
+        self.seqs = []
+        self.slab.clear()
 
 
 def _right_align(cache: DynamicCache, mask_B_T: torch.Tensor) -> torch.Tensor:
@@ -99,41 +108,6 @@ def _right_align(cache: DynamicCache, mask_B_T: torch.Tensor) -> torch.Tensor:
         index = index_B_T[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
         layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
     return mask_B_T.gather(1, index_B_T)
-
-
-def _merge(batch: _Batch, seqs: list[_Seq], cache: DynamicCache, mask_B_T: torch.Tensor) -> None:
-    """Append prefilled sequences to the batch, left-padding the shorter KV cache."""
-    if batch.cache is None or not batch.seqs:
-        batch.seqs, batch.cache, batch.mask_B_T = list(seqs), cache, mask_B_T
-        return
-    length = max(batch.mask_B_T.shape[1], mask_B_T.shape[1])
-    for old, new in zip(batch.cache.layers, cache.layers, strict=True):
-        old.keys = torch.cat([_left_pad(old.keys, length, 2), _left_pad(new.keys, length, 2)])
-        old.values = torch.cat([_left_pad(old.values, length, 2), _left_pad(new.values, length, 2)])
-    batch.mask_B_T = torch.cat(
-        [_left_pad(batch.mask_B_T, length, 1), _left_pad(mask_B_T, length, 1)]
-    )
-    batch.seqs += seqs
-
-
-def _keep(batch: _Batch, rows: list[int]) -> None:
-    """Keep only `rows` of the batch, then drop leading columns that are padding in every row."""
-    if not rows:
-        batch.clear()
-        return
-    assert batch.cache is not None
-    if len(rows) < len(batch.seqs):
-        index = torch.tensor(rows, device=batch.mask_B_T.device)
-        for layer in batch.cache.layers:
-            layer.keys, layer.values = layer.keys[index], layer.values[index]
-        batch.mask_B_T = batch.mask_B_T[index]
-        batch.seqs = [batch.seqs[i] for i in rows]
-    used = batch.mask_B_T.any(dim=0).nonzero()
-    start = int(used[0]) if len(used) else 0
-    if start > 0:
-        for layer in batch.cache.layers:
-            layer.keys, layer.values = layer.keys[:, :, start:], layer.values[:, :, start:]
-        batch.mask_B_T = batch.mask_B_T[:, start:]
 
 
 class HFEngine(Engine):
@@ -169,7 +143,18 @@ class HFEngine(Engine):
         self.version = 0
         self.cache = ChunkCache.from_state_dict(self.model.state_dict())
         self.prefixes = prefix_cache.PrefixCache(prefix_cache_mb << 20)
-        self._batch = _Batch()
+        config = self.model.config
+        heads = config.num_attention_heads
+        self._batch = _Batch(
+            KVSlab(
+                config.num_hidden_layers,
+                getattr(config, "num_key_value_heads", None) or heads,
+                getattr(config, "head_dim", None) or config.hidden_size // heads,
+                self.model.dtype,
+                self.device,
+                max_batch,
+            )
+        )
         self._waiting: list[_Seq] = []
         self._finished: list[_Seq] = []
         self._swaps: list[tuple[FetchResult, asyncio.Future[float]]] = []
@@ -303,7 +288,7 @@ class HFEngine(Engine):
         if joiners:
             cache, mask_B_T, logits_B_V = self._prefill(joiners)
             self._append(joiners, logits_B_V)
-            _merge(self._batch, joiners, cache, mask_B_T)
+            self._batch.add(joiners, cache, mask_B_T)
             self._retire()
         if self._batch.seqs:
             self._append(self._batch.seqs, self._decode())
@@ -311,29 +296,23 @@ class HFEngine(Engine):
 
     def _retire(self) -> None:
         """Move finished (and cancelled) rows out of the batch; cache the KV of finished ones."""
-        rows = []
+        gone = []
         for i, seq in enumerate(self._batch.seqs):
             if seq.finish is not None:
                 self._finished.append(seq)
                 self._remember(i, seq)
-            elif not seq.future.cancelled():
-                rows.append(i)
-        if len(rows) < len(self._batch.seqs):
-            _keep(self._batch, rows)
+                gone.append(i)
+            elif seq.future.cancelled():
+                gone.append(i)
+        if gone:
+            self._batch.drop(gone)
 
     def _remember(self, row: int, seq: _Seq) -> None:
         """Put the KV of a finished row in the prefix cache: it covers the prompt and every
         generated token but the last (which was sampled, never fed)."""
         if self.prefixes.max_bytes <= 0:
             return
-        batch = self._batch
-        assert batch.cache is not None
-        used_T = batch.mask_B_T[row].bool()
-        entry = prefix_cache.Entry(
-            seq.prompt + seq.tokens[:-1],
-            [layer.keys[row][:, used_T] for layer in batch.cache.layers],
-            [layer.values[row][:, used_T] for layer in batch.cache.layers],
-        )
+        entry = prefix_cache.Entry(seq.prompt + seq.tokens[:-1], *self._batch.slab.row_kv(row))
         assert entry.keys[0].shape[1] == len(entry.tokens)
         self.prefixes.insert(entry, extends=seq.hit.entry if seq.hit else None)
 
@@ -388,18 +367,17 @@ class HFEngine(Engine):
             cache.update(keys, values, layer_idx)
 
     def _decode(self) -> torch.Tensor:
-        batch = self._batch
-        last_B_1 = torch.tensor([[s.tokens[-1]] for s in batch.seqs], device=self.device)
-        positions_B_1 = batch.mask_B_T.sum(1, keepdim=True)
-        batch.mask_B_T = torch.cat([batch.mask_B_T, torch.ones_like(last_B_1)], dim=1)
+        slab = self._batch.slab
+        last_B_1 = torch.tensor([[s.tokens[-1]] for s in self._batch.seqs], device=self.device)
+        cache, mask_B_T, positions_B_1 = slab.begin_step()
         out = self.model(
             input_ids=last_B_1,
-            attention_mask=batch.mask_B_T,
+            attention_mask=mask_B_T,
             position_ids=positions_B_1,
-            past_key_values=batch.cache,
+            past_key_values=cache,
             use_cache=True,
         )
-        batch.cache = out.past_key_values
+        slab.end_step()
         return out.logits[:, -1, :]
 
     def _append(self, seqs: list[_Seq], logits_B_V: torch.Tensor) -> None:
@@ -421,28 +399,35 @@ def sample(
     logits_B_V: torch.Tensor, params: list[Sampling], seqs: list[_Seq] | None = None
 ) -> tuple[list[int], list[float]]:
     """Sample one token per row; return the tokens and their logprobs under the distribution
-    each was sampled from (tempered, top-p truncated and renormalized)."""
-    temps_B = torch.tensor(
-        [p.temperature if p.temperature > 0 else 1.0 for p in params], device=logits_B_V.device
-    )
-    logprobs_B_V = torch.log_softmax(logits_B_V / temps_B[:, None], dim=-1)
-    tokens, chosen = [], []
-    for i, p in enumerate(params):
-        if p.temperature <= 0:
-            token = int(logprobs_B_V[i].argmax())
-            tokens.append(token)
-            chosen.append(float(logprobs_B_V[i, token]))
-            continue
-        probs_V = logprobs_B_V[i].exp()
-        if p.top_p < 1.0:
-            sorted_V, order_V = probs_V.sort(descending=True)
-            outside_V = sorted_V.cumsum(0) - sorted_V >= p.top_p
-            probs_V = probs_V.scatter(0, order_V[outside_V], 0.0)
-            probs_V = probs_V / probs_V.sum()
+    each was sampled from (tempered, top-p truncated and renormalized).
+
+    All rows at once: one uniform draw per row (from the row's own generator when it has a
+    seed, so a seeded request samples the same tokens in any batch) picks the token by
+    inverse CDF over the row's (nucleus-truncated) distribution."""
+    device = logits_B_V.device
+    greedy_B = torch.tensor([p.temperature <= 0 for p in params], device=device)
+    temps_B = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
+    logprobs_B_V = torch.log_softmax(logits_B_V / temps_B.to(device)[:, None], dim=-1)
+    probs_B_V = logprobs_B_V.exp()
+    top_p_B = torch.tensor([p.top_p if p.top_p < 1.0 else 2.0 for p in params], device=device)
+    truncated = bool((top_p_B < 1.0).any())
+    if truncated:  # keep the smallest set of most likely tokens whose mass reaches top_p
+        sorted_B_V, order_B_V = probs_B_V.sort(dim=-1, descending=True)
+        outside_B_V = sorted_B_V.cumsum(-1) - sorted_B_V >= top_p_B[:, None]
+        probs_B_V = probs_B_V.scatter(-1, order_B_V, sorted_B_V.masked_fill(outside_B_V, 0.0))
+        probs_B_V = probs_B_V / probs_B_V.sum(-1, keepdim=True)
+    u_B = torch.rand(len(params), device=device)
+    for i in range(len(params)):
         generator = seqs[i].generator if seqs is not None else None
-        token = int(torch.multinomial(probs_V, 1, generator=generator))
-        tokens.append(token)
-        chosen.append(
-            float(probs_V[token].log()) if p.top_p < 1.0 else float(logprobs_B_V[i, token])
-        )
-    return tokens, chosen
+        if generator is not None:
+            u_B[i] = torch.rand(1, generator=generator, device=device)
+    cdf_B_V = probs_B_V.cumsum(-1)
+    drawn_B = torch.searchsorted(cdf_B_V, (u_B * cdf_B_V[:, -1])[:, None], right=True)[:, 0]
+    tokens_B = torch.where(
+        greedy_B, logprobs_B_V.argmax(-1), drawn_B.clamp(max=cdf_B_V.shape[1] - 1)
+    )
+    chosen_B = logprobs_B_V.gather(1, tokens_B[:, None])[:, 0]
+    if truncated:
+        nucleus_B = probs_B_V.gather(1, tokens_B[:, None])[:, 0].log()
+        chosen_B = torch.where((top_p_B < 1.0) & ~greedy_B, nucleus_B, chosen_B)
+    return tokens_B.tolist(), chosen_B.tolist()
