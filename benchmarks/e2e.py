@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 from rich.console import Console
 
 from treadle_common import stack
@@ -99,9 +98,9 @@ def both_modes(
         rollout_info = f"{spec.http_url('rollout')}/v1/info"
         for mode, cfg in configs.items():
             started = time.perf_counter()
-            busy_before = httpx.get(rollout_info, timeout=10).json()["engine_busy_s"]
+            busy_before = stack.http().get(rollout_info, timeout=10).json()["engine_busy_s"]
             code = RunClient(cfg, settings, console).execute(health_timeout_s=180)
-            busy = httpx.get(rollout_info, timeout=10).json()["engine_busy_s"] - busy_before
+            busy = stack.http().get(rollout_info, timeout=10).json()["engine_busy_s"] - busy_before
             if code != 0:
                 raise RuntimeError(f"{mode} run failed; outputs in {tmp / 'runs'}")
             report = RunReport.load(cfg.output_dir / cfg.run_id)

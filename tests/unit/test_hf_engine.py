@@ -186,3 +186,18 @@ def test_sampling_follows_the_tempered_nucleus_and_reports_its_logprobs():
         assert full.count(token) / n == pytest.approx(share, abs=0.03)
     assert logprobs[n] == pytest.approx(logits_V.log_softmax(-1)[full[0]].item(), abs=1e-6)
     assert greedy == 0 and logprobs[-1] == pytest.approx(torch.tensor(0.5).log().item())
+
+
+async def test_a_full_batch_admits_the_oldest_requests_first(tiny_model):
+    engine = HFEngine(tiny_model, "tiny", max_batch=2)
+    prompt = engine.tokenizer("who goes first")["input_ids"]
+    order: list[float] = []
+
+    async def one(priority: float):
+        await engine.generate(prompt, Sampling(1.0, 1.0, 3, seed=1, priority=priority))
+        order.append(priority)
+
+    # all six wait before the first step: the two oldest run, then the next two
+    await asyncio.gather(*(one(p) for p in (5.0, 3.0, 6.0, 1.0, 4.0, 2.0)))
+    assert order[:2] == [1.0, 2.0] and sorted(order[2:4]) == [3.0, 4.0]
+    await engine.close()

@@ -20,7 +20,6 @@ import json
 import time
 from pathlib import Path
 
-import httpx
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
@@ -122,7 +121,7 @@ class RunClient:
     def _follow(self) -> int:
         cfg = self.config
         urls = self._urls()
-        info = httpx.get(f"{urls['rollout']}/v1/info", timeout=5).json()
+        info = stack.http().get(f"{urls['rollout']}/v1/info", timeout=5).json()
         if info["model"] != cfg.model.name or Path(info["model_dir"]) != cfg.model.path:
             self.console.print(
                 f"[red]rollout serves {info['model']} from {info['model_dir']}[/red]; "
@@ -134,7 +133,7 @@ class RunClient:
         dump_resolved(cfg, out_dir / "config.yaml")
         held_out = asyncio.run(self._prepare(urls, report))
         dump_resolved(cfg, out_dir / "config.yaml")  # with the warm-up's init_version
-        response = httpx.post(
+        response = stack.http().post(
             f"{urls['trainer']}/v1/runs", json=cfg.model_dump(mode="json"), timeout=30
         )
         if response.status_code != 202:
@@ -147,7 +146,7 @@ class RunClient:
         with Live(self._table(run, report), console=self.console, refresh_per_second=2) as live:
             while run["state"] not in FINAL:
                 time.sleep(0.5)
-                run = httpx.get(f"{urls['trainer']}/v1/runs/{cfg.run_id}", timeout=10).json()
+                run = stack.http().get(f"{urls['trainer']}/v1/runs/{cfg.run_id}", timeout=10).json()
                 for record in run["steps"][reported:]:
                     report.add("step", record, at=record["finished_at"] or None)
                 reported = len(run["steps"])
@@ -225,7 +224,7 @@ class RunClient:
     ) -> dict:
         cfg = self.config
         self._wait_rollout_version(url, version)
-        response = httpx.post(
+        response = stack.http().post(
             f"{url}/v1/evaluate",
             json={
                 "env": cfg.env.name,
@@ -277,9 +276,11 @@ class RunClient:
     def _summary(self, run: dict, urls: dict[str, str]) -> dict:
         last = run["versions"][-1] if run["versions"] else run["base_version"]
         rollout = self._wait_rollout_version(urls["rollout"], last)
-        versions = httpx.get(
-            f"{urls['weight-store']}/v1/models/{self.config.model.name}/versions", timeout=10
-        ).json()
+        versions = (
+            stack.http()
+            .get(f"{urls['weight-store']}/v1/models/{self.config.model.name}/versions", timeout=10)
+            .json()
+        )
         exactly_once = (
             run["trajectories_consumed"] == run["trajectories_produced"]
             and run["duplicates"] == 0
@@ -311,7 +312,7 @@ class RunClient:
     def _wait_rollout_version(self, url: str, version: int, timeout_s: float = 30.0) -> dict:
         deadline = time.monotonic() + timeout_s
         while True:
-            info = httpx.get(f"{url}/v1/info", timeout=5).json()
+            info = stack.http().get(f"{url}/v1/info", timeout=5).json()
             if info["policy_version"] >= version or time.monotonic() > deadline:
                 return info
             time.sleep(0.2)

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -194,9 +195,16 @@ class Supervisor:
 
 
 # -- status ------------------------------------------------------------------------------
+@functools.cache
+def http() -> httpx.Client:
+    """One client for every status poll: `httpx.get` builds a client (and an SSL context,
+    ~20 ms of CPU) per call, which a 2-core machine running the stack feels."""
+    return httpx.Client()
+
+
 def service_health(url: str) -> dict:
     try:
-        response = httpx.get(f"{url}/readyz", timeout=2.0)
+        response = http().get(f"{url}/readyz", timeout=2.0)
         body = response.json()
         return {"ready": response.status_code == 200, "checks": body.get("checks", {})}
     except (httpx.HTTPError, ValueError) as exc:
@@ -205,7 +213,7 @@ def service_health(url: str) -> dict:
 
 def service_info(url: str) -> dict:
     try:
-        return httpx.get(f"{url}/v1/info", timeout=2.0).json()
+        return http().get(f"{url}/v1/info", timeout=2.0).json()
     except (httpx.HTTPError, ValueError):
         return {}
 
@@ -223,7 +231,7 @@ def time_breakdown(spec: StackSpec, infos: dict[str, dict]) -> dict:
             "engine_requests": rollout.get("engine_requests"),
         }
     try:
-        runs = httpx.get(f"{spec.http_url('trainer')}/v1/runs", timeout=2.0).json()
+        runs = http().get(f"{spec.http_url('trainer')}/v1/runs", timeout=2.0).json()
     except (httpx.HTTPError, ValueError):
         runs = []
     for run in runs:

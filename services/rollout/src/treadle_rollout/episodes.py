@@ -125,6 +125,7 @@ class EpisodeRunner:
             temperature=task.sampling.temperature,
             top_p=task.sampling.top_p or 1.0,
             max_new_tokens=task.sampling.max_new_tokens or 16,
+            priority=task.created_at or time.time(),  # oldest task first
         )
         info: dict = {}
         try:

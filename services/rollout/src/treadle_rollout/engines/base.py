@@ -14,10 +14,16 @@ from treadle_common.clients.weights import WeightStoreClient
 
 @dataclass
 class Sampling:
+    """How one request is sampled, and where it stands in the engine's queue."""
+
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 16
     seed: int | None = None
+    priority: float = 0.0
+    """When more requests wait than the batch has room for, lower goes first (hf engine;
+    episodes pass their task's creation time, so the oldest groups finish first and fewer
+    exceed the staleness bound)."""
 
 
 @dataclass

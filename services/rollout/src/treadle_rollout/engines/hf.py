@@ -236,6 +236,8 @@ class HFEngine(Engine):
                 await self._apply_swaps()
             joiners = [s for s in self._waiting if not s.future.done()]
             room = max(0, self.max_batch - len(self._batch.seqs))
+            if len(joiners) > room:  # oldest episodes first; ties keep arrival order
+                joiners.sort(key=lambda s: s.sampling.priority)
             joiners, self._waiting = joiners[:room], joiners[room:]
             started = time.perf_counter()
             try:
