@@ -154,8 +154,9 @@ async def test_siblings_and_batch_mates_share_a_prompt_prefix(engine):
         assert gen.logprobs == pytest.approx(reference, abs=1e-4)
 
 
-async def test_abort_policy_clears_the_prefix_cache_at_a_swap(tiny_model):
-    engine = HFEngine(tiny_model, "tiny", swap_policy="abort")
+@pytest.mark.parametrize("policy", ["continue", "abort"])
+async def test_a_swap_clears_the_prefix_cache(tiny_model, policy):
+    engine = HFEngine(tiny_model, "tiny", swap_policy=policy)
     prompt = engine.tokenizer("the prefix cache forgets KV of older weights")["input_ids"]
     await engine.generate(prompt, Sampling(1.0, 1.0, 4, seed=0))
     assert len(engine.prefixes) == 1
@@ -166,6 +167,12 @@ async def test_abort_policy_clears_the_prefix_cache_at_a_swap(tiny_model):
     reference = teacher_forced_logprobs(new_model, prompt, gen.tokens)
     assert gen.logprobs == pytest.approx(reference, abs=1e-4)
     await engine.close()
+
+
+async def test_a_turn_that_spans_a_swap_is_not_cached(engine):
+    gen, _ = await generate_with_swap_midway(engine)
+    assert set(gen.versions) == {0, 5}
+    assert len(engine.prefixes) == 0  # its KV mixes two policies
 
 
 def test_sampling_follows_the_tempered_nucleus_and_reports_its_logprobs():

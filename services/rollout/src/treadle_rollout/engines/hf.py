@@ -13,10 +13,9 @@ One scheduler task owns the model. Each iteration (a *step*):
 3. runs one batched decode step for every running sequence, sampling per sequence
    (temperature, top-p, seed) and recording each token's logprob and policy version.
 
-Finished sequences leave the batch after every step; their KV goes to the prefix cache. Under
-swap policy `continue` cached KV outlives a swap, exactly as the running sequences' KV does
-(the recorded logprobs are still those of the distribution each token was sampled from);
-under `abort` a swap clears it. Forward passes run in a worker thread,
+Finished sequences leave the batch after every step; their KV goes to the prefix cache. A
+swap clears the prefix cache, and a sequence that ran across a swap (policy `continue`) is
+not cached: reused KV always comes from the weights that serve the request. Forward passes run in a worker thread,
 so the event loop keeps serving while the engine computes.
 
 Logprobs are those of the distribution the token was sampled from: `log_softmax(logits / T)`
@@ -64,6 +63,8 @@ class _Seq:
     versions: list[int] = field(default_factory=list)
     finish: str | None = None
     hit: prefix_cache.Hit | None = None
+    kv_version: int = -1
+    """The policy version that computed this row's KV (at its prefill)."""
 
     def restart(self) -> None:
         self.tokens, self.logprobs, self.versions = [], [], []
@@ -265,8 +266,7 @@ class HFEngine(Engine):
                 future.set_exception(exc)
                 continue
             self.version = fetched.manifest.version
-            if self.swap_policy == "abort":
-                self.prefixes.clear()
+            self.prefixes.clear()  # cached KV belongs to the weights that computed it
             if self.swap_policy == "abort" and self._batch.seqs:
                 for seq in self._batch.seqs:
                     seq.restart()
@@ -312,8 +312,8 @@ class HFEngine(Engine):
     def _remember(self, row: int, seq: _Seq) -> None:
         """Put the KV of a finished row in the prefix cache: it covers the prompt and every
         generated token but the last (which was sampled, never fed)."""
-        if self.prefixes.max_bytes <= 0:
-            return
+        if self.prefixes.max_bytes <= 0 or seq.kv_version != self.version:
+            return  # KV that spans a swap (policy continue) mixes two policies: not reused
         entry = prefix_cache.Entry(seq.prompt + seq.tokens[:-1], *self._batch.slab.row_kv(row))
         assert entry.keys[0].shape[1] == len(entry.tokens)
         self.prefixes.insert(entry, extends=seq.hit.entry if seq.hit else None)
@@ -322,6 +322,7 @@ class HFEngine(Engine):
         """One forward over what each prompt does not find in the prefix cache."""
         for seq in seqs:
             seq.hit = self.prefixes.match(seq.prompt)
+            seq.kv_version = self.version
         reused = [s.hit.length if s.hit else 0 for s in seqs]
         past = max(reused)
         length = max(len(s.prompt) - r for s, r in zip(seqs, reused, strict=True))
