@@ -15,8 +15,8 @@ One scheduler task owns the model. Each iteration (a *step*):
 
 Finished sequences leave the batch after every step; their KV goes to the prefix cache. A
 swap clears the prefix cache, and a sequence that ran across a swap (policy `continue`) is
-not cached: reused KV always comes from the weights that serve the request. Forward passes run in a worker thread,
-so the event loop keeps serving while the engine computes.
+not cached: reused KV always comes from the weights that serve the request. Forward passes
+run in a worker thread, so the event loop keeps serving while the engine computes.
 
 Logprobs are those of the distribution the token was sampled from: `log_softmax(logits / T)`
 (raw logits when greedy), renormalized over the top-p nucleus when top_p < 1 (vLLM's
