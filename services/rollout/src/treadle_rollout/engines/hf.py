@@ -6,7 +6,8 @@ One scheduler task owns the model. Each iteration (a *step*):
    running sequences and their KV cache (later tokens carry the new version); `abort`
    restarts their current turn from its prompt under the new weights;
 2. prefills the requests that arrived since the last step (left-padded, one forward) and
-   merges their KV cache into the running batch, so new requests join between decode steps.
+   copies their KV into the running batch's slab (`kv_slab.py`), so new requests join
+   between decode steps.
    A request whose prompt starts with a finished sequence's tokens (the next turn of an
    episode, a sibling of its group) reuses that sequence's KV from the prefix cache and
    prefills only the rest (`prefix_cache.py`);

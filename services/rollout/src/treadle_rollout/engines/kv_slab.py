@@ -80,6 +80,8 @@ class KVSlab:
 
     def _fit(self, rows: int, left: int, right: int) -> None:
         """Room for `rows` rows, `left` columns before `end` and `right` columns after it."""
+        if rows > self.max_rows:
+            raise ValueError(f"{rows} rows exceed the slab's {self.max_rows}")
         have_rows, have_columns = self.capacity
         span = self.end - self.start
         left = max(left, span)

@@ -74,6 +74,8 @@ class PrefixCache:
         to compute (the next token's logits come from it)."""
         limit = len(prompt) - 1
         self.lookup_tokens += len(prompt)
+        if not self._entries:  # empty (or disabled): skip hashing the prompt
+            return None
         hashes = block_hashes(prompt[:limit])
         for i in range(len(hashes) - 1, -1, -1):
             entry = self._by_hash.get(hashes[i])
