@@ -2,7 +2,9 @@
 fixed shape through the real Redis streams, tagged with the weight store's latest version.
 
 It stands in for generation only (the trainer under test reads, validates, trains, publishes,
-checkpoints and acks for real). `release(n)` lets a caller gate how many groups it produces.
+checkpoints and acks for real). `release(n)` lets a caller gate how many groups it produces;
+`limit` stops it after that many groups (it then leaves the rest of the tasks unread, which
+the trainer cancels at run end).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class SyntheticRollout:
         completion_len: int = 48,
         seed: int = 0,
         gated: bool = False,
+        limit: int | None = None,
     ):
         self.r, self.store, self.run, self.model = r, store, run, model
         self.vocab, self.prompt_len, self.completion_len = vocab_size, prompt_len, completion_len
@@ -39,6 +42,7 @@ class SyntheticRollout:
         self.allowed = asyncio.Semaphore(0) if gated else None
         self.produced: list[str] = []
         self.groups = 0
+        self.limit = limit
 
     def release(self, groups: int) -> None:
         assert self.allowed is not None
@@ -68,13 +72,16 @@ class SyntheticRollout:
         tasks = names.tasks_stream(self.run)
         await streams.ensure_group(self.r, tasks, names.ROLLOUT_GROUP)
         while True:
+            left = 64 if self.limit is None else min(64, self.limit - self.groups)
+            if left <= 0:
+                return
             batch = await streams.read_group(
                 self.r,
                 [tasks],
                 names.ROLLOUT_GROUP,
                 "synthetic",
                 task_pb2.Task,
-                count=64,
+                count=left,
                 block_ms=200,
             )
             for _, entry_id, task in batch:

@@ -115,14 +115,21 @@ async def _service(http, redis_url, store_addr, recipe, prompt_len, completion_l
     r = aioredis.from_url(redis_url)
     store = WeightStoreClient(store_addr)
     vocab = json.loads((Path(recipe["model"]["path"]) / "config.json").read_text())["vocab_size"]
+    total_groups = recipe["trainer"]["num_steps"] * recipe["trainer"]["tasks_per_step"]
     rollout = SyntheticRollout(
-        r, store, "bench", MODEL, vocab, prompt_len=prompt_len, completion_len=completion_len
+        r,
+        store,
+        "bench",
+        MODEL,
+        vocab,
+        prompt_len=prompt_len,
+        completion_len=completion_len,
+        limit=total_groups,  # the trainer keeps feeding ahead; produce what the steps use
     )
     async with httpx.AsyncClient(base_url=http, timeout=30) as client:
         response = await client.post("/v1/runs", json=recipe)
         response.raise_for_status()
         producer = asyncio.create_task(rollout.run_forever())
-        total_groups = recipe["trainer"]["num_steps"] * recipe["trainer"]["tasks_per_step"]
         quiet_from = None  # the first step that started after the producer went quiet
         try:
             while (status := (await client.get("/v1/runs/bench")).json())["state"] == "running":

@@ -138,9 +138,60 @@ async def test_staleness_admission_bounds_groups_in_flight(redis_client):
     assert int(state[b"admission_refused"]) == 1 and int(state[b"admission_started"]) == 5
 
 
+async def test_closed_admission_cancels_unstarted_groups_only(redis_client):
+    run = uuid.uuid4().hex
+    await admission.configure(redis_client, run, groups_per_step=1, max_staleness=0, base_version=0)
+    assert (await admission.admit(redis_client, run, "started", version=0)).admitted
+    await admission.close(redis_client, run)
+    late = await admission.admit(redis_client, run, "late", version=5)
+    assert late.closed and not late.admitted
+    retried = await admission.admit(redis_client, run, "started", version=0)  # keeps its number
+    assert retried.admitted and not retried.closed and retried.group_index == 0
+    await admission.configure(redis_client, run, groups_per_step=1, max_staleness=0, base_version=0)
+    reopened = await admission.admit(redis_client, run, "late", version=1)  # a restarted trainer
+    assert reopened.admitted and reopened.group_index == 1
+
+
 class NoEpisodes:
     async def run(self, task, index):
-        raise AssertionError("an invalid task must not be played")
+        raise AssertionError("an invalid or cancelled task must not be played")
+
+
+class AnyVersion:
+    """Weight sync stand-in: the engine already holds every version."""
+
+    class engine:  # noqa: N801
+        version = 0
+
+    async def ensure_version(self, version):
+        return None
+
+
+async def test_tasks_of_a_closed_run_are_acked_as_cancelled(redis_client):
+    run = uuid.uuid4().hex
+    stream = names.tasks_stream(run)
+    await streams.ensure_group(redis_client, stream, names.ROLLOUT_GROUP)
+    await admission.configure(redis_client, run, groups_per_step=2, max_staleness=1, base_version=0)
+    await admission.close(redis_client, run)
+    for i in range(3):
+        task = task_pb2.Task(task_id=f"t{i}", run_id=run, env="e", scorer="s", group_size=2)
+        await streams.add(redis_client, stream, task)
+    await redis_client.sadd(names.RUNS_KEY, run)
+    worker = TaskWorker(redis_client, NoEpisodes(), sync=AnyVersion(), consumer="c1")  # type: ignore[arg-type]
+    job = asyncio.create_task(worker.run())
+    try:
+        for _ in range(100):
+            if worker.cancelled_tasks == 3:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        await worker.drain()
+        job.cancel()
+        await redis_client.srem(names.RUNS_KEY, run)
+    assert worker.cancelled_tasks == 3 and worker.tasks_done == 0
+    assert (await redis_client.xpending(stream, names.ROLLOUT_GROUP))["pending"] == 0
+    state = await redis_client.hgetall(names.run_state(run))
+    assert int(state[b"tasks_cancelled"]) == 3 and b"trajectories_produced" not in state
 
 
 async def test_malformed_tasks_are_acked_and_counted(redis_client):

@@ -117,20 +117,32 @@ async def test_sigkill_between_step_and_checkpoint_trains_every_trajectory_once(
     assert final["pending_after_run"] == 0
 
     ledger = await r.xrange(names.ledger_stream(run))
-    assert [int(f[b"step"]) for _, f in ledger] == [1, 2, 3, 4]
+    kinds = [(int(f[b"step"]), f[b"kind"].decode()) for _, f in ledger]
+    assert kinds[:STEPS] == [(s, "step") for s in range(1, STEPS + 1)]
+    assert kinds[STEPS:] in ([], [(STEPS, "run_end")])  # unused groups, if any landed
     trained = [t for _, f in ledger for t in json.loads(f[b"trained"])]
     dropped = {k: v for _, f in ledger for k, v in json.loads(f[b"dropped"]).items()}
     assert len(trained) == len(set(trained)) == STEPS * GROUPS_PER_STEP * GROUP_SIZE
-    assert sorted(dropped.values()) == ["invalid_entry", "unknown_group"]
+    ended = {k for k, v in dropped.items() if v == "run_ended"}
+    assert sorted(v for v in dropped.values() if v != "run_ended") == [
+        "invalid_entry",
+        "unknown_group",
+    ]
     assert stranger.trajectory_id in dropped
-    # every trajectory the rollout produced and the trainer needed was trained exactly once,
-    # including the ones of step 3 that the killed process had already trained
-    assert set(trained) <= set(rollout.produced)
+    # every trajectory the rollout produced was trained exactly once (including the ones of
+    # step 3 that the killed process had already trained) or, unused at the end, dropped once
+    assert set(trained) | ended == set(rollout.produced) and not set(trained) & ended
+    assert len(rollout.produced) == len(set(rollout.produced)) == final["trajectories_produced"]
     assert set(rollout.produced[: 3 * GROUPS_PER_STEP * GROUP_SIZE]) <= set(trained)
     assert final["trajectories_trained"] == len(trained)
-    assert final["dropped"] == {"invalid_entry": 1, "unknown_group": 1}
+    assert final["dropped"] == {"invalid_entry": 1, "unknown_group": 1} | (
+        {"run_ended": len(ended)} if ended else {}
+    )
     assert final["rejected"] == 2
     assert final["trajectories_acked"] == final["trajectories_consumed"] + final["rejected"]
+    assert final["trajectories_consumed"] == final["trajectories_produced"]
+    # the trainer fed ahead; what no replica started was cancelled, not run
+    assert final["tasks_fed"] == rollout.groups + final["tasks_cancelled"]
     # the restarted owner re-published its restored weights before training on
     versions = await store.list_versions("crashm")
     assert len(versions) == len(final["versions"]) + 1  # + step 3 of the killed process

@@ -14,6 +14,10 @@ replica that is refused waits for the next version instead of generating work th
 would throw away. Admission is idempotent per task: a retried or reclaimed task keeps the
 number it was given. Whatever still exceeds the bound (groups finishing far out of order) is
 dropped by the trainer and counted with its reason.
+
+When its last step has its batch, the trainer closes admission: a group that has no number
+yet is cancelled (its task is acked and counted as `tasks_cancelled`), so replicas stop
+generating work no step will train on. `configure` (a restarted trainer) opens it again.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from treadle_common import names
 _ADMIT = """
 local given = redis.call('HGET', KEYS[2], ARGV[2])
 if given then return {1, tonumber(given)} end
+if redis.call('HGET', KEYS[1], 'admission_closed') == '1' then return {2, -1} end
 local b = tonumber(redis.call('HGET', KEYS[1], 'admission_groups_per_step') or '0')
 local started = tonumber(redis.call('HGET', KEYS[1], 'admission_started') or '0')
 if b > 0 then
@@ -49,6 +54,8 @@ class Decision:
     admitted: bool
     group_index: int
     """The group's number when admitted; the number of groups started when refused."""
+    closed: bool = False
+    """The run needs no more groups: cancel the task."""
 
 
 def admitted_key(run: str) -> str:
@@ -65,8 +72,14 @@ async def configure(
             "admission_groups_per_step": groups_per_step,
             "admission_max_staleness": max_staleness,
             "admission_base_version": base_version,
+            "admission_closed": 0,
         },
     )
+
+
+async def close(r: aioredis.Redis, run: str) -> None:
+    """Start no more groups of `run` (the trainer, once its last step has its batch)."""
+    await r.hset(names.run_state(run), "admission_closed", 1)
 
 
 async def admit(r: aioredis.Redis, run: str, task_id: str, version: int) -> Decision:
@@ -74,4 +87,4 @@ async def admit(r: aioredis.Redis, run: str, task_id: str, version: int) -> Deci
     ok, index = await r.eval(  # type: ignore[misc]
         _ADMIT, 2, names.run_state(run), admitted_key(run), version, task_id
     )
-    return Decision(bool(ok), int(index))
+    return Decision(ok == 1, int(index), closed=ok == 2)

@@ -293,6 +293,7 @@ class RunClient:
             "error": run["error"],
             "steps": run["step"],
             "tasks_fed": run["tasks_fed"],
+            "tasks_cancelled": run["tasks_cancelled"],
             "trajectories_produced": run["trajectories_produced"],
             "trajectories_consumed": run["trajectories_consumed"],
             "trajectories_trained": run["trajectories_trained"],

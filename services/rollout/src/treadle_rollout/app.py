@@ -141,6 +141,7 @@ async def main(settings: Settings) -> None:
             **engine.stats(),
             "tasks_done": worker.tasks_done if worker else 0,
             "tasks_invalid": worker.invalid_tasks if worker else 0,
+            "tasks_cancelled": worker.cancelled_tasks if worker else 0,
             "admission_waits": worker.admission_waits if worker else 0,
             "trajectories_pushed": worker.trajectories_pushed if worker else 0,
             "recorded_sessions": len(frontend.recorder.sessions),

@@ -76,6 +76,7 @@ class TaskWorker:
         self.tasks_done = 0
         self.trajectories_pushed = 0
         self.invalid_tasks = 0
+        self.cancelled_tasks = 0
         self.admission_waits = 0
         self._groups: set[str] = set()
         self.on_task_done: Callable[[], None] = lambda: None
@@ -147,7 +148,10 @@ class TaskWorker:
                 )
                 with tracer.start_as_current_span("rollout.wait_for_weights_and_admission"):
                     await self.sync.ensure_version(task.min_policy_version)
-                    await self._admit(task)
+                    if not await self._admit(task):
+                        span.set_attribute("treadle.cancelled", True)
+                        await self._cancel(stream, entry_id)
+                        return
                 group = await asyncio.gather(
                     *(self.runner.run(task, i) for i in range(task.group_size))
                 )
@@ -177,13 +181,24 @@ class TaskWorker:
             pipe.xack(stream, names.ROLLOUT_GROUP, entry_id)
             await pipe.execute()
 
-    async def _admit(self, task: task_pb2.Task) -> None:
-        """Wait until the run's staleness bound lets this group start."""
+    async def _cancel(self, stream: str, entry_id: str) -> None:
+        """The run needs no more groups (its trainer closed admission): ack, count."""
+        self.cancelled_tasks += 1
+        metrics.DROPPED.labels(SERVICE, "task", "run_closed").inc()
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.hincrby(names.run_state(names.run_of(stream)), "tasks_cancelled", 1)
+            pipe.xack(stream, names.ROLLOUT_GROUP, entry_id)
+            await pipe.execute()
+
+    async def _admit(self, task: task_pb2.Task) -> bool:
+        """Wait until the run's staleness bound lets this group start; False: cancelled."""
         while True:
             version = self.sync.engine.version
             decision = await admission.admit(self.r, task.run_id, task.task_id, version)
+            if decision.closed:
+                return False
             if decision.admitted:
-                return
+                return True
             self.admission_waits += 1
             rollout_metrics.ADMISSION_WAITS.inc()
             await self.sync.wait_for_newer(version, timeout_s=2.0)

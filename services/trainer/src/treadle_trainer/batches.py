@@ -127,6 +127,12 @@ class GroupBuffer:
         taken, self.ready = self.ready[:n], self.ready[n:]
         return taken
 
+    def take_all(self) -> list[Group]:
+        """Every buffered group, complete or not (the run is over)."""
+        groups, self.ready = [*self.ready, *self.partial.values()], []
+        self.partial = {}
+        return groups
+
     def __len__(self) -> int:
         return len(self.ready)
 

@@ -8,6 +8,8 @@
         --> publish the new weights (delta) to the weight-store (it announces on NATS)
     every `checkpoint_every` steps: checkpoint (model, optimizer, RNG, cursor, run state) -->
         MULTI: XACK every entry those steps used or dropped + one ledger entry per step -> EXEC
+    after the last step: close admission, cancel unstarted tasks, let groups in flight land,
+        drop the unused trajectories as `run_ended`; the final checkpoint acks and ledgers them
 
 A crash loses only uncommitted steps: the restarted owner loads the last committed checkpoint,
 re-publishes its weights, and replays its still-pending entries, so the ledger holds every
@@ -106,6 +108,9 @@ class RunStatus(BaseModel):
     base_version: int | None = None
     versions: list[int] = Field(default_factory=list)
     tasks_fed: int = 0
+    tasks_cancelled: int = Field(
+        0, description="Fed tasks no step needed once the last step had its batch (never run)"
+    )
     trajectories_produced: int = 0
     trajectories_consumed: int = 0
     trajectories_trained: int = 0
@@ -214,13 +219,18 @@ class RunOwner:
         while self.status.step < t.num_steps:
             step = self.status.step + 1
             started = time.perf_counter()
-            upto = min(self.total_tasks, (step + self.max_staleness) * t.tasks_per_step)
-            await self._feed(source, upto, version)
-            groups = await self._collect(t.tasks_per_step)
+            # async keeps S steps of work fed, up to the last step (as a longer run would)
+            await self._feed(source, (step + self.max_staleness) * t.tasks_per_step, version)
+            groups = await self._collect(t.tasks_per_step, version)
+            if step == t.num_steps:
+                await admission.close(self.r, cfg.run_id)  # no later group would be trained
             wait_s = time.perf_counter() - started
             version = await self._step(step, groups, version, started, wait_s)
-            if step % t.checkpoint_every == 0 or step == t.num_steps:
+            if step % t.checkpoint_every == 0 and step < t.num_steps:
                 await self._checkpoint(version)
+        await self._end_feeding(version)
+        if self._uncommitted or self.status.checkpoint_step < self.status.step:
+            await self._checkpoint(version)
 
     async def _task_source(self) -> TaskSource:
         """The dataset or the env's generator, minus the held-out eval tasks."""
@@ -228,8 +238,9 @@ class RunOwner:
         if cfg.data.path is not None:
             rows = await asyncio.to_thread(load_rows, cfg.data.path)
         else:
+            count = self.total_tasks + self.max_staleness * cfg.trainer.tasks_per_step
             rows = await self.env.sample_tasks(
-                cfg.env.name, self.total_tasks, seed=cfg.trainer.seed, options=cfg.env.options
+                cfg.env.name, count, seed=cfg.trainer.seed, options=cfg.env.options
             )
         rows = without_held_out(rows, await held_out_tasks(self.env, cfg))
         if not rows:
@@ -288,11 +299,14 @@ class RunOwner:
 
     # --- feeding ------------------------------------------------------------------------------
     async def _feed(self, source: TaskSource, upto: int, version: int) -> None:
-        """Feed tasks until `upto` were fed; cursor, tasks and ids move in one transaction."""
+        """Feed tasks until `upto` live ones were fed (cancelled ones are replaced); the
+        cursor, the tasks and their ids move in one transaction."""
         cfg = self.config
         cursor = self.status.tasks_fed
-        if cursor >= upto:
+        cancelled = int(await self.r.hget(names.run_state(cfg.run_id), "tasks_cancelled") or 0)
+        if cursor - cancelled >= upto:
             return
+        upto = cursor + upto - (cursor - cancelled)  # the new cursor
         sampling = common_pb2.SamplingParams(
             temperature=cfg.rollout.sampling.temperature,
             top_p=cfg.rollout.sampling.top_p,
@@ -361,38 +375,97 @@ class RunOwner:
         self._count_drop(reason)
         log.warning("trajectory dropped", entry=entry_id, reason=reason)
 
-    async def _collect(self, num_groups: int) -> list[Group]:
-        """Read until `num_groups` complete groups are buffered, then take them."""
+    async def _collect(self, num_groups: int, version: int) -> list[Group]:
+        """Read until `num_groups` complete groups that are not wholly stale at `version` are
+        buffered, then take them, with the wholly stale ones met on the way (the step drops
+        those, counted): a stale group does not take the place of a trainable one."""
         t = self.config.trainer
         deadline = time.monotonic() + t.batch_timeout_s
+        taken: list[Group] = []
+        fresh = 0
         self.collecting = True
         try:
-            return await self._read_until(num_groups, deadline)
+            while True:
+                for group in self._buffer.take(num_groups - fresh):
+                    taken.append(group)
+                    fresh += any(
+                        staleness(e.traj, version) <= self.max_staleness for e in group.entries
+                    )
+                if fresh >= num_groups:
+                    return taken
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"only {fresh}/{num_groups} complete groups after {t.batch_timeout_s}s"
+                    )
+                await self._read(block_ms=1000)
         finally:
             self.collecting = False
 
-    async def _read_until(self, num_groups: int, deadline: float) -> list[Group]:
-        t = self.config.trainer
-        while len(self._buffer) < num_groups:
+    async def _read(self, block_ms: int | None) -> int:
+        """Read new trajectories into the buffer (or counted drops); how many were read."""
+        batch = await streams.read_group(
+            self.r,
+            [self._stream],
+            names.TRAINER_GROUP,
+            self.consumer,
+            tpb.Trajectory,
+            count=max(self.config.trainer.tasks_per_step * self.config.rollout.group_size, 64),
+            block_ms=block_ms,
+        )
+        for _, entry_id, traj in batch:
+            self._accept(entry_id, traj)
+        if batch:
+            self.read_stage.tick(len(batch))
+        return len(batch)
+
+    async def _end_feeding(self, version: int) -> None:
+        """After the last step: cancel the fed tasks no replica started, let the groups in
+        flight land, and drop every trajectory no step used as `run_ended`. The final
+        checkpoint acks them with the run's last ledger entry, so the run ends with nothing
+        pending and every produced trajectory accounted for once."""
+        run = self.config.run_id
+        tasks = names.tasks_stream(run)
+        await admission.close(self.r, run)
+        await streams.ensure_group(self.r, tasks, names.ROLLOUT_GROUP)
+        while unread := await streams.read_group(
+            self.r,
+            [tasks],
+            names.ROLLOUT_GROUP,
+            f"{self.consumer}-end",
+            task_pb2.Task,
+            count=1000,
+            block_ms=None,
+        ):
+            async with self.r.pipeline(transaction=True) as pipe:
+                pipe.xack(tasks, names.ROLLOUT_GROUP, *[entry for _, entry, _ in unread])
+                pipe.hincrby(names.run_state(run), "tasks_cancelled", len(unread))
+                await pipe.execute()
+        deadline = time.monotonic() + self.config.trainer.batch_timeout_s
+        while int((await self.r.xpending(tasks, names.ROLLOUT_GROUP))["pending"]) > 0:
             if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"only {len(self._buffer)}/{num_groups} complete groups after "
-                    f"{t.batch_timeout_s}s"
-                )
-            batch = await streams.read_group(
-                self.r,
-                [self._stream],
-                names.TRAINER_GROUP,
-                self.consumer,
-                tpb.Trajectory,
-                count=max(num_groups * self.config.rollout.group_size, 64),
-                block_ms=1000,
+                log.warning("run end: tasks still in flight on rollout are left pending", run=run)
+                break
+            await self._read(block_ms=200)
+        while await self._read(block_ms=None):
+            pass
+        unused = self._buffer.take_all()
+        dropped = {e.traj.trajectory_id: "run_ended" for g in unused for e in g.entries}
+        for reason in dropped.values():
+            self._count_drop(reason)
+        loose, self._loose_drops = self._loose_drops, []
+        dropped.update({tid or entry: reason for entry, tid, reason in loose})
+        entries = [e.entry_id for g in unused for e in g.entries] + [e for e, _, _ in loose]
+        if entries:
+            self._uncommitted.append(
+                {
+                    "step": self.status.step,
+                    "kind": "run_end",
+                    "version": version,
+                    "entries": entries,
+                    "trained": [],
+                    "dropped": dropped,
+                }
             )
-            for _, entry_id, traj in batch:
-                self._accept(entry_id, traj)
-            if batch:
-                self.read_stage.tick(len(batch))
-        return self._buffer.take(num_groups)
 
     # --- one step -------------------------------------------------------------------------------
     async def _step(
@@ -443,6 +516,7 @@ class RunOwner:
         self._uncommitted.append(
             {
                 "step": step,
+                "kind": "step",
                 "version": version,
                 "entries": entries,
                 "trained": trained,
@@ -581,6 +655,7 @@ class RunOwner:
                     names.ledger_stream(run),
                     {
                         "step": s["step"],
+                        "kind": s["kind"],
                         "version": s["version"],
                         "checkpoint": str(path),
                         "trained": json.dumps(s["trained"]),
@@ -606,6 +681,7 @@ class RunOwner:
     async def _final_counts(self) -> None:
         state = await self.r.hgetall(names.run_state(self.config.run_id))
         self.status.trajectories_produced = int(state.get(b"trajectories_produced", 0))
+        self.status.tasks_cancelled = int(state.get(b"tasks_cancelled", 0))
         try:
             pending = await self.r.xpending(self._stream, names.TRAINER_GROUP)
             self.status.pending_after_run = int(pending["pending"])

@@ -59,9 +59,9 @@ async def read_group(
     cls: type[M],
     *,
     count: int = 16,
-    block_ms: int = 1000,
+    block_ms: int | None = 1000,
 ) -> list[tuple[str, str, M | InvalidEntry]]:
-    """New entries for this consumer: (stream, entry id, message)."""
+    """New entries for this consumer: (stream, entry id, message); `block_ms` None: no wait."""
     if not streams:
         return []
     reply: Any = await r.xreadgroup(
