@@ -76,6 +76,7 @@ def both_modes(
                 f"run_id=bench-{mode}",
                 f"model.path={model_dir}",
                 f"output_dir={tmp / 'runs'}",
+                "eval.min_improvement=null",  # the bench compares the modes' rewards itself
                 *overrides,
             ],
         )

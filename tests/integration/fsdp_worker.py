@@ -1,6 +1,11 @@
 """One fixed batch through a backend: `python fsdp_worker.py MODEL OUT.json` (single process)
-or under `torchrun --nproc-per-node 2` (FSDP2). Rank 0 writes the numbers to OUT.json."""
+or under `torchrun --nproc-per-node 2` (FSDP2). Rank 0 writes the numbers to OUT.json.
 
+Options: `--device cpu|cuda` (default: cuda when there is one), `--fp32` (no bf16 autocast on
+GPU), `--fsdp` (FSDP2 even with one rank, e.g. NCCL on a single GPU).
+"""
+
+import argparse
 import json
 import os
 import random
@@ -8,7 +13,7 @@ import sys
 from pathlib import Path
 
 from treadle_trainer.backends import AdamParams, BackendSpec, build_backend
-from treadle_trainer.backends.fsdp import follow, shutdown_followers
+from treadle_trainer.backends.fsdp import FSDPBackend, follow, shutdown_followers
 from treadle_trainer.batches import Datum, pack
 from treadle_trainer.losses import LossParams
 
@@ -34,11 +39,12 @@ def fixed_batch(vocab: int) -> list[Datum]:
     return data
 
 
-def main(model_dir: str, out: str) -> None:
+def main(model_dir: str, out: str, device: str | None, bf16: bool, fsdp: bool) -> None:
     if int(os.environ.get("RANK", "0")) > 0:
         follow()
         return
-    backend = build_backend(BackendSpec(model_dir=model_dir, seed=0, reference=True))
+    spec = BackendSpec(model_dir=model_dir, seed=0, reference=True, device=device, bf16=bf16)
+    backend = FSDPBackend.lead(spec) if fsdp else build_backend(spec)
     mbs = pack(fixed_batch(backend.vocab_size), 40, "group", backend.pad_id)
     params = LossParams(kl_coef=0.1)
     backend.snapshot_proximal()  # pi_prox: the weights before this batch's updates
@@ -64,10 +70,19 @@ def main(model_dir: str, out: str) -> None:
                 "third": third,
                 "checksum": float(sum(v.double().abs().sum() for v in state.values())),
                 "meta_step": meta["step"],
+                "device": backend.device,
+                "dtypes": sorted({str(v.dtype) for v in state.values()}),
             }
         )
     )
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model_dir")
+    parser.add_argument("out")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--fp32", action="store_true")
+    parser.add_argument("--fsdp", action="store_true")
+    args = parser.parse_args(sys.argv[1:])
+    main(args.model_dir, args.out, args.device, not args.fp32, args.fsdp)

@@ -263,3 +263,36 @@ def test_every_decoupled_ppo_batch_snapshots_its_proximal_policy():
     calls.clear()
     RunOwner._train(owner("ppo", 2), batch("ab"))  # ppo's ratio is to the behaviour policy
     assert "snapshot" not in calls
+
+
+async def test_a_wholly_stale_group_does_not_take_a_batch_slot():
+    """At trainer version 5 with staleness 1, a group generated at version 0 is taken along
+    (the step drops it, counted) but the batch still gets its 2 trainable groups."""
+    from types import SimpleNamespace
+
+    from treadle_trainer.run import RunOwner
+
+    def group(gid: str, version: int) -> list[Entry]:
+        return [
+            Entry(f"{gid}-{i}", tpb.Trajectory(group_id=gid, token_versions=[-1, version]))
+            for i in range(2)
+        ]
+
+    class Owner(RunOwner):
+        def __init__(self, arrivals: list[list[Entry]]):  # no Redis: a scripted stream
+            trainer = SimpleNamespace(batch_timeout_s=0.5, max_staleness=1)
+            self.config = SimpleNamespace(mode="async", trainer=trainer)  # type: ignore[assignment]
+            self._buffer = GroupBuffer(2)
+            self.arrivals = arrivals
+
+        async def _read(self, block_ms):
+            for entry in self.arrivals.pop(0) if self.arrivals else []:
+                self._buffer.add(entry)
+            return 1
+
+    owner = Owner([group("old", 0), group("a", 4), group("older", 0), group("b", 5), group("c", 5)])
+    taken = await owner._collect(2, version=5)
+    assert [g.group_id for g in taken] == ["old", "a", "older", "b"]
+    assert [g.group_id for g in owner._buffer.take_all()] == []  # "c" is not read yet
+    with pytest.raises(TimeoutError, match="only 1/2"):
+        await Owner([group("x", 0), group("d", 5)])._collect(2, version=5)
