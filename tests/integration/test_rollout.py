@@ -167,6 +167,23 @@ class AnyVersion:
         return None
 
 
+async def work_until(redis_client, run: str, sync, done) -> TaskWorker:
+    """A rollout worker on `run`'s task stream (no episodes played) until `done(worker)`."""
+    await redis_client.sadd(names.RUNS_KEY, run)
+    worker = TaskWorker(redis_client, NoEpisodes(), sync=sync, consumer="c1")
+    job = asyncio.create_task(worker.run())
+    try:
+        for _ in range(100):
+            if done(worker):
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        await worker.drain()
+        job.cancel()
+        await redis_client.srem(names.RUNS_KEY, run)
+    return worker
+
+
 async def test_tasks_of_a_closed_run_are_acked_as_cancelled(redis_client):
     run = uuid.uuid4().hex
     stream = names.tasks_stream(run)
@@ -176,18 +193,7 @@ async def test_tasks_of_a_closed_run_are_acked_as_cancelled(redis_client):
     for i in range(3):
         task = task_pb2.Task(task_id=f"t{i}", run_id=run, env="e", scorer="s", group_size=2)
         await streams.add(redis_client, stream, task)
-    await redis_client.sadd(names.RUNS_KEY, run)
-    worker = TaskWorker(redis_client, NoEpisodes(), sync=AnyVersion(), consumer="c1")  # type: ignore[arg-type]
-    job = asyncio.create_task(worker.run())
-    try:
-        for _ in range(100):
-            if worker.cancelled_tasks == 3:
-                break
-            await asyncio.sleep(0.05)
-    finally:
-        await worker.drain()
-        job.cancel()
-        await redis_client.srem(names.RUNS_KEY, run)
+    worker = await work_until(redis_client, run, AnyVersion(), lambda w: w.cancelled_tasks == 3)
     assert worker.cancelled_tasks == 3 and worker.tasks_done == 0
     assert (await redis_client.xpending(stream, names.ROLLOUT_GROUP))["pending"] == 0
     state = await redis_client.hgetall(names.run_state(run))
@@ -200,18 +206,7 @@ async def test_malformed_tasks_are_acked_and_counted(redis_client):
     await streams.ensure_group(redis_client, stream, names.ROLLOUT_GROUP)
     await redis_client.xadd(stream, {"pb": b"\xff\xff\xff"})  # not a protobuf
     await streams.add(redis_client, stream, task_pb2.Task(task_id="x", run_id=run, scorer="s"))
-    await redis_client.sadd(names.RUNS_KEY, run)
-    worker = TaskWorker(redis_client, NoEpisodes(), sync=None, consumer="c1")  # type: ignore[arg-type]
-    job = asyncio.create_task(worker.run())
-    try:
-        for _ in range(100):
-            if worker.invalid_tasks == 2:
-                break
-            await asyncio.sleep(0.05)
-    finally:
-        await worker.drain()
-        job.cancel()
-        await redis_client.srem(names.RUNS_KEY, run)
+    worker = await work_until(redis_client, run, None, lambda w: w.invalid_tasks == 2)
     assert worker.invalid_tasks == 2
     pending = await redis_client.xpending(stream, names.ROLLOUT_GROUP)
     assert pending["pending"] == 0

@@ -178,6 +178,10 @@ def test_group_buffer_releases_complete_groups_in_completion_order():
         buf.add(Entry(str(i), traj(group=g, tid=str(i))))
     assert [g.group_id for g in buf.take(5)] == ["b", "a"]
     assert list(buf.partial) == ["c"]
+    buf.add(Entry("5", traj(group="d", tid="5")))
+    buf.add(Entry("6", traj(group="d", tid="6")))
+    assert [g.group_id for g in buf.take_all()] == ["d", "c"]  # complete first, then partial
+    assert buf.take_all() == [] and not buf.partial
 
 
 def test_datum_shifts_and_masks():

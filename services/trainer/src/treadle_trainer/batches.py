@@ -133,9 +133,6 @@ class GroupBuffer:
         self.partial = {}
         return groups
 
-    def __len__(self) -> int:
-        return len(self.ready)
-
     def trajectory_ids(self) -> set[str]:
         groups = [*self.partial.values(), *self.ready]
         return {e.traj.trajectory_id for g in groups for e in g.entries}

@@ -306,7 +306,7 @@ class RunOwner:
         cancelled = int(await self.r.hget(names.run_state(cfg.run_id), "tasks_cancelled") or 0)
         if cursor - cancelled >= upto:
             return
-        upto = cursor + upto - (cursor - cancelled)  # the new cursor
+        upto += cancelled  # the new cursor: cancelled tasks do not count toward the bound
         sampling = common_pb2.SamplingParams(
             temperature=cfg.rollout.sampling.temperature,
             top_p=cfg.rollout.sampling.top_p,
