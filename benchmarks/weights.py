@@ -3,7 +3,10 @@
 Two processes: this one (the trainer / a replica) and a server process hosting the real
 WeightStore gRPC servicer plus a raw `bytes` stream service. In the same run we measure:
 
-    publish_gbps        full publish of a state dict (hash, ask what is missing, stream, commit)
+    publish_gbps        full publish of a state dict (hash, ask what is missing, stream, commit):
+                        until the version is visible to replicas, held by the store
+    publish_durable_gbps ... until the version is durable: on the store's disk as well (the
+                        store writes behind, while replicas already fetch it)
     fetch_gbps          full fetch into a resident state dict, in place
     raw_grpc_gbps       the same bytes as a plain client->server gRPC stream (publish's twin)
     raw_grpc_fetch_gbps the same bytes as a plain server->client gRPC stream (fetch's twin)
@@ -79,6 +82,15 @@ async def raw_rates(address: str, payload: memoryview) -> tuple[float, float]:
     return up, down
 
 
+async def until_durable(client: WeightStoreClient, version: int) -> float:
+    """When (perf_counter) the store reported `version` of `bench` durable."""
+    while True:
+        info = {v.version: v for v in await client.list_versions("bench")}[version]
+        if info.durable:
+            return time.perf_counter()
+        await asyncio.sleep(0.005)
+
+
 async def measure(address: str, state: dict, repeats: int) -> dict:
     """Median of `repeats` rounds of: raw upload + download, full publish, full fetch.
 
@@ -99,6 +111,7 @@ async def measure(address: str, state: dict, repeats: int) -> dict:
         "raw_down": [],
         "publish": [],
         "fetch": [],
+        "durable": [],
         "publish_ratio": [],
         "fetch_ratio": [],
     }
@@ -108,14 +121,16 @@ async def measure(address: str, state: dict, repeats: int) -> dict:
         flat = memoryview(b"".join(t.data for t in state_dict_to_raw(state).values()))
         up_s, down_s = await raw_rates(address, flat)
         del flat
-        start = time.perf_counter()
+        published_at = time.perf_counter()
         published = await client.publish("bench", state_dict_to_raw(state))
-        publish_s = time.perf_counter() - start
+        publish_s = time.perf_counter() - published_at
         start = time.perf_counter()
         await fetch_into(client, "bench", published.version, replica, ChunkCache({}))
         fetch_s = time.perf_counter() - start
         assert all(torch.equal(replica[k], state[k]) for k in state), "fetched tensors differ"
-        values = (up_s, down_s, publish_s, fetch_s, up_s / publish_s, down_s / fetch_s)
+        # the next round starts once this version is on disk (written behind meanwhile)
+        durable_s = await until_durable(client, published.version) - published_at
+        values = (up_s, down_s, publish_s, fetch_s, durable_s, up_s / publish_s, down_s / fetch_s)
         for key, value in zip(rounds, values, strict=True):
             rounds[key].append(value)
     await client.close()
@@ -234,6 +249,7 @@ def run(
         "raw_grpc_gbps": round(raw_up, 3),
         "raw_grpc_fetch_gbps": round(raw_down, 3),
         "publish_ratio": round(timings["publish_ratio"], 3),
+        "publish_durable_gbps": round(gbps(size, timings["durable"]), 3),
         "fetch_ratio": round(timings["fetch_ratio"], 3),
         "delta_bytes_ratio": round(sent / size, 4),
         "fanout8_fetch_gbps": round(gbps(size * replicas, fanout_s), 3),

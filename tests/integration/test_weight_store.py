@@ -262,7 +262,8 @@ def corrupt(env: dict, tmp_root, digest: str) -> None:
 async def test_corrupted_chunk_is_an_error_never_served(service, weight_store_env, tmp_path):
     ws = service("weight-store", TREADLE_WEIGHT_STORE_CACHE_MB="0", **weight_store_env)
     client = WeightStoreClient(ws.grpc_addr, attempts=1)
-    await client.publish("m", state_dict_to_raw(state(1, 1000)))
+    await client.publish("m", state_dict_to_raw(state(1, 1000)), durable=True)  # on disk/S3
+    assert (await client.list_versions("m"))[0].durable
     manifest = await client.get_manifest("m", 1)
     corrupt(weight_store_env, tmp_path / "store", manifest.tensors[0].chunks[0].hash)
     with pytest.raises(grpc.aio.AioRpcError) as err:

@@ -3,9 +3,12 @@
 import errno
 import fcntl
 import os
+import threading
 
 import pytest
+from prometheus_client import REGISTRY
 
+from treadle_common.clients import chunk_codec as codec
 from treadle_common.clients.torch_weights import state_dict_to_raw
 from treadle_common.clients.weights import build_manifest
 from treadle_weight_store.backends.local import LocalBackend
@@ -16,34 +19,121 @@ from treadle_weight_store.store import WeightStore
 pytestmark = pytest.mark.unit
 
 
-class DiskFullAfter(LocalBackend):
-    """A local backend whose disk fills up after `budget` chunk writes."""
+class GatedDisk(LocalBackend):
+    """A local backend whose chunk writes wait for `gate`, then fail with a full disk once
+    `budget` writes have succeeded."""
 
-    def __init__(self, root, budget: int):
+    def __init__(self, root, budget: int = 1_000_000):
         super().__init__(root)
         self.budget = budget
+        self.gate = threading.Event()
+        self.gate.set()
 
     def put_chunk(self, digest, data):
+        assert self.gate.wait(30)
         if self.budget == 0:
             raise OSError(errno.ENOSPC, "No space left on device")
         self.budget -= 1
         super().put_chunk(digest, data)
 
 
-async def test_disk_full_is_an_error_and_no_version_appears(tmp_path):
+def two_tensors(value: float = 1.0):
     import torch
 
-    store = WeightStore(DiskFullAfter(tmp_path, budget=1), cache_bytes=0)
-    manifest, chunks = build_manifest(
-        "m", state_dict_to_raw({"a": torch.ones(10), "b": torch.zeros(10)})
+    return build_manifest(
+        "m", state_dict_to_raw({"a": torch.full((10,), value), "b": torch.full((10,), -value)})
     )
-    first, second = list(chunks)
-    await store.put_chunk(first, bytes(chunks[first]))
+
+
+async def hold(store: WeightStore, chunks) -> None:
+    for digest, data in chunks.items():
+        await store.put_chunk(digest, bytes(data))
+
+
+def dropped(kind: str) -> float:
+    return (
+        REGISTRY.get_sample_value(
+            "treadle_dropped_total",
+            {"service": "weight-store", "kind": kind, "reason": "backend_failed"},
+        )
+        or 0.0
+    )
+
+
+async def test_disk_full_is_an_error_and_no_version_appears(tmp_path):
+    store = WeightStore(GatedDisk(tmp_path, budget=1), cache_bytes=0, write_attempts=2)
+    manifest, chunks = two_tensors()
+    await hold(store, chunks)  # held in memory at once; the second write finds the disk full
     with pytest.raises(BackendError, match="No space left on device"):
-        await store.put_chunk(second, bytes(chunks[second]))
-    with pytest.raises(Exception, match="lacks"):
-        await store.commit(manifest)
+        await store.commit(manifest, durable=True)  # waits for the disk, which is full
     assert await store.versions("m") == []
+    with pytest.raises(BackendError, match="No space left on device"):
+        await store.commit(manifest)  # its chunk is lost: not kept in memory either
+    with pytest.raises(BackendError, match="backend is failing.*No space left"):
+        await store.commit(two_tensors(2.0)[0])  # nor anything else while the disk fails
+    assert await store.versions("m") == []
+    assert await WeightStore(LocalBackend(tmp_path)).versions("m") == []
+
+
+async def test_written_behind_version_is_visible_at_once_and_durable_after(tmp_path):
+    backend = GatedDisk(tmp_path)
+    store = WeightStore(backend, cache_bytes=0)
+    manifest, chunks = two_tensors()
+    backend.gate.clear()  # the disk is slow: nothing reaches it yet
+    await hold(store, chunks)
+    committed = await store.commit(manifest)
+    assert committed.version == 1 and await store.versions("m") == [1]
+    assert not (await store.info("m", 1)).durable and store.dirty_bytes() > 0
+    assert [codec.frame_payload(await store.get_frame(h)).hash for h in chunks] == list(chunks)
+    assert await store.missing(list(chunks)) == []  # held chunks are not asked for again
+    # a crash now loses version 1 whole: the backend has no manifest (nor half a version)
+    assert await WeightStore(LocalBackend(tmp_path)).versions("m") == []
+    backend.gate.set()
+    await store.flush()
+    assert (await store.info("m", 1)).durable and store.dirty_bytes() == 0
+    restarted = WeightStore(LocalBackend(tmp_path))
+    assert await restarted.versions("m") == [1]
+    assert [codec.frame_payload(await restarted.get_frame(h)).hash for h in chunks] == list(chunks)
+
+
+async def test_failed_write_behind_withdraws_the_version_and_counts_it(tmp_path):
+    backend = GatedDisk(tmp_path, budget=1)
+    store = WeightStore(backend, cache_bytes=0, write_attempts=1)
+    manifest, chunks = two_tensors()
+    before = dropped("version")
+    backend.gate.clear()
+    await hold(store, chunks)
+    assert (await store.commit(manifest)).version == 1
+    backend.gate.set()  # the second chunk's write fails: version 1 can never be durable
+    await store.flush()
+    assert await store.versions("m") == [] and dropped("version") == before + 1
+    assert "No space left" in (store.persist_error or "")
+    with pytest.raises(BackendError, match="backend is failing"):
+        await store.commit(two_tensors(2.0)[0])
+    backend.budget = 10  # space again: the next write succeeds and commits work again
+    manifest, chunks = two_tensors(3.0)
+    await hold(store, chunks)
+    await store.wait_written(chunks)
+    assert (await store.commit(manifest, durable=True)).version == 1
+    assert store.persist_error is None
+
+
+async def test_received_bytes_wait_for_the_backend_past_the_dirty_limit(tmp_path):
+    import asyncio
+
+    backend = GatedDisk(tmp_path)
+    store = WeightStore(backend, cache_bytes=0, max_dirty_bytes=1)
+    _, chunks = two_tensors()
+    backend.gate.clear()
+    (first, a), (second, b) = chunks.items()
+    await store.put_chunk(first, bytes(a))  # one chunk is always let in
+    blocked = asyncio.create_task(store.put_chunk(second, bytes(b)))
+    await asyncio.sleep(0.2)
+    assert not blocked.done() and store.dirty_bytes() > 0
+    backend.gate.set()
+    await asyncio.wait_for(blocked, 10)
+    await store.flush()
+    assert store.dirty_bytes() == 0 and await store.missing(list(chunks)) == []
 
 
 async def test_cache_evicts_by_bytes_and_shares_concurrent_loads():
@@ -108,3 +198,27 @@ def test_local_backend_writes_unaligned_chunks_exactly(tmp_path, monkeypatch, mo
     assert backend.get_chunk("b" * 32) == b"small"
     assert sorted(size for _, _, size in backend.list_chunks()) == [5, len(header) + len(payload)]
     assert backend.direct.supported == (mode == "direct")
+
+
+async def test_writes_wait_for_a_gap_between_streams_or_their_deadline(tmp_path):
+    import asyncio
+
+    store = WeightStore(LocalBackend(tmp_path), cache_bytes=0, max_write_delay_s=60)
+    manifest, chunks = two_tensors()
+    async with store.publishing():  # a publish (or a fetch) is streaming: the disk waits
+        await hold(store, chunks)
+        await asyncio.sleep(0.3)
+        assert store.dirty_bytes() > 0 and not any(LocalBackend(tmp_path).list_chunks())
+    await store.flush()  # the stream ended: written now
+    assert len(list(LocalBackend(tmp_path).list_chunks())) == 2
+
+    store = WeightStore(LocalBackend(tmp_path / "b"), cache_bytes=0, max_write_delay_s=0.5)
+    async with store.publishing():  # a stream that never ends does not hold writes forever
+        await hold(store, chunks)
+        await asyncio.sleep(0.1)
+        assert store.dirty_bytes() > 0
+        for _ in range(100):
+            if not store.dirty_bytes():
+                break
+            await asyncio.sleep(0.05)
+        assert store.dirty_bytes() == 0

@@ -234,7 +234,7 @@ def _store(address: str | None):
 
 @weights_app.command("list")
 def weights_list(model: str, store: StoreOption = None) -> None:
-    """Versions of MODEL: version, step, size, pinned."""
+    """Versions of MODEL: version, step, size, pinned, not yet on disk/S3 (written behind)."""
 
     async def go():
         client = _store(store)
@@ -244,9 +244,9 @@ def weights_list(model: str, store: StoreOption = None) -> None:
             await client.close()
 
     for v in asyncio.run(go()):
-        pin = "  pinned" if v.pinned else ""
+        flags = ("  pinned" if v.pinned else "") + ("" if v.durable else "  writing")
         console.print(
-            f"{v.version:6d}  step {v.trainer_step:6d}  {v.num_bytes / 2**20:9.2f} MiB{pin}"
+            f"{v.version:6d}  step {v.trainer_step:6d}  {v.num_bytes / 2**20:9.2f} MiB{flags}"
         )
 
 

@@ -68,6 +68,12 @@ class Settings(BaseSettings):
     weight_store_bucket: str = Field("treadle-weights", description="S3 bucket of the s3 backend")
     weight_store_keep_last: int = Field(8, ge=1, description="Versions kept per model, pins aside")
     weight_store_cache_mb: int = Field(1024, ge=0, description="Hot-chunk cache size")
+    weight_store_dirty_mb: int = Field(
+        2048,
+        ge=1,
+        description="Received bytes held in memory while they are written behind to the "
+        "backend; past it, publishes wait for the disk or S3",
+    )
     weight_store_gc_grace_s: float = Field(
         600.0,
         ge=0,

@@ -45,6 +45,7 @@ def make_store(settings: Settings) -> WeightStore:
         cache_bytes=settings.weight_store_cache_mb * 2**20,
         keep_last=settings.weight_store_keep_last,
         gc_grace_s=settings.weight_store_gc_grace_s,
+        max_dirty_bytes=settings.weight_store_dirty_mb * 2**20,
     )
 
 
@@ -70,11 +71,14 @@ def build(settings: Settings) -> tuple[ServiceRuntime, WeightStore]:
 
     servicer = WeightStoreServicer(store, announce)
     add_to_server(servicer, runtime.make_grpc_server())
+    runtime.on_drain(store.flush)  # SIGTERM: versions written behind reach the backend first
     runtime.set_info(
         lambda: {
             "grpc": grpc_addr,
             "backend": store.backend.name,
             "cache_mb": round(store.cache.num_bytes / 2**20, 1),
+            "dirty_mb": round(store.dirty_bytes() / 2**20, 1),
+            "persist_error": store.persist_error,
             "readers": store.readers(),
         }
     )

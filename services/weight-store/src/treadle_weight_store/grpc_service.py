@@ -142,6 +142,7 @@ class WeightStoreServicer(weights_pb2_grpc.WeightStoreServicer):
     def _collect_soon(self) -> None:
         async def collect() -> None:
             try:
+                await self.store.settle()  # chunks still being written count as referenced
                 await self.store.gc()
             except StoreError as exc:
                 log.error("gc after retention failed", error=str(exc))
@@ -166,12 +167,15 @@ class WeightStoreServicer(weights_pb2_grpc.WeightStoreServicer):
                     num_bytes += len(chunk.data)
                     continue
                 await writes.finish()
-                manifest = await self.store.commit(item.manifest, stored=received)
+                manifest = await self.store.commit(
+                    item.manifest, stored=received, durable=item.durable
+                )
                 log.info(
                     "committed",
                     model=manifest.model,
                     version=manifest.version,
                     new_chunks=len(received),
+                    durable=self.store.durable(manifest.model, manifest.version),
                 )
                 await self.announce(manifest)
                 if await self.store.apply_retention(manifest.model):

@@ -2,11 +2,22 @@
 
 - Chunks are verified against their xxh3-128 hash when received and when read (a corrupted
   chunk raises `CorruptChunk`, never reaches a reader); reads go through the hot-chunk cache.
-  A chunk is stored as its encoded `FetchResponse` (a frame), so serving it from the cache
-  or the backend sends the stored bytes without re-encoding or copying them.
-- A version becomes visible only by `commit`, after every chunk it names is stored; the
-  backend creates the manifest atomically, so one of two concurrent publishers wins.
-  Versions count from 1 (0 names the base weights of the model directory).
+  A chunk is stored as its encoded `FetchResponse` (a frame), so serving it from memory or
+  the backend sends the stored bytes without re-encoding or copying them.
+- Write-behind: a verified chunk is held in memory (*dirty*) and written to the backend by
+  idle-priority threads while no publish or fetch streams (or once a chunk has waited
+  `max_write_delay_s`, dirty bytes pass half of `max_dirty_bytes`, or someone waits for
+  durability), so publishing and fetching run at network speed, not at disk or S3 speed,
+  and the disk work fills the gaps between weight updates. Past `max_dirty_bytes`,
+  receiving waits for the backend.
+- A version becomes visible only by `commit`, once every chunk it names is held and
+  verified; one of two concurrent publishers of a version wins. A version is *durable* once
+  its manifest is in the backend, which happens only after all of its chunks are: a crash
+  never leaves a half-written version behind, it loses the versions not yet durable.
+  `commit(durable=True)` waits for that before the version becomes visible. If the backend
+  fails for good (disk full, S3 down), versions that depended on the failed writes are
+  withdrawn and counted, durable commits fail, and so does every commit until a write
+  succeeds again. Versions count from 1 (0 names the base weights of the model directory).
 - Retention keeps the last `keep_last` versions plus pinned ones. Garbage collection deletes
   chunks no manifest references, sparing chunks of versions being read (reader leases),
   chunks of publishes in progress and chunks younger than `gc_grace_s` (a broken publish can
@@ -17,14 +28,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
+import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Collection
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+
+from treadle_common import metrics
 from treadle_common.clients.chunk_codec import frame_header, frame_payload
 from treadle_common.clients.weights import chunk_hash
+from treadle_common.logs import get_logger
 from treadle_common.proto.treadle.v1 import weights_pb2 as pb
 from treadle_weight_store.backends.base import Backend
 from treadle_weight_store.cache import ChunkCache
@@ -35,8 +54,10 @@ from treadle_weight_store.errors import (
     NotFound,
     Precondition,
     StoreError,
+    VersionConflict,
 )
 
+log = get_logger(__name__)
 HASH_RE = re.compile(r"^[0-9a-f]{32}$")
 MODEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MAX_CHUNK_BYTES = 16 * 2**20
@@ -57,14 +78,24 @@ def manifest_chunks(manifest: pb.WeightManifest) -> set[str]:
     return refs | {c.hash for a in manifest.assets for c in a.chunks}
 
 
-async def _io(fn: Callable[..., Any], *args: Any) -> Any:
+async def _io(
+    fn: Callable[..., Any], *args: Any, executor: ThreadPoolExecutor | None = None
+) -> Any:
     """Run a blocking backend call in a thread; backend failures surface as `BackendError`."""
     try:
-        return await asyncio.to_thread(fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
     except StoreError:
         raise
     except Exception as exc:  # OSError (disk full, ...), S3Error, connection errors
         raise BackendError(f"storage backend failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _idle_priority() -> None:
+    """Writer threads run at the lowest CPU priority: persisting yields to receiving and
+    serving (Linux gives each thread its own nice value)."""
+    if sys.platform == "linux":
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 class WeightStore:
@@ -75,44 +106,201 @@ class WeightStore:
         cache_bytes: int = 1 << 30,
         keep_last: int = 8,
         gc_grace_s: float = 600.0,
+        max_dirty_bytes: int = 2 << 30,
+        writers: int = 4,
+        write_attempts: int = 3,
+        max_write_delay_s: float = 10.0,
     ):
         self.backend = backend
         self.cache = ChunkCache(cache_bytes)
         self.keep_last = keep_last
         self.gc_grace_s = gc_grace_s
+        self.max_dirty_bytes = max_dirty_bytes
+        self.write_attempts = write_attempts
+        self.max_write_delay_s = max_write_delay_s
+        self._streams = 0  # publish and fetch streams open now: writes wait for a gap
+        self._urgent = 0  # callers waiting for durability: writes go now
         self._commit_lock = asyncio.Lock()
         self._leases: Counter[tuple[str, int]] = Counter()
         self._publishing: dict[int, set[str]] = {}
+        # write-behind state: chunks not yet in the backend, versions not yet durable
+        self._dirty: dict[str, bytes] = {}
+        self._dirty_bytes = 0
+        self._pending: dict[tuple[str, int], pb.WeightManifest] = {}
+        self._failed: dict[str, str] = {}  # chunk -> why its write failed for good
+        self._changed = asyncio.Condition()
+        self._manifest_lock = asyncio.Lock()
+        self._writes: set[asyncio.Task] = set()
+        self._writer = ThreadPoolExecutor(
+            writers, thread_name_prefix="weight-writer", initializer=_idle_priority
+        )
+        self.persist_error: str | None = None  # the last write failure, until a write works
+        self._failed_at = 0.0
 
     # -- chunks ---------------------------------------------------------------------------------
     async def missing(self, hashes: list[str]) -> list[str]:
         for digest in hashes:
             check_hash(digest)
-        unique = list(dict.fromkeys(hashes))
+        unique = [h for h in dict.fromkeys(hashes) if h not in self._dirty]
         present = await _io(self.backend.has_chunks, unique) if unique else []
         return [h for h, ok in zip(unique, present, strict=True) if not ok]
 
     async def put_chunk(
         self, digest: str, data: bytes | memoryview, frame: bytes | None = None
     ) -> None:
-        """Verify and store a chunk. `frame`, when given, is the received message that holds
-        `data`: it is stored and cached as is (it is already the fetch message)."""
+        """Verify a chunk and hold it until it is written to the backend (write-behind).
+        `frame`, when given, is the received message that holds `data`: it is kept and
+        served as is (it is already the fetch message)."""
         check_hash(digest)
         if len(data) > MAX_CHUNK_BYTES:
             raise BadRequest(f"chunk {digest} is {len(data)} bytes; the limit is {MAX_CHUNK_BYTES}")
-        parts = (frame_header(digest, len(data)), data) if frame is None else (frame,)
+        if digest in self._dirty:
+            return
+        if await asyncio.to_thread(chunk_hash, data) != digest:  # xxhash releases the GIL
+            raise BadRequest(f"chunk {digest} does not match its content hash")
+        if frame is None:
+            frame = b"".join((frame_header(digest, len(data)), data))
+        async with self._changed:  # back-pressure: the backend has to catch up first
+            await self._changed.wait_for(
+                lambda: not self._dirty or self._dirty_bytes + len(frame) <= self.max_dirty_bytes
+            )
+        if digest in self._dirty:
+            return
+        self._dirty[digest] = frame
+        self._dirty_bytes += len(frame)
+        self._failed.pop(digest, None)
+        task = asyncio.create_task(self._write_chunk(digest, frame))
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
 
-        def verify_and_write() -> None:  # in a worker thread: xxhash releases the GIL
-            if chunk_hash(data) != digest:
-                raise BadRequest(f"chunk {digest} does not match its content hash")
-            self.backend.put_chunk(digest, parts)
+    async def _write_chunk(self, digest: str, frame: bytes) -> None:
+        """Write one dirty chunk (retrying), then the manifests it was the last chunk of."""
+        await self._write_turn()
+        started = time.monotonic()
+        try:
+            async for attempt in AsyncRetrying(
+                retry=retry_if_exception_type(BackendError),
+                stop=stop_after_attempt(self.write_attempts),
+                wait=wait_exponential(multiplier=0.2, max=2.0),
+                reraise=True,
+            ):
+                with attempt:
+                    started = time.monotonic()
+                    await _io(self.backend.put_chunk, digest, (frame,), executor=self._writer)
+        except BackendError as exc:
+            self._fail(str(exc))
+            self._failed[digest] = str(exc)
+            log.error("chunk write failed", chunk=digest, error=str(exc))
+            metrics.DROPPED.labels("weight-store", "chunk", "backend_failed").inc()
+            for key, manifest in list(self._pending.items()):
+                if digest in manifest_chunks(manifest):
+                    self._withdraw(key, str(exc))
+        else:
+            if started > self._failed_at:  # a write that began after the last failure
+                self.persist_error = None
+            self.cache.put(digest, frame)  # replicas fetch a new version right after it
+        finally:
+            self._dirty.pop(digest, None)
+            self._dirty_bytes -= len(frame)
+            async with self._changed:
+                self._changed.notify_all()
+        await self._write_manifests()
 
-        await _io(verify_and_write)
-        if frame is not None:  # replicas fetch a new version right after it is published
-            self.cache.put(digest, frame)
+    async def _write_turn(self) -> None:
+        """Until no stream is open, or writing cannot wait any longer."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.max_write_delay_s), self._changed:
+                await self._changed.wait_for(
+                    lambda: (
+                        not self._streams
+                        or self._urgent > 0
+                        or self._dirty_bytes * 2 >= self.max_dirty_bytes
+                    )
+                )
+
+    @contextlib.asynccontextmanager
+    async def _stream(self) -> AsyncIterator[None]:
+        self._streams += 1
+        try:
+            yield
+        finally:
+            self._streams -= 1
+            async with self._changed:
+                self._changed.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def _hurry(self) -> AsyncIterator[None]:
+        self._urgent += 1
+        async with self._changed:
+            self._changed.notify_all()
+        try:
+            yield
+        finally:
+            self._urgent -= 1
+
+    def _fail(self, error: str) -> None:
+        self.persist_error = error
+        self._failed_at = time.monotonic()
+
+    def _withdraw(self, key: tuple[str, int], reason: str) -> None:
+        """A version that can no longer become durable stops being visible (counted)."""
+        if self._pending.pop(key, None) is not None:
+            log.error("version withdrawn", model=key[0], version=key[1], error=reason)
+            metrics.DROPPED.labels("weight-store", "version", "backend_failed").inc()
+
+    async def _write_manifests(self) -> None:
+        """Make durable every pending version whose chunks are all in the backend, in order."""
+        async with self._manifest_lock:
+            for key in sorted(self._pending):
+                manifest = self._pending.get(key)
+                if manifest is None or not manifest_chunks(manifest).isdisjoint(self._dirty):
+                    continue
+                try:
+                    await _io(
+                        self.backend.put_manifest,
+                        *key,
+                        manifest.SerializeToString(),
+                        executor=self._writer,
+                    )
+                except StoreError as exc:  # the backend failed, or another store wrote it
+                    self._fail(str(exc))
+                    self._withdraw(key, str(exc))
+                else:
+                    self._pending.pop(key, None)
+                    async with self._changed:
+                        self._changed.notify_all()
+
+    async def wait_written(self, digests: Collection[str]) -> None:
+        """Until none of `digests` is dirty; `BackendError` if the write of one failed."""
+        wanted = set(digests)
+        async with self._hurry(), self._changed:
+            await self._changed.wait_for(lambda: wanted.isdisjoint(self._dirty))
+        failed = wanted.intersection(self._failed)
+        if failed:
+            raise BackendError(self._failed[min(failed)])
+
+    async def flush(self) -> None:
+        """Until every held chunk and every pending version is in the backend (or failed)."""
+        async with self._hurry(), self._changed:
+            await self._changed.wait_for(lambda: not self._dirty and not self._pending)
+
+    async def settle(self) -> None:
+        """Until the chunks held now are written (or failed): GC then sees them."""
+        with contextlib.suppress(BackendError):
+            await self.wait_written(list(self._dirty))
+
+    def durable(self, model: str, version: int) -> bool:
+        return (model, version) not in self._pending
+
+    def dirty_bytes(self) -> int:
+        return self._dirty_bytes
 
     async def get_frame(self, digest: str) -> bytes:
-        """The chunk as its encoded FetchResponse (verified), from the cache or the backend."""
+        """The chunk as its encoded FetchResponse (verified): held in memory, from the cache
+        or from the backend."""
+        held = self._dirty.get(digest)
+        if held is not None:
+            return held
 
         async def load() -> bytes:
             frame = await _io(self.backend.get_chunk, digest)
@@ -131,14 +319,17 @@ class WeightStore:
         received: set[str] = set()
         self._publishing[id(received)] = received
         try:
-            yield received
+            async with self._stream():
+                yield received
         finally:
             del self._publishing[id(received)]
 
     # -- versions -------------------------------------------------------------------------------
     async def versions(self, model: str) -> list[int]:
         check_model(model)
-        return await _io(self.backend.list_versions, model)
+        # pending first: one that becomes durable meanwhile is then in the listing
+        pending = {v for m, v in self._pending if m == model}
+        return sorted(pending.union(await _io(self.backend.list_versions, model)))
 
     async def models(self) -> list[str]:
         return await _io(self.backend.list_models)
@@ -154,13 +345,21 @@ class WeightStore:
     async def get_manifest(self, model: str, version: int) -> pb.WeightManifest:
         check_model(model)
         version = await self.resolve(model, version)
+        pending = self._pending.get((model, version))
+        if pending is not None:
+            return pending
         return pb.WeightManifest.FromString(await _io(self.backend.get_manifest, model, version))
 
+    async def _delete_manifest(self, model: str, version: int) -> None:
+        if self._pending.pop((model, version), None) is None:
+            await _io(self.backend.delete_manifest, model, version)
+
     async def commit(
-        self, manifest: pb.WeightManifest, stored: Collection[str] = ()
+        self, manifest: pb.WeightManifest, stored: Collection[str] = (), durable: bool = False
     ) -> pb.WeightManifest:
-        """Make a version visible once every chunk it names is stored and valid. `stored`:
-        chunks this publish stream has just verified and written (not looked up again)."""
+        """Make a version visible once every chunk it names is held and valid; with `durable`,
+        only once it is in the backend. `stored`: chunks this publish stream has just
+        verified (not looked up again)."""
         check_model(manifest.model)
         if manifest.version == 0:
             raise BadRequest(
@@ -171,23 +370,41 @@ class WeightStore:
                 raise BadRequest(
                     f"chunk {ref.hash} is {ref.size} bytes; the limit is {MAX_CHUNK_BYTES}"
                 )
-        missing = await self.missing(sorted(manifest_chunks(manifest).difference(stored)))
+        refs = manifest_chunks(manifest)
+        failed = refs.intersection(self._failed)
+        if failed:  # received, then lost: the backend refused its write
+            raise BackendError(self._failed[min(failed)])
+        if not durable and self.persist_error is not None:
+            raise BackendError(
+                f"the {self.backend.name} backend is failing, so versions cannot be kept: "
+                f"{self.persist_error}"
+            )
+        missing = await self.missing(sorted(refs.difference(stored)))
         if missing:
             raise BadRequest(
                 f"manifest names {len(missing)} chunks the store lacks, e.g. {missing[0]}"
             )
+        if durable:
+            await self.wait_written(refs)
         async with self._commit_lock:
+            versions = await self.versions(manifest.model)
             if manifest.version < 0:
-                versions = await self.versions(manifest.model)
                 manifest.version = versions[-1] + 1 if versions else 1
+            elif manifest.version in versions:
+                raise VersionConflict(f"{manifest.model} version {manifest.version} already exists")
             if not manifest.created_at:
                 manifest.created_at = time.time()
-            await _io(
-                self.backend.put_manifest,
-                manifest.model,
-                manifest.version,
-                manifest.SerializeToString(),
-            )
+            if durable:
+                await _io(
+                    self.backend.put_manifest,
+                    manifest.model,
+                    manifest.version,
+                    manifest.SerializeToString(),
+                )
+            else:
+                self._pending[(manifest.model, manifest.version)] = manifest
+        if not durable:
+            await self._write_manifests()  # at once if its chunks are all in the backend
         return manifest
 
     async def info(self, model: str, version: int) -> pb.VersionInfo:
@@ -201,6 +418,7 @@ class WeightStore:
             num_bytes=sum(c.size for t in m.tensors for c in t.chunks),
             pinned=m.version in pins,
             parent_version=m.parent_version,
+            durable=self.durable(model, m.version),
         )
 
     async def set_pin(self, model: str, version: int, pinned: bool) -> pb.VersionInfo:
@@ -222,7 +440,7 @@ class WeightStore:
             raise Precondition(
                 f"{model} version {version} is being read; retry when readers finish"
             )
-        await _io(self.backend.delete_manifest, model, version)
+        await self._delete_manifest(model, version)
         return (await self.gc())[1]
 
     # -- readers, retention, GC -------------------------------------------------------------------
@@ -233,7 +451,8 @@ class WeightStore:
         key = (model, manifest.version)
         self._leases[key] += 1
         try:
-            yield manifest
+            async with self._stream():
+                yield manifest
         finally:
             self._leases[key] -= 1
             if not self._leases[key]:
@@ -251,7 +470,7 @@ class WeightStore:
             v for v in versions[: -self.keep_last] if v not in pins and not self._leases[(model, v)]
         ]
         for version in doomed:
-            await _io(self.backend.delete_manifest, model, version)
+            await self._delete_manifest(model, version)
         return doomed
 
     async def gc(self) -> tuple[list[pb.VersionRef], int, int]:
@@ -267,6 +486,7 @@ class WeightStore:
                     referenced |= manifest_chunks(await self.get_manifest(model, version))
         for received in self._publishing.values():
             referenced |= received
+        referenced.update(self._dirty)  # being written: not listed yet, or just now
         horizon = time.time() - self.gc_grace_s
         chunks = await _io(lambda: list(self.backend.list_chunks()))
         num_chunks = num_bytes = 0

@@ -174,16 +174,25 @@ class WeightStoreClient:
         await self.channel.close()
 
     async def publish(
-        self, model: str, tensors: Mapping[str, RawTensor], **manifest_fields
+        self,
+        model: str,
+        tensors: Mapping[str, RawTensor],
+        *,
+        durable: bool = False,
+        **manifest_fields,
     ) -> pb.PublishResponse:
-        """Publish a version, sending only chunks the store lacks; resumes after a broken stream."""
+        """Publish a version, sending only chunks the store lacks; resumes after a broken stream.
+        The version is visible once the store holds it; `durable` waits until it is on the
+        store's disk or S3 as well (checkpoints, exports)."""
         pending = layout_manifest(model, tensors, **manifest_fields)
         async for attempt in retrying(self.attempts):
             with attempt:
-                return await self.publish_pending(pending)
+                return await self.publish_pending(pending, durable=durable)
         raise AssertionError("unreachable")
 
-    async def publish_pending(self, pending: PendingPublish) -> pb.PublishResponse:
+    async def publish_pending(
+        self, pending: PendingPublish, durable: bool = False
+    ) -> pb.PublishResponse:
         """One publish attempt, pipelined in batches of about `PUBLISH_BATCH_BYTES`: while one
         batch streams, the next is hashed (in a thread) and the store is asked which of its
         chunks it lacks; the manifest goes last. A retry re-asks, so it sends only the rest.
@@ -219,7 +228,7 @@ class WeightStoreClient:
                             yield codec.serialize_publish_request(ChunkView(digest, data[digest]))
             finally:
                 next_plan.cancel()  # a broken stream: stop hashing ahead
-            yield pb.PublishRequest(manifest=pending.manifest).SerializeToString()
+            yield pb.PublishRequest(manifest=pending.manifest, durable=durable).SerializeToString()
 
         return await self.publish_call(requests())
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18treadle/v1/weights.proto\x12\ntreadle.v1\"&\n\x08\x43hunkRef\x12\x0c\n\x04hash\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\"_\n\x0bTensorEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12$\n\x06\x63hunks\x18\x04 \x03(\x0b\x32\x14.treadle.v1.ChunkRef\"@\n\nAssetEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x14.treadle.v1.ChunkRef\"\xb1\x02\n\x0eWeightManifest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x16\n\x0eparent_version\x18\x03 \x01(\x03\x12\x14\n\x0ctrainer_step\x18\x04 \x01(\x03\x12\x12\n\ncreated_at\x18\x05 \x01(\x01\x12(\n\x07tensors\x18\x06 \x03(\x0b\x32\x17.treadle.v1.TensorEntry\x12:\n\x08metadata\x18\x07 \x03(\x0b\x32(.treadle.v1.WeightManifest.MetadataEntry\x12&\n\x06\x61ssets\x18\x08 \x03(\x0b\x32\x16.treadle.v1.AssetEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"&\n\x14MissingChunksRequest\x12\x0e\n\x06hashes\x18\x01 \x03(\t\"(\n\x15MissingChunksResponse\x12\x0f\n\x07missing\x18\x01 \x03(\t\"#\n\x05\x43hunk\x12\x0c\n\x04hash\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"l\n\x0ePublishRequest\x12\"\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x11.treadle.v1.ChunkH\x00\x12.\n\x08manifest\x18\x02 \x01(\x0b\x32\x1a.treadle.v1.WeightManifestH\x00\x42\x06\n\x04item\"f\n\x0fPublishResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x1b\n\x13num_chunks_received\x18\x03 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x04 \x01(\x03\",\n\nVersionRef\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\"Q\n\x0c\x46\x65tchRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0c\n\x04have\x18\x03 \x03(\t\x12\x13\n\x0bskip_assets\x18\x04 \x01(\x08\"k\n\rFetchResponse\x12\"\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x11.treadle.v1.ChunkH\x00\x12.\n\x08manifest\x18\x02 \x01(\x0b\x32\x1a.treadle.v1.WeightManifestH\x00\x42\x06\n\x04item\"$\n\x13ListVersionsRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\x92\x01\n\x0bVersionInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x14\n\x0ctrainer_step\x18\x03 \x01(\x03\x12\x12\n\ncreated_at\x18\x04 \x01(\x01\x12\x11\n\tnum_bytes\x18\x05 \x01(\x03\x12\x0e\n\x06pinned\x18\x06 \x01(\x08\x12\x16\n\x0eparent_version\x18\x07 \x01(\x03\"A\n\x14ListVersionsResponse\x12)\n\x08versions\x18\x01 \x03(\x0b\x32\x17.treadle.v1.VersionInfo\"a\n\x12WeightAnnouncement\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x14\n\x0ctrainer_step\x18\x03 \x01(\x03\x12\x15\n\rstore_address\x18\x04 \x01(\t\"\x13\n\x11ListModelsRequest\"$\n\x12ListModelsResponse\x12\x0e\n\x06models\x18\x01 \x03(\t\"/\n\x15\x44\x65leteVersionResponse\x12\x16\n\x0e\x63hunks_deleted\x18\x01 \x01(\x03\"<\n\nPinRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0e\n\x06pinned\x18\x03 \x01(\x08\"\x17\n\x15GarbageCollectRequest\"y\n\x16GarbageCollectResponse\x12\x30\n\x10versions_deleted\x18\x01 \x03(\x0b\x32\x16.treadle.v1.VersionRef\x12\x16\n\x0e\x63hunks_deleted\x18\x02 \x01(\x03\x12\x15\n\rbytes_deleted\x18\x03 \x01(\x03\x32\xac\x05\n\x0bWeightStore\x12T\n\rMissingChunks\x12 .treadle.v1.MissingChunksRequest\x1a!.treadle.v1.MissingChunksResponse\x12\x44\n\x07Publish\x12\x1a.treadle.v1.PublishRequest\x1a\x1b.treadle.v1.PublishResponse(\x01\x12>\n\x05\x46\x65tch\x12\x18.treadle.v1.FetchRequest\x1a\x19.treadle.v1.FetchResponse0\x01\x12\x41\n\x0bGetManifest\x12\x16.treadle.v1.VersionRef\x1a\x1a.treadle.v1.WeightManifest\x12Q\n\x0cListVersions\x12\x1f.treadle.v1.ListVersionsRequest\x1a .treadle.v1.ListVersionsResponse\x12K\n\nListModels\x12\x1d.treadle.v1.ListModelsRequest\x1a\x1e.treadle.v1.ListModelsResponse\x12J\n\rDeleteVersion\x12\x16.treadle.v1.VersionRef\x1a!.treadle.v1.DeleteVersionResponse\x12\x39\n\x06SetPin\x12\x16.treadle.v1.PinRequest\x1a\x17.treadle.v1.VersionInfo\x12W\n\x0eGarbageCollect\x12!.treadle.v1.GarbageCollectRequest\x1a\".treadle.v1.GarbageCollectResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18treadle/v1/weights.proto\x12\ntreadle.v1\"&\n\x08\x43hunkRef\x12\x0c\n\x04hash\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\"_\n\x0bTensorEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12$\n\x06\x63hunks\x18\x04 \x03(\x0b\x32\x14.treadle.v1.ChunkRef\"@\n\nAssetEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x14.treadle.v1.ChunkRef\"\xb1\x02\n\x0eWeightManifest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x16\n\x0eparent_version\x18\x03 \x01(\x03\x12\x14\n\x0ctrainer_step\x18\x04 \x01(\x03\x12\x12\n\ncreated_at\x18\x05 \x01(\x01\x12(\n\x07tensors\x18\x06 \x03(\x0b\x32\x17.treadle.v1.TensorEntry\x12:\n\x08metadata\x18\x07 \x03(\x0b\x32(.treadle.v1.WeightManifest.MetadataEntry\x12&\n\x06\x61ssets\x18\x08 \x03(\x0b\x32\x16.treadle.v1.AssetEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"&\n\x14MissingChunksRequest\x12\x0e\n\x06hashes\x18\x01 \x03(\t\"(\n\x15MissingChunksResponse\x12\x0f\n\x07missing\x18\x01 \x03(\t\"#\n\x05\x43hunk\x12\x0c\n\x04hash\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"}\n\x0ePublishRequest\x12\"\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x11.treadle.v1.ChunkH\x00\x12.\n\x08manifest\x18\x02 \x01(\x0b\x32\x1a.treadle.v1.WeightManifestH\x00\x12\x0f\n\x07\x64urable\x18\x03 \x01(\x08\x42\x06\n\x04item\"f\n\x0fPublishResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x1b\n\x13num_chunks_received\x18\x03 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x04 \x01(\x03\",\n\nVersionRef\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\"Q\n\x0c\x46\x65tchRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0c\n\x04have\x18\x03 \x03(\t\x12\x13\n\x0bskip_assets\x18\x04 \x01(\x08\"k\n\rFetchResponse\x12\"\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x11.treadle.v1.ChunkH\x00\x12.\n\x08manifest\x18\x02 \x01(\x0b\x32\x1a.treadle.v1.WeightManifestH\x00\x42\x06\n\x04item\"$\n\x13ListVersionsRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xa3\x01\n\x0bVersionInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x14\n\x0ctrainer_step\x18\x03 \x01(\x03\x12\x12\n\ncreated_at\x18\x04 \x01(\x01\x12\x11\n\tnum_bytes\x18\x05 \x01(\x03\x12\x0e\n\x06pinned\x18\x06 \x01(\x08\x12\x16\n\x0eparent_version\x18\x07 \x01(\x03\x12\x0f\n\x07\x64urable\x18\x08 \x01(\x08\"A\n\x14ListVersionsResponse\x12)\n\x08versions\x18\x01 \x03(\x0b\x32\x17.treadle.v1.VersionInfo\"a\n\x12WeightAnnouncement\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x14\n\x0ctrainer_step\x18\x03 \x01(\x03\x12\x15\n\rstore_address\x18\x04 \x01(\t\"\x13\n\x11ListModelsRequest\"$\n\x12ListModelsResponse\x12\x0e\n\x06models\x18\x01 \x03(\t\"/\n\x15\x44\x65leteVersionResponse\x12\x16\n\x0e\x63hunks_deleted\x18\x01 \x01(\x03\"<\n\nPinRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0e\n\x06pinned\x18\x03 \x01(\x08\"\x17\n\x15GarbageCollectRequest\"y\n\x16GarbageCollectResponse\x12\x30\n\x10versions_deleted\x18\x01 \x03(\x0b\x32\x16.treadle.v1.VersionRef\x12\x16\n\x0e\x63hunks_deleted\x18\x02 \x01(\x03\x12\x15\n\rbytes_deleted\x18\x03 \x01(\x03\x32\xac\x05\n\x0bWeightStore\x12T\n\rMissingChunks\x12 .treadle.v1.MissingChunksRequest\x1a!.treadle.v1.MissingChunksResponse\x12\x44\n\x07Publish\x12\x1a.treadle.v1.PublishRequest\x1a\x1b.treadle.v1.PublishResponse(\x01\x12>\n\x05\x46\x65tch\x12\x18.treadle.v1.FetchRequest\x1a\x19.treadle.v1.FetchResponse0\x01\x12\x41\n\x0bGetManifest\x12\x16.treadle.v1.VersionRef\x1a\x1a.treadle.v1.WeightManifest\x12Q\n\x0cListVersions\x12\x1f.treadle.v1.ListVersionsRequest\x1a .treadle.v1.ListVersionsResponse\x12K\n\nListModels\x12\x1d.treadle.v1.ListModelsRequest\x1a\x1e.treadle.v1.ListModelsResponse\x12J\n\rDeleteVersion\x12\x16.treadle.v1.VersionRef\x1a!.treadle.v1.DeleteVersionResponse\x12\x39\n\x06SetPin\x12\x16.treadle.v1.PinRequest\x1a\x17.treadle.v1.VersionInfo\x12W\n\x0eGarbageCollect\x12!.treadle.v1.GarbageCollectRequest\x1a\".treadle.v1.GarbageCollectResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -50,35 +50,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHUNK']._serialized_start=633
   _globals['_CHUNK']._serialized_end=668
   _globals['_PUBLISHREQUEST']._serialized_start=670
-  _globals['_PUBLISHREQUEST']._serialized_end=778
-  _globals['_PUBLISHRESPONSE']._serialized_start=780
-  _globals['_PUBLISHRESPONSE']._serialized_end=882
-  _globals['_VERSIONREF']._serialized_start=884
-  _globals['_VERSIONREF']._serialized_end=928
-  _globals['_FETCHREQUEST']._serialized_start=930
-  _globals['_FETCHREQUEST']._serialized_end=1011
-  _globals['_FETCHRESPONSE']._serialized_start=1013
-  _globals['_FETCHRESPONSE']._serialized_end=1120
-  _globals['_LISTVERSIONSREQUEST']._serialized_start=1122
-  _globals['_LISTVERSIONSREQUEST']._serialized_end=1158
-  _globals['_VERSIONINFO']._serialized_start=1161
-  _globals['_VERSIONINFO']._serialized_end=1307
-  _globals['_LISTVERSIONSRESPONSE']._serialized_start=1309
-  _globals['_LISTVERSIONSRESPONSE']._serialized_end=1374
-  _globals['_WEIGHTANNOUNCEMENT']._serialized_start=1376
-  _globals['_WEIGHTANNOUNCEMENT']._serialized_end=1473
-  _globals['_LISTMODELSREQUEST']._serialized_start=1475
-  _globals['_LISTMODELSREQUEST']._serialized_end=1494
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1496
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1532
-  _globals['_DELETEVERSIONRESPONSE']._serialized_start=1534
-  _globals['_DELETEVERSIONRESPONSE']._serialized_end=1581
-  _globals['_PINREQUEST']._serialized_start=1583
-  _globals['_PINREQUEST']._serialized_end=1643
-  _globals['_GARBAGECOLLECTREQUEST']._serialized_start=1645
-  _globals['_GARBAGECOLLECTREQUEST']._serialized_end=1668
-  _globals['_GARBAGECOLLECTRESPONSE']._serialized_start=1670
-  _globals['_GARBAGECOLLECTRESPONSE']._serialized_end=1791
-  _globals['_WEIGHTSTORE']._serialized_start=1794
-  _globals['_WEIGHTSTORE']._serialized_end=2478
+  _globals['_PUBLISHREQUEST']._serialized_end=795
+  _globals['_PUBLISHRESPONSE']._serialized_start=797
+  _globals['_PUBLISHRESPONSE']._serialized_end=899
+  _globals['_VERSIONREF']._serialized_start=901
+  _globals['_VERSIONREF']._serialized_end=945
+  _globals['_FETCHREQUEST']._serialized_start=947
+  _globals['_FETCHREQUEST']._serialized_end=1028
+  _globals['_FETCHRESPONSE']._serialized_start=1030
+  _globals['_FETCHRESPONSE']._serialized_end=1137
+  _globals['_LISTVERSIONSREQUEST']._serialized_start=1139
+  _globals['_LISTVERSIONSREQUEST']._serialized_end=1175
+  _globals['_VERSIONINFO']._serialized_start=1178
+  _globals['_VERSIONINFO']._serialized_end=1341
+  _globals['_LISTVERSIONSRESPONSE']._serialized_start=1343
+  _globals['_LISTVERSIONSRESPONSE']._serialized_end=1408
+  _globals['_WEIGHTANNOUNCEMENT']._serialized_start=1410
+  _globals['_WEIGHTANNOUNCEMENT']._serialized_end=1507
+  _globals['_LISTMODELSREQUEST']._serialized_start=1509
+  _globals['_LISTMODELSREQUEST']._serialized_end=1528
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1530
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1566
+  _globals['_DELETEVERSIONRESPONSE']._serialized_start=1568
+  _globals['_DELETEVERSIONRESPONSE']._serialized_end=1615
+  _globals['_PINREQUEST']._serialized_start=1617
+  _globals['_PINREQUEST']._serialized_end=1677
+  _globals['_GARBAGECOLLECTREQUEST']._serialized_start=1679
+  _globals['_GARBAGECOLLECTREQUEST']._serialized_end=1702
+  _globals['_GARBAGECOLLECTRESPONSE']._serialized_start=1704
+  _globals['_GARBAGECOLLECTRESPONSE']._serialized_end=1825
+  _globals['_WEIGHTSTORE']._serialized_start=1828
+  _globals['_WEIGHTSTORE']._serialized_end=2512
 # @@protoc_insertion_point(module_scope)

@@ -82,12 +82,14 @@ class Chunk(_message.Message):
     def __init__(self, hash: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
-    __slots__ = ("chunk", "manifest")
+    __slots__ = ("chunk", "manifest", "durable")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
     chunk: Chunk
     manifest: WeightManifest
-    def __init__(self, chunk: _Optional[_Union[Chunk, _Mapping]] = ..., manifest: _Optional[_Union[WeightManifest, _Mapping]] = ...) -> None: ...
+    durable: bool
+    def __init__(self, chunk: _Optional[_Union[Chunk, _Mapping]] = ..., manifest: _Optional[_Union[WeightManifest, _Mapping]] = ..., durable: _Optional[bool] = ...) -> None: ...
 
 class PublishResponse(_message.Message):
     __slots__ = ("model", "version", "num_chunks_received", "bytes_received")
@@ -136,7 +138,7 @@ class ListVersionsRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class VersionInfo(_message.Message):
-    __slots__ = ("model", "version", "trainer_step", "created_at", "num_bytes", "pinned", "parent_version")
+    __slots__ = ("model", "version", "trainer_step", "created_at", "num_bytes", "pinned", "parent_version", "durable")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TRAINER_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +146,7 @@ class VersionInfo(_message.Message):
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     PINNED_FIELD_NUMBER: _ClassVar[int]
     PARENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     trainer_step: int
@@ -151,7 +154,8 @@ class VersionInfo(_message.Message):
     num_bytes: int
     pinned: bool
     parent_version: int
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., trainer_step: _Optional[int] = ..., created_at: _Optional[float] = ..., num_bytes: _Optional[int] = ..., pinned: _Optional[bool] = ..., parent_version: _Optional[int] = ...) -> None: ...
+    durable: bool
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., trainer_step: _Optional[int] = ..., created_at: _Optional[float] = ..., num_bytes: _Optional[int] = ..., pinned: _Optional[bool] = ..., parent_version: _Optional[int] = ..., durable: _Optional[bool] = ...) -> None: ...
 
 class ListVersionsResponse(_message.Message):
     __slots__ = ("versions",)
