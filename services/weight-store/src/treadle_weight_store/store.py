@@ -131,6 +131,7 @@ class WeightStore:
         self._changed = asyncio.Condition()
         self._manifest_lock = asyncio.Lock()
         self._writes: set[asyncio.Task] = set()
+        self._write_slots = asyncio.Semaphore(writers)
         self._writer = ThreadPoolExecutor(
             writers, thread_name_prefix="weight-writer", initializer=_idle_priority
         )
@@ -175,7 +176,6 @@ class WeightStore:
 
     async def _write_chunk(self, digest: str, frame: bytes) -> None:
         """Write one dirty chunk (retrying), then the manifests it was the last chunk of."""
-        await self._write_turn()
         started = time.monotonic()
         try:
             async for attempt in AsyncRetrying(
@@ -185,8 +185,10 @@ class WeightStore:
                 reraise=True,
             ):
                 with attempt:
-                    started = time.monotonic()
-                    await _io(self.backend.put_chunk, digest, (frame,), executor=self._writer)
+                    async with self._write_slots:  # each write waits for its own turn
+                        await self._write_turn()
+                        started = time.monotonic()
+                        await _io(self.backend.put_chunk, digest, (frame,), executor=self._writer)
         except BackendError as exc:
             self._fail(str(exc))
             self._failed[digest] = str(exc)
@@ -266,7 +268,9 @@ class WeightStore:
                     self._fail(str(exc))
                     self._withdraw(key, str(exc))
                 else:
-                    self._pending.pop(key, None)
+                    if self._pending.pop(key, None) is None:  # deleted while being written
+                        with contextlib.suppress(StoreError):  # best effort: it is failing
+                            await self._delete_manifest(*key)
                     async with self._changed:
                         self._changed.notify_all()
 
