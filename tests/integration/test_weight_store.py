@@ -291,8 +291,8 @@ async def test_retention_pins_and_gc_while_a_reader_is_active(service, weight_st
     items = [await anext(aiter(stream)), await anext(aiter(stream))]
     # 64 MiB exceed gRPC's flow-control window: the server is still streaming, holding a lease
     assert httpx.get(f"{ws.http}/v1/info").json()["readers"] == {"m@2": 1}
-    for v in (3, 4, 5):
-        await client.publish("m", state_dict_to_raw(states[v]))
+    for v in (3, 4, 5):  # durable: written now, not in a gap the open reader never leaves
+        await client.publish("m", state_dict_to_raw(states[v]), durable=True)
     # retention ran on each publish: 3 went; 2 is leased, 1 pinned, 4-5 are the newest two
     assert [v.version for v in await client.list_versions("m")] == [1, 2, 4, 5]
     # and GC followed it: version 3's chunks are freed, version 2's (being read) are not

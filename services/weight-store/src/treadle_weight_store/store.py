@@ -161,7 +161,7 @@ class WeightStore:
             raise BadRequest(f"chunk {digest} does not match its content hash")
         if frame is None:
             frame = b"".join((frame_header(digest, len(data)), data))
-        async with self._changed:  # back-pressure: the backend has to catch up first
+        async with self._hurry(), self._changed:  # back-pressure: the backend catches up first
             await self._changed.wait_for(
                 lambda: not self._dirty or self._dirty_bytes + len(frame) <= self.max_dirty_bytes
             )
@@ -274,10 +274,11 @@ class WeightStore:
                     async with self._changed:
                         self._changed.notify_all()
 
-    async def wait_written(self, digests: Collection[str]) -> None:
-        """Until none of `digests` is dirty; `BackendError` if the write of one failed."""
+    async def wait_written(self, digests: Collection[str], hurry: bool = True) -> None:
+        """Until none of `digests` is dirty; `BackendError` if the write of one failed.
+        `hurry`: the writes go now, without waiting for a gap between streams."""
         wanted = set(digests)
-        async with self._hurry(), self._changed:
+        async with self._hurry() if hurry else contextlib.nullcontext(), self._changed:
             await self._changed.wait_for(lambda: wanted.isdisjoint(self._dirty))
         failed = wanted.intersection(self._failed)
         if failed:
@@ -289,9 +290,10 @@ class WeightStore:
             await self._changed.wait_for(lambda: not self._dirty and not self._pending)
 
     async def settle(self) -> None:
-        """Until the chunks held now are written (or failed): GC then sees them."""
+        """Until the chunks held now are written (or failed), in their own time: GC then
+        sees them."""
         with contextlib.suppress(BackendError):
-            await self.wait_written(list(self._dirty))
+            await self.wait_written(list(self._dirty), hurry=False)
 
     def durable(self, model: str, version: int) -> bool:
         return (model, version) not in self._pending
