@@ -14,6 +14,8 @@ WeightStore gRPC servicer plus a raw `bytes` stream service. In the same run we 
     fetch_ratio         raw download time / fetch time
     delta_bytes_ratio   bytes sent to publish a step that changed `changed` of the tensors / full
     fanout8_fetch_gbps  aggregate rate of 8 replica processes fetching the new version at once
+                        (each a running replica: a connected client, warmed like the single
+                        fetch's by fetching the warm-up model)
     raw_disk_write_gbps the same bytes written to one file in the store's directory, like
                         `dd oflag=direct` (a publish persists every byte it receives, so on a
                         machine whose disk is slower than its loopback this bounds publish)
@@ -94,9 +96,10 @@ async def until_durable(client: WeightStoreClient, version: int) -> float:
 async def measure(address: str, state: dict, repeats: int) -> dict:
     """Median of `repeats` rounds of: raw upload + download, full publish, full fetch.
 
-    A warm-up round first (connections, buffers, thread pools); each round publishes new
-    content (every tensor shifted) so every publish is a full one, and fetches it into a
-    replica that holds nothing yet.
+    Each round publishes new content (every tensor shifted) so every publish is a full one,
+    and fetches it into a replica that holds nothing yet. A warm-up first: a small model
+    (connections, thread pools; the fan-out replicas fetch it too), then one full round that
+    is not counted (buffers at full size in both processes, as in a run's later steps).
     """
     client = WeightStoreClient(address)
     warm = {k: v[: 2**16].clone() for k, v in state.items()}
@@ -115,7 +118,7 @@ async def measure(address: str, state: dict, repeats: int) -> dict:
         "publish_ratio": [],
         "fetch_ratio": [],
     }
-    for _ in range(repeats):
+    for round_ in range(repeats + 1):
         for tensor in state.values():
             tensor.add_(1.0)
         flat = memoryview(b"".join(t.data for t in state_dict_to_raw(state).values()))
@@ -131,7 +134,7 @@ async def measure(address: str, state: dict, repeats: int) -> dict:
         # the next round starts once this version is on disk (written behind meanwhile)
         durable_s = await until_durable(client, published.version) - published_at
         values = (up_s, down_s, publish_s, fetch_s, durable_s, up_s / publish_s, down_s / fetch_s)
-        for key, value in zip(rounds, values, strict=True):
+        for key, value in zip(rounds, values, strict=True) if round_ else ():
             rounds[key].append(value)
     await client.close()
     return {key: statistics.median(values) for key, values in rounds.items()}
@@ -185,7 +188,7 @@ def fanout(address: str, version: int, size_mb: int, num_tensors: int, replicas:
         subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         for _ in range(replicas)
     ]
-    for p in procs:  # each allocates its tensors, then waits for the go
+    for p in procs:  # each allocates its tensors and warms its client, then waits for the go
         assert p.stdout is not None and p.stdout.readline().strip() == "ready"
     start = time.perf_counter()
     for p in procs:
@@ -202,18 +205,21 @@ def fanout(address: str, version: int, size_mb: int, num_tensors: int, replicas:
 
 
 def fetcher_main(address: str, version: int, size_mb: int, num_tensors: int) -> None:
-    """One replica of the fan-out: allocate, signal ready, fetch on `go`."""
+    """One replica of the fan-out, warm like the single fetch's: a connected client that has
+    fetched the warm-up model and resident tensors; signal ready, fetch on `go`."""
     state = {k: torch.zeros_like(v) for k, v in make_state(size_mb, num_tensors).items()}
-    print("ready", flush=True)
-    sys.stdin.readline()
 
-    async def go() -> None:
+    async def main() -> None:
         client = WeightStoreClient(address)
+        warm = {k: torch.zeros_like(v[: 2**16]) for k, v in state.items()}
+        await fetch_into(client, "warmup", -1, warm, ChunkCache({}))
+        print("ready", flush=True)
+        await asyncio.to_thread(sys.stdin.readline)
         await fetch_into(client, "bench", version, state, ChunkCache({}))
         print("done", flush=True)
         await client.close()
 
-    asyncio.run(go())
+    asyncio.run(main())
 
 
 def run(

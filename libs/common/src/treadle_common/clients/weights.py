@@ -21,6 +21,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 from treadle_common import names
 from treadle_common.clients import chunk_codec as codec
 from treadle_common.clients.chunk_codec import ChunkView
+from treadle_common.malloc import reuse_freed_memory
 from treadle_common.proto.treadle.v1 import weights_pb2 as pb
 from treadle_common.proto.treadle.v1 import weights_pb2_grpc
 
@@ -148,6 +149,7 @@ class WeightStoreClient:
     def __init__(self, address: str, attempts: int = 4):
         self.address = address
         self.attempts = attempts
+        reuse_freed_memory()  # chunk-sized receive buffers reuse their pages (malloc.py)
         self.channel = grpc.aio.insecure_channel(
             address,
             options=[

@@ -1,0 +1,52 @@
+"""`treadle_common.malloc`: freed chunk-sized buffers keep their pages for the next ones."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
+
+PROBE = """
+import resource, sys
+from treadle_common.malloc import reuse_freed_memory
+applied = reuse_freed_memory()
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+def version():  # a received version: 64 messages of 4 MiB held at once, then dropped
+    return [b"\\x01" * (4 << 20) for _ in range(64)]
+held = version()
+del held
+before = faults()
+held = version()
+print(applied, faults() - before)
+"""
+
+
+def probe(**env: str) -> tuple[bool, int]:
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    return out[0] == "True", int(out[1])
+
+
+def test_a_second_version_reuses_the_pages_of_the_first():
+    applied, faults = probe()
+    if not applied:
+        pytest.skip("not glibc: mallopt is unavailable")
+    pages = 64 * (4 << 20) // os.sysconf("SC_PAGE_SIZE")
+    assert faults < pages // 20, faults  # reused, not faulted in again
+
+
+def test_glibc_defaults_fault_again_and_can_be_kept():
+    applied, faults = probe(TREADLE_MALLOC_TUNING="0")
+    assert not applied
+    pages = 64 * (4 << 20) // os.sysconf("SC_PAGE_SIZE")
+    if faults < pages // 2:
+        pytest.skip("this C library reuses freed memory by itself")
+    assert faults >= pages // 2  # what the tuning saves
