@@ -200,6 +200,23 @@ def test_local_backend_writes_unaligned_chunks_exactly(tmp_path, monkeypatch, mo
     assert backend.direct.supported == (mode == "direct")
 
 
+async def test_a_received_chunk_is_hot_at_once_and_evicts_the_oldest(tmp_path):
+    backend = GatedDisk(tmp_path, budget=0)
+    backend.gate.clear()  # nothing reaches the disk until the end
+    first, second = two_tensors(1.0)[1], two_tensors(2.0)[1]
+    frame = len(codec.frame_header("0" * 32, 40)) + 40  # a tensor of 10 floats is one chunk
+    store = WeightStore(backend, cache_bytes=2 * frame, write_attempts=1)
+    await hold(store, first)
+    assert all(digest in store.cache for digest in first)  # cached before it is written
+    await hold(store, second)  # a new version makes room by evicting the oldest frames
+    assert all(d in store.cache for d in second) and not any(d in store.cache for d in first)
+    assert store.cache.num_bytes == 2 * frame and store.dirty_bytes() == 4 * frame
+    backend.gate.set()  # and then the disk is full
+    await store.flush()
+    assert store.dirty_bytes() == 0
+    assert not any(d in store.cache for d in second)  # chunks the store lost are not served
+
+
 async def test_writes_wait_for_a_gap_between_streams_or_their_deadline(tmp_path):
     import asyncio
 

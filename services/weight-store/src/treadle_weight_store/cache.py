@@ -31,6 +31,9 @@ class ChunkCache:
             _, evicted = self._items.popitem(last=False)
             self.num_bytes -= len(evicted)
 
+    def __contains__(self, digest: str) -> bool:
+        return digest in self._items
+
     def discard(self, digest: str) -> None:
         data = self._items.pop(digest, None)
         if data is not None:

@@ -3,7 +3,8 @@
 - Chunks are verified against their xxh3-128 hash when received and when read (a corrupted
   chunk raises `CorruptChunk`, never reaches a reader); reads go through the hot-chunk cache.
   A chunk is stored as its encoded `FetchResponse` (a frame), so serving it from memory or
-  the backend sends the stored bytes without re-encoding or copying them.
+  the backend sends the stored bytes without re-encoding or copying them. A received chunk
+  enters the hot cache at once (a new version is fetched right after it is published).
 - Write-behind: a verified chunk is held in memory (*dirty*) and written to the backend by
   idle-priority threads while no publish or fetch streams (or once a chunk has waited
   `max_write_delay_s`, dirty bytes pass half of `max_dirty_bytes`, or someone waits for
