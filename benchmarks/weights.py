@@ -133,8 +133,10 @@ async def measure(address: str, state: dict, repeats: int) -> dict:
         assert all(torch.equal(replica[k], state[k]) for k in state), "fetched tensors differ"
         # the next round starts once this version is on disk (written behind meanwhile)
         durable_s = await until_durable(client, published.version) - published_at
+        if round_ == 0:  # the full-size warm-up round is not counted
+            continue
         values = (up_s, down_s, publish_s, fetch_s, durable_s, up_s / publish_s, down_s / fetch_s)
-        for key, value in zip(rounds, values, strict=True) if round_ else ():
+        for key, value in zip(rounds, values, strict=True):
             rounds[key].append(value)
     await client.close()
     return {key: statistics.median(values) for key, values in rounds.items()}

@@ -22,6 +22,7 @@ before = faults()
 held = version()
 print(applied, faults() - before)
 """
+PAGES = 64 * (4 << 20) // os.sysconf("SC_PAGE_SIZE")  # of one such version
 
 
 def probe(**env: str) -> tuple[bool, int]:
@@ -39,14 +40,12 @@ def test_a_second_version_reuses_the_pages_of_the_first():
     applied, faults = probe()
     if not applied:
         pytest.skip("not glibc: mallopt is unavailable")
-    pages = 64 * (4 << 20) // os.sysconf("SC_PAGE_SIZE")
-    assert faults < pages // 20, faults  # reused, not faulted in again
+    assert faults < PAGES // 20, faults  # reused, not faulted in again
 
 
-def test_glibc_defaults_fault_again_and_can_be_kept():
+def test_tuning_off_keeps_the_defaults_which_fault_again():
     applied, faults = probe(TREADLE_MALLOC_TUNING="0")
     assert not applied
-    pages = 64 * (4 << 20) // os.sysconf("SC_PAGE_SIZE")
-    if faults < pages // 2:
+    if faults < PAGES // 2:
         pytest.skip("this C library reuses freed memory by itself")
-    assert faults >= pages // 2  # what the tuning saves
+    assert faults >= PAGES // 2  # what the tuning saves

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 
 M_TRIM_THRESHOLD = -1
@@ -29,27 +30,20 @@ M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 32 * 2**20
 DEFAULT_TRIM_MB = 1024
 
-_applied: bool | None = None
 
-
+@functools.cache
 def reuse_freed_memory() -> bool:
-    """Apply the settings above once per process; True if they are in effect."""
-    global _applied
-    if _applied is not None:
-        return _applied
-    _applied = False
+    """Apply the settings above (once per process); True if they are in effect."""
     if os.environ.get("TREADLE_MALLOC_TUNING", "1") == "0":
         return False
     trim_mb = int(os.environ.get("TREADLE_MALLOC_TRIM_MB", DEFAULT_TRIM_MB))
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        mallopt = libc.mallopt
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
     except (OSError, AttributeError, TypeError):  # not glibc (musl, macOS, Windows)
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    _applied = bool(
+    return bool(
         mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
         and mallopt(M_TRIM_THRESHOLD, min(trim_mb * 2**20, 2**31 - 1))
     )
-    return _applied
