@@ -13,9 +13,10 @@ WeightStore gRPC servicer plus a raw `bytes` stream service. In the same run we 
     publish_ratio       raw upload time / publish time
     fetch_ratio         raw download time / fetch time
     delta_bytes_ratio   bytes sent to publish a step that changed `changed` of the tensors / full
-    fanout8_fetch_gbps  aggregate rate of 8 replica processes fetching the new version at once
-                        (each a running replica: a connected client, warmed like the single
-                        fetch's by fetching the warm-up model)
+    fanout8_fetch_gbps  aggregate rate of 8 replica processes fetching all of the new version
+                        at once. Each is a running replica, warm like the single fetch's
+                        client: connected, it has fetched the warm-up model and then the
+                        previous version in full (its warm-up round)
     raw_disk_write_gbps the same bytes written to one file in the store's directory, like
                         `dd oflag=direct` (a publish persists every byte it receives, so on a
                         machine whose disk is slower than its loopback this bounds publish)
@@ -173,52 +174,60 @@ def raw_disk_write(directory: str, num_bytes: int) -> float:
     return elapsed
 
 
-def fanout(address: str, version: int, size_mb: int, num_tensors: int, replicas: int) -> float:
-    """`replicas` fetcher processes start together; seconds until the last one holds the
-    version (process teardown is not counted)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "benchmarks.weights",
-        "--fetcher",
-        address,
-        str(version),
-        str(size_mb),
-        str(num_tensors),
-    ]
+def fanout(
+    address: str,
+    warm_version: int,
+    version: int,
+    size_mb: int,
+    num_tensors: int,
+    replicas: int,
+    rounds: int,
+) -> float:
+    """`replicas` fetcher processes, warm like the single fetch, fetch `version` together,
+    `rounds` times: the median of the seconds until the last one holds it."""
+    cmd = [sys.executable, "-m", "benchmarks.weights", "--fetcher", address]
+    cmd += [str(warm_version), str(version), str(size_mb), str(num_tensors)]
     procs = [
         subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         for _ in range(replicas)
     ]
     for p in procs:  # each allocates its tensors and warms its client, then waits for the go
         assert p.stdout is not None and p.stdout.readline().strip() == "ready"
-    start = time.perf_counter()
-    for p in procs:
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        for p in procs:  # each says `done` once its tensors hold the version
+            assert p.stdout is not None and p.stdout.readline().strip() == "done"
+        times.append(time.perf_counter() - start)
+    for p in procs:  # end of input: the replica exits (teardown is not counted)
         assert p.stdin is not None
-        p.stdin.write("go\n")
-        p.stdin.flush()
-    for p in procs:  # each says `done` once its tensors hold the version
-        assert p.stdout is not None and p.stdout.readline().strip() == "done"
-    elapsed = time.perf_counter() - start
-    for p in procs:
+        p.stdin.close()
         p.wait()
         assert p.returncode == 0
-    return elapsed
+    return statistics.median(times)
 
 
-def fetcher_main(address: str, version: int, size_mb: int, num_tensors: int) -> None:
-    """One replica of the fan-out, warm like the single fetch's: a connected client that has
-    fetched the warm-up model and resident tensors; signal ready, fetch on `go`."""
+def fetcher_main(
+    address: str, warm_version: int, version: int, size_mb: int, num_tensors: int
+) -> None:
+    """One replica of the fan-out, warm like the single fetch: a connected client that has
+    fetched the small warm-up model and then one full version (`warm_version`) into its
+    resident tensors. It says `ready`, then fetches all of `version` on each `go`."""
     state = {k: torch.zeros_like(v) for k, v in make_state(size_mb, num_tensors).items()}
 
     async def main() -> None:
         client = WeightStoreClient(address)
         warm = {k: torch.zeros_like(v[: 2**16]) for k, v in state.items()}
         await fetch_into(client, "warmup", -1, warm, ChunkCache({}))
+        await fetch_into(client, "bench", warm_version, state, ChunkCache({}))
         print("ready", flush=True)
-        await asyncio.to_thread(sys.stdin.readline)
-        await fetch_into(client, "bench", version, state, ChunkCache({}))
-        print("done", flush=True)
+        while await asyncio.to_thread(sys.stdin.readline):
+            await fetch_into(client, "bench", version, state, ChunkCache({}))  # all of it
+            print("done", flush=True)
         await client.close()
 
     asyncio.run(main())
@@ -241,7 +250,9 @@ def run(
         with server_process("benchmarks.weights_server", str(port), tmp):
             timings = asyncio.run(measure(address, state, repeats))
             sent, version = asyncio.run(delta_bytes(address, state, changed))
-            fanout_s = fanout(address, version, size_mb, num_tensors, replicas)
+            fanout_s = fanout(
+                address, version - 1, version, size_mb, num_tensors, replicas, repeats
+            )
             disk_s = statistics.median(raw_disk_write(tmp, size) for _ in range(3))
     publish, fetch = gbps(size, timings["publish"]), gbps(size, timings["fetch"])
     raw_up, raw_down = gbps(size, timings["raw_up"]), gbps(size, timings["raw_down"])
@@ -267,7 +278,7 @@ def run(
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--fetcher"]:
-    fetcher_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+    fetcher_main(sys.argv[2], *(int(arg) for arg in sys.argv[3:7]))
 elif __name__ == "__main__":
     print(json.dumps(run()))
     os._exit(0)
