@@ -46,6 +46,8 @@ def test_a_second_version_reuses_the_pages_of_the_first():
 def test_tuning_off_keeps_the_defaults_which_fault_again():
     applied, faults = probe(TREADLE_MALLOC_TUNING="0")
     assert not applied
-    if faults < PAGES // 2:
-        pytest.skip("this C library reuses freed memory by itself")
-    assert faults >= PAGES // 2  # what the tuning saves
+    if not probe()[0]:
+        pytest.skip("not glibc: mallopt is unavailable")
+    # glibc's defaults give the freed blocks back, so the second version faults its pages in
+    # again; had the switch not turned the tuning off, this would be close to 0
+    assert faults >= PAGES // 2, faults
