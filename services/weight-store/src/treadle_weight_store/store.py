@@ -160,7 +160,8 @@ class WeightStore:
             raise BadRequest(f"chunk {digest} is {len(data)} bytes; the limit is {MAX_CHUNK_BYTES}")
         if digest in self._dirty:
             return
-        # inline: xxh3 hashes 4 MiB in about 0.1 ms, less than a hop to a thread and back
+        # inline: xxh3 hashes 4 MiB in 0.1 to 0.4 ms; a hop to a thread and back per chunk
+        # made publishes slower on a busy 2-core machine (README, weight-store numbers)
         if chunk_hash(data) != digest:
             raise BadRequest(f"chunk {digest} does not match its content hash")
         if frame is None:
