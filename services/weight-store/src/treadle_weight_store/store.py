@@ -34,7 +34,7 @@ import re
 import sys
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -133,8 +133,9 @@ class WeightStore:
         self._failed: dict[str, str] = {}  # chunk -> why its write failed for good
         self._changed = asyncio.Condition()
         self._manifest_lock = asyncio.Lock()
-        self._writes: set[asyncio.Task] = set()
-        self._write_slots = asyncio.Semaphore(writers)
+        self._queue: deque[tuple[str, float]] = deque()  # dirty chunks to write, and since when
+        self._writers: set[asyncio.Task] = set()
+        self._num_writers = writers
         self._writer = ThreadPoolExecutor(
             writers, thread_name_prefix="weight-writer", initializer=_idle_priority
         )
@@ -182,9 +183,44 @@ class WeightStore:
         # what is not yet written, and a new version reuses the memory of the oldest one
         self.cache.put(digest, frame)
         self._failed.pop(digest, None)
-        task = asyncio.create_task(self._write_chunk(digest, frame))
-        self._writes.add(task)
-        task.add_done_callback(self._writes.discard)
+        # queued for the writers: a deque append per chunk, no task or retry state while the
+        # stream runs (the writers take it in a gap, README: weight-store numbers)
+        self._queue.append((digest, time.monotonic()))
+        if len(self._writers) < self._num_writers:
+            self._start_writers()
+        if self._may_write():  # no stream waits for this chunk: tell an idle writer
+            async with self._changed:
+                self._changed.notify_all()
+
+    def _start_writers(self) -> None:
+        while len(self._writers) < self._num_writers:
+            task = asyncio.create_task(self._write_loop())
+            self._writers.add(task)
+            task.add_done_callback(self._writers.discard)
+
+    def _may_write(self) -> bool:
+        """Writing now does not slow a stream down, or cannot wait any longer."""
+        return (
+            not self._streams
+            or self._urgent > 0
+            or self._dirty_bytes * 2 >= self.max_dirty_bytes
+            or (bool(self._queue) and self._overdue() <= 0)
+        )
+
+    def _overdue(self) -> float:
+        """Seconds until the oldest queued chunk has waited `max_write_delay_s`."""
+        return self._queue[0][1] + self.max_write_delay_s - time.monotonic()
+
+    async def _write_loop(self) -> None:
+        """One writer: takes queued chunks in arrival order whenever `_may_write`."""
+        while True:
+            async with self._changed:
+                while not (self._queue and self._may_write()):
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(self._overdue() if self._queue else None):
+                            await self._changed.wait()
+                digest, _ = self._queue.popleft()
+            await self._write_chunk(digest, self._dirty[digest])
 
     async def _write_chunk(self, digest: str, frame: bytes) -> None:
         """Write one dirty chunk (retrying), then the manifests it was the last chunk of."""
@@ -197,10 +233,8 @@ class WeightStore:
                 reraise=True,
             ):
                 with attempt:
-                    async with self._write_slots:  # each write waits for its own turn
-                        await self._write_turn()
-                        started = time.monotonic()
-                        await _io(self.backend.put_chunk, digest, (frame,), executor=self._writer)
+                    started = time.monotonic()
+                    await _io(self.backend.put_chunk, digest, (frame,), executor=self._writer)
         except BackendError as exc:
             self._fail(str(exc))
             self._failed[digest] = str(exc)
@@ -219,18 +253,6 @@ class WeightStore:
             async with self._changed:
                 self._changed.notify_all()
         await self._write_manifests()
-
-    async def _write_turn(self) -> None:
-        """Until no stream is open, or writing cannot wait any longer."""
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self.max_write_delay_s), self._changed:
-                await self._changed.wait_for(
-                    lambda: (
-                        not self._streams
-                        or self._urgent > 0
-                        or self._dirty_bytes * 2 >= self.max_dirty_bytes
-                    )
-                )
 
     @contextlib.asynccontextmanager
     async def _stream(self) -> AsyncIterator[None]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ from treadle_common.proto.treadle.v1 import weights_pb2_grpc
 
 CHUNK_BYTES = 4 * 1024 * 1024
 PUBLISH_BATCH_BYTES = 32 * 1024 * 1024  # chunk bytes per MissingChunks question in a publish
+PUBLISH_LOOKAHEAD = 4  # batches hashed and asked about ahead of the one on the wire
 LATEST = -1
 _RETRYABLE = (
     grpc.StatusCode.UNAVAILABLE,
@@ -64,6 +66,9 @@ class PendingPublish:
     def chunks(self) -> dict[str, memoryview]:
         """The chunk bytes by hash (every piece must be hashed)."""
         return {ref.hash: data for ref, data in self.pieces}
+
+
+Piece = tuple[pb.ChunkRef, memoryview]
 
 
 def layout_manifest(
@@ -196,10 +201,11 @@ class WeightStoreClient:
         self, pending: PendingPublish, durable: bool = False
     ) -> pb.PublishResponse:
         """One publish attempt, pipelined in batches of about `PUBLISH_BATCH_BYTES`: while one
-        batch streams, the next is hashed (in a thread) and the store is asked which of its
-        chunks it lacks; the manifest goes last. A retry re-asks, so it sends only the rest.
-        A small model is one batch: one question, as without the pipeline."""
-        batches: list[list[tuple[pb.ChunkRef, memoryview]]] = [[]]
+        batch streams, the next `PUBLISH_LOOKAHEAD` are hashed (in order, in a thread) and the
+        store is asked which of their chunks it lacks, each as soon as it is hashed; the
+        manifest goes last. A retry re-asks, so it sends only the rest. A small model is one
+        batch: one question, as without the pipeline."""
+        batches: list[list[Piece]] = [[]]
         batch_bytes = 0
         for piece in pending.pieces:
             if batch_bytes >= PUBLISH_BATCH_BYTES:
@@ -208,31 +214,47 @@ class WeightStoreClient:
             batches[-1].append(piece)
             batch_bytes += len(piece[1])
 
-        async def plan(batch: list[tuple[pb.ChunkRef, memoryview]]) -> list[str]:
+        hashing: list[asyncio.Task[None]] = []
+        planned: deque[asyncio.Task[list[str]]] = deque()
+
+        async def hash_batch(batch: list[Piece], previous: asyncio.Task[None] | None) -> None:
+            if previous is not None:  # one batch at a time, in order: one hashing thread
+                await previous
             await asyncio.to_thread(hash_pieces, batch)
+
+        async def ask(batch: list[Piece], hashed: asyncio.Task[None]) -> list[str]:
+            await hashed
             hashes = list(dict.fromkeys(ref.hash for ref, _ in batch))
-            return list(
-                (await self.stub.MissingChunks(pb.MissingChunksRequest(hashes=hashes))).missing
-            )
+            request = pb.MissingChunksRequest(hashes=hashes)
+            return list((await self.stub.MissingChunks(request)).missing)
+
+        def plan(i: int) -> None:
+            if i < len(batches):
+                hashing.append(
+                    asyncio.ensure_future(hash_batch(batches[i], hashing[-1] if hashing else None))
+                )
+                planned.append(asyncio.ensure_future(ask(batches[i], hashing[-1])))
 
         async def requests() -> AsyncIterator[bytes]:
             sent: set[str] = set()
-            next_plan = asyncio.ensure_future(plan(batches[0]))
-            try:
-                for i, batch in enumerate(batches):
-                    missing = await next_plan
-                    if i + 1 < len(batches):
-                        next_plan = asyncio.ensure_future(plan(batches[i + 1]))
-                    data = {ref.hash: piece for ref, piece in batch}
-                    for digest in missing:
-                        if digest not in sent:  # identical chunks within one version
-                            sent.add(digest)
-                            yield codec.serialize_publish_request(ChunkView(digest, data[digest]))
-            finally:
-                next_plan.cancel()  # a broken stream: stop hashing ahead
+            for i, batch in enumerate(batches):
+                missing = await planned.popleft()
+                plan(i + PUBLISH_LOOKAHEAD)
+                data = {ref.hash: piece for ref, piece in batch}
+                for digest in missing:
+                    if digest not in sent:  # identical chunks within one version
+                        sent.add(digest)
+                        yield codec.serialize_publish_request(ChunkView(digest, data[digest]))
             yield pb.PublishRequest(manifest=pending.manifest, durable=durable).SerializeToString()
 
-        return await self.publish_call(requests())
+        for i in range(PUBLISH_LOOKAHEAD):  # while the stream opens
+            plan(i)
+        try:
+            return await self.publish_call(requests())
+        finally:  # a broken stream: stop hashing and asking ahead
+            for task in (*hashing, *planned):
+                if not task.cancel() and not task.cancelled():
+                    task.exception()  # done: its error, if any, is the one raised here
 
     async def fetch_stream(
         self, model: str, version: int = LATEST, have: Iterable[str] = (), skip_assets: bool = False
