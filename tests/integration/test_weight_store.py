@@ -101,8 +101,8 @@ async def test_publish_fetch_delta_and_announce_to_a_late_subscriber(
 
 async def test_pipelined_publish_over_many_batches(service, weight_store_env, monkeypatch):
     """One chunk per MissingChunks batch, more batches than the lookahead: batches are hashed
-    and asked about ahead while earlier ones stream; a chunk repeated in a later batch travels once; a republish
-    with one tensor changed sends only its chunk."""
+    and asked about ahead while earlier ones stream; a chunk repeated in a later batch
+    travels once; a republish with one tensor changed sends only its chunk."""
     monkeypatch.setattr(weights_client, "PUBLISH_BATCH_BYTES", 1)
     ws = service("weight-store", **weight_store_env)
     client = TorchWeightClient(ws.grpc_addr)

@@ -239,3 +239,36 @@ async def test_writes_wait_for_a_gap_between_streams_or_their_deadline(tmp_path)
                 break
             await asyncio.sleep(0.05)
         assert store.dirty_bytes() == 0
+
+
+class RecordingDisk(LocalBackend):
+    """A local backend that records the order of its chunk writes."""
+
+    def __init__(self, root):
+        super().__init__(root)
+        self.order: list[str] = []
+
+    def put_chunk(self, digest, data):
+        super().put_chunk(digest, data)
+        self.order.append(digest)
+
+
+async def test_received_chunks_queue_for_the_writers_without_a_task_each(tmp_path):
+    import asyncio
+
+    import torch
+
+    _, chunks = build_manifest(
+        "m", state_dict_to_raw({f"t{i}": torch.full((10,), float(i)) for i in range(12)})
+    )
+    backend = RecordingDisk(tmp_path)
+    store = WeightStore(backend, cache_bytes=0, writers=1, max_write_delay_s=60)
+    tasks = len(asyncio.all_tasks())
+    async with store.publishing():
+        await hold(store, chunks)
+        assert len(asyncio.all_tasks()) == tasks + 1  # one writer, not a task per chunk
+        await asyncio.sleep(0.1)
+        assert backend.order == []  # the stream is open: the writer waits for a gap
+    await store.flush()
+    assert backend.order == list(chunks)  # in arrival order
+    assert store.dirty_bytes() == 0 and await store.missing(list(chunks)) == []
