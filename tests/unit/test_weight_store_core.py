@@ -13,7 +13,7 @@ from treadle_common.clients.torch_weights import state_dict_to_raw
 from treadle_common.clients.weights import build_manifest
 from treadle_weight_store.backends.local import LocalBackend
 from treadle_weight_store.cache import ChunkCache
-from treadle_weight_store.errors import BackendError
+from treadle_weight_store.errors import BackendError, Precondition
 from treadle_weight_store.store import WeightStore
 
 pytestmark = pytest.mark.unit
@@ -272,3 +272,34 @@ async def test_received_chunks_queue_for_the_writers_without_a_task_each(tmp_pat
     await store.flush()
     assert backend.order == list(chunks)  # in arrival order
     assert store.dirty_bytes() == 0 and await store.missing(list(chunks)) == []
+
+
+class RefusingDisk(RecordingDisk):
+    """Refuses one chunk with a store error that is not transient (no retry helps)."""
+
+    def __init__(self, root, refused: str):
+        super().__init__(root)
+        self.refused = refused
+
+    def put_chunk(self, digest, data):
+        if digest == self.refused:
+            raise Precondition(f"chunk {digest} refused")
+        super().put_chunk(digest, data)
+
+
+async def test_a_refused_chunk_fails_alone_and_the_writer_goes_on(tmp_path):
+    import torch
+
+    _, chunks = build_manifest(
+        "m", state_dict_to_raw({f"t{i}": torch.full((10,), float(i)) for i in range(4)})
+    )
+    refused, *rest = chunks
+    backend = RefusingDisk(tmp_path, refused)
+    store = WeightStore(backend, cache_bytes=0, writers=1)
+    drops = dropped("chunk")
+    await hold(store, chunks)
+    with pytest.raises(BackendError, match="refused"):
+        await store.wait_written([refused])
+    await store.flush()  # the one writer did not die with the refused chunk
+    assert backend.order == rest and dropped("chunk") == drops + 1  # counted with its reason
+    assert await store.missing(list(chunks)) == [refused]  # never counted as stored

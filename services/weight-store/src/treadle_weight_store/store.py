@@ -220,7 +220,10 @@ class WeightStore:
                         async with asyncio.timeout(self._overdue() if self._queue else None):
                             await self._changed.wait()
                 digest, _ = self._queue.popleft()
-            await self._write_chunk(digest, self._dirty[digest])
+            try:
+                await self._write_chunk(digest, self._dirty[digest])
+            except Exception:  # a bug past the chunk's own bookkeeping: keep writing the rest
+                log.exception("chunk writer failed", chunk=digest)
 
     async def _write_chunk(self, digest: str, frame: bytes) -> None:
         """Write one dirty chunk (retrying), then the manifests it was the last chunk of."""
@@ -235,7 +238,7 @@ class WeightStore:
                 with attempt:
                     started = time.monotonic()
                     await _io(self.backend.put_chunk, digest, (frame,), executor=self._writer)
-        except BackendError as exc:
+        except StoreError as exc:  # retried above if transient; any other is as final
             self._fail(str(exc))
             self._failed[digest] = str(exc)
             self.cache.discard(digest)  # never served as if the store kept it
