@@ -21,6 +21,53 @@ def test_arith_tasks_are_deterministic_and_correct():
         assert t["answer"] == str(expected)
 
 
+def test_arith_held_out_part_never_meets_the_training_splits():
+    arith = env_registry()["arith"]
+    options = {"min_operand": 10, "max_operand": 99, "eval_fraction": 0.05}
+    held_out = arith.sample_tasks(200, seed=0, split="eval", options=options)
+    keys = {(t["a"], t["b"]) for t in held_out}
+    assert len(keys) == 200  # distinct problems
+    for split, seed in (("train", 0), ("sft", 1), ("sft_val", 2)):
+        rows = arith.sample_tasks(2000, seed=seed, split=split, options=options)
+        assert not keys & {(t["a"], t["b"]) for t in rows}
+        assert all(10 <= t["a"] <= 99 and 10 <= t["b"] <= 99 for t in rows)
+    # another seed draws other held-out problems, still from the held-out part only
+    other = arith.sample_tasks(200, seed=7, split="eval", options=options)
+    assert {(t["a"], t["b"]) for t in other} != keys
+    everything = arith.sample_tasks(10_000, seed=0, split="eval", options=options)
+    assert len(everything) < 8100 * 0.07  # capped at the size of the held-out part
+    assert keys <= {(t["a"], t["b"]) for t in everything}
+    with pytest.raises(EnvError, match="min_operand"):
+        arith.sample_tasks(1, seed=0, split="train", options={"min_operand": 5, "max_operand": 2})
+    with pytest.raises(EnvError, match="eval_fraction"):
+        arith.sample_tasks(1, seed=0, split="train", options={"eval_fraction": 1.5})
+
+
+async def test_digit_match_gives_partial_credit_from_the_units_digit():
+    scorer = scorer_registry()["digit_match"]
+
+    async def credit(answer: str, reference: str = "123") -> float:
+        return (await scorer.score(ScoreInput(task={"answer": reference}, answer=answer))).reward
+
+    assert await credit(" 123 ") == 1.0
+    assert await credit("133") == pytest.approx(2 / 3)  # a missed carry keeps the units
+    assert await credit("23") == pytest.approx(2 / 3)  # a dropped digit
+    assert await credit("1123") == pytest.approx(3 / 4)  # too long costs
+    assert await credit("") == 0.0 and await credit("x") == 0.0
+    composite = scorer_registry()["composite"]
+    both = ScoreInput(
+        task={"answer": "123"},
+        answer="124",
+        options={
+            "scorers": [
+                {"name": "exact_match", "weight": 0.5},
+                {"name": "digit_match", "weight": 0.5},
+            ]
+        },
+    )
+    assert (await composite.score(both)).reward == pytest.approx(1 / 3)
+
+
 async def test_session_lifecycle_and_errors():
     sessions = SessionManager("r1", max_sessions=1)
     session, obs = await sessions.create("arith", {"a": 2, "b": 3, "op": "+", "answer": "5"}, 0, {})

@@ -226,6 +226,7 @@ def test_every_decoupled_ppo_batch_snapshots_its_proximal_policy():
     with a single group (one minibatch): it must not reuse an earlier batch's snapshot."""
     from types import SimpleNamespace
 
+    from treadle_trainer.backends import AdamParams
     from treadle_trainer.batches import Datum
     from treadle_trainer.run import RunOwner
 
@@ -247,13 +248,19 @@ def test_every_decoupled_ppo_batch_snapshots_its_proximal_policy():
 
     def owner(loss: str, minibatches: int):
         trainer = SimpleNamespace(
-            minibatches=minibatches, loss=loss, micro_batch_tokens=64, loss_aggregation="token"
+            minibatches=minibatches,
+            loss=loss,
+            micro_batch_tokens=64,
+            loss_aggregation="token",
+            lr=1e-4,
+            lr_warmup_steps=0,
         )
         return SimpleNamespace(
             backend=ScriptedBackend(),
             config=SimpleNamespace(trainer=trainer),
             loss_params=None,
-            adam=None,
+            adam=AdamParams(),
+            status=SimpleNamespace(step=0),
         )
 
     def batch(groups: str) -> list[Datum]:
@@ -300,3 +307,39 @@ async def test_a_wholly_stale_group_does_not_take_a_batch_slot():
     assert [g.group_id for g in owner._buffer.take_all()] == []  # "c" is not read yet
     with pytest.raises(TimeoutError, match="only 1/2"):
         await Owner([group("x", 0), group("d", 5)])._collect(2, version=5)
+
+
+def test_learning_rate_warms_up_linearly_then_holds():
+    from treadle_trainer.run import warmup_lr
+
+    assert [warmup_lr(1.0, 4, s) for s in (1, 2, 4, 5, 100)] == [0.25, 0.5, 1.0, 1.0, 1.0]
+    assert warmup_lr(3e-5, 0, 1) == 3e-5
+
+
+def test_task_seeds_give_every_episode_of_a_run_its_own_seed():
+    from treadle_trainer.run import task_seed
+
+    group_size = 8
+    episode_seeds = [
+        task_seed(3, index, group_size) + i for index in range(500) for i in range(group_size)
+    ]
+    assert len(set(episode_seeds)) == len(episode_seeds) and 0 not in episode_seeds
+    assert task_seed(3, 0, group_size) != task_seed(4, 0, group_size)
+    assert task_seed(2**31, 10**9, 64) < 2**63  # fits the proto's int64
+
+
+def test_a_step_trains_groups_in_feed_order_whatever_order_they_finished_in():
+    from treadle_trainer.batches import Entry, Group, in_feed_order
+
+    def group(task_id: str, order: list[int]) -> Group:
+        entries = [Entry(f"e{i}", tpb.Trajectory(group_id=task_id, sample_index=i)) for i in order]
+        return Group(task_id, entries)
+
+    arrived = [
+        group("000000002-aa", [1, 0]),
+        group("000000000-ff", [0, 1]),
+        group("000000010-00", [1, 0]),
+    ]
+    ordered = in_feed_order(arrived)
+    assert [g.group_id for g in ordered] == ["000000000-ff", "000000002-aa", "000000010-00"]
+    assert all([e.traj.sample_index for e in g.entries] == [0, 1] for g in ordered)

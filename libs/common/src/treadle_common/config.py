@@ -80,6 +80,12 @@ class TrainerConfig(Strict):
     num_steps: int = Field(3, ge=1, description="Optimizer steps in the run")
     tasks_per_step: int = Field(4, ge=1, description="Groups (tasks) per training batch")
     lr: float = Field(1e-4, gt=0, description="AdamW learning rate")
+    lr_warmup_steps: int = Field(
+        0,
+        ge=0,
+        description="Ramp the learning rate linearly from lr/N to lr over the first N steps "
+        "(a fresh Adam's first updates are sign-like: a full-size first step can undo a warm-up)",
+    )
     loss: LossName = Field("policy_gradient", description="Policy loss (see losses.py)")
     advantage: AdvantageName = Field("grpo", description="Group advantage estimator")
     loss_aggregation: Literal["token", "sequence", "group", "sum"] = Field(
@@ -111,7 +117,11 @@ class TrainerConfig(Strict):
     )
     max_staleness: int = Field(1, ge=0, description="Max policy versions a trajectory may lag")
     batch_timeout_s: float = Field(300.0, gt=0, description="Give up waiting for a batch after")
-    seed: int = Field(0, description="Seed for data order and torch")
+    seed: int = Field(
+        0,
+        description="Seed for data order, torch and sampling (each task's episodes sample "
+        "with seeds derived from it and the task's place in the run)",
+    )
 
 
 class DataConfig(Strict):
@@ -133,6 +143,17 @@ class SFTConfig(Strict):
     answer_field: str = Field(
         "answer", description="Task field whose value is the demonstrated reply"
     )
+    target_reward: float | None = Field(
+        None,
+        ge=0,
+        description="Stop the warm-up early once greedy reward on a validation split (split "
+        "`sft_val`, never the held-out set) reaches this: a partial warm-up that leaves RL room "
+        "to learn, at the same starting point whatever the seed",
+    )
+    check_every: int = Field(25, ge=1, description="target_reward: validate after every N steps")
+    check_tasks: int = Field(
+        100, ge=1, description="target_reward: validation tasks (scored with the eval scorer)"
+    )
 
 
 class EvalConfig(Strict):
@@ -148,6 +169,17 @@ class EvalConfig(Strict):
     min_improvement: float | None = Field(
         None, description="Fail the run unless the final eval reward beats the first by this"
     )
+    min_rl_improvement: float | None = Field(
+        None,
+        description="Fail the run unless the final eval reward beats the one after the SFT "
+        "warm-up by this: what the RL phase alone gained",
+    )
+    scorer: str | None = Field(
+        None, description="Scorer of the evaluations (default: the run's `scorer`)"
+    )
+    scorer_options: dict[str, Any] | None = Field(
+        None, description="Its options (default: the run's `scorer_options`)"
+    )
 
 
 class RunConfig(Strict):
@@ -159,6 +191,10 @@ class RunConfig(Strict):
     env: EnvConfig = Field(default_factory=EnvConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     scorer: str = Field("exact_match", description="Reward-service scorer name")
+    scorer_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="The scorer's options (e.g. `composite`'s `scorers` list)",
+    )
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)

@@ -26,6 +26,11 @@ async def held_out_tasks(env: EnvClient, config: RunConfig) -> list[dict[str, An
         split=EVAL_SPLIT,
         options=config.env.options,
     )
+    return distinct(rows)
+
+
+def distinct(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`rows` without repeats, in first-seen order."""
     unique: dict[str, dict[str, Any]] = {}
     for row in rows:
         unique.setdefault(task_key(row), row)

@@ -10,7 +10,8 @@ model); otherwise starts one for the recipe's model and stops it afterwards. The
 
 Writes the resolved config, `metrics.jsonl`, `metrics.png`, `summary.json` and
 `final-model/` under `{output_dir}/{run_id}/`. Exits non-zero when the run fails, when
-exactly-once accounting does not add up, or when `eval.min_improvement` is not met.
+exactly-once accounting does not add up, or when `eval.min_improvement` (start -> end) or
+`eval.min_rl_improvement` (after the warm-up -> end: RL's own lift) is not met.
 """
 
 from __future__ import annotations
@@ -31,10 +32,27 @@ from treadle_common.config import RunConfig, dump_resolved
 from treadle_common.evaluation import held_out_tasks
 from treadle_common.report import RunReport
 from treadle_common.settings import Settings
-from treadle_common.warmup import TrainingSession, demonstrations
+from treadle_common.warmup import TrainingSession, demonstrations, validation_tasks
 from treadle_common.weights_export import export_hf
 
 FINAL = ("succeeded", "failed")
+
+
+def eval_summary(report: RunReport) -> dict:
+    """The held-out evaluations by phase, `eval_start` / `eval_after_sft` / `eval_end`, the
+    whole gain (`gain`, end - start) and RL's own (`rl_lift`, end - after the warm-up)."""
+    evals = report.of("eval")
+    out: dict = {"eval": {e["phase"]: e["mean_reward"] for e in evals}}
+    if not evals:
+        return out
+    out["eval_start"] = evals[0]["mean_reward"]
+    out["eval_end"] = evals[-1]["mean_reward"]
+    out["gain"] = round(out["eval_end"] - out["eval_start"], 4)
+    after = out["eval"].get("after_sft")
+    if after is not None and len(evals) > 1:
+        out["eval_after_sft"] = after
+        out["rl_lift"] = round(out["eval_end"] - after, 4)
+    return out
 
 
 class RunClient:
@@ -164,7 +182,7 @@ class RunClient:
         last = summary["rollout_policy_version"]
         if held_out:
             self._evaluate(urls["rollout"], held_out, "end", last, report)
-            summary["eval"] = {e["phase"]: e["mean_reward"] for e in report.of("eval")}
+            summary.update(eval_summary(report))
         if run["state"] == "succeeded":
             summary["final_model_dir"] = str(asyncio.run(self._export(last, out_dir)))
         if report.of("step"):
@@ -189,6 +207,7 @@ class RunClient:
         try:
             held_out = await held_out_tasks(env, cfg)
             data = await demonstrations(env, cfg, held_out) if cfg.sft.steps else []
+            checks = await validation_tasks(env, cfg, held_out) if cfg.sft.target_reward else []
         finally:
             await env.close()
         if not held_out and not data:
@@ -208,7 +227,14 @@ class RunClient:
                         f"loss {record['loss']:.4f}"
                     )
 
-                warm = await session.sft(data, on_step)
+                async def validate(step: int, version: int) -> float:
+                    status.update(f"SFT warm-up: step {step}, validating")
+                    result = self._evaluate(
+                        urls["rollout"], checks, f"sft step {step}", version, report, "sft_val"
+                    )
+                    return float(result["mean_reward"])
+
+                warm = await session.sft(data, on_step, validate if checks else None)
         self.console.print(
             f"SFT warm-up: {warm['steps']} steps on {warm['examples']} demonstrations in "
             f"{warm['seconds']:.0f}s, loss {warm['first_loss']:.3f} -> {warm['last_loss']:.3f}, "
@@ -220,16 +246,25 @@ class RunClient:
         return held_out
 
     def _evaluate(
-        self, url: str, tasks: list[dict], phase: str, version: int, report: RunReport
+        self,
+        url: str,
+        tasks: list[dict],
+        phase: str,
+        version: int,
+        report: RunReport,
+        kind: str = "eval",
     ) -> dict:
-        cfg = self.config
+        """Greedy episodes on `tasks` with `version`, scored by the eval scorer; recorded as
+        `kind` (`eval` on the held-out set, `sft_val` on the warm-up's validation set)."""
+        cfg, options = self.config, self.config.eval.scorer_options
         self._wait_rollout_version(url, version)
         response = stack.http().post(
             f"{url}/v1/evaluate",
             json={
                 "env": cfg.env.name,
                 "tasks": tasks,
-                "scorer": cfg.scorer,
+                "scorer": cfg.eval.scorer or cfg.scorer,
+                "scorer_options": cfg.scorer_options if options is None else options,
                 "max_turns": cfg.rollout.max_turns,
                 "max_new_tokens": cfg.eval.max_new_tokens or cfg.rollout.sampling.max_new_tokens,
             },
@@ -238,7 +273,7 @@ class RunClient:
         response.raise_for_status()
         result = response.json()
         report.add(
-            "eval",
+            kind,
             {
                 "phase": phase,
                 "mean_reward": result["mean_reward"],
@@ -248,9 +283,10 @@ class RunClient:
                 "seconds": round(result["seconds"], 2),
             },
         )
+        which = "held-out" if kind == "eval" else "validation"
         self.console.print(
             f"eval ({phase}): mean reward {result['mean_reward']:.3f} on "
-            f"{result['num_tasks']} held-out tasks, policy version {result['policy_versions']}"
+            f"{result['num_tasks']} {which} tasks, policy version {result['policy_versions']}"
         )
         return result
 
@@ -262,16 +298,28 @@ class RunClient:
             await client.close()
 
     def _improved(self, report: RunReport) -> bool:
-        want, evals = self.config.eval.min_improvement, report.of("eval")
-        if want is None or not evals:
+        """The eval gates: start -> end (`min_improvement`) and after the warm-up -> end
+        (`min_rl_improvement`, what RL alone gained); one line says both."""
+        e = eval_summary(report)
+        if "eval_end" not in e:
             return True
-        gain = evals[-1]["mean_reward"] - evals[0]["mean_reward"]
-        verdict = "[green]met[/green]" if gain >= want else "[red]NOT met[/red]"
-        self.console.print(
-            f"eval reward {evals[0]['mean_reward']:.3f} -> {evals[-1]['mean_reward']:.3f} "
-            f"(+{gain:.3f}; eval.min_improvement {want}: {verdict})"
-        )
-        return gain >= want
+        ok = True
+        parts = [f"eval reward {e['eval_start']:.3f}"]
+        if "eval_after_sft" in e:
+            parts.append(f"-> {e['eval_after_sft']:.3f} after the warm-up")
+        parts.append(f"-> {e['eval_end']:.3f} at the end")
+        gates = [("eval.min_improvement", "gain", self.config.eval.min_improvement)]
+        gates.append(("eval.min_rl_improvement", "rl_lift", self.config.eval.min_rl_improvement))
+        for name, key, want in gates:
+            if key not in e:
+                continue
+            met = want is None or e[key] >= want
+            ok = ok and met
+            verdict = "" if want is None else f" ({name} {want}: {'met' if met else 'NOT met'})"
+            parts.append(f"; {key.replace('_', ' ')} {e[key]:+.3f}{verdict}")
+        line = " ".join(parts).replace(" ;", ";")
+        self.console.print(line, style=None if ok else "red", soft_wrap=True)
+        return ok
 
     def _summary(self, run: dict, urls: dict[str, str]) -> dict:
         last = run["versions"][-1] if run["versions"] else run["base_version"]

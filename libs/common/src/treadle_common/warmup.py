@@ -13,16 +13,17 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
 
 from treadle_common.clients.env import EnvClient
 from treadle_common.config import RunConfig
-from treadle_common.evaluation import without_held_out
+from treadle_common.evaluation import distinct, without_held_out
 
 SFT_SPLIT = "sft"
+VALIDATION_SPLIT = "sft_val"
 
 
 async def demonstrations(
@@ -63,6 +64,21 @@ async def demonstrations(
             }
         )
     return data
+
+
+async def validation_tasks(
+    env: EnvClient, config: RunConfig, held_out: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Distinct tasks of split `sft_val` outside the held-out set: what decides when the
+    warm-up stops (`sft.target_reward`) without looking at the held-out set."""
+    rows = await env.sample_tasks(
+        config.env.name,
+        config.sft.check_tasks,
+        seed=config.trainer.seed,
+        split=VALIDATION_SPLIT,
+        options=config.env.options,
+    )
+    return distinct(without_held_out(rows, held_out))
 
 
 class TrainingSession:
@@ -109,11 +125,17 @@ class TrainingSession:
         self,
         data: list[dict[str, list]],
         on_step: Callable[[dict[str, Any]], None] | None = None,
+        validate: Callable[[int, int], Awaitable[float]] | None = None,
     ) -> dict[str, Any]:
-        """`sft.steps` cross-entropy steps on random batches of `data`, then save_weights."""
+        """`sft.steps` cross-entropy steps on random batches of `data`, then save_weights.
+
+        With `sft.target_reward`, every `sft.check_every` steps the weights are saved and
+        `validate(step, version)` scores them; the warm-up stops at the first score that
+        reaches the target."""
         sft = self.config.sft
         rng = random.Random(self.config.trainer.seed)
         started = time.perf_counter()
+        step = 0
         for step in range(1, sft.steps + 1):
             batch = [rng.choice(data) for _ in range(sft.batch_size)]
             fb = await self._post(
@@ -127,9 +149,14 @@ class TrainingSession:
             self.losses.append(fb["loss"])
             if on_step is not None:
                 on_step({"sft_step": step, "loss": fb["loss"], **opt})
+            target = sft.target_reward
+            if target is None or validate is None or step % sft.check_every or step == sft.steps:
+                continue
+            if await validate(step, await self.save_weights()) >= target:
+                break
         return {
             "version": await self.save_weights(),
-            "steps": sft.steps,
+            "steps": step,
             "examples": len(data),
             "first_loss": self.losses[0] if self.losses else None,
             "last_loss": self.losses[-1] if self.losses else None,

@@ -92,7 +92,9 @@ class EpisodeRunner:
         except (_EngineFailure, TemplateNotPrefixStable) as exc:
             return _failed(traj, t, tpb.TRAJECTORY_STATUS_ENGINE_ERROR, str(exc), started)
         reward_start = time.time()
-        result = await self.reward.score(t.score_request(task.scorer, task.payload_json, info))
+        result = await self.reward.score(
+            t.score_request(task.scorer, task.payload_json, info, task.scorer_options_json)
+        )
         traj.timings.reward_s = time.time() - reward_start
         if result.status != reward_pb2.SCORE_STATUS_OK:
             status = reward_pb2.ScoreStatus.Name(result.status)
@@ -125,6 +127,7 @@ class EpisodeRunner:
             temperature=task.sampling.temperature,
             top_p=task.sampling.top_p or 1.0,
             max_new_tokens=task.sampling.max_new_tokens or 16,
+            seed=task.sampling.seed + sample_index if task.sampling.seed else None,
             priority=task.created_at or time.time(),  # oldest task first
         )
         info: dict = {}

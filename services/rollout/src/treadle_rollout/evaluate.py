@@ -29,11 +29,15 @@ class EvaluateRequest(BaseModel):
     env: str = Field(min_length=1, description="Environment registered in the env-gateway")
     tasks: list[dict[str, Any]] = Field(min_length=1, max_length=MAX_TASKS)
     scorer: str = Field("exact_match", min_length=1)
+    scorer_options: dict[str, Any] = Field(default_factory=dict, description="The scorer's")
     max_turns: int = Field(1, ge=1, le=1024)
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     max_new_tokens: int = Field(16, ge=1, le=32768)
     concurrency: int = Field(64, ge=1, le=1024, description="Episodes in flight at once")
+    seed: int = Field(
+        0, ge=0, description="Task i samples with seed + i when nonzero (temperature > 0)"
+    )
 
 
 class EvaluateResult(BaseModel):
@@ -59,8 +63,12 @@ def mount(app: FastAPI, runner: Callable[[], EpisodeRunner | None]) -> None:
             max_new_tokens=request.max_new_tokens,
         )
         eval_id = f"eval-{uuid.uuid4().hex[:8]}"
+        scorer_options = json.dumps(request.scorer_options)
 
         async def play(index: int, payload: dict[str, Any]) -> tpb.Trajectory:
+            seeded = common_pb2.SamplingParams()
+            seeded.CopyFrom(sampling)
+            seeded.seed = request.seed + index if request.seed else 0
             task = task_pb2.Task(
                 task_id=f"{eval_id}-{index}",
                 run_id=eval_id,
@@ -68,8 +76,9 @@ def mount(app: FastAPI, runner: Callable[[], EpisodeRunner | None]) -> None:
                 payload_json=json.dumps(payload),
                 group_size=1,
                 max_turns=request.max_turns,
-                sampling=sampling,
+                sampling=seeded,
                 scorer=request.scorer,
+                scorer_options_json=scorer_options,
                 created_at=time.time(),
             )
             async with gate:

@@ -88,7 +88,7 @@ class Transcript:
             self.text += self.tokenizer.eos_token
 
     def score_request(
-        self, scorer: str, task_json: str, info: dict | None = None
+        self, scorer: str, task_json: str, info: dict | None = None, options_json: str = ""
     ) -> reward_pb2.ScoreRequest:
         """What the reward service scores: the final assistant message (empty if the
         conversation did not end on one) and the whole transcript."""
@@ -99,6 +99,7 @@ class Transcript:
             answer=last.get("content", "") if last.get("role") == "assistant" else "",
             transcript_json=json.dumps(self.messages),
             info_json=json.dumps(info or {}),
+            options_json=options_json,
         )
 
     def fill(self, traj: tpb.Trajectory) -> None:

@@ -109,6 +109,15 @@ class Group:
     entries: list[Entry] = field(default_factory=list)
 
 
+def in_feed_order(groups: Sequence[Group]) -> list[Group]:
+    """Groups by task id (the trainer's ids sort in feed order) and each group's trajectories
+    by episode: a step's batch does not depend on the order in which episodes finished."""
+    ordered = sorted(groups, key=lambda g: g.group_id)
+    for group in ordered:
+        group.entries.sort(key=lambda e: e.traj.sample_index)
+    return ordered
+
+
 class GroupBuffer:
     """Collects trajectories by group id until a group holds `group_size` of them."""
 

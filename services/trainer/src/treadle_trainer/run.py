@@ -62,6 +62,7 @@ from treadle_trainer.batches import (
     GroupBuffer,
     drop_reason,
     group_advantages,
+    in_feed_order,
     invalid_reason,
     is_constant,
     pack,
@@ -74,6 +75,17 @@ from treadle_trainer.losses import NEEDS_PROXIMAL, LossParams
 log = get_logger(__name__)
 SERVICE = "trainer"
 KEEP_CHECKPOINTS = 2
+
+
+def task_seed(run_seed: int, index: int, group_size: int) -> int:
+    """The sampling seed of the run's `index`-th task: its episodes take seed + 0 .. seed +
+    group_size - 1, so no two episodes of a run share one (and 0, unseeded, is never used)."""
+    return (run_seed % 2**20) * 2**40 + index * group_size + 1
+
+
+def warmup_lr(lr: float, warmup_steps: int, step: int) -> float:
+    """The learning rate of `step` (1-based): linear from lr / warmup_steps up to lr."""
+    return lr * min(1.0, step / warmup_steps) if warmup_steps else lr
 
 
 class StepRecord(BaseModel):
@@ -312,8 +324,11 @@ class RunOwner:
             top_p=cfg.rollout.sampling.top_p,
             max_new_tokens=cfg.rollout.sampling.max_new_tokens,
         )
-        ids = [uuid.uuid4().hex for _ in range(upto - cursor)]
+        # ids sort in feed order (a step trains its groups in that order, whatever order they
+        # arrive in); the suffix keeps them unique if a run id is ever reused
+        ids = [f"{i:09d}-{uuid.uuid4().hex[:12]}" for i in range(cursor, upto)]
         env_options = json.dumps(cfg.env.options)
+        scorer_options = json.dumps(cfg.scorer_options)
         async with self.r.pipeline(transaction=True) as pipe:
             for i, (task_id, payload) in enumerate(
                 zip(ids, source.take(cursor, upto - cursor), strict=True), start=cursor
@@ -327,11 +342,13 @@ class RunOwner:
                     max_turns=cfg.rollout.max_turns,
                     sampling=sampling,
                     scorer=cfg.scorer,
+                    scorer_options_json=scorer_options,
                     model=cfg.model.name,
                     min_policy_version=version if self.max_staleness == 0 else 0,
                     created_at=time.time(),
                     env_options_json=env_options,
                 )
+                task.sampling.seed = task_seed(cfg.trainer.seed, i, cfg.rollout.group_size)
                 tail = cfg.rollout.sampling.length_tail
                 if tail is not None:
                     draw = random.Random(f"{cfg.trainer.seed}-{i}").lognormvariate(
@@ -477,6 +494,7 @@ class RunOwner:
         data: list[Datum] = []
         trained: list[str] = []
         dropped: dict[str, str] = {}
+        groups = in_feed_order(groups)
         entries = [e.entry_id for g in groups for e in g.entries]
         rewards = [
             e.traj.reward
@@ -582,10 +600,13 @@ class RunOwner:
             # single minibatch, or it would meet the snapshot of an earlier batch
             self.backend.snapshot_proximal()
         outs = []
+        adam = self.adam.model_copy(
+            update={"learning_rate": warmup_lr(t.lr, t.lr_warmup_steps, self.status.step + 1)}
+        )
         for chunk in chunks:
             mbs = pack(chunk, t.micro_batch_tokens, t.loss_aggregation, self.backend.pad_id)
             out = self.backend.forward_backward(mbs, t.loss, self.loss_params)
-            out.update(self.backend.optim_step(self.adam))
+            out.update(self.backend.optim_step(adam))
             outs.append(out)
         tokens = sum(o["num_tokens"] for o in outs) or 1.0
         merged = {  # per-token statistics weighted by tokens; losses and norms averaged

@@ -1,13 +1,30 @@
-"""`arith`: single-turn arithmetic. The policy reads `a op b` and answers with the result."""
+"""`arith`: single-turn arithmetic. The policy reads `a op b` and answers with the result.
+
+The problem space is every `(a, op, b)` with operands in `[min_operand, max_operand]`. A
+stable hash of each problem puts `eval_fraction` of the space in a held-out part: split `eval`
+draws distinct problems from it (at most as many as it holds), every other split (`train`,
+`sft`, ...) draws from the rest, so no held-out problem is ever trained on or demonstrated,
+whatever the seeds and sizes.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import random
 from typing import Any
 
 from treadle_env_gateway.envs.base import Action, Env, EnvError, Message, StepResult, register
 
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+EVAL_SPLIT = "eval"
+MAX_PROBLEMS = 1_000_000
+"""The largest problem space `sample_tasks` enumerates (operand range squared times ops)."""
+
+
+def is_held_out(a: int, op: str, b: int, eval_fraction: float) -> bool:
+    """Whether a problem is in the held-out part: a hash of it, not of any seed."""
+    digest = hashlib.blake2b(f"{a}{op}{b}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64 < eval_fraction
 
 
 @register("arith")
@@ -16,14 +33,30 @@ class Arith(Env):
     def sample_tasks(
         cls, num_tasks: int, seed: int, split: str, options: dict[str, Any]
     ) -> list[dict[str, Any]]:
-        rng = random.Random(f"arith-{split}-{seed}")
-        max_operand = int(options.get("max_operand", 9))
+        lo, hi = int(options.get("min_operand", 0)), int(options.get("max_operand", 9))
         ops = list(options.get("ops", ["+"]))
-        tasks = []
-        for _ in range(num_tasks):
-            a, b, op = rng.randint(0, max_operand), rng.randint(0, max_operand), rng.choice(ops)
-            tasks.append({"a": a, "b": b, "op": op, "answer": str(OPS[op](a, b))})
-        return tasks
+        eval_fraction = float(options.get("eval_fraction", 0.2))
+        if not 0 <= lo <= hi or (hi - lo + 1) ** 2 * len(ops) > MAX_PROBLEMS:
+            raise EnvError(
+                f"arith needs 0 <= min_operand <= max_operand and at most {MAX_PROBLEMS} "
+                f"problems; got [{lo}, {hi}] with {len(ops)} ops"
+            )
+        if not ops or any(op not in OPS for op in ops) or not 0 < eval_fraction < 1:
+            raise EnvError(f"arith ops must be among {sorted(OPS)}, eval_fraction in (0, 1)")
+        held_out = split == EVAL_SPLIT
+        space = [
+            (a, op, b)
+            for a in range(lo, hi + 1)
+            for op in ops
+            for b in range(lo, hi + 1)
+            if is_held_out(a, op, b, eval_fraction) == held_out
+        ]
+        rng = random.Random(f"arith-{split}-{seed}")
+        if held_out:  # distinct problems: every one counts once in an evaluation
+            problems = rng.sample(space, min(num_tasks, len(space)))
+        else:
+            problems = [rng.choice(space) for _ in range(num_tasks)] if space else []
+        return [{"a": a, "b": b, "op": op, "answer": str(OPS[op](a, b))} for a, op, b in problems]
 
     async def reset(self, task: dict[str, Any], seed: int) -> list[Message]:
         try:

@@ -63,6 +63,7 @@ def registry(extra_modules: tuple[str, ...] = ()) -> dict[str, Scorer]:
     from treadle_reward.scorers import (  # noqa: F401  (importing registers the built-ins)
         code_tests,
         composite,
+        digit_match,
         exact_match,
         format_regex,
         llm_judge,

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Task(_message.Message):
-    __slots__ = ("task_id", "run_id", "env", "payload_json", "group_size", "max_turns", "sampling", "scorer", "model", "min_policy_version", "created_at", "trace", "env_options_json")
+    __slots__ = ("task_id", "run_id", "env", "payload_json", "group_size", "max_turns", "sampling", "scorer", "model", "min_policy_version", "created_at", "trace", "env_options_json", "scorer_options_json")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ENV_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,7 @@ class Task(_message.Message):
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     TRACE_FIELD_NUMBER: _ClassVar[int]
     ENV_OPTIONS_JSON_FIELD_NUMBER: _ClassVar[int]
+    SCORER_OPTIONS_JSON_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     run_id: str
     env: str
@@ -34,4 +35,5 @@ class Task(_message.Message):
     created_at: float
     trace: _common_pb2.TraceContext
     env_options_json: str
-    def __init__(self, task_id: _Optional[str] = ..., run_id: _Optional[str] = ..., env: _Optional[str] = ..., payload_json: _Optional[str] = ..., group_size: _Optional[int] = ..., max_turns: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., scorer: _Optional[str] = ..., model: _Optional[str] = ..., min_policy_version: _Optional[int] = ..., created_at: _Optional[float] = ..., trace: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ..., env_options_json: _Optional[str] = ...) -> None: ...
+    scorer_options_json: str
+    def __init__(self, task_id: _Optional[str] = ..., run_id: _Optional[str] = ..., env: _Optional[str] = ..., payload_json: _Optional[str] = ..., group_size: _Optional[int] = ..., max_turns: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., scorer: _Optional[str] = ..., model: _Optional[str] = ..., min_policy_version: _Optional[int] = ..., created_at: _Optional[float] = ..., trace: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ..., env_options_json: _Optional[str] = ..., scorer_options_json: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,106 @@
+"""`treadle bench learn`: does RL itself improve held-out accuracy, on every seed?
+
+Runs the demo recipe (`recipes/demo.yaml`: a partial SFT warm-up, then GRPO) once per seed,
+through `treadle run` itself, on one private stack (own Redis/NATS, free ports). Per seed:
+
+- `eval_start`: held-out greedy accuracy of the untrained model;
+- `eval_after_sft`: after the warm-up (stopped at `sft.target_reward` on a validation split);
+- `eval_end`: after the RL phase;
+- `rl_lift` = eval_end - eval_after_sft: what RL alone gained on problems it never saw;
+- `sft_steps`, `rl_steps`, `wall_s` (the whole `treadle run`: evaluations, warm-up, RL).
+
+`min_rl_lift` is the smallest `rl_lift` over the seeds: the number to gate on.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from treadle_common import stack
+from treadle_common.config import load_recipe
+from treadle_common.infra import free_port_range
+from treadle_common.report import RunReport
+from treadle_common.run_client import RunClient, eval_summary
+from treadle_common.settings import Settings
+from treadle_common.tiny_model import init_tiny
+
+DEMO_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "demo.yaml"
+
+
+def run(
+    seeds: list[int], recipe: Path = DEMO_RECIPE, overrides: list[str] | None = None
+) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix="treadle-bench-learn-"))
+    console = Console(file=sys.stderr)
+    settings = Settings(
+        state_dir=tmp / "state",
+        redis_url=f"redis://127.0.0.1:{free_port_range(1)}",
+        nats_url=f"nats://127.0.0.1:{free_port_range(1)}",
+        base_port=free_port_range(8),
+    )
+    model_dir = (tmp / "models" / "tiny").resolve()
+    configs = [
+        load_recipe(
+            recipe,
+            [
+                f"trainer.seed={seed}",
+                f"run_id=learn-seed{seed}",
+                f"model.path={model_dir}",
+                f"output_dir={tmp / 'runs'}",
+                *(overrides or []),
+            ],
+        )
+        for seed in seeds
+    ]
+    m = configs[0].model
+    # one model (the first seed's init) on one stack: seeds vary data, warm-up and sampling
+    init_tiny(
+        model_dir,
+        hidden_size=m.tiny_hidden_size,
+        num_layers=m.tiny_layers,
+        num_heads=m.tiny_hidden_size // 64,
+        seed=configs[0].trainer.seed,
+    )
+    spec = stack.prepare(settings, model_dir, m.name, None)
+    stack.launch_detached(spec)
+    per_seed: list[dict[str, Any]] = []
+    try:
+        if not stack.wait_healthy(settings.state_dir.resolve(), 180)["healthy"]:
+            raise RuntimeError(f"bench stack not healthy; logs in {settings.state_dir}")
+        for seed, cfg in zip(seeds, configs, strict=True):
+            started = time.perf_counter()
+            code = RunClient(cfg, settings, console).execute(health_timeout_s=180)
+            report = RunReport.load(cfg.output_dir / cfg.run_id)
+            e = eval_summary(report)
+            per_seed.append(
+                {
+                    "seed": seed,
+                    "exit_code": code,
+                    "eval_start": e.get("eval_start"),
+                    "eval_after_sft": e.get("eval_after_sft"),
+                    "eval_end": e.get("eval_end"),
+                    "rl_lift": e.get("rl_lift"),
+                    "held_out_tasks": report.of("eval")[0]["num_tasks"] if report.of("eval") else 0,
+                    "sft_steps": len(report.of("sft")),
+                    "rl_steps": len(report.of("step")),
+                    "wall_s": round(time.perf_counter() - started, 1),
+                }
+            )
+    finally:
+        stack.down(settings)
+    lifts = [s["rl_lift"] for s in per_seed]
+    return {
+        "recipe": recipe.name,
+        "seeds": per_seed,
+        "min_rl_lift": min(lifts) if None not in lifts else None,
+        "mean_rl_lift": round(sum(lifts) / len(lifts), 4) if None not in lifts else None,
+        "max_wall_s": max(s["wall_s"] for s in per_seed),
+        "all_exit_zero": all(s["exit_code"] == 0 for s in per_seed),
+        "outputs": str(tmp),
+    }

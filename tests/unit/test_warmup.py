@@ -1,0 +1,74 @@
+"""The SFT warm-up's early stop and the run's eval gates, against a scripted training API."""
+
+import json
+
+import httpx
+import pytest
+
+from treadle_common.config import RunConfig
+from treadle_common.report import RunReport
+from treadle_common.run_client import eval_summary
+from treadle_common.warmup import TrainingSession
+
+pytestmark = pytest.mark.unit
+
+
+def scripted_api(calls: list[str]) -> httpx.MockTransport:
+    versions = iter(range(1, 1000))
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        op = request.url.path.rsplit("/", 1)[-1]
+        calls.append(op)
+        if op == "forward_backward":
+            return httpx.Response(200, json={"loss": 1.0})
+        if op == "optim_step":
+            assert json.loads(request.content)["learning_rate"] == 1e-3
+            return httpx.Response(200, json={"grad_norm": 0.5})
+        return httpx.Response(200, json={"version": next(versions)})  # save_weights
+
+    return httpx.MockTransport(handle)
+
+
+def config(**sft) -> RunConfig:
+    return RunConfig.model_validate({"model": {"path": "m"}, "sft": {"lr": 1e-3, **sft}})
+
+
+async def warm_up(cfg: RunConfig, scores: list[float]) -> tuple[dict, list[str], list]:
+    calls: list[str] = []
+    checked: list[tuple[int, int]] = []
+    session = TrainingSession("http://trainer", cfg)
+    session.http = httpx.AsyncClient(base_url="http://trainer", transport=scripted_api(calls))
+    session.sid = "s1"
+
+    async def validate(step: int, version: int) -> float:
+        checked.append((step, version))
+        return scores[len(checked) - 1]
+
+    try:
+        return await session.sft([{"model_input": [1]}], None, validate), calls, checked
+    finally:
+        await session.http.aclose()
+
+
+async def test_the_warm_up_stops_at_the_first_validation_that_reaches_the_target():
+    cfg = config(steps=100, target_reward=0.3, check_every=10)
+    result, calls, checked = await warm_up(cfg, [0.0, 0.1, 0.35, 0.9])
+    assert checked == [(10, 1), (20, 2), (30, 3)]  # each check scores freshly saved weights
+    assert result["steps"] == 30 and result["version"] == 4
+    assert calls.count("optim_step") == 30 and calls[-1] == "save_weights"
+
+
+async def test_without_a_target_the_warm_up_runs_every_step_and_never_validates():
+    result, calls, checked = await warm_up(config(steps=12, check_every=5), [])
+    assert checked == [] and result["steps"] == 12 and calls.count("save_weights") == 1
+
+
+def test_eval_summary_separates_the_warm_up_from_rl(tmp_path):
+    report = RunReport(tmp_path)
+    for phase, reward in (("start", 0.0), ("after_sft", 0.3), ("step 100", 0.4), ("end", 0.45)):
+        report.add("eval", {"phase": phase, "mean_reward": reward})
+    report.add("sft_val", {"phase": "sft step 10", "mean_reward": 0.9})  # not held out
+    e = eval_summary(report)
+    assert (e["eval_start"], e["eval_after_sft"], e["eval_end"]) == (0.0, 0.3, 0.45)
+    assert e["gain"] == 0.45 and e["rl_lift"] == 0.15
+    assert "sft step 10" not in e["eval"]
