@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 TREADLE = str(Path(sys.executable).parent / "treadle")
@@ -14,7 +15,7 @@ TREADLE = str(Path(sys.executable).parent / "treadle")
 
 def bench(*args: str) -> dict:
     result = subprocess.run(
-        [TREADLE, "bench", *args, "--json"], capture_output=True, text=True, timeout=300
+        [TREADLE, "bench", *args, "--json"], capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()
@@ -82,7 +83,15 @@ def test_bench_trainer_json_line():
 
 def test_bench_e2e_runs_both_modes_on_one_stack():
     root = Path(__file__).resolve().parents[2]
-    report = bench("e2e", "--steps", "3", "--recipe", str(root / "recipes" / "agentic.yaml"))
+    quality = [  # the learning half, shortened: a fixed 30-step warm-up, 3 steps per mode
+        *("--quality-set", "sft.steps=30"),
+        *("--quality-set", "sft.target_reward=null"),
+        *("--quality-set", "trainer.num_steps=3"),
+        *("--quality-set", "eval.num_tasks=20"),
+    ]
+    report = bench(
+        "e2e", "--steps", "3", "--recipe", str(root / "recipes" / "agentic.yaml"), *quality
+    )
     assert report["steps"] == 3 and report["workload"] == "agentic.yaml"
     assert report["sync_s"] > 0 and report["async_s"] > 0
     assert report["speedup"] == pytest.approx(report["sync_s"] / report["async_s"], rel=0.01)
@@ -97,3 +106,43 @@ def test_bench_e2e_runs_both_modes_on_one_stack():
     for mode in ("sync", "async"):  # treadle run's own outputs, exactly-once checked
         summary = json.loads((runs / f"bench-{mode}" / "summary.json").read_text())
         assert summary["exactly_once"] and summary["steps"] == 3
+    # the learning half: both modes trained from the sync run's warm-up version
+    assert report["quality_workload"] == "arith_latency.yaml" and report["quality_steps"] == 3
+    quality_runs = Path(report["outputs"]) / "quality" / "runs"
+    sync_run, async_run = (quality_runs / f"bench-{mode}" for mode in ("sync", "async"))
+    warmed = yaml.safe_load((sync_run / "config.yaml").read_text())["model"]["init_version"]
+    assert (
+        yaml.safe_load((async_run / "config.yaml").read_text())["model"]["init_version"] == warmed
+    )
+    assert not [
+        line for line in (async_run / "metrics.jsonl").read_text().splitlines() if '"sft"' in line
+    ]
+    sync_summary = json.loads((sync_run / "summary.json").read_text())
+    assert report["eval_start"] == sync_summary["eval_after_sft"]
+    assert report["eval_sync"] == sync_summary["eval_end"]
+    assert report["eval_async"] == json.loads((async_run / "summary.json").read_text())["eval_end"]
+    assert report["eval_gain_sync"] == pytest.approx(report["eval_sync"] - report["eval_start"])
+    assert report["eval_gap_async_vs_sync"] == pytest.approx(
+        report["eval_async"] - report["eval_sync"]
+    )
+    assert 0 <= report["quality_max_staleness_seen"] <= report["quality_max_staleness"]
+
+
+def test_bench_learn_reports_rl_lift_per_seed():
+    short = [  # a fixed 20-step warm-up and 2 RL steps: behaviour, not learning
+        *("--set", "sft.steps=20"),
+        *("--set", "sft.target_reward=null"),
+        *("--set", "trainer.num_steps=2"),
+        *("--set", "eval.num_tasks=30"),
+        *("--set", "eval.every=0"),
+        *("--set", "eval.min_rl_improvement=null"),
+    ]
+    report = bench("learn", "--seeds", "0,1", *short)
+    assert [s["seed"] for s in report["seeds"]] == [0, 1] and report["all_exit_zero"]
+    for s in report["seeds"]:
+        assert s["held_out_tasks"] == 30 and s["sft_steps"] == 20 and s["rl_steps"] == 2
+        assert s["eval_start"] == 0.0  # the untrained model answers no sum right
+        assert s["rl_lift"] == pytest.approx(s["eval_end"] - s["eval_after_sft"])
+    assert report["min_rl_lift"] == min(s["rl_lift"] for s in report["seeds"])
+    outputs = Path(report["outputs"]) / "runs"
+    assert sorted(p.name for p in outputs.iterdir()) == ["learn-seed0", "learn-seed1"]

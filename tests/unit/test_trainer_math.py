@@ -343,3 +343,37 @@ def test_a_step_trains_groups_in_feed_order_whatever_order_they_finished_in():
     ordered = in_feed_order(arrived)
     assert [g.group_id for g in ordered] == ["000000000-ff", "000000002-aa", "000000010-00"]
     assert all([e.traj.sample_index for e in g.entries] == [0, 1] for g in ordered)
+
+
+async def test_a_sync_run_waits_at_each_evaluated_step_until_the_client_reports():
+    import asyncio
+
+    from treadle_common.config import RunConfig
+    from treadle_trainer.run import RunOwner
+
+    def owner(mode: str, hold_s: float = 600.0) -> RunOwner:
+        config = RunConfig.model_validate(
+            {
+                "mode": mode,
+                "model": {"path": "m"},
+                "trainer": {"num_steps": 30},
+                "eval": {"num_tasks": 10, "every": 10, "hold_s": hold_s},
+            }
+        )
+        o = RunOwner.__new__(RunOwner)  # only the evaluation hold's state
+        o.config, o.evaluated_step, o._evaluated = config, 0, asyncio.Condition()
+        return o
+
+    sync = owner("sync")
+    assert [s for s in range(1, 31) if sync.evaluates_after(s)] == [10, 20]  # the end: no hold
+    assert not any(owner("async").evaluates_after(s) for s in range(1, 31))
+    assert not owner("sync", hold_s=0).evaluates_after(10)
+    held = asyncio.create_task(sync._hold_for_evaluation(10))
+    await asyncio.sleep(0.05)
+    assert not held.done()  # waits for the client
+    await sync.mark_evaluated(9)
+    await asyncio.sleep(0.05)
+    assert not held.done()
+    await sync.mark_evaluated(10)
+    await asyncio.wait_for(held, 1)
+    await asyncio.wait_for(owner("sync", hold_s=0.05)._hold_for_evaluation(10), 1)  # deadline

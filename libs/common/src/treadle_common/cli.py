@@ -357,14 +357,23 @@ def bench_e2e(
         typer.Option(help="Rollout task groups in flight (TREADLE_ROLLOUT_MAX_CONCURRENT_TASKS)"),
     ] = 64,
     quality_recipe: Annotated[
-        Path | None, typer.Option(help="Also compare final eval reward on this recipe")
+        Path, typer.Option(help="A learnable recipe: held-out accuracy of sync vs async")
+    ] = Path("recipes/arith_latency.yaml"),
+    quality: Annotated[
+        bool, typer.Option("--quality/--no-quality", help="Run the learning half")
+    ] = True,
+    quality_overrides: Annotated[
+        list[str] | None, typer.Option("--quality-set", help="Override a.b=c in quality_recipe")
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
 ) -> None:
-    """The same recipe in sync and in async mode, for the same number of steps."""
+    """The same recipe in sync and in async mode, for the same number of steps; then a
+    learnable one in both modes from the same warm-up: speed, and what each learned."""
     from benchmarks import e2e
 
-    result = e2e.run(recipe, steps, max_concurrent_tasks, quality_recipe)
+    result = e2e.run(
+        recipe, steps, max_concurrent_tasks, quality_recipe if quality else None, quality_overrides
+    )
     print(json.dumps(result, indent=None if as_json else 2))
 
 

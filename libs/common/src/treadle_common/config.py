@@ -166,6 +166,13 @@ class EvalConfig(Strict):
     every: int = Field(
         0, ge=0, description="Also evaluate after every N trainer steps (0 = start/end only)"
     )
+    hold_s: float = Field(
+        600.0,
+        ge=0,
+        description="sync mode with `every`: after each step to evaluate, the trainer waits (at "
+        "most this long) until the client reports the evaluation done, so it scores exactly that "
+        "step's weights and nothing trains beside it (0 = never wait)",
+    )
     min_improvement: float | None = Field(
         None, description="Fail the run unless the final eval reward beats the first by this"
     )

@@ -1,9 +1,10 @@
 """What `treadle run` leaves in `{output_dir}/{run_id}/`: metrics JSONL and a PNG plot.
 
 `metrics.jsonl` holds one JSON object per line, `kind` = `eval` (a held-out evaluation,
-with `phase` start | after_sft | end), `sft` (a warm-up step) or `step` (a trainer step
-record, as `GET /v1/runs/{id}` reports it). `metrics.png` plots reward, throughput and
-staleness against wall-clock time since the run started.
+with `phase` start | after_sft | step N | end), `sft` (a warm-up step), `sft_val` (a warm-up
+validation, on tasks outside the held-out set) or `step` (a trainer step record, as
+`GET /v1/runs/{id}` reports it). `metrics.png` plots reward, throughput and staleness against
+wall-clock time since the run started, with a line where the warm-up ends and RL begins.
 """
 
 from __future__ import annotations
@@ -56,6 +57,27 @@ class RunReport:
         )
         for e in evals:
             reward.annotate(e["phase"], (e["t"], e["mean_reward"]), fontsize=8)
+        checks = self.of("sft_val")
+        if checks:
+            reward.plot(
+                [c["t"] for c in checks],
+                [c["mean_reward"] for c in checks],
+                "x:",
+                label="warm-up validation (greedy)",
+            )
+        warm = self.of("sft")
+        if warm:  # RL starts here: what follows is RL's own doing
+            for axis in (reward, speed, stale):
+                axis.axvline(warm[-1]["t"], color="grey", linestyle="--", linewidth=1)
+            reward.text(
+                warm[-1]["t"],
+                0.97,
+                " warm-up ends, RL starts",
+                transform=reward.get_xaxis_transform(),
+                fontsize=8,
+                color="grey",
+                va="top",
+            )
         reward.set_ylabel("mean reward")
         reward.legend(loc="lower right")
         speed.plot(t, [s["tokens_per_s"] for s in steps], ".-")

@@ -29,7 +29,7 @@ from treadle_common import stack
 from treadle_common.clients.env import EnvClient
 from treadle_common.clients.weights import WeightStoreClient
 from treadle_common.config import RunConfig, dump_resolved
-from treadle_common.evaluation import held_out_tasks
+from treadle_common.evaluation import EvaluationDone, held_out_tasks
 from treadle_common.report import RunReport
 from treadle_common.settings import Settings
 from treadle_common.warmup import TrainingSession, demonstrations, validation_tasks
@@ -41,17 +41,19 @@ FINAL = ("succeeded", "failed")
 def eval_summary(report: RunReport) -> dict:
     """The held-out evaluations by phase, `eval_start` / `eval_after_sft` / `eval_end`, the
     whole gain (`gain`, end - start) and RL's own (`rl_lift`, end - after the warm-up)."""
-    evals = report.of("eval")
-    out: dict = {"eval": {e["phase"]: e["mean_reward"] for e in evals}}
-    if not evals:
-        return out
-    out["eval_start"] = evals[0]["mean_reward"]
-    out["eval_end"] = evals[-1]["mean_reward"]
-    out["gain"] = round(out["eval_end"] - out["eval_start"], 4)
-    after = out["eval"].get("after_sft")
-    if after is not None and len(evals) > 1:
-        out["eval_after_sft"] = after
-        out["rl_lift"] = round(out["eval_end"] - after, 4)
+    evals = {e["phase"]: e["mean_reward"] for e in report.of("eval")}
+    out: dict = {"eval": evals}
+    for phase, key in (
+        ("start", "eval_start"),
+        ("after_sft", "eval_after_sft"),
+        ("end", "eval_end"),
+    ):
+        if phase in evals:
+            out[key] = evals[phase]
+    if "eval_end" in out and "eval_start" in out:
+        out["gain"] = round(out["eval_end"] - out["eval_start"], 4)
+    if "eval_end" in out and "eval_after_sft" in out:
+        out["rl_lift"] = round(out["eval_end"] - out["eval_after_sft"], 4)
     return out
 
 
@@ -174,9 +176,20 @@ class RunClient:
                     last_step = step["step"] >= cfg.trainer.num_steps  # the end eval covers it
                     if step["step"] % every == 0 and step["step"] != evaluated and not last_step:
                         evaluated = step["step"]
-                        self._evaluate(
-                            urls["rollout"], held_out, f"step {evaluated}", step["version"], report
-                        )
+                        try:
+                            self._evaluate(
+                                urls["rollout"],
+                                held_out,
+                                f"step {evaluated}",
+                                step["version"],
+                                report,
+                            )
+                        finally:  # a sync run waits there until told
+                            stack.http().post(
+                                f"{urls['trainer']}/v1/runs/{cfg.run_id}/evaluations",
+                                json=EvaluationDone(step=evaluated).model_dump(),
+                                timeout=10,
+                            ).raise_for_status()
                 live.update(self._table(run, report))
         summary = self._summary(run, urls)
         last = summary["rollout_policy_version"]
@@ -200,9 +213,13 @@ class RunClient:
         """Held-out tasks, the start evaluation and the SFT warm-up (then evaluation again).
 
         The recipe's model is published first, so the start evaluation scores the policy
-        the run begins from, whatever versions the weight store already holds.
+        the run begins from, whatever versions the weight store already holds; a recipe that
+        names `model.init_version` starts from that stored version instead, with neither a
+        warm-up nor a start evaluation (the run publishes it as its base version).
         """
         cfg = self.config
+        if cfg.model.init_version is not None and cfg.sft.steps:
+            raise ValueError("the SFT warm-up starts from model.path: drop model.init_version")
         env = EnvClient(self._grpc("env-gateway"))
         try:
             held_out = await held_out_tasks(env, cfg)
@@ -211,6 +228,8 @@ class RunClient:
         finally:
             await env.close()
         if not held_out and not data:
+            return held_out
+        if cfg.model.init_version is not None:  # rollout holds it only once the run starts
             return held_out
         async with TrainingSession(urls["trainer"], cfg) as session:
             cfg.model.init_version = await session.save_weights()
@@ -304,14 +323,19 @@ class RunClient:
         if "eval_end" not in e:
             return True
         ok = True
-        parts = [f"eval reward {e['eval_start']:.3f}"]
+        parts = ["eval reward"]
+        if "eval_start" in e:
+            parts.append(f"{e['eval_start']:.3f} at the start ->")
         if "eval_after_sft" in e:
-            parts.append(f"-> {e['eval_after_sft']:.3f} after the warm-up")
-        parts.append(f"-> {e['eval_end']:.3f} at the end")
+            parts.append(f"{e['eval_after_sft']:.3f} after the warm-up ->")
+        parts.append(f"{e['eval_end']:.3f} at the end")
         gates = [("eval.min_improvement", "gain", self.config.eval.min_improvement)]
         gates.append(("eval.min_rl_improvement", "rl_lift", self.config.eval.min_rl_improvement))
         for name, key, want in gates:
-            if key not in e:
+            if key not in e:  # e.g. no warm-up, so no RL lift: a gate on it cannot pass
+                ok = ok and want is None
+                if want is not None:
+                    parts.append(f"; {name} {want}: NOT met (no {key.replace('_', ' ')})")
                 continue
             met = want is None or e[key] >= want
             ok = ok and met

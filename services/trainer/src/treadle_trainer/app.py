@@ -3,6 +3,7 @@ Tinker-style training API.
 
     POST /v1/runs (a recipe as JSON) --> lease treadle:{run}:owner --> RunOwner.execute
     GET  /v1/runs/{id}                 status, steps, counters, drops by reason
+    POST /v1/runs/{id}/evaluations     the client evaluated a step: a sync run held there goes on
     on start: every active run in Redis whose owner lease lapsed is restored and resumed
     /v1/training/...                   see `training_api.py`
 
@@ -20,6 +21,7 @@ from treadle_common.clients import streams
 from treadle_common.clients.env import EnvClient
 from treadle_common.clients.weights import WeightStoreClient
 from treadle_common.config import RunConfig
+from treadle_common.evaluation import EvaluationDone
 from treadle_common.logs import get_logger
 from treadle_common.service import ServiceRuntime
 from treadle_common.settings import Settings
@@ -123,6 +125,14 @@ async def main(settings: Settings) -> None:
     async def get_run(run_id: str) -> RunStatus:
         if run_id not in runs:
             raise HTTPException(404, f"no run {run_id}")
+        return runs[run_id].status
+
+    @runtime.app.post("/v1/runs/{run_id}/evaluations", tags=["runs"])
+    async def evaluated(run_id: str, report: EvaluationDone) -> RunStatus:
+        """The client evaluated the weights of `step`: a sync run holding there goes on."""
+        if run_id not in runs:
+            raise HTTPException(404, f"no run {run_id}")
+        await runs[run_id].mark_evaluated(report.step)
         return runs[run_id].status
 
     training_api.mount(runtime.app, store, settings.state_dir)

@@ -8,6 +8,8 @@
         --> publish the new weights (delta) to the weight-store (it announces on NATS)
     every `checkpoint_every` steps: checkpoint (model, optimizer, RNG, cursor, run state) -->
         MULTI: XACK every entry those steps used or dropped + one ledger entry per step -> EXEC
+    sync mode, every `eval.every` steps: wait until the client has evaluated this step's
+        weights (POST /v1/runs/{id}/evaluations), so nothing trains beside the evaluation
     after the last step: close admission, cancel unstarted tasks, let groups in flight land,
         drop the unused trajectories as `run_ended`; the final checkpoint acks and ledgers them
 
@@ -165,6 +167,8 @@ class RunOwner:
         self._uncommitted: list[dict[str, Any]] = []  # steps trained since the last checkpoint
         self._loose_drops: list[tuple[str, str, str]] = []  # (entry, trajectory, reason)
         self._last_publish_bytes = 0
+        self.evaluated_step = 0
+        self._evaluated = asyncio.Condition()
         self._assets = model_assets(config.model.path)  # config + tokenizer travel with weights
         t = config.trainer
         self.loss_params = LossParams(
@@ -240,6 +244,7 @@ class RunOwner:
             version = await self._step(step, groups, version, started, wait_s)
             if step % t.checkpoint_every == 0 and step < t.num_steps:
                 await self._checkpoint(version)
+            await self._hold_for_evaluation(step)
         await self._end_feeding(version)
         if self._uncommitted or self.status.checkpoint_step < self.status.step:
             await self._checkpoint(version)
@@ -308,6 +313,37 @@ class RunOwner:
         if chunk_positions(latest) == chunk_positions(ours):
             return latest.version
         return await self._publish(step=0)
+
+    # --- evaluation holds -------------------------------------------------------------------------
+    def evaluates_after(self, step: int) -> bool:
+        """Whether the run waits after `step` for the client's evaluation of its weights."""
+        cfg, e = self.config, self.config.eval
+        return (
+            cfg.mode == "sync"
+            and e.num_tasks > 0
+            and e.every > 0
+            and e.hold_s > 0
+            and step % e.every == 0
+            and step < cfg.trainer.num_steps
+        )
+
+    async def mark_evaluated(self, step: int) -> None:
+        """The client has evaluated the weights of `step`: the run may go on."""
+        async with self._evaluated:
+            self.evaluated_step = max(self.evaluated_step, step)
+            self._evaluated.notify_all()
+
+    async def _hold_for_evaluation(self, step: int) -> None:
+        if not self.evaluates_after(step):
+            return
+        async with self._evaluated:
+            try:
+                await asyncio.wait_for(
+                    self._evaluated.wait_for(lambda: self.evaluated_step >= step),
+                    self.config.eval.hold_s,
+                )
+            except TimeoutError:
+                log.warning("no evaluation reported; going on", run=self.config.run_id, step=step)
 
     # --- feeding ------------------------------------------------------------------------------
     async def _feed(self, source: TaskSource, upto: int, version: int) -> None:
