@@ -28,11 +28,18 @@ async def held_out_tasks(env: EnvClient, config: RunConfig) -> list[dict[str, An
     """The recipe's eval tasks, without repeats (empty when `eval.num_tasks` is 0)."""
     if config.eval.num_tasks == 0:
         return []
+    return await distinct_tasks(env, config, EVAL_SPLIT, config.eval.num_tasks)
+
+
+async def distinct_tasks(
+    env: EnvClient, config: RunConfig, split: str, num_tasks: int
+) -> list[dict[str, Any]]:
+    """`num_tasks` tasks of the run's env from `split` (seeded by the run), repeats removed."""
     rows = await env.sample_tasks(
         config.env.name,
-        config.eval.num_tasks,
+        num_tasks,
         seed=config.trainer.seed,
-        split=EVAL_SPLIT,
+        split=split,
         options=config.env.options,
     )
     return distinct(rows)

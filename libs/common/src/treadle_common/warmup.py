@@ -20,7 +20,7 @@ import httpx
 
 from treadle_common.clients.env import EnvClient
 from treadle_common.config import RunConfig
-from treadle_common.evaluation import distinct, without_held_out
+from treadle_common.evaluation import distinct_tasks, without_held_out
 
 SFT_SPLIT = "sft"
 VALIDATION_SPLIT = "sft_val"
@@ -71,14 +71,8 @@ async def validation_tasks(
 ) -> list[dict[str, Any]]:
     """Distinct tasks of split `sft_val` outside the held-out set: what decides when the
     warm-up stops (`sft.target_reward`) without looking at the held-out set."""
-    rows = await env.sample_tasks(
-        config.env.name,
-        config.sft.check_tasks,
-        seed=config.trainer.seed,
-        split=VALIDATION_SPLIT,
-        options=config.env.options,
-    )
-    return distinct(without_held_out(rows, held_out))
+    rows = await distinct_tasks(env, config, VALIDATION_SPLIT, config.sft.check_tasks)
+    return without_held_out(rows, held_out)
 
 
 class TrainingSession:

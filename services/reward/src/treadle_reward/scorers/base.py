@@ -28,6 +28,14 @@ class Score:
     breakdown: dict[str, float] = field(default_factory=dict)
 
 
+def reference(request: ScoreInput) -> str:
+    """The task's reference answer: its field `options.field` (default `answer`)."""
+    key = request.options.get("field", "answer")
+    if key not in request.task:
+        raise ValueError(f"task has no reference field {key!r}")
+    return str(request.task[key])
+
+
 class Scorer(abc.ABC):
     name: str
     deterministic: bool = False

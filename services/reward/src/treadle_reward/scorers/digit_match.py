@@ -8,7 +8,7 @@ gets the units right but misses a carry still earns something. Used with `exact_
 
 from __future__ import annotations
 
-from treadle_reward.scorers.base import Score, ScoreInput, Scorer, register
+from treadle_reward.scorers.base import Score, ScoreInput, Scorer, reference, register
 from treadle_reward.scorers.exact_match import normalize
 
 
@@ -26,8 +26,5 @@ class DigitMatch(Scorer):
     deterministic = True
 
     async def score(self, request: ScoreInput) -> Score:
-        key = request.options.get("field", "answer")
-        if key not in request.task:
-            raise ValueError(f"task has no reference field {key!r}")
-        credit = digit_credit(normalize(request.answer), normalize(str(request.task[key])))
+        credit = digit_credit(normalize(request.answer), normalize(reference(request)))
         return Score(reward=credit, breakdown={"digit_match": credit})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from treadle_reward.scorers.base import Score, ScoreInput, Scorer, register
+from treadle_reward.scorers.base import Score, ScoreInput, Scorer, reference, register
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
@@ -21,12 +21,10 @@ class ExactMatch(Scorer):
     deterministic = True
 
     async def score(self, request: ScoreInput) -> Score:
-        key = request.options.get("field", "answer")
-        if key not in request.task:
-            raise ValueError(f"task has no reference field {key!r}")
+        target = reference(request)
         answer = request.answer
         if request.options.get("extract") == "last_number":
             numbers = _NUMBER.findall(answer)
             answer = numbers[-1] if numbers else ""
-        hit = normalize(answer) == normalize(str(request.task[key]))
+        hit = normalize(answer) == normalize(target)
         return Score(reward=1.0 if hit else 0.0, breakdown={"exact_match": 1.0 if hit else 0.0})

@@ -13,7 +13,7 @@ import re
 from fractions import Fraction
 
 from treadle_common.safe_math import ExpressionError, evaluate
-from treadle_reward.scorers.base import Score, ScoreInput, Scorer, register
+from treadle_reward.scorers.base import Score, ScoreInput, Scorer, reference, register
 
 _ANSWER_IS = re.compile(r"answer is[:\s]*\$?([^\n$]+)", re.IGNORECASE)
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?%?")
@@ -82,12 +82,10 @@ class MathVerify(Scorer):
     deterministic = True
 
     async def score(self, request: ScoreInput) -> Score:
-        key = request.options.get("field", "answer")
-        if key not in request.task:
-            raise ValueError(f"task has no reference field {key!r}")
+        target = reference(request)
         answer = extract_answer(request.answer)
         try:
-            hit = equivalent(answer, str(request.task[key]))
+            hit = equivalent(answer, target)
         except (ExpressionError, ZeroDivisionError):
-            hit = answer.strip() == str(request.task[key]).strip()  # not math: compare as text
+            hit = answer.strip() == target.strip()  # not math: compare as text
         return Score(reward=float(hit), breakdown={"math_verify": float(hit)})
