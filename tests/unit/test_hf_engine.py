@@ -208,3 +208,28 @@ async def test_a_full_batch_admits_the_oldest_requests_first(tiny_model):
     await asyncio.gather(*(one(p) for p in (5.0, 3.0, 6.0, 1.0, 4.0, 2.0)))
     assert order[:2] == [1.0, 2.0] and sorted(order[2:4]) == [3.0, 4.0]
     await engine.close()
+
+
+async def test_the_trainer_scores_sampled_tokens_under_the_sampling_temperature(engine):
+    """On-policy, the trainer's logprobs equal rollout's behaviour logprobs (PPO ratio 1): it
+    divides the logits by the temperature rollout sampled at, as the engine does."""
+    from treadle_trainer.backends.single import token_logprobs
+    from treadle_trainer.batches import Datum, pack
+
+    prompt = engine.tokenizer("12+34=")["input_ids"]
+    gen = await engine.generate(prompt, Sampling(0.6, 1.0, 8, seed=5))
+    tokens = prompt + gen.tokens
+    n = len(prompt) - 1
+    datum = Datum(
+        input_ids=tokens[:-1],
+        targets=tokens[1:],
+        weights=[0.0] * n + [1.0] * len(gen.tokens),
+        advantages=[0.0] * len(tokens[1:]),
+        logprobs=[0.0] * n + gen.logprobs,
+    )
+    (mb,) = pack([datum], 4096, "token", engine.tokenizer.pad_token_id)
+    with torch.no_grad():
+        at_t, _ = token_logprobs(engine.model, mb, "cpu", temperature=0.6)
+        plain, _ = token_logprobs(engine.model, mb, "cpu")
+    assert at_t[0, n:].tolist() == pytest.approx(gen.logprobs, abs=1e-4)
+    assert plain[0, n:].tolist() != pytest.approx(gen.logprobs, abs=1e-2)  # T=1 is another policy

@@ -36,6 +36,13 @@ class LossParams(BaseModel):
     clip_high: float = Field(0.28, ge=0, description="Upper clip (clip-higher when > clip_low)")
     is_cap: float = Field(2.0, gt=0, description="Cap of the truncated behaviour IS weight")
     kl_coef: float = Field(0.0, ge=0, description="Weight of the k3 KL to the frozen reference")
+    temperature: float = Field(
+        1.0,
+        gt=0,
+        description="Sampling temperature of the behaviour logprobs: the trainer's logits are "
+        "divided by it, so the policy it trains (and its ratios to the behaviour policy) is the "
+        "one rollout sampled from",
+    )
 
 
 @dataclass

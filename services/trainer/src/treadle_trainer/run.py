@@ -172,7 +172,11 @@ class RunOwner:
         self._assets = model_assets(config.model.path)  # config + tokenizer travel with weights
         t = config.trainer
         self.loss_params = LossParams(
-            clip_low=t.clip_low, clip_high=t.clip_high, is_cap=t.is_cap, kl_coef=t.kl_coef
+            clip_low=t.clip_low,
+            clip_high=t.clip_high,
+            is_cap=t.is_cap,
+            kl_coef=t.kl_coef,
+            temperature=config.rollout.sampling.temperature or 1.0,  # 0 = greedy: plain logits
         )
         self.adam = AdamParams(learning_rate=t.lr, max_grad_norm=t.max_grad_norm)
 

@@ -56,12 +56,19 @@ class IncompatibleCheckpoint(ValueError):
 
 
 def token_logprobs(
-    model: torch.nn.Module, mb: MicroBatch, device: str, entropy: bool = False
+    model: torch.nn.Module,
+    mb: MicroBatch,
+    device: str,
+    entropy: bool = False,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log pi(target) per token [B, T] and, optionally, the policy entropy per token."""
+    """log pi(target) per token [B, T] under softmax(logits / temperature) (the distribution
+    rollout sampled from) and, optionally, that policy's entropy per token."""
     # Right padding under causal attention: real tokens never see the pads after them, so
     # no attention mask is needed (and the fused causal attention path stays available).
     logits_B_T_V = model(input_ids=mb.input_ids_B_T.to(device)).logits.float()
+    if temperature != 1.0:
+        logits_B_T_V = logits_B_T_V / temperature
     logp_B_T_V = torch.log_softmax(logits_B_T_V, dim=-1)
     targets = mb.targets_B_T.to(device)
     chosen = logp_B_T_V.gather(2, targets[..., None]).squeeze(-1)
@@ -146,11 +153,17 @@ class TorchBackend:
             with torch.no_grad(), self._autocast():
                 if loss in NEEDS_PROXIMAL:
                     pi_prox = self.proximal if self.proximal is not None else self.model
-                    proximal, _ = token_logprobs(pi_prox, mb, self.device)
+                    proximal, _ = token_logprobs(
+                        pi_prox, mb, self.device, temperature=params.temperature
+                    )
                 if self.reference is not None and params.kl_coef > 0:
-                    ref, _ = token_logprobs(self.reference, mb, self.device)
+                    ref, _ = token_logprobs(
+                        self.reference, mb, self.device, temperature=params.temperature
+                    )
             with self._autocast():
-                logprobs, entropy = token_logprobs(self.model, mb, self.device, entropy=True)
+                logprobs, entropy = token_logprobs(
+                    self.model, mb, self.device, entropy=True, temperature=params.temperature
+                )
             inputs = TokenInputs(
                 logprobs=logprobs,
                 advantages=mb.advantages_B_T.to(self.device),
