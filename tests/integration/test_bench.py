@@ -83,10 +83,10 @@ def test_bench_trainer_json_line():
 
 def test_bench_e2e_runs_both_modes_on_one_stack():
     root = Path(__file__).resolve().parents[2]
-    quality = [  # the learning half, shortened: a fixed 30-step warm-up, 3 steps per mode
-        *("--quality-set", "sft.steps=30"),
-        *("--quality-set", "sft.target_reward=null"),
-        *("--quality-set", "trainer.num_steps=3"),
+    quality = [  # the learning half, shortened: a fixed 30-step warm-up, 10 steps per mode
+        *("--quality-set", "sft.steps=30"),  # (more versions than the store keeps: the warm-up's
+        *("--quality-set", "sft.target_reward=null"),  # stays, pinned, for the async run)
+        *("--quality-set", "trainer.num_steps=10"),
         *("--quality-set", "eval.num_tasks=20"),
     ]
     report = bench(
@@ -107,7 +107,7 @@ def test_bench_e2e_runs_both_modes_on_one_stack():
         summary = json.loads((runs / f"bench-{mode}" / "summary.json").read_text())
         assert summary["exactly_once"] and summary["steps"] == 3
     # the learning half: both modes trained from the sync run's warm-up version
-    assert report["quality_workload"] == "arith_latency.yaml" and report["quality_steps"] == 3
+    assert report["quality_workload"] == "arith_latency.yaml" and report["quality_steps"] == 10
     quality_runs = Path(report["outputs"]) / "quality" / "runs"
     sync_run, async_run = (quality_runs / f"bench-{mode}" for mode in ("sync", "async"))
     warmed = yaml.safe_load((sync_run / "config.yaml").read_text())["model"]["init_version"]

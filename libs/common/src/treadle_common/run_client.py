@@ -260,9 +260,19 @@ class RunClient:
             f"version {warm['version']}"
         )
         cfg.model.init_version = warm["version"]
+        await self._pin(warm["version"])
         if held_out:
             self._evaluate(urls["rollout"], held_out, "after_sft", warm["version"], report)
         return held_out
+
+    async def _pin(self, version: int) -> None:
+        """Keep the warm-up's version past the store's retention: the run's config.yaml names
+        it as `model.init_version`, so another run can start from the same weights."""
+        store = WeightStoreClient(self._grpc("weight-store"))
+        try:
+            await store.set_pin(self.config.model.name, version)
+        finally:
+            await store.close()
 
     def _evaluate(
         self,
