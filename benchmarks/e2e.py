@@ -29,6 +29,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,12 +64,17 @@ def _timings(steps: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def both_modes(
-    recipe: Path, tmp: Path, overrides: list[str], console: Console
+    recipe: Path,
+    tmp: Path,
+    overrides: list[str],
+    console: Console,
+    before_down: Callable[[stack.StackSpec, RunConfig], None] | None = None,
 ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """Run `recipe` in sync, then async mode, on one private stack; per-mode results.
 
     A recipe with an SFT warm-up warms up once, in the sync run: the async run starts from
-    the warm-up's weight-store version, so both modes train from the same weights."""
+    the warm-up's weight-store version, so both modes train from the same weights.
+    `before_down(spec, sync_config)` runs once both did, while the stack is still up."""
     base = free_port_range(8)
     redis_port, nats_port = free_port_range(1), free_port_range(1)
     settings = Settings(
@@ -130,6 +136,8 @@ def both_modes(
                 "rollout_busy": busy / (time.perf_counter() - started),
                 "train_reward_last": report.of("step")[-1]["mean_reward"],
             }
+        if before_down is not None:
+            before_down(spec, sync_config)
     finally:
         stack.down(settings)
     return cfg.model_dump(), results

@@ -101,3 +101,52 @@ async def test_stall_detector_names_the_stage_that_made_no_progress(service):
     after = stage()
     assert not after["stalled"] and after["pending"] == 0 and after["done"] == 1
     await client.close()
+
+
+async def test_a_groups_hops_travel_together_and_a_slow_step_holds_up_only_its_own(service):
+    gw = service("env-gateway")
+    client = EnvClient(gw.grpc_addr, batch=True)
+    task = {"a": 2, "b": 3, "op": "+", "answer": "5"}
+    fast, other = await asyncio.gather(
+        client.create("arith", task, seed=0), client.create("arith", task, seed=1)
+    )
+    slow_session = await client.create("arith", task, 2, {"latency": {"fixed_ms": 1500}})
+    order: list[str] = []
+
+    async def step(name, session_id, text):
+        result = await client.step(session_id, text, close_when_done=True)
+        order.append(name)
+        return result
+
+    results = await asyncio.gather(
+        step("slow", slow_session.session_id, "5"),
+        step("fast", fast.session_id, "5"),
+        step("wrong", other.session_id, "4"),
+        step("gone", "nope:1", "5"),
+        return_exceptions=True,
+    )
+    slow_result, fast_result, wrong, gone = results
+    assert order[-1] == "slow" and set(order[:2]) == {"fast", "wrong"}  # as each finished
+    assert slow_result.done and fast_result.done and wrong.done
+    # each episode got the result of its own action
+    assert [json_of(r.info_json)["answer"] for r in (slow_result, fast_result, wrong)] == [
+        "5",
+        "5",
+        "4",
+    ]
+    assert gone.code == "NOT_FOUND" and "no session" in gone.message  # its own error only
+    with pytest.raises(grpc.aio.AioRpcError) as closed:  # done + close_when_done: closed
+        await EnvClient(gw.grpc_addr).step(fast.session_id, "5")
+    assert closed.value.code() == grpc.StatusCode.NOT_FOUND
+    # creates of one group in one call; a bad one fails them all and leaves none open
+    with pytest.raises(grpc.aio.AioRpcError) as bad:
+        await client.create_many("arith", '{"a": "x"}', [0, 1], "{}")
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert httpx.get(f"{gw.http}/v1/info").json()["sessions"] == 0
+    await client.close()
+
+
+def json_of(text: str) -> dict:
+    import json
+
+    return json.loads(text)

@@ -100,7 +100,9 @@ async def test_sigkill_between_step_and_checkpoint_trains_every_trajectory_once(
         rollout.release(2 * GROUPS_PER_STEP + 1)  # steps 1-2 (checkpointed), one group ahead
         await wait_run(trainer.http, run, lambda s: s["checkpoint_step"] == 2, producer=producer)
         rollout.release(GROUPS_PER_STEP - 1)  # step 3
-        before = await wait_run(trainer.http, run, lambda s: s["step"] >= 3)
+        before = await wait_run(  # published in the background: wait until it is out
+            trainer.http, run, lambda s: s["step"] >= 3 and s["steps"][-1]["published"]
+        )
         assert before["checkpoint_step"] == 2 and await r.xlen(names.ledger_stream(run)) == 2
         os.kill(trainer.proc.pid, signal.SIGKILL)  # step 3 trained and published, not committed
         trainer.proc.wait(timeout=10)

@@ -37,7 +37,7 @@ class ScriptedEnv:
         obs = env_pb2.Observation(messages=[env_pb2.Message(role="user", content="guess")])
         return env_pb2.Session(session_id="s1", observation=obs)
 
-    async def step(self, session_id, text):
+    async def step(self, session_id, text, close_when_done=False):
         self.steps.append(text)
         done = len(self.steps) == 2
         obs = env_pb2.Observation(

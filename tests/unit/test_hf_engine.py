@@ -70,7 +70,7 @@ async def test_trajectory_carries_two_versions_after_a_mid_episode_swap(engine):
     fetched, new_model = new_weights(engine, version=1)
 
     class SwapAfterFirstTurn(ScriptedEnv):
-        async def step(self, session_id, text):
+        async def step(self, session_id, text, close_when_done=False):
             if not self.steps:
                 assert await engine.swap(fetched) >= 0
             return await super().step(session_id, text)

@@ -310,7 +310,7 @@ async def test_a_wholly_stale_group_does_not_take_a_batch_slot():
 
 
 def test_learning_rate_warms_up_linearly_then_holds():
-    from treadle_trainer.run import warmup_lr
+    from treadle_trainer.train import warmup_lr
 
     assert [warmup_lr(1.0, 4, s) for s in (1, 2, 4, 5, 100)] == [0.25, 0.5, 1.0, 1.0, 1.0]
     assert warmup_lr(3e-5, 0, 1) == 3e-5

@@ -1,5 +1,6 @@
 """WeightStore core logic with a scripted failing backend (no server needed)."""
 
+import asyncio
 import errno
 import fcntl
 import os
@@ -303,3 +304,45 @@ async def test_a_refused_chunk_fails_alone_and_the_writer_goes_on(tmp_path):
     await store.flush()  # the one writer did not die with the refused chunk
     assert backend.order == rest and dropped("chunk") == drops + 1  # counted with its reason
     assert await store.missing(list(chunks)) == [refused]  # never counted as stored
+
+
+async def test_gc_spares_chunks_a_publisher_was_told_are_held(tmp_path):
+    """Delta publish vs GC: a chunk reported present must still be there at commit; once the
+    promise lapses GC may take it, and the commit then asks for a resend (retryable)."""
+    from treadle_weight_store.errors import ChunksMissing
+
+    store = WeightStore(LocalBackend(tmp_path), gc_grace_s=0)
+    manifest, chunks = two_tensors()
+    await hold(store, chunks)
+    await store.commit(manifest, durable=True)
+    await store._delete_manifest("m", 1)  # retention dropped the only version using them
+    again = pb_copy(manifest)
+    assert await store.missing(list(chunks)) == []  # "held: no need to send"
+    assert (await store.gc())[1] == 0  # a GC in between spares them
+    assert (await store.commit(again)).version == 1
+    await store._delete_manifest("m", 1)
+    store._promised.clear()  # the promise lapsed (PROMISE_S later)
+    assert (await store.gc())[1] == len(chunks)
+    with pytest.raises(ChunksMissing, match="lacks"):
+        await store.commit(pb_copy(manifest))
+
+
+def pb_copy(manifest):
+    copy = type(manifest)()
+    copy.CopyFrom(manifest)
+    copy.version = -1
+    return copy
+
+
+async def test_concurrent_collections_do_not_race_each_others_deletes(tmp_path):
+    store = WeightStore(LocalBackend(tmp_path), gc_grace_s=0)
+    for value in (1.0, 2.0, 3.0):
+        manifest, chunks = two_tensors(value)
+        await hold(store, chunks)
+        await store.commit(manifest, durable=True)
+    for version in (1, 2, 3):
+        await store._delete_manifest("m", version)
+    store._promised.clear()
+    results = await asyncio.gather(*(store.gc() for _ in range(4)))
+    assert sum(r[1] for r in results) == 6  # each chunk deleted once, no error
+    assert list(store.backend.list_chunks()) == []

@@ -7,7 +7,7 @@ treadle down                     stop everything `up` started
 treadle run RECIPE [--set a=b]   run a recipe on the stack (starting one if none runs)
 treadle model init-tiny DIR      build the tiny local HF model
 treadle weights list|export       inspect / export weight-store versions as HF directories
-treadle bench weights|env|reward|rollout|trainer|e2e|learn [--json]
+treadle bench weights|env|reward|rollout|trainer|e2e|learn|step [--json]
                                  our path vs a baseline, or learning per seed, as JSON
 """
 
@@ -389,6 +389,21 @@ def bench_learn(
     from benchmarks import learn
 
     result = learn.run([int(s) for s in seeds.split(",")], recipe, overrides)
+    print(json.dumps(result, indent=None if as_json else 2))
+
+
+@bench_app.command("step")
+def bench_step(
+    steps: Annotated[int, typer.Option(help="Trainer steps per way")] = 100,
+    recipe: Annotated[Path, typer.Option(help="Workload recipe")] = Path("recipes/step.yaml"),
+    overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a.b=c")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
+) -> None:
+    """A short, compute-bound step three ways: an in-process loop with the same engine and
+    trainer code, Treadle sync, Treadle async; seconds per step, where they go, publishes."""
+    from benchmarks import step
+
+    result = step.run(steps, recipe, overrides)
     print(json.dumps(result, indent=None if as_json else 2))
 
 

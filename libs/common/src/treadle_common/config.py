@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class Strict(BaseModel):
@@ -116,6 +116,14 @@ class TrainerConfig(Strict):
         False, description="Also train on groups the trainer did not feed (recorded sessions)"
     )
     max_staleness: int = Field(1, ge=0, description="Max policy versions a trajectory may lag")
+    publish_every: int = Field(
+        1,
+        ge=1,
+        description="Publish the weights every K steps (and after the last): for when a "
+        "version per step is more than rollout can use. Versions stay numbered by step, so "
+        "a trajectory lags up to K - 1 versions even in sync mode (async needs "
+        "max_staleness >= K - 1)",
+    )
     batch_timeout_s: float = Field(300.0, gt=0, description="Give up waiting for a batch after")
     seed: int = Field(
         0,
@@ -207,6 +215,16 @@ class RunConfig(Strict):
     sft: SFTConfig = Field(default_factory=SFTConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     output_dir: Path = Field(Path(".treadle/runs"), description="Where run outputs are written")
+
+    @model_validator(mode="after")
+    def _staleness_covers_publishing(self) -> RunConfig:
+        t = self.trainer
+        if self.mode == "async" and t.max_staleness < t.publish_every - 1:
+            raise ValueError(
+                f"trainer.max_staleness {t.max_staleness} < trainer.publish_every - 1 "
+                f"({t.publish_every - 1}): every trajectory would be too stale to train on"
+            )
+        return self
 
 
 class RecipeError(ValueError):

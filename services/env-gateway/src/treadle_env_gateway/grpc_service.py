@@ -1,7 +1,15 @@
-"""gRPC `treadle.v1.EnvGateway`: the data plane rollout uses to step environments."""
+"""gRPC `treadle.v1.EnvGateway`: the data plane rollout uses to step environments.
+
+Besides one call per hop (`CreateSession`, `Step`, `CloseSession`), a group's hops go in one
+call each: `CreateSessions` (one task, a seed per episode), `StepMany` (any sessions; each
+result streams back as soon as its step is done, so a slow tool call delays only its own
+episode) and `CloseSessions`. A step with `close_when_done` closes its session when it ends
+the episode, so a finished episode needs no close hop at all.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 
@@ -57,15 +65,30 @@ def action_from_pb(action: pb.Action) -> Action:
     return Action(text=action.text, tool_calls=[tool_call_from_pb(c) for c in action.tool_calls])
 
 
+CODES = {
+    EnvError: grpc.StatusCode.INVALID_ARGUMENT,
+    UnknownEnv: grpc.StatusCode.NOT_FOUND,
+    UnknownSession: grpc.StatusCode.NOT_FOUND,
+    CapacityExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    EnvCrashed: grpc.StatusCode.INTERNAL,
+}
+
+
+def step_pb(result) -> pb.StepResponse:
+    return pb.StepResponse(
+        observation=observation_pb(result.observation),
+        has_reward=result.reward is not None,
+        reward=result.reward or 0.0,
+        done=result.done,
+        info_json=json.dumps(result.info),
+        status=result.status,
+        error=result.error,
+    )
+
+
 @contextlib.asynccontextmanager
 async def _as_status(context: grpc.aio.ServicerContext, method: str):
-    codes = {
-        EnvError: grpc.StatusCode.INVALID_ARGUMENT,
-        UnknownEnv: grpc.StatusCode.NOT_FOUND,
-        UnknownSession: grpc.StatusCode.NOT_FOUND,
-        CapacityExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
-        EnvCrashed: grpc.StatusCode.INTERNAL,
-    }
+    codes = CODES
     parent = tracing.from_grpc(context.invocation_metadata())
     with tracing.tracer().start_as_current_span(
         f"env.{method}", context=parent, kind=SpanKind.SERVER
@@ -104,37 +127,92 @@ class EnvGatewayServicer(env_pb2_grpc.EnvGatewayServicer):
             session, observation = await self.sessions.create(
                 request.env, task, request.seed, options
             )
-            tools = [
-                pb.ToolSpec(
-                    name=t["function"]["name"],
-                    description=t["function"].get("description", ""),
-                    parameters_json=json.dumps(t["function"].get("parameters", {})),
-                )
-                for t in session.env.tools
-            ]
-            return pb.Session(
-                session_id=session.session_id,
-                replica=self.sessions.replica,
-                observation=observation_pb(observation),
-                tools=tools,
+            return self._session_pb(session, observation)
+
+    def _session_pb(self, session, observation: list[Message]) -> pb.Session:
+        tools = [
+            pb.ToolSpec(
+                name=t["function"]["name"],
+                description=t["function"].get("description", ""),
+                parameters_json=json.dumps(t["function"].get("parameters", {})),
             )
+            for t in session.env.tools
+        ]
+        return pb.Session(
+            session_id=session.session_id,
+            replica=self.sessions.replica,
+            observation=observation_pb(observation),
+            tools=tools,
+        )
+
+    async def CreateSessions(self, request: pb.CreateSessionsRequest, context):
+        """All or nothing: if one session cannot be created, none stays open."""
+        async with _as_status(context, "CreateSessions") as span:
+            span.set_attributes({"treadle.env": request.env, "treadle.count": len(request.seeds)})
+            task = parse_json(request.task_json, "task_json")
+            options = parse_json(request.options_json, "options_json")
+            created = []
+            try:
+                for seed in request.seeds:
+                    created.append(await self.sessions.create(request.env, task, seed, options))
+            except BaseException:
+                for session, _ in created:
+                    await self.sessions.close(session.session_id)
+                raise
+            return pb.CreateSessionsResponse(
+                sessions=[self._session_pb(s, obs) for s, obs in created]
+            )
+
+    async def _step(self, request: pb.StepRequest) -> pb.StepResponse:
+        with self.stage.track():
+            action = action_from_pb(request.action)
+            result = await self.sessions.step(request.session_id, action)
+        if request.close_when_done and result.done:
+            await self.sessions.close(request.session_id)
+        return step_pb(result)
 
     async def Step(self, request: pb.StepRequest, context):
         async with _as_status(context, "Step"):
-            with self.stage.track():
-                action = action_from_pb(request.action)
-                result = await self.sessions.step(request.session_id, action)
-            return pb.StepResponse(
-                observation=observation_pb(result.observation),
-                has_reward=result.reward is not None,
-                reward=result.reward or 0.0,
-                done=result.done,
-                info_json=json.dumps(result.info),
-                status=result.status,
-                error=result.error,
-            )
+            return await self._step(request)
+
+    async def StepMany(self, request: pb.StepManyRequest, context):
+        """Every step at once; results stream back in the order they finish. A step the
+        gateway refuses is an item with status `request_error`, not the end of the call."""
+        parent = tracing.from_grpc(context.invocation_metadata())
+        with tracing.tracer().start_as_current_span(
+            "env.StepMany", context=parent, kind=SpanKind.SERVER
+        ) as span:
+            span.set_attribute("treadle.count", len(request.steps))
+
+            async def one(index: int, step: pb.StepRequest) -> pb.StepManyItem:
+                try:
+                    result = await self._step(step)
+                except tuple(CODES) as exc:
+                    metrics.REQUESTS.labels(SERVICE, "Step", type(exc).__name__).inc()
+                    message = exc.args[0] if exc.args else str(exc)
+                    return pb.StepManyItem(
+                        index=index,
+                        result=pb.StepResponse(status="request_error", error=message),
+                        code=CODES[type(exc)].name,
+                    )
+                metrics.REQUESTS.labels(SERVICE, "Step", "ok").inc()
+                return pb.StepManyItem(index=index, result=result)
+
+            running = [asyncio.ensure_future(one(i, s)) for i, s in enumerate(request.steps)]
+            try:
+                for done in asyncio.as_completed(running):
+                    yield await done
+            finally:  # the caller went away: stop the steps still running
+                for task in running:
+                    task.cancel()
 
     async def CloseSession(self, request: pb.CloseSessionRequest, context):
         async with _as_status(context, "CloseSession"):
             await self.sessions.close(request.session_id)
+            return pb.CloseSessionResponse()
+
+    async def CloseSessions(self, request: pb.CloseSessionsRequest, context):
+        async with _as_status(context, "CloseSessions"):
+            for session_id in request.session_ids:
+                await self.sessions.close(session_id)
             return pb.CloseSessionResponse()

@@ -99,7 +99,7 @@ async def main(settings: Settings) -> None:
     runtime = ServiceRuntime(SERVICE, settings, uses_redis=True)
     engine = await build_engine(settings, model_dir, model_name)
     store = WeightStoreClient(settings.weight_store_addr)
-    env = EnvClient(settings.env_gateway_addr)
+    env = EnvClient(settings.env_gateway_addr, batch=True)  # a group's hops travel together
     sync = WeightSync(engine, store)
     runtime.progress.add(sync.stage)
     server = runtime.make_grpc_server()
@@ -155,7 +155,7 @@ async def main(settings: Settings) -> None:
 
     async def work() -> None:
         nc = await runtime.wait_nats()
-        reward = RewardClient(nc, settings.reward_timeout_s)
+        reward = RewardClient(nc, settings.reward_timeout_s, batch=True)
         frontend.redis, frontend.reward = runtime.redis, reward
         runner = EpisodeRunner(
             engine,

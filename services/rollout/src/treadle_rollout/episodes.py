@@ -13,7 +13,7 @@ import uuid
 import grpc
 
 from treadle_common import tracing
-from treadle_common.clients.env import EnvClient
+from treadle_common.clients.env import EnvClient, EnvRequestError
 from treadle_common.clients.reward import RewardClient
 from treadle_common.progress import Stage
 from treadle_common.proto.treadle.v1 import reward_pb2, task_pb2
@@ -85,6 +85,8 @@ class EpisodeRunner:
                 f"env-gateway: {exc.code().name}: {exc.details()}",
                 started,
             )
+        except EnvRequestError as exc:
+            return _failed(traj, t, tpb.TRAJECTORY_STATUS_ENV_ERROR, f"env-gateway: {exc}", started)
         except _SandboxFailure as exc:
             return _failed(traj, t, tpb.TRAJECTORY_STATUS_SANDBOX_ERROR, str(exc), started)
         except _EnvFailure as exc:
@@ -131,6 +133,7 @@ class EpisodeRunner:
             priority=task.created_at or time.time(),  # oldest task first
         )
         info: dict = {}
+        closed = False
         try:
             t.add_messages(_messages(session.observation))
             for turn in range(max(1, task.max_turns)):
@@ -154,7 +157,8 @@ class EpisodeRunner:
                 text = t.add_generation(gen)
                 traj.num_turns = turn + 1
                 env_start = time.time()
-                step = await self.env.step(session.session_id, text)
+                step = await self.env.step(session.session_id, text, close_when_done=True)
+                closed = step.done
                 traj.timings.env_s += time.time() - env_start
                 if step.status == "env_error":
                     raise _EnvFailure(f"env {task.env} raised: {step.error}")
@@ -168,7 +172,8 @@ class EpisodeRunner:
             else:
                 traj.status = tpb.TRAJECTORY_STATUS_TRUNCATED
         finally:
-            await self.env.close_session(session.session_id)
+            if not closed:
+                await self.env.close_session(session.session_id)
         return info
 
 

@@ -69,6 +69,7 @@ class TaskWorker:
         self.runner = runner
         self.sync = sync
         self.consumer = consumer
+        self.max_concurrent_tasks = max_concurrent_tasks
         self.slots = asyncio.Semaphore(max_concurrent_tasks)
         self.reclaim_idle_ms = reclaim_idle_ms
         self.in_flight: set[asyncio.Task] = set()
@@ -110,13 +111,13 @@ class TaskWorker:
                 )
             await self.slots.acquire()
             self.slots.release()
-            entries += await streams.read_group(
+            entries += await streams.read_group(  # as many as there are free slots
                 self.r,
                 stream_keys,
                 names.ROLLOUT_GROUP,
                 self.consumer,
                 task_pb2.Task,
-                count=1,
+                count=max(1, self.max_concurrent_tasks - len(self.in_flight) - len(entries)),
                 block_ms=500,
             )
             for stream, entry_id, task in entries:  # task may be an InvalidEntry

@@ -5,7 +5,10 @@
     treadle:{run}:trajectories --XREADGROUP (group `trainer`, consumer `owner`)--> validate
         --> GroupBuffer (complete groups) --> staleness / status drops --> advantages
         --> micro-batches by token budget --> backend.forward_backward + optim_step
-        --> publish the new weights (delta) to the weight-store (it announces on NATS)
+        --> a copy of the new weights to the background publisher (`publisher.py`): it
+            publishes them (delta) to the weight-store, which announces on NATS; version
+            V0 + step, every `publish_every` steps, newest first. Sync runs wait for it
+            (the next batch is generated with it); async runs go on at once
     every `checkpoint_every` steps: checkpoint (model, optimizer, RNG, cursor, run state) -->
         MULTI: XACK every entry those steps used or dropped + one ledger entry per step -> EXEC
     sync mode, every `eval.every` steps: wait until the client has evaluated this step's
@@ -67,12 +70,12 @@ from treadle_trainer.batches import (
     in_feed_order,
     invalid_reason,
     is_constant,
-    pack,
-    split_minibatches,
     staleness,
 )
 from treadle_trainer.data import DatasetError, TaskSource, load_rows
-from treadle_trainer.losses import NEEDS_PROXIMAL, LossParams
+from treadle_trainer.losses import LossParams
+from treadle_trainer.publisher import Published, Publisher, Snapshot
+from treadle_trainer.train import train_batch
 
 log = get_logger(__name__)
 SERVICE = "trainer"
@@ -83,11 +86,6 @@ def task_seed(run_seed: int, index: int, group_size: int) -> int:
     """The sampling seed of the run's `index`-th task: its episodes take seed + 0 .. seed +
     group_size - 1, so no two episodes of a run share one (and 0, unseeded, is never used)."""
     return (run_seed % 2**20) * 2**40 + index * group_size + 1
-
-
-def warmup_lr(lr: float, warmup_steps: int, step: int) -> float:
-    """The learning rate of `step` (1-based): linear from lr / warmup_steps up to lr."""
-    return lr * min(1.0, step / warmup_steps) if warmup_steps else lr
 
 
 class StepRecord(BaseModel):
@@ -105,11 +103,25 @@ class StepRecord(BaseModel):
     clip_fraction: float = 0.0
     wait_for_batch_s: float = 0.0
     train_s: float = 0.0
-    publish_s: float
-    bytes_published: int
+    publish_s: float = Field(
+        description="Seconds the step waited for publishing (sync: until its weights were "
+        "committed; async: handing them to the background publisher)"
+    )
+    published: bool = Field(
+        False, description="The step's weights were published (not skipped or coalesced)"
+    )
+    publish_duration_s: float | None = Field(
+        None, description="Seconds the publish of this step's weights took, once done"
+    )
+    publish_latency_s: float | None = Field(
+        None, description="Seconds from the step's end to its weights committed, once done"
+    )
+    bytes_published: int = 0
     duration_s: float
     tokens_per_s: float = 0.0
-    finished_at: float = Field(0.0, description="Unix time the step's weights were published")
+    finished_at: float = Field(
+        0.0, description="Unix time the step ended (sync: its weights were published)"
+    )
 
 
 class RunStatus(BaseModel):
@@ -131,6 +143,9 @@ class RunStatus(BaseModel):
     trajectories_acked: int = 0
     rejected: int = Field(0, description="Entries dropped as they were read (acked, not consumed)")
     duplicates: int = 0
+    publishes_coalesced: int = Field(
+        0, description="Versions never published: a newer one replaced them while waiting"
+    )
     dropped: dict[str, int] = Field(default_factory=dict)
     pending_after_run: int | None = None
     steps: list[StepRecord] = Field(default_factory=list)
@@ -166,7 +181,10 @@ class RunOwner:
         self._buffer = GroupBuffer(config.rollout.group_size)
         self._uncommitted: list[dict[str, Any]] = []  # steps trained since the last checkpoint
         self._loose_drops: list[tuple[str, str, str]] = []  # (entry, trajectory, reason)
-        self._last_publish_bytes = 0
+        self.publisher = Publisher(self._publish_snapshot, self._published)
+        self._records: dict[int, StepRecord] = {}  # steps whose publish is not recorded yet
+        self._publish_done: dict[int, Published] = {}
+        self._v0 = 0  # the version before step 1: step s publishes version V0 + s
         self.evaluated_step = 0
         self._evaluated = asyncio.Condition()
         self._assets = model_assets(config.model.path)  # config + tokenizer travel with weights
@@ -182,7 +200,9 @@ class RunOwner:
 
     @property
     def max_staleness(self) -> int:
-        return 0 if self.config.mode == "sync" else self.config.trainer.max_staleness
+        t = self.config.trainer
+        # sync: a batch is generated with the last published version, up to K - 1 steps old
+        return t.publish_every - 1 if self.config.mode == "sync" else t.max_staleness
 
     @property
     def total_tasks(self) -> int:
@@ -200,6 +220,7 @@ class RunOwner:
             log.error("run failed", run=self.config.run_id, error=self.status.error)
         finally:
             run = self.config.run_id
+            await self.publisher.close()
             await self.r.srem(names.RUNS_KEY, run)
             await self._final_counts()  # before the final state: readers see complete counts
             self.status.state = outcome
@@ -224,12 +245,14 @@ class RunOwner:
         else:
             version = await self._base_version()
             self.status.base_version = version
+        self._v0 = version - self.status.step
+        served = version  # what rollout generates the next batch with (sync: must hold)
         await admission.configure(
             self.r,
             cfg.run_id,
             groups_per_step=t.tasks_per_step,
             max_staleness=self.max_staleness,
-            base_version=version - self.status.step,
+            base_version=self._v0,
         )
         await self.r.sadd(names.RUNS_KEY, cfg.run_id)
         for _, entry_id, traj in await streams.pending_own(
@@ -240,18 +263,21 @@ class RunOwner:
             step = self.status.step + 1
             started = time.perf_counter()
             # async keeps S steps of work fed, up to the last step (as a longer run would)
-            await self._feed(source, (step + self.max_staleness) * t.tasks_per_step, version)
+            await self._feed(source, (step + self.max_staleness) * t.tasks_per_step, served)
             groups = await self._collect(t.tasks_per_step, version)
             if step == t.num_steps:
                 await admission.close(self.r, cfg.run_id)  # no later group would be trained
             wait_s = time.perf_counter() - started
             version = await self._step(step, groups, version, started, wait_s)
+            if self._publishes(step):
+                served = version
             if step % t.checkpoint_every == 0 and step < t.num_steps:
                 await self._checkpoint(version)
             await self._hold_for_evaluation(step)
         await self._end_feeding(version)
         if self._uncommitted or self.status.checkpoint_step < self.status.step:
             await self._checkpoint(version)
+        await self.publisher.flush()  # the run's last weights are in the store when it ends
 
     async def _task_source(self) -> TaskSource:
         """The dataset or the env's generator, minus the held-out eval tasks."""
@@ -565,7 +591,12 @@ class RunOwner:
             stats = await on_torch_thread(self._train, data)
         train_s = time.perf_counter() - train_start
         publish_start = time.perf_counter()
-        version = await self._publish(step=step)
+        version = self._v0 + step
+        if self._publishes(step):
+            state = await on_torch_thread(self.backend.snapshot_cpu)
+            await self.publisher.submit(Snapshot(step, version, state))
+            if self.config.mode == "sync":  # the next batch is generated with these weights
+                await self.publisher.wait_for(version)
         publish_s = time.perf_counter() - publish_start
         self.status.trajectories_trained += len(trained)
         loose, self._loose_drops = self._loose_drops, []
@@ -593,7 +624,6 @@ class RunOwner:
             wait_for_batch_s=wait_s,
             train_s=train_s,
             publish_s=publish_s,
-            bytes_published=self._last_publish_bytes,
             duration_s=duration,
             tokens_per_s=stats.get("num_tokens", 0.0) / duration if duration else 0.0,
             finished_at=time.time(),
@@ -601,6 +631,9 @@ class RunOwner:
         )
         self.status.step = step
         self.status.steps.append(record)
+        if self._publishes(step):
+            self._records[step] = record
+            self._record_publish(step)
         self._observe(record, stale)
         log.info("step", run=run, **record.model_dump())
         return version
@@ -631,33 +664,12 @@ class RunOwner:
 
     def _train(self, data: list[Datum]) -> dict[str, float]:
         assert self.backend is not None
-        if not data:
-            return {"loss": 0.0, "grad_norm": 0.0}
         t = self.config.trainer
-        chunks = split_minibatches(data, t.minibatches)
-        if t.loss in NEEDS_PROXIMAL and t.minibatches > 1:
-            # pi_prox = the weights this batch starts from; every batch, even one that makes a
-            # single minibatch, or it would meet the snapshot of an earlier batch
-            self.backend.snapshot_proximal()
-        outs = []
-        adam = self.adam.model_copy(
-            update={"learning_rate": warmup_lr(t.lr, t.lr_warmup_steps, self.status.step + 1)}
+        stats = train_batch(
+            self.backend, data, t, self.loss_params, self.adam, self.status.step + 1
         )
-        for chunk in chunks:
-            mbs = pack(chunk, t.micro_batch_tokens, t.loss_aggregation, self.backend.pad_id)
-            out = self.backend.forward_backward(mbs, t.loss, self.loss_params)
-            out.update(self.backend.optim_step(adam))
-            outs.append(out)
-        tokens = sum(o["num_tokens"] for o in outs) or 1.0
-        merged = {  # per-token statistics weighted by tokens; losses and norms averaged
-            k: sum(o[k] * o["num_tokens"] for o in outs) / tokens
-            if k not in ("loss", "grad_norm")
-            else sum(o[k] for o in outs) / len(outs)
-            for k in outs[0]
-        }
-        merged["num_tokens"] = tokens
         fields = set(StepRecord.model_fields)
-        return {k: v for k, v in merged.items() if k in fields}
+        return {k: v for k, v in stats.items() if k in fields}
 
     def _observe(self, record: StepRecord, stale: list[int]) -> None:
         run = self.config.run_id
@@ -669,23 +681,63 @@ class RunOwner:
             tm.STALENESS.labels(run).observe(s)
         tm.WAIT_FOR_BATCH.labels(run).observe(record.wait_for_batch_s)
         tm.STEP_SECONDS.labels(run).observe(record.duration_s)
-        tm.PUBLISH_SECONDS.labels(run).observe(record.publish_s)
         tm.TOKENS.labels(run).inc(record.num_tokens)
 
-    async def _publish(self, step: int) -> int:
+    # --- publishing ---------------------------------------------------------------------------
+    def _publishes(self, step: int) -> bool:
+        t = self.config.trainer
+        return step % t.publish_every == 0 or step == t.num_steps
+
+    async def _publish(self, step: int, version: int = -1) -> int:
+        """Publish the weights now (the base and restored weights: the next free version)."""
         assert self.backend is not None
         state = await on_torch_thread(self.backend.state_dict_cpu)
+        response = await self._send(state, step, version)
+        self.status.versions.append(response.version)
+        return response.version
+
+    async def _send(self, state: dict, step: int, version: int):
         response = await self.store.publish(
             self.config.model.name,
             state_dict_to_raw(state),
+            version=version,
             trainer_step=step,
             parent_version=self.status.versions[-1] if self.status.versions else -1,
             assets=self._assets,
             metadata={"run_id": self.config.run_id},
         )
-        self._last_publish_bytes = response.bytes_received
-        self.status.versions.append(response.version)
-        return response.version
+        if version >= 0 and response.version != version:
+            raise RuntimeError(f"published version {response.version}, wanted {version}")
+        return response
+
+    async def _publish_snapshot(self, snapshot: Snapshot) -> int:
+        """The background publisher's work: one step's weights as version V0 + step."""
+        with tracing.tracer().start_as_current_span("trainer.publish", context=Context()) as span:
+            span.set_attributes(
+                {"treadle.step": snapshot.step, "treadle.version": snapshot.version}
+            )
+            response = await self._send(snapshot.state, snapshot.step, snapshot.version)
+        return response.bytes_received
+
+    def _published(self, done: Published) -> None:
+        self.status.versions.append(done.version)
+        self.status.publishes_coalesced = self.publisher.coalesced
+        self._publish_done[done.step] = done
+        self._record_publish(done.step)
+        for step in [s for s in self._records if s < done.step]:  # coalesced: never published
+            del self._records[step]
+        tm.PUBLISH_SECONDS.labels(self.config.run_id).observe(done.publish_s)
+
+    def _record_publish(self, step: int) -> None:
+        """Fill in the step record's publish once both the record and the publish exist."""
+        record, done = self._records.get(step), self._publish_done.get(step)
+        if record is None or done is None:
+            return
+        record.published = True
+        record.publish_duration_s = done.publish_s
+        record.publish_latency_s = done.latency_s
+        record.bytes_published = done.bytes_sent
+        del self._records[step], self._publish_done[step]
 
     # --- checkpoint and commit ------------------------------------------------------------------
     async def _checkpoint(self, version: int) -> None:
@@ -693,6 +745,7 @@ class RunOwner:
         assert self.backend is not None
         run, step = self.config.run_id, self.status.step
         started = time.perf_counter()
+        await self.publisher.flush()  # the checkpoint's versions are all in the store
         path = (self.run_dir / "checkpoints" / f"step-{step:06d}").resolve()
         acked = sum(len(s["entries"]) for s in self._uncommitted)
         self.status.checkpoint_step = step

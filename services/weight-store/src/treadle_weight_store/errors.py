@@ -29,3 +29,9 @@ class Precondition(StoreError):
 
 class BackendError(StoreError):
     """UNAVAILABLE / 503: the disk or S3 failed; nothing was made visible."""
+
+
+class ChunksMissing(StoreError):
+    """ABORTED / 409: a commit names chunks the store does not hold (e.g. collected after the
+    publisher was told they were present). Retryable: the publisher asks again what is
+    missing and sends it."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
@@ -25,6 +26,7 @@ from treadle_common.proto.treadle.v1 import weights_pb2_grpc
 from treadle_weight_store.errors import (
     BackendError,
     BadRequest,
+    ChunksMissing,
     CorruptChunk,
     NotFound,
     Precondition,
@@ -36,6 +38,7 @@ from treadle_weight_store.store import WeightStore
 log = get_logger(__name__)
 SERVICE = "weight-store"
 READ_AHEAD = 4
+GC_MIN_INTERVAL_S = 2.0
 SERVICE_NAME = "treadle.v1.WeightStore"
 
 _STATUS = {
@@ -45,6 +48,7 @@ _STATUS = {
     CorruptChunk: grpc.StatusCode.DATA_LOSS,
     Precondition: grpc.StatusCode.FAILED_PRECONDITION,
     BackendError: grpc.StatusCode.UNAVAILABLE,
+    ChunksMissing: grpc.StatusCode.ABORTED,
 }
 
 
@@ -104,23 +108,32 @@ class WeightStoreServicer(weights_pb2_grpc.WeightStoreServicer):
     ):
         self.store = store
         self.announce = announce
-        self._gc_tasks: set[asyncio.Task] = set()
+        self._collector: asyncio.Task | None = None
+        self._collect_wanted = False
 
     def _collect_soon(self) -> None:
-        async def collect() -> None:
+        """Apply retention and collect freed chunks after a publish, off its path: one
+        collection at a time, at most one every `GC_MIN_INTERVAL_S`; publishes that land
+        while one runs are covered by one more round."""
+        self._collect_wanted = True
+        if self._collector is None or self._collector.done():
+            self._collector = asyncio.create_task(self._collect(), name="collect")
+
+    async def _collect(self) -> None:
+        while self._collect_wanted:
+            self._collect_wanted = False
+            started = time.monotonic()
             try:
                 await self.store.settle()  # chunks still being written count as referenced
                 await self.store.gc()
             except StoreError as exc:
                 log.error("gc after retention failed", error=str(exc))
-
-        task = asyncio.create_task(collect())
-        self._gc_tasks.add(task)
-        task.add_done_callback(self._gc_tasks.discard)
+            await asyncio.sleep(max(0.0, started + GC_MIN_INTERVAL_S - time.monotonic()))
 
     async def MissingChunks(self, request, context):
         async with _as_status(context, "MissingChunks"):
-            return pb.MissingChunksResponse(missing=await self.store.missing(list(request.hashes)))
+            missing = await self.store.missing(list(request.hashes), promise=not request.probe)
+            return pb.MissingChunksResponse(missing=missing)
 
     async def Publish(self, request_iterator: AsyncIterator[pb.PublishRequest], context):
         num_bytes = 0
@@ -145,8 +158,7 @@ class WeightStoreServicer(weights_pb2_grpc.WeightStoreServicer):
                     durable=self.store.durable(manifest.model, manifest.version),
                 )
                 await self.announce(manifest)
-                if await self.store.apply_retention(manifest.model):
-                    self._collect_soon()  # free the dropped versions' chunks now, not in a minute
+                self._collect_soon()  # retire old versions and free their chunks, off this path
                 return pb.PublishResponse(
                     model=manifest.model,
                     version=manifest.version,

@@ -19,10 +19,14 @@
   fails for good (disk full, S3 down), versions that depended on the failed writes are
   withdrawn and counted, durable commits fail, and so does every commit until a write
   succeeds again. Versions count from 1 (0 names the base weights of the model directory).
-- Retention keeps the last `keep_last` versions plus pinned ones. Garbage collection deletes
-  chunks no manifest references, sparing chunks of versions being read (reader leases),
-  chunks of publishes in progress and chunks younger than `gc_grace_s` (a broken publish can
-  resume).
+- Retention keeps the last `keep_last` versions plus pinned ones. Garbage collection (one at
+  a time) deletes chunks no manifest references, sparing chunks of versions being read
+  (reader leases), chunks of publishes in progress, chunks younger than `gc_grace_s` (a
+  broken publish can resume) and chunks a publisher was told the store holds in the last
+  `PROMISE_S` (it will not send them). Should a commit still name a chunk the store lacks, it
+  fails with `ChunksMissing` (ABORTED), which publishers retry: they ask again and send it.
+- Manifests are immutable: the last `MANIFEST_CACHE` read or committed are kept parsed in
+  memory, so listing, fetching and GC do not read and parse them again.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from treadle_weight_store.cache import ChunkCache
 from treadle_weight_store.errors import (
     BackendError,
     BadRequest,
+    ChunksMissing,
     CorruptChunk,
     NotFound,
     Precondition,
@@ -63,6 +68,8 @@ log = get_logger(__name__)
 HASH_RE = re.compile(r"^[0-9a-f]{32}$")
 MODEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MAX_CHUNK_BYTES = 16 * 2**20
+PROMISE_S = 300.0  # chunks reported present to a publisher survive GC this long
+MANIFEST_CACHE = 256
 
 
 def check_model(model: str) -> None:
@@ -141,14 +148,26 @@ class WeightStore:
         )
         self.persist_error: str | None = None  # the last write failure, until a write works
         self._failed_at = 0.0
+        self._promised: dict[str, float] = {}  # chunk -> when a publisher was told we hold it
+        self._gc_lock = asyncio.Lock()
+        self._manifests: dict[tuple[str, int], pb.WeightManifest] = {}  # parsed, newest last
+        self._committed_while_collecting: set[str] | None = None  # None: no GC running
 
     # -- chunks ---------------------------------------------------------------------------------
-    async def missing(self, hashes: list[str]) -> list[str]:
+    async def missing(self, hashes: list[str], promise: bool = True) -> list[str]:
+        """Which of `hashes` the store lacks. `promise`: the caller (a publisher) will not
+        send the others, so GC leaves them alone for `PROMISE_S`."""
         for digest in hashes:
             check_hash(digest)
         unique = [h for h in dict.fromkeys(hashes) if h not in self._dirty]
         present = await _io(self.backend.has_chunks, unique) if unique else []
-        return [h for h, ok in zip(unique, present, strict=True) if not ok]
+        lacking = [h for h, ok in zip(unique, present, strict=True) if not ok]
+        if promise:
+            now, lacked = time.monotonic(), set(lacking)
+            for digest in hashes:
+                if digest not in lacked:
+                    self._promised[digest] = now
+        return lacking
 
     async def put_chunk(
         self, digest: str, data: bytes | memoryview, frame: bytes | None = None
@@ -283,6 +302,7 @@ class WeightStore:
 
     def _withdraw(self, key: tuple[str, int], reason: str) -> None:
         """A version that can no longer become durable stops being visible (counted)."""
+        self._manifests.pop(key, None)
         if self._pending.pop(key, None) is not None:
             log.error("version withdrawn", model=key[0], version=key[1], error=reason)
             metrics.DROPPED.labels("weight-store", "version", "backend_failed").inc()
@@ -375,7 +395,9 @@ class WeightStore:
         return sorted(pending.union(await _io(self.backend.list_versions, model)))
 
     async def models(self) -> list[str]:
-        return await _io(self.backend.list_models)
+        """Models with a version, durable or not yet."""
+        pending = {model for model, _ in self._pending}
+        return sorted(pending.union(await _io(self.backend.list_models)))
 
     async def resolve(self, model: str, version: int) -> int:
         if version >= 0:
@@ -391,9 +413,22 @@ class WeightStore:
         pending = self._pending.get((model, version))
         if pending is not None:
             return pending
-        return pb.WeightManifest.FromString(await _io(self.backend.get_manifest, model, version))
+        cached = self._manifests.get((model, version))
+        if cached is not None:
+            return cached
+        manifest = pb.WeightManifest.FromString(
+            await _io(self.backend.get_manifest, model, version)
+        )
+        self._remember(manifest)
+        return manifest
+
+    def _remember(self, manifest: pb.WeightManifest) -> None:
+        self._manifests[(manifest.model, manifest.version)] = manifest
+        while len(self._manifests) > MANIFEST_CACHE:
+            del self._manifests[next(iter(self._manifests))]
 
     async def _delete_manifest(self, model: str, version: int) -> None:
+        self._manifests.pop((model, version), None)
         if self._pending.pop((model, version), None) is None:
             await _io(self.backend.delete_manifest, model, version)
 
@@ -422,10 +457,11 @@ class WeightStore:
                 f"the {self.backend.name} backend is failing, so versions cannot be kept: "
                 f"{self.persist_error}"
             )
-        missing = await self.missing(sorted(refs.difference(stored)))
+        missing = await self.missing(sorted(refs.difference(stored)), promise=False)
         if missing:
-            raise BadRequest(
-                f"manifest names {len(missing)} chunks the store lacks, e.g. {missing[0]}"
+            raise ChunksMissing(
+                f"manifest names {len(missing)} chunks the store lacks, e.g. {missing[0]}; "
+                "ask which are missing and send them"
             )
         if durable:
             await self.wait_written(refs)
@@ -446,6 +482,9 @@ class WeightStore:
                 )
             else:
                 self._pending[(manifest.model, manifest.version)] = manifest
+            self._remember(manifest)
+            if self._committed_while_collecting is not None:  # a GC listed versions before
+                self._committed_while_collecting |= refs
         if not durable:
             await self._write_manifests()  # at once if its chunks are all in the backend
         return manifest
@@ -516,8 +555,31 @@ class WeightStore:
             await self._delete_manifest(model, version)
         return doomed
 
+    def _in_use(self, digest: str) -> bool:
+        """Taken since the collection listed what is referenced: being written, named by a
+        version committed meanwhile, received by a publish in progress, or promised."""
+        return (
+            digest in self._dirty
+            or digest in (self._committed_while_collecting or ())
+            or digest in self._promised
+            or any(digest in received for received in self._publishing.values())
+        )
+
     async def gc(self) -> tuple[list[pb.VersionRef], int, int]:
-        """Apply retention to every model, then delete chunks nothing references."""
+        """Apply retention to every model, then delete chunks nothing references (one
+        collection at a time: two would race each other's deletes)."""
+        async with self._gc_lock:
+            return await self._gc()
+
+    async def _gc(self) -> tuple[list[pb.VersionRef], int, int]:
+        started = time.time()
+        self._committed_while_collecting = set()
+        try:
+            return await self._collect(started)
+        finally:
+            self._committed_while_collecting = None
+
+    async def _collect(self, started: float) -> tuple[list[pb.VersionRef], int, int]:
         deleted_versions = []
         referenced: set[str] = set()
         for model in await self.models():
@@ -530,11 +592,14 @@ class WeightStore:
         for received in self._publishing.values():
             referenced |= received
         referenced.update(self._dirty)  # being written: not listed yet, or just now
-        horizon = time.time() - self.gc_grace_s
+        promised_since = time.monotonic() - PROMISE_S
+        self._promised = {h: t for h, t in self._promised.items() if t > promised_since}
+        referenced.update(self._promised)
+        horizon = started - self.gc_grace_s
         chunks = await _io(lambda: list(self.backend.list_chunks()))
         num_chunks = num_bytes = 0
         for digest, mtime, size in chunks:
-            if digest in referenced or mtime > horizon:
+            if digest in referenced or mtime > horizon or self._in_use(digest):
                 continue
             self.cache.discard(digest)
             await _io(self.backend.delete_chunk, digest)

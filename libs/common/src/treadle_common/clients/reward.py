@@ -1,29 +1,42 @@
 """Reward client: NATS request-reply to `treadle.reward.{scorer}` (queue group `reward`).
 
 Failures come back as a `ScoreResult` with status TIMEOUT/ERROR and a message, never as a
-silent reward of 0.
+silent reward of 0. With `batch=True`, the `score` calls made in the same event-loop turn go
+as one `treadle.reward._batch` message (see `coalesce.py`).
 """
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Hashable
 
 from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from treadle_common import names, tracing
+from treadle_common.clients.coalesce import Coalescer, Pending
 from treadle_common.proto.treadle.v1 import reward_pb2 as pb
 
 
 class RewardClient:
-    def __init__(self, nc: NATS, timeout_s: float = 30.0):
+    def __init__(self, nc: NATS, timeout_s: float = 30.0, batch: bool = False):
         self.nc = nc
         self.timeout_s = timeout_s
+        self.batch = batch
+        self._batches: Coalescer[pb.ScoreRequest, pb.ScoreResult] = Coalescer(self._send)
+
+    async def _send(self, _key: Hashable, items: Pending) -> None:
+        results = await self.score_batch([request for request, _ in items])
+        for (_, future), result in zip(items, results, strict=True):
+            if not future.done():
+                future.set_result(result)
 
     async def score(self, request: pb.ScoreRequest) -> pb.ScoreResult:
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
+        if self.batch:
+            return await self._batches.submit(None, request)
         subject = names.reward_subject(request.scorer)
         try:
             reply = await self.nc.request(
@@ -47,7 +60,10 @@ class RewardClient:
         batch = pb.ScoreBatchRequest(requests=requests)
         try:
             reply = await self.nc.request(
-                names.REWARD_BATCH_SUBJECT, batch.SerializeToString(), timeout=self.timeout_s
+                names.REWARD_BATCH_SUBJECT,
+                batch.SerializeToString(),
+                timeout=self.timeout_s,
+                headers=tracing.nats_headers(),
             )
         except (NoRespondersError, NatsTimeout) as exc:
             return [

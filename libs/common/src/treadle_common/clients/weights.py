@@ -34,6 +34,7 @@ _RETRYABLE = (
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED,
     grpc.StatusCode.INTERNAL,  # e.g. a stream reset mid-transfer
+    grpc.StatusCode.ABORTED,  # the store lost a chunk it said it held: ask again, resend
 )
 
 

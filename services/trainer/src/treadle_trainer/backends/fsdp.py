@@ -143,6 +143,9 @@ class FSDPBackend(TorchBackend):
         self._lead("state_dict", {})
         return super().state_dict_cpu()
 
+    def snapshot_cpu(self) -> dict[str, torch.Tensor]:
+        return self.state_dict_cpu()  # gathered from the shards: already a copy
+
     def save(self, path: Path, meta: dict[str, Any]) -> None:
         self._lead("save", {"path": str(path), "meta": meta})
         with self._mute():

@@ -222,6 +222,14 @@ class TorchBackend:
         sd = get_model_state_dict(self.model, options=self._options())
         return {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
 
+    def snapshot_cpu(self) -> dict[str, torch.Tensor]:
+        """The weights on the CPU as a copy that later optimizer steps leave alone (to publish
+        while training goes on); tensors already copied off the device are not copied again."""
+        live = {t.data_ptr() for t in (*self.model.parameters(), *self.model.buffers())}
+        return {
+            k: v.clone() if v.data_ptr() in live else v for k, v in self.state_dict_cpu().items()
+        }
+
     def save(self, path: Path, meta: dict[str, Any]) -> None:
         """Write a checkpoint atomically: `path.tmp` first, renamed to `path` when complete."""
         model_sd = {k: v.clone() for k, v in self.state_dict_cpu().items()}  # tied weights

@@ -120,7 +120,10 @@ class LocalBackend(Backend):
     def list_chunks(self) -> Iterator[tuple[str, float, int]]:
         for path in (self.root / "chunks").glob("*/*"):
             if not path.name.startswith(".tmp-"):
-                stat = path.stat()
+                try:
+                    stat = path.stat()
+                except FileNotFoundError:  # deleted since the listing
+                    continue
                 yield path.name, stat.st_mtime, stat.st_size
 
     def put_manifest(self, model: str, version: int, data: bytes) -> None:

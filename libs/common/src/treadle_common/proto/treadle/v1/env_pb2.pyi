@@ -75,12 +75,14 @@ class Session(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., replica: _Optional[str] = ..., observation: _Optional[_Union[Observation, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[ToolSpec, _Mapping]]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("session_id", "action")
+    __slots__ = ("session_id", "action", "close_when_done")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ACTION_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_WHEN_DONE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     action: Action
-    def __init__(self, session_id: _Optional[str] = ..., action: _Optional[_Union[Action, _Mapping]] = ...) -> None: ...
+    close_when_done: bool
+    def __init__(self, session_id: _Optional[str] = ..., action: _Optional[_Union[Action, _Mapping]] = ..., close_when_done: _Optional[bool] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("observation", "has_reward", "reward", "done", "info_json", "status", "error")
@@ -109,6 +111,46 @@ class CloseSessionRequest(_message.Message):
 class CloseSessionResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class CreateSessionsRequest(_message.Message):
+    __slots__ = ("env", "task_json", "seeds", "options_json")
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    TASK_JSON_FIELD_NUMBER: _ClassVar[int]
+    SEEDS_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_JSON_FIELD_NUMBER: _ClassVar[int]
+    env: str
+    task_json: str
+    seeds: _containers.RepeatedScalarFieldContainer[int]
+    options_json: str
+    def __init__(self, env: _Optional[str] = ..., task_json: _Optional[str] = ..., seeds: _Optional[_Iterable[int]] = ..., options_json: _Optional[str] = ...) -> None: ...
+
+class CreateSessionsResponse(_message.Message):
+    __slots__ = ("sessions",)
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[Session]
+    def __init__(self, sessions: _Optional[_Iterable[_Union[Session, _Mapping]]] = ...) -> None: ...
+
+class StepManyRequest(_message.Message):
+    __slots__ = ("steps",)
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    steps: _containers.RepeatedCompositeFieldContainer[StepRequest]
+    def __init__(self, steps: _Optional[_Iterable[_Union[StepRequest, _Mapping]]] = ...) -> None: ...
+
+class StepManyItem(_message.Message):
+    __slots__ = ("index", "result", "code")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    result: StepResponse
+    code: str
+    def __init__(self, index: _Optional[int] = ..., result: _Optional[_Union[StepResponse, _Mapping]] = ..., code: _Optional[str] = ...) -> None: ...
+
+class CloseSessionsRequest(_message.Message):
+    __slots__ = ("session_ids",)
+    SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListEnvsRequest(_message.Message):
     __slots__ = ()

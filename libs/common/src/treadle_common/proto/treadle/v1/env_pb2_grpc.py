@@ -59,6 +59,21 @@ class EnvGatewayStub:
                 request_serializer=treadle_dot_v1_dot_env__pb2.CloseSessionRequest.SerializeToString,
                 response_deserializer=treadle_dot_v1_dot_env__pb2.CloseSessionResponse.FromString,
                 _registered_method=True)
+        self.CreateSessions = channel.unary_unary(
+                '/treadle.v1.EnvGateway/CreateSessions',
+                request_serializer=treadle_dot_v1_dot_env__pb2.CreateSessionsRequest.SerializeToString,
+                response_deserializer=treadle_dot_v1_dot_env__pb2.CreateSessionsResponse.FromString,
+                _registered_method=True)
+        self.StepMany = channel.unary_stream(
+                '/treadle.v1.EnvGateway/StepMany',
+                request_serializer=treadle_dot_v1_dot_env__pb2.StepManyRequest.SerializeToString,
+                response_deserializer=treadle_dot_v1_dot_env__pb2.StepManyItem.FromString,
+                _registered_method=True)
+        self.CloseSessions = channel.unary_unary(
+                '/treadle.v1.EnvGateway/CloseSessions',
+                request_serializer=treadle_dot_v1_dot_env__pb2.CloseSessionsRequest.SerializeToString,
+                response_deserializer=treadle_dot_v1_dot_env__pb2.CloseSessionResponse.FromString,
+                _registered_method=True)
 
 
 class EnvGatewayServicer:
@@ -94,6 +109,24 @@ class EnvGatewayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateSessions(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StepMany(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseSessions(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EnvGatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -120,6 +153,21 @@ def add_EnvGatewayServicer_to_server(servicer, server):
             'CloseSession': grpc.unary_unary_rpc_method_handler(
                     servicer.CloseSession,
                     request_deserializer=treadle_dot_v1_dot_env__pb2.CloseSessionRequest.FromString,
+                    response_serializer=treadle_dot_v1_dot_env__pb2.CloseSessionResponse.SerializeToString,
+            ),
+            'CreateSessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateSessions,
+                    request_deserializer=treadle_dot_v1_dot_env__pb2.CreateSessionsRequest.FromString,
+                    response_serializer=treadle_dot_v1_dot_env__pb2.CreateSessionsResponse.SerializeToString,
+            ),
+            'StepMany': grpc.unary_stream_rpc_method_handler(
+                    servicer.StepMany,
+                    request_deserializer=treadle_dot_v1_dot_env__pb2.StepManyRequest.FromString,
+                    response_serializer=treadle_dot_v1_dot_env__pb2.StepManyItem.SerializeToString,
+            ),
+            'CloseSessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseSessions,
+                    request_deserializer=treadle_dot_v1_dot_env__pb2.CloseSessionsRequest.FromString,
                     response_serializer=treadle_dot_v1_dot_env__pb2.CloseSessionResponse.SerializeToString,
             ),
     }
@@ -257,6 +305,87 @@ class EnvGateway:
             target,
             '/treadle.v1.EnvGateway/CloseSession',
             treadle_dot_v1_dot_env__pb2.CloseSessionRequest.SerializeToString,
+            treadle_dot_v1_dot_env__pb2.CloseSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateSessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/treadle.v1.EnvGateway/CreateSessions',
+            treadle_dot_v1_dot_env__pb2.CreateSessionsRequest.SerializeToString,
+            treadle_dot_v1_dot_env__pb2.CreateSessionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StepMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/treadle.v1.EnvGateway/StepMany',
+            treadle_dot_v1_dot_env__pb2.StepManyRequest.SerializeToString,
+            treadle_dot_v1_dot_env__pb2.StepManyItem.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseSessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/treadle.v1.EnvGateway/CloseSessions',
+            treadle_dot_v1_dot_env__pb2.CloseSessionsRequest.SerializeToString,
             treadle_dot_v1_dot_env__pb2.CloseSessionResponse.FromString,
             options,
             channel_credentials,

@@ -62,10 +62,12 @@ class WeightManifest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., parent_version: _Optional[int] = ..., trainer_step: _Optional[int] = ..., created_at: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., assets: _Optional[_Iterable[_Union[AssetEntry, _Mapping]]] = ...) -> None: ...
 
 class MissingChunksRequest(_message.Message):
-    __slots__ = ("hashes",)
+    __slots__ = ("hashes", "probe")
     HASHES_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
     hashes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, hashes: _Optional[_Iterable[str]] = ...) -> None: ...
+    probe: bool
+    def __init__(self, hashes: _Optional[_Iterable[str]] = ..., probe: _Optional[bool] = ...) -> None: ...
 
 class MissingChunksResponse(_message.Message):
     __slots__ = ("missing",)

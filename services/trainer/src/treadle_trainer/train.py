@@ -1,0 +1,49 @@
+"""One optimizer step's worth of training on a batch: the code every training path shares
+(a run's step, `treadle bench step`'s in-process loop)."""
+
+from __future__ import annotations
+
+from treadle_common.config import TrainerConfig
+from treadle_trainer.backends import AdamParams, TorchBackend
+from treadle_trainer.batches import Datum, pack, split_minibatches
+from treadle_trainer.losses import NEEDS_PROXIMAL, LossParams
+
+
+def warmup_lr(lr: float, warmup_steps: int, step: int) -> float:
+    """The learning rate of `step` (1-based): linear from lr / warmup_steps up to lr."""
+    return lr * min(1.0, step / warmup_steps) if warmup_steps else lr
+
+
+def train_batch(
+    backend: TorchBackend,
+    data: list[Datum],
+    t: TrainerConfig,
+    loss: LossParams,
+    adam: AdamParams,
+    step: int,
+) -> dict[str, float]:
+    """`t.minibatches` optimizer steps over `data` (whole groups each), micro-batched by token
+    budget; per-token statistics weighted by tokens, losses and norms averaged."""
+    if not data:
+        return {"loss": 0.0, "grad_norm": 0.0}
+    chunks = split_minibatches(data, t.minibatches)
+    if t.loss in NEEDS_PROXIMAL and t.minibatches > 1:
+        # pi_prox = the weights this batch starts from; every batch, even one that makes a
+        # single minibatch, or it would meet the snapshot of an earlier batch
+        backend.snapshot_proximal()
+    outs = []
+    adam = adam.model_copy(update={"learning_rate": warmup_lr(t.lr, t.lr_warmup_steps, step)})
+    for chunk in chunks:
+        mbs = pack(chunk, t.micro_batch_tokens, t.loss_aggregation, backend.pad_id)
+        out = backend.forward_backward(mbs, t.loss, loss)
+        out.update(backend.optim_step(adam))
+        outs.append(out)
+    tokens = sum(o["num_tokens"] for o in outs) or 1.0
+    merged = {
+        k: sum(o[k] * o["num_tokens"] for o in outs) / tokens
+        if k not in ("loss", "grad_norm")
+        else sum(o[k] for o in outs) / len(outs)
+        for k in outs[0]
+    }
+    merged["num_tokens"] = tokens
+    return merged
