@@ -134,6 +134,7 @@ async def inproc_loop(model_dir: Path, cfg: RunConfig, steps: int) -> dict[str, 
             top_p=r.sampling.top_p or 1.0,
             max_new_tokens=r.sampling.max_new_tokens,
             seed=task_seed(t.seed, index, r.group_size) + sample,
+            last_turn=True,  # single turn, as rollout tells the engine
         )
         gen = await engine.generate(transcript.tokens, sampling)
         text = transcript.add_generation(gen)

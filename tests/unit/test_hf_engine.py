@@ -154,6 +154,27 @@ async def test_siblings_and_batch_mates_share_a_prompt_prefix(engine):
         assert gen.logprobs == pytest.approx(reference, abs=1e-4)
 
 
+async def test_a_groups_shared_prompt_is_prefilled_once_and_each_samples_on_its_own(engine):
+    from treadle_rollout import metrics
+
+    tok = engine.tokenizer
+    group = tok("Solve: 17 + 25 = ? Answer with one number.")["input_ids"]
+    other = tok("something else entirely")["input_ids"]
+    prefilled = metrics.PREFILL_TOKENS._value.get()
+    requests = [(group, seed) for seed in range(1, 6)] + [(other, 9)]
+    gens = await asyncio.gather(
+        *(engine.generate(p, Sampling(1.0, 1.0, 6, seed=s, last_turn=True)) for p, s in requests)
+    )
+    assert metrics.PREFILL_TOKENS._value.get() - prefilled == len(group) + len(other)
+    assert len(engine.prefixes) == 0  # last turns: nothing kept for reuse
+    assert len({tuple(g.tokens) for g in gens[:5]}) > 1  # one prefill, five samples
+    for (prompt, seed), gen in zip(requests, gens, strict=True):
+        reference = teacher_forced_logprobs(engine.model, prompt, gen.tokens, temperature=1.0)
+        assert gen.logprobs == pytest.approx(reference, abs=1e-4)
+        alone = await engine.generate(prompt, Sampling(1.0, 1.0, 6, seed=seed, last_turn=True))
+        assert alone.tokens == gen.tokens  # the seed decides, not the batch
+
+
 @pytest.mark.parametrize("policy", ["continue", "abort"])
 async def test_a_swap_clears_the_prefix_cache(tiny_model, policy):
     engine = HFEngine(tiny_model, "tiny", swap_policy=policy)

@@ -138,6 +138,13 @@ class Settings(BaseSettings):
 
     heartbeat_interval_s: float = Field(2.0, gt=0, description="Seconds between heartbeats")
     drain_timeout_s: float = Field(20.0, gt=0, description="Max seconds to drain on SIGTERM")
+    torch_threads: int = Field(
+        0,
+        ge=0,
+        description="CPU threads torch may use in this process (rollout's engine, the "
+        "trainer); 0: one per core. `treadle up` gives rollout half the cores, so an async "
+        "run's generation and training do not fight over them",
+    )
     log_level: str = Field("INFO", description="Python log level")
     log_json: bool = Field(False, description="Log JSON lines instead of console text")
     stall_after_s: float = Field(

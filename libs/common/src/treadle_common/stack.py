@@ -79,6 +79,8 @@ class StackSpec:
         # the services share this machine's cores: OpenMP workers that spin while idle would
         # take them from the other services (override by setting it yourself)
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        if service == "rollout":  # generation and training share the cores (async runs)
+            env.setdefault("TREADLE_TORCH_THREADS", str(max(1, (os.cpu_count() or 2) // 2)))
         env.pop("TREADLE_GRPC_PORT", None)
         if "grpc" in ports[service]:
             env["TREADLE_GRPC_PORT"] = str(ports[service]["grpc"])

@@ -14,6 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import grpc
+import torch
 
 from treadle_common.clients.env import EnvClient
 from treadle_common.clients.reward import RewardClient
@@ -97,6 +98,8 @@ async def main(settings: Settings) -> None:
     model_dir = Path(settings.rollout_model)
     model_name = settings.rollout_model_name or model_dir.name
     runtime = ServiceRuntime(SERVICE, settings, uses_redis=True)
+    if settings.torch_threads:  # before any torch work: every thread it starts follows
+        torch.set_num_threads(settings.torch_threads)
     engine = await build_engine(settings, model_dir, model_name)
     store = WeightStoreClient(settings.weight_store_addr)
     env = EnvClient(settings.env_gateway_addr, batch=True)  # a group's hops travel together

@@ -131,6 +131,7 @@ class EpisodeRunner:
             max_new_tokens=task.sampling.max_new_tokens or 16,
             seed=task.sampling.seed + sample_index if task.sampling.seed else None,
             priority=task.created_at or time.time(),  # oldest task first
+            last_turn=task.max_turns <= 1,
         )
         info: dict = {}
         closed = False

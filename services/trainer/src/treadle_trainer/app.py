@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 
+import torch
 from fastapi import HTTPException
 
 from treadle_common import names
@@ -33,6 +34,8 @@ log = get_logger(__name__)
 
 async def main(settings: Settings) -> None:
     runtime = ServiceRuntime(SERVICE, settings, uses_redis=True)
+    if settings.torch_threads:  # before any torch work: every thread it starts follows
+        torch.set_num_threads(settings.torch_threads)
     store = WeightStoreClient(settings.weight_store_addr)
     env = EnvClient(settings.env_gateway_addr)
     runs: dict[str, RunOwner] = {}

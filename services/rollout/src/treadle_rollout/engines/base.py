@@ -24,6 +24,9 @@ class Sampling:
     """When more requests wait than the batch has room for, lower goes first (hf and vllm
     engines; episodes pass their task's creation time, so the oldest groups finish first and
     fewer exceed the staleness bound)."""
+    last_turn: bool = False
+    """No later request will extend this one (an episode's last possible turn): the hf
+    engine does not keep its KV for prefix reuse."""
 
 
 @dataclass

@@ -315,15 +315,41 @@ class HFEngine(Engine):
         generated token but the last (which was sampled, never fed)."""
         if self.prefixes.max_bytes <= 0 or seq.kv_version != self.version:
             return  # KV that spans a swap (policy continue) mixes two policies: not reused
+        if seq.sampling.last_turn:
+            return  # nothing will extend it
         entry = prefix_cache.Entry(seq.prompt + seq.tokens[:-1], *self._batch.slab.row_kv(row))
         assert entry.keys[0].shape[1] == len(entry.tokens)
         self.prefixes.insert(entry, extends=seq.hit.entry if seq.hit else None)
 
     def _prefill(self, seqs: list[_Seq]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
-        """One forward over what each prompt does not find in the prefix cache."""
+        """One forward over what each distinct prompt does not find in the prefix cache: the
+        episodes of a group share their prompt, so it is computed once and its KV and logits
+        copied to each of them (each still samples on its own)."""
         for seq in seqs:
             seq.hit = self.prefixes.match(seq.prompt)
             seq.kv_version = self.version
+        first: dict[tuple, int] = {}
+        rows = [
+            first.setdefault(
+                (tuple(s.prompt), id(s.hit.entry) if s.hit else 0, s.hit.length if s.hit else 0),
+                len(first),
+            )
+            for s in seqs
+        ]
+        if len(first) == len(seqs):
+            return self._prefill_rows(seqs)
+        distinct = list({row: seq for row, seq in zip(rows, seqs, strict=True)}.values())
+        cache, mask_B_T, logits_B_V = self._prefill_rows(distinct)
+        index = torch.tensor(rows, device=self.device)
+        for layer in cache.layers:
+            layer.keys = layer.keys.index_select(0, index)
+            layer.values = layer.values.index_select(0, index)
+        metrics.PREFIX_CACHE_HIT_TOKENS.inc(
+            sum(len(s.prompt) for s in seqs) - sum(len(s.prompt) for s in distinct)
+        )
+        return cache, mask_B_T.index_select(0, index), logits_B_V.index_select(0, index)
+
+    def _prefill_rows(self, seqs: list[_Seq]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
         reused = [s.hit.length if s.hit else 0 for s in seqs]
         past = max(reused)
         length = max(len(s.prompt) - r for s, r in zip(seqs, reused, strict=True))
