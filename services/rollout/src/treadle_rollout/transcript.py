@@ -9,12 +9,19 @@ chat template adds after what is already recorded, so earlier tokens are never r
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 from treadle_common.proto.treadle.v1 import reward_pb2
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
 from treadle_rollout.engines.base import Generation
+
+
+_OPENINGS: OrderedDict[tuple[int, str], tuple[str, tuple[int, ...]]] = OrderedDict()
+"""Rendered and tokenized first turns, by tokenizer and messages: the episodes of a group
+open with the same messages, so only the first of them renders and tokenizes them."""
+MAX_OPENINGS = 4096
 
 
 class TemplateNotPrefixStable(RuntimeError):
@@ -49,6 +56,18 @@ class Transcript:
     def set_messages(self, messages: list[dict]) -> None:
         """The conversation is now `messages` (what is recorded, plus new turns); append the
         new turns and the generation prompt as context tokens."""
+        if not self.text and not self.tokens:  # the opening: maybe rendered before
+            key = (id(self.tokenizer), json.dumps(messages, sort_keys=True))
+            opening = _OPENINGS.get(key)
+            if opening is None:
+                text = self.render(messages)
+                opening = _OPENINGS[key] = (text, tuple(self.encode(text)))
+                while len(_OPENINGS) > MAX_OPENINGS:
+                    _OPENINGS.popitem(last=False)
+            self.add_context(list(opening[1]))
+            self.text = opening[0]
+            self.messages = list(messages)
+            return
         after = self.render(messages)
         if not after.startswith(self.text):
             raise TemplateNotPrefixStable(
