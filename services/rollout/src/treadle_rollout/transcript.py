@@ -17,7 +17,6 @@ from treadle_common.proto.treadle.v1 import reward_pb2
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
 from treadle_rollout.engines.base import Generation
 
-
 _OPENINGS: OrderedDict[tuple[int, str], tuple[str, tuple[int, ...]]] = OrderedDict()
 """Rendered and tokenized first turns, by tokenizer and messages: the episodes of a group
 open with the same messages, so only the first of them renders and tokenizes them."""
