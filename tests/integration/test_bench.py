@@ -146,3 +146,30 @@ def test_bench_learn_reports_rl_lift_per_seed():
     assert report["min_rl_lift"] == min(s["rl_lift"] for s in report["seeds"])
     outputs = Path(report["outputs"]) / "runs"
     assert sorted(p.name for p in outputs.iterdir()) == ["learn-seed0", "learn-seed1"]
+
+
+def test_bench_step_runs_three_ways_from_one_warm_up():
+    short = [  # a fixed 10-step warm-up, then 6 steps each way
+        *("--set", "sft.steps=10"),
+        *("--set", "sft.target_reward=null"),
+    ]
+    report = bench("step", "--steps", "6", *short)
+    assert report["workload"] == "step.yaml" and report["steps"] == 6
+    assert report["tasks_per_step"] == 8 and report["group_size"] == 8
+    for way in ("inproc", "sync", "async"):
+        assert report[f"{way}_s_per_step"] > 0, way
+    assert report["sync_ratio"] == pytest.approx(
+        report["inproc_s_per_step"] / report["sync_s_per_step"], rel=0.01
+    )
+    assert report["async_over_sync"] == pytest.approx(
+        report["async_s_per_step"] / report["sync_s_per_step"], rel=0.01
+    )
+    assert 0 < report["publish_p50_s"] <= report["publish_p99_s"]
+    assert report["log_errors"] == 0, report["log_error_samples"]
+    sync, asyn = report["breakdown"]["sync"], report["breakdown"]["async"]
+    assert sync["versions_published"] == 5  # steps 2..6: every sync step publishes
+    assert 1 <= asyn["versions_published"] <= 5  # async may coalesce
+    runs = Path(report["outputs"]) / "stack" / "runs"
+    for mode in ("sync", "async"):
+        summary = json.loads((runs / f"bench-{mode}" / "summary.json").read_text())
+        assert summary["exactly_once"] and summary["steps"] == 6

@@ -97,7 +97,8 @@ class EnvClient:
 
     # -- the batches ------------------------------------------------------------------------
     async def _send_creates(self, key: Hashable, items: Pending) -> None:
-        env, task_json, options_json = key  # type: ignore[misc]
+        assert isinstance(key, tuple)
+        env, task_json, options_json = (str(part) for part in key)
         sessions = await self.create_many(env, task_json, [s for s, _ in items], options_json)
         for (_, future), session in zip(items, sessions, strict=True):
             if not future.done():
