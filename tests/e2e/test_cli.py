@@ -83,7 +83,7 @@ def assert_one_trace_spans_every_service(trace_dir: Path) -> None:
         "rollout.task",
         "rollout.episode",
         "rollout.generate",
-        "env.CreateSession",
+        "env.CreateSessions",
         "env.Step",
         "reward.score",
         "trainer.queued",

@@ -100,6 +100,11 @@ def from_proto(message: common_pb2.TraceContext) -> Context | None:
     return propagate.extract({"traceparent": message.traceparent, "tracestate": message.tracestate})
 
 
+def current_trace_id() -> int:
+    """The current span's trace id (0 outside any trace)."""
+    return trace.get_current_span().get_span_context().trace_id
+
+
 def grpc_metadata() -> tuple[tuple[str, str], ...]:
     """The current context as gRPC call metadata."""
     return tuple(_carrier().items())

@@ -186,7 +186,10 @@ class EnvGatewayServicer(env_pb2_grpc.EnvGatewayServicer):
 
             async def one(index: int, step: pb.StepRequest) -> pb.StepManyItem:
                 try:
-                    result = await self._step(step)
+                    with tracing.tracer().start_as_current_span(
+                        "env.Step", context=tracing.from_proto(step.trace), kind=SpanKind.SERVER
+                    ):
+                        result = await self._step(step)
                 except tuple(CODES) as exc:
                     metrics.REQUESTS.labels(SERVICE, "Step", type(exc).__name__).inc()
                     message = exc.args[0] if exc.args else str(exc)

@@ -93,8 +93,16 @@ class ScoringService:
         return result
 
     async def score_batch(self, batch: pb.ScoreBatchRequest) -> pb.ScoreBatchResult:
-        results = await asyncio.gather(*(self.score(r) for r in batch.requests))
-        return pb.ScoreBatchResult(results=results)
+        """Every request at once, each in its own `reward.score` span of its own trace."""
+
+        async def one(request: pb.ScoreRequest) -> pb.ScoreResult:
+            with tracing.tracer().start_as_current_span(
+                "reward.score", context=tracing.from_proto(request.trace), kind=SpanKind.SERVER
+            ) as span:
+                span.set_attribute("treadle.scorer", request.scorer)
+                return await self.score(request)
+
+        return pb.ScoreBatchResult(results=await asyncio.gather(*map(one, batch.requests)))
 
     async def _score(self, request: pb.ScoreRequest) -> pb.ScoreResult:
         result = pb.ScoreResult(request_id=request.request_id)

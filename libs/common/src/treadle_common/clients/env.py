@@ -51,8 +51,9 @@ class EnvClient:
         self, env: str, task: dict[str, Any], seed: int = 0, options: dict[str, Any] | None = None
     ) -> pb.Session:
         task_json, options_json = json.dumps(task), json.dumps(options or {})
-        if self.batch:
-            return await self._creates.submit((env, task_json, options_json), seed)
+        if self.batch:  # one call per group: same task, same trace (the task's)
+            trace_id = tracing.current_trace_id()
+            return await self._creates.submit((env, task_json, options_json, trace_id), seed)
         request = pb.CreateSessionRequest(
             env=env, task_json=task_json, seed=seed, options_json=options_json
         )
@@ -82,7 +83,8 @@ class EnvClient:
         request = pb.StepRequest(
             session_id=session_id, action=action, close_when_done=close_when_done
         )
-        if self.batch:
+        if self.batch:  # each step of the batch keeps its episode's trace
+            tracing.inject_proto(request.trace)
             return await self._steps.submit(None, request)
         return await self.stub.Step(request, timeout=120, metadata=tracing.grpc_metadata())
 
@@ -98,7 +100,7 @@ class EnvClient:
     # -- the batches ------------------------------------------------------------------------
     async def _send_creates(self, key: Hashable, items: Pending) -> None:
         assert isinstance(key, tuple)
-        env, task_json, options_json = (str(part) for part in key)
+        env, task_json, options_json = (str(part) for part in key[:3])
         sessions = await self.create_many(env, task_json, [s for s, _ in items], options_json)
         for (_, future), session in zip(items, sessions, strict=True):
             if not future.done():

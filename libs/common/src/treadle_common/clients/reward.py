@@ -35,7 +35,8 @@ class RewardClient:
     async def score(self, request: pb.ScoreRequest) -> pb.ScoreResult:
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
-        if self.batch:
+        if self.batch:  # each request of the batch keeps its episode's trace
+            tracing.inject_proto(request.trace)
             return await self._batches.submit(None, request)
         subject = names.reward_subject(request.scorer)
         try:

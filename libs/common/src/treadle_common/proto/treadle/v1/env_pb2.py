@@ -22,55 +22,56 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from treadle_common.proto.treadle.v1 import common_pb2 as treadle_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14treadle/v1/env.proto\x12\ntreadle.v1\"F\n\x08ToolSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"@\n\x06\x41\x63tion\x12\x0c\n\x04text\x18\x01 \x01(\t\x12(\n\ntool_calls\x18\x02 \x03(\x0b\x32\x14.treadle.v1.ToolCall\"4\n\x0bObservation\x12%\n\x08messages\x18\x01 \x03(\x0b\x32\x13.treadle.v1.Message\">\n\x07Message\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x03 \x01(\t\"Z\n\x14\x43reateSessionRequest\x12\x0b\n\x03\x65nv\x18\x01 \x01(\t\x12\x11\n\ttask_json\x18\x02 \x01(\t\x12\x0c\n\x04seed\x18\x03 \x01(\x03\x12\x14\n\x0coptions_json\x18\x04 \x01(\t\"\x81\x01\n\x07Session\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\t\x12,\n\x0bobservation\x18\x03 \x01(\x0b\x32\x17.treadle.v1.Observation\x12#\n\x05tools\x18\x04 \x03(\x0b\x32\x14.treadle.v1.ToolSpec\"^\n\x0bStepRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\"\n\x06\x61\x63tion\x18\x02 \x01(\x0b\x32\x12.treadle.v1.Action\x12\x17\n\x0f\x63lose_when_done\x18\x03 \x01(\x08\"\xa0\x01\n\x0cStepResponse\x12,\n\x0bobservation\x18\x01 \x01(\x0b\x32\x17.treadle.v1.Observation\x12\x12\n\nhas_reward\x18\x02 \x01(\x08\x12\x0e\n\x06reward\x18\x03 \x01(\x01\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x12\x11\n\tinfo_json\x18\x05 \x01(\t\x12\x0e\n\x06status\x18\x06 \x01(\t\x12\r\n\x05\x65rror\x18\x07 \x01(\t\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x16\n\x14\x43loseSessionResponse\"\\\n\x15\x43reateSessionsRequest\x12\x0b\n\x03\x65nv\x18\x01 \x01(\t\x12\x11\n\ttask_json\x18\x02 \x01(\t\x12\r\n\x05seeds\x18\x03 \x03(\x03\x12\x14\n\x0coptions_json\x18\x04 \x01(\t\"?\n\x16\x43reateSessionsResponse\x12%\n\x08sessions\x18\x01 \x03(\x0b\x32\x13.treadle.v1.Session\"9\n\x0fStepManyRequest\x12&\n\x05steps\x18\x01 \x03(\x0b\x32\x17.treadle.v1.StepRequest\"U\n\x0cStepManyItem\x12\r\n\x05index\x18\x01 \x01(\x05\x12(\n\x06result\x18\x02 \x01(\x0b\x32\x18.treadle.v1.StepResponse\x12\x0c\n\x04\x63ode\x18\x03 \x01(\t\"+\n\x14\x43loseSessionsRequest\x12\x13\n\x0bsession_ids\x18\x01 \x03(\t\"\x11\n\x0fListEnvsRequest\" \n\x10ListEnvsResponse\x12\x0c\n\x04\x65nvs\x18\x01 \x03(\t\"g\n\x12SampleTasksRequest\x12\x0b\n\x03\x65nv\x18\x01 \x01(\t\x12\x11\n\tnum_tasks\x18\x02 \x01(\x05\x12\x0c\n\x04seed\x18\x03 \x01(\x03\x12\r\n\x05split\x18\x04 \x01(\t\x12\x14\n\x0coptions_json\x18\x05 \x01(\t\")\n\x13SampleTasksResponse\x12\x12\n\ntasks_json\x18\x01 \x03(\t2\xec\x04\n\nEnvGateway\x12\x45\n\x08ListEnvs\x12\x1b.treadle.v1.ListEnvsRequest\x1a\x1c.treadle.v1.ListEnvsResponse\x12N\n\x0bSampleTasks\x12\x1e.treadle.v1.SampleTasksRequest\x1a\x1f.treadle.v1.SampleTasksResponse\x12\x46\n\rCreateSession\x12 .treadle.v1.CreateSessionRequest\x1a\x13.treadle.v1.Session\x12\x39\n\x04Step\x12\x17.treadle.v1.StepRequest\x1a\x18.treadle.v1.StepResponse\x12Q\n\x0c\x43loseSession\x12\x1f.treadle.v1.CloseSessionRequest\x1a .treadle.v1.CloseSessionResponse\x12W\n\x0e\x43reateSessions\x12!.treadle.v1.CreateSessionsRequest\x1a\".treadle.v1.CreateSessionsResponse\x12\x43\n\x08StepMany\x12\x1b.treadle.v1.StepManyRequest\x1a\x18.treadle.v1.StepManyItem0\x01\x12S\n\rCloseSessions\x12 .treadle.v1.CloseSessionsRequest\x1a .treadle.v1.CloseSessionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14treadle/v1/env.proto\x12\ntreadle.v1\x1a\x17treadle/v1/common.proto\"F\n\x08ToolSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"@\n\x06\x41\x63tion\x12\x0c\n\x04text\x18\x01 \x01(\t\x12(\n\ntool_calls\x18\x02 \x03(\x0b\x32\x14.treadle.v1.ToolCall\"4\n\x0bObservation\x12%\n\x08messages\x18\x01 \x03(\x0b\x32\x13.treadle.v1.Message\">\n\x07Message\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x03 \x01(\t\"Z\n\x14\x43reateSessionRequest\x12\x0b\n\x03\x65nv\x18\x01 \x01(\t\x12\x11\n\ttask_json\x18\x02 \x01(\t\x12\x0c\n\x04seed\x18\x03 \x01(\x03\x12\x14\n\x0coptions_json\x18\x04 \x01(\t\"\x81\x01\n\x07Session\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\t\x12,\n\x0bobservation\x18\x03 \x01(\x0b\x32\x17.treadle.v1.Observation\x12#\n\x05tools\x18\x04 \x03(\x0b\x32\x14.treadle.v1.ToolSpec\"\x87\x01\n\x0bStepRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\"\n\x06\x61\x63tion\x18\x02 \x01(\x0b\x32\x12.treadle.v1.Action\x12\x17\n\x0f\x63lose_when_done\x18\x03 \x01(\x08\x12\'\n\x05trace\x18\x04 \x01(\x0b\x32\x18.treadle.v1.TraceContext\"\xa0\x01\n\x0cStepResponse\x12,\n\x0bobservation\x18\x01 \x01(\x0b\x32\x17.treadle.v1.Observation\x12\x12\n\nhas_reward\x18\x02 \x01(\x08\x12\x0e\n\x06reward\x18\x03 \x01(\x01\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x12\x11\n\tinfo_json\x18\x05 \x01(\t\x12\x0e\n\x06status\x18\x06 \x01(\t\x12\r\n\x05\x65rror\x18\x07 \x01(\t\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x16\n\x14\x43loseSessionResponse\"\\\n\x15\x43reateSessionsRequest\x12\x0b\n\x03\x65nv\x18\x01 \x01(\t\x12\x11\n\ttask_json\x18\x02 \x01(\t\x12\r\n\x05seeds\x18\x03 \x03(\x03\x12\x14\n\x0coptions_json\x18\x04 \x01(\t\"?\n\x16\x43reateSessionsResponse\x12%\n\x08sessions\x18\x01 \x03(\x0b\x32\x13.treadle.v1.Session\"9\n\x0fStepManyRequest\x12&\n\x05steps\x18\x01 \x03(\x0b\x32\x17.treadle.v1.StepRequest\"U\n\x0cStepManyItem\x12\r\n\x05index\x18\x01 \x01(\x05\x12(\n\x06result\x18\x02 \x01(\x0b\x32\x18.treadle.v1.StepResponse\x12\x0c\n\x04\x63ode\x18\x03 \x01(\t\"+\n\x14\x43loseSessionsRequest\x12\x13\n\x0bsession_ids\x18\x01 \x03(\t\"\x11\n\x0fListEnvsRequest\" \n\x10ListEnvsResponse\x12\x0c\n\x04\x65nvs\x18\x01 \x03(\t\"g\n\x12SampleTasksRequest\x12\x0b\n\x03\x65nv\x18\x01 \x01(\t\x12\x11\n\tnum_tasks\x18\x02 \x01(\x05\x12\x0c\n\x04seed\x18\x03 \x01(\x03\x12\r\n\x05split\x18\x04 \x01(\t\x12\x14\n\x0coptions_json\x18\x05 \x01(\t\")\n\x13SampleTasksResponse\x12\x12\n\ntasks_json\x18\x01 \x03(\t2\xec\x04\n\nEnvGateway\x12\x45\n\x08ListEnvs\x12\x1b.treadle.v1.ListEnvsRequest\x1a\x1c.treadle.v1.ListEnvsResponse\x12N\n\x0bSampleTasks\x12\x1e.treadle.v1.SampleTasksRequest\x1a\x1f.treadle.v1.SampleTasksResponse\x12\x46\n\rCreateSession\x12 .treadle.v1.CreateSessionRequest\x1a\x13.treadle.v1.Session\x12\x39\n\x04Step\x12\x17.treadle.v1.StepRequest\x1a\x18.treadle.v1.StepResponse\x12Q\n\x0c\x43loseSession\x12\x1f.treadle.v1.CloseSessionRequest\x1a .treadle.v1.CloseSessionResponse\x12W\n\x0e\x43reateSessions\x12!.treadle.v1.CreateSessionsRequest\x1a\".treadle.v1.CreateSessionsResponse\x12\x43\n\x08StepMany\x12\x1b.treadle.v1.StepManyRequest\x1a\x18.treadle.v1.StepManyItem0\x01\x12S\n\rCloseSessions\x12 .treadle.v1.CloseSessionsRequest\x1a .treadle.v1.CloseSessionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'treadle.v1.env_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TOOLSPEC']._serialized_start=36
-  _globals['_TOOLSPEC']._serialized_end=106
-  _globals['_TOOLCALL']._serialized_start=108
-  _globals['_TOOLCALL']._serialized_end=168
-  _globals['_ACTION']._serialized_start=170
-  _globals['_ACTION']._serialized_end=234
-  _globals['_OBSERVATION']._serialized_start=236
-  _globals['_OBSERVATION']._serialized_end=288
-  _globals['_MESSAGE']._serialized_start=290
-  _globals['_MESSAGE']._serialized_end=352
-  _globals['_CREATESESSIONREQUEST']._serialized_start=354
-  _globals['_CREATESESSIONREQUEST']._serialized_end=444
-  _globals['_SESSION']._serialized_start=447
-  _globals['_SESSION']._serialized_end=576
-  _globals['_STEPREQUEST']._serialized_start=578
-  _globals['_STEPREQUEST']._serialized_end=672
-  _globals['_STEPRESPONSE']._serialized_start=675
-  _globals['_STEPRESPONSE']._serialized_end=835
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=837
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=878
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=880
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=902
-  _globals['_CREATESESSIONSREQUEST']._serialized_start=904
-  _globals['_CREATESESSIONSREQUEST']._serialized_end=996
-  _globals['_CREATESESSIONSRESPONSE']._serialized_start=998
-  _globals['_CREATESESSIONSRESPONSE']._serialized_end=1061
-  _globals['_STEPMANYREQUEST']._serialized_start=1063
-  _globals['_STEPMANYREQUEST']._serialized_end=1120
-  _globals['_STEPMANYITEM']._serialized_start=1122
-  _globals['_STEPMANYITEM']._serialized_end=1207
-  _globals['_CLOSESESSIONSREQUEST']._serialized_start=1209
-  _globals['_CLOSESESSIONSREQUEST']._serialized_end=1252
-  _globals['_LISTENVSREQUEST']._serialized_start=1254
-  _globals['_LISTENVSREQUEST']._serialized_end=1271
-  _globals['_LISTENVSRESPONSE']._serialized_start=1273
-  _globals['_LISTENVSRESPONSE']._serialized_end=1305
-  _globals['_SAMPLETASKSREQUEST']._serialized_start=1307
-  _globals['_SAMPLETASKSREQUEST']._serialized_end=1410
-  _globals['_SAMPLETASKSRESPONSE']._serialized_start=1412
-  _globals['_SAMPLETASKSRESPONSE']._serialized_end=1453
-  _globals['_ENVGATEWAY']._serialized_start=1456
-  _globals['_ENVGATEWAY']._serialized_end=2076
+  _globals['_TOOLSPEC']._serialized_start=61
+  _globals['_TOOLSPEC']._serialized_end=131
+  _globals['_TOOLCALL']._serialized_start=133
+  _globals['_TOOLCALL']._serialized_end=193
+  _globals['_ACTION']._serialized_start=195
+  _globals['_ACTION']._serialized_end=259
+  _globals['_OBSERVATION']._serialized_start=261
+  _globals['_OBSERVATION']._serialized_end=313
+  _globals['_MESSAGE']._serialized_start=315
+  _globals['_MESSAGE']._serialized_end=377
+  _globals['_CREATESESSIONREQUEST']._serialized_start=379
+  _globals['_CREATESESSIONREQUEST']._serialized_end=469
+  _globals['_SESSION']._serialized_start=472
+  _globals['_SESSION']._serialized_end=601
+  _globals['_STEPREQUEST']._serialized_start=604
+  _globals['_STEPREQUEST']._serialized_end=739
+  _globals['_STEPRESPONSE']._serialized_start=742
+  _globals['_STEPRESPONSE']._serialized_end=902
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=904
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=945
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=947
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=969
+  _globals['_CREATESESSIONSREQUEST']._serialized_start=971
+  _globals['_CREATESESSIONSREQUEST']._serialized_end=1063
+  _globals['_CREATESESSIONSRESPONSE']._serialized_start=1065
+  _globals['_CREATESESSIONSRESPONSE']._serialized_end=1128
+  _globals['_STEPMANYREQUEST']._serialized_start=1130
+  _globals['_STEPMANYREQUEST']._serialized_end=1187
+  _globals['_STEPMANYITEM']._serialized_start=1189
+  _globals['_STEPMANYITEM']._serialized_end=1274
+  _globals['_CLOSESESSIONSREQUEST']._serialized_start=1276
+  _globals['_CLOSESESSIONSREQUEST']._serialized_end=1319
+  _globals['_LISTENVSREQUEST']._serialized_start=1321
+  _globals['_LISTENVSREQUEST']._serialized_end=1338
+  _globals['_LISTENVSRESPONSE']._serialized_start=1340
+  _globals['_LISTENVSRESPONSE']._serialized_end=1372
+  _globals['_SAMPLETASKSREQUEST']._serialized_start=1374
+  _globals['_SAMPLETASKSREQUEST']._serialized_end=1477
+  _globals['_SAMPLETASKSRESPONSE']._serialized_start=1479
+  _globals['_SAMPLETASKSRESPONSE']._serialized_end=1520
+  _globals['_ENVGATEWAY']._serialized_start=1523
+  _globals['_ENVGATEWAY']._serialized_end=2143
 # @@protoc_insertion_point(module_scope)

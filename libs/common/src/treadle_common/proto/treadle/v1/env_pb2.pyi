@@ -1,3 +1,4 @@
+from treadle_common.proto.treadle.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -75,14 +76,16 @@ class Session(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., replica: _Optional[str] = ..., observation: _Optional[_Union[Observation, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[ToolSpec, _Mapping]]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("session_id", "action", "close_when_done")
+    __slots__ = ("session_id", "action", "close_when_done", "trace")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ACTION_FIELD_NUMBER: _ClassVar[int]
     CLOSE_WHEN_DONE_FIELD_NUMBER: _ClassVar[int]
+    TRACE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     action: Action
     close_when_done: bool
-    def __init__(self, session_id: _Optional[str] = ..., action: _Optional[_Union[Action, _Mapping]] = ..., close_when_done: _Optional[bool] = ...) -> None: ...
+    trace: _common_pb2.TraceContext
+    def __init__(self, session_id: _Optional[str] = ..., action: _Optional[_Union[Action, _Mapping]] = ..., close_when_done: _Optional[bool] = ..., trace: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("observation", "has_reward", "reward", "done", "info_json", "status", "error")
