@@ -47,3 +47,24 @@ async def test_a_failed_batch_fails_each_of_its_calls_with_its_error():
     calls = [asyncio.ensure_future(batcher.submit(None, i)) for i in range(3)]
     results = await asyncio.gather(*calls, return_exceptions=True)
     assert all(isinstance(r, ConnectionError) for r in results)
+
+
+async def test_each_batch_is_sent_in_its_first_callers_context():
+    import contextvars
+
+    who = contextvars.ContextVar("who", default="nobody")
+    seen: dict = {}
+
+    async def send(key, items):
+        seen[key] = who.get()  # e.g. the trace a batch's RPC span joins
+        for item, future in items:
+            future.set_result(item)
+
+    batcher = Coalescer(send)
+
+    async def call(key, name):
+        who.set(name)
+        return await batcher.submit(key, name)
+
+    await asyncio.gather(call("g1", "a"), call("g2", "b"), call("g1", "c"))
+    assert seen == {"g1": "a", "g2": "b"}

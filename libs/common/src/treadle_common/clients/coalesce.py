@@ -8,6 +8,7 @@ episodes of a group starting, generations finishing in the same engine step) cal
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections.abc import Awaitable, Callable, Hashable
 from typing import Any, Generic, TypeVar
 
@@ -26,12 +27,15 @@ class Coalescer(Generic[Item, Result]):
     def __init__(self, send: Callable[[Hashable, Pending], Awaitable[None]]):
         self._send = send
         self._pending: dict[Hashable, Pending] = {}
+        self._contexts: dict[Hashable, contextvars.Context] = {}
         self._scheduled = False
         self._sending: set[asyncio.Task] = set()
 
     def submit(self, key: Hashable, item: Item) -> asyncio.Future[Result]:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Result] = loop.create_future()
+        if key not in self._pending:  # the batch is sent in its first caller's context (trace)
+            self._contexts[key] = contextvars.copy_context()
         self._pending.setdefault(key, []).append((item, future))
         if not self._scheduled:  # after the callbacks already queued: the turn's other calls
             self._scheduled = True
@@ -41,8 +45,10 @@ class Coalescer(Generic[Item, Result]):
     def _flush(self) -> None:
         self._scheduled = False
         pending, self._pending = self._pending, {}
+        contexts, self._contexts = self._contexts, {}
+        loop = asyncio.get_running_loop()
         for key, items in pending.items():
-            task = asyncio.ensure_future(self._send_all(key, items))
+            task = loop.create_task(self._send_all(key, items), context=contexts[key])
             self._sending.add(task)
             task.add_done_callback(self._sending.discard)
 
