@@ -30,6 +30,7 @@ def cli_env(tmp_path) -> dict[str, str]:
         "TREADLE_REDIS_URL": f"redis://127.0.0.1:{redis_port}",
         "TREADLE_NATS_URL": f"nats://127.0.0.1:{nats_port}",
         "TREADLE_BASE_PORT": str(free_port_range(8)),
+        "TREADLE_TRACE_SAMPLE": "1",  # every task traced: the skeleton run checks one trace
     }
 
 

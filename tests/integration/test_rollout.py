@@ -153,7 +153,7 @@ async def test_closed_admission_cancels_unstarted_groups_only(redis_client):
 
 
 class NoEpisodes:
-    async def run(self, task, index):
+    async def run(self, task, index, gate=None):
         raise AssertionError("an invalid or cancelled task must not be played")
 
 

@@ -162,14 +162,24 @@ class RunClient:
             )
             return 1
         run = response.json()
-        reported = evaluated = 0
+        steps: list[dict] = run["steps"]
+        evaluated = 0
         with Live(self._table(run, report), console=self.console, refresh_per_second=2) as live:
             while run["state"] not in FINAL:
                 time.sleep(0.5)
-                run = stack.http().get(f"{urls['trainer']}/v1/runs/{cfg.run_id}", timeout=10).json()
-                for record in run["steps"][reported:]:
+                run = (  # only the records not seen yet: a long run's answer stays small
+                    stack.http()
+                    .get(
+                        f"{urls['trainer']}/v1/runs/{cfg.run_id}",
+                        params={"steps_from": len(steps)},
+                        timeout=10,
+                    )
+                    .json()
+                )
+                for record in run["steps"]:
                     report.add("step", record, at=record["finished_at"] or None)
-                reported = len(run["steps"])
+                steps += run["steps"]
+                run["steps"] = steps
                 every = cfg.eval.every
                 if held_out and every and run["state"] not in FINAL and run["steps"]:
                     step = run["steps"][-1]

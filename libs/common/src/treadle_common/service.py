@@ -94,6 +94,7 @@ class ServiceRuntime:
             settings.trace_dir or settings.state_dir / "traces",
             settings.instance,
             settings.otlp_endpoint,
+            sample=settings.trace_sample,
         )
 
     # -- configuration ---------------------------------------------------------------------

@@ -153,6 +153,14 @@ class Settings(BaseSettings):
     traces: Literal["file", "otlp", "off"] = Field(
         "file", description="Where spans go: JSON lines under trace_dir, an OTLP collector, nowhere"
     )
+    trace_sample: float = Field(
+        0.1,
+        ge=0.0,
+        le=1.0,
+        description="Fraction of tasks traced end to end (decided where a trace starts, "
+        "followed by every hop). 1.0 traces every task: on the 2-core dev VM that cost a "
+        "short sync step about 50 ms (`treadle bench step`)",
+    )
     trace_dir: Path | None = Field(None, description="file traces (default state_dir/traces)")
     otlp_endpoint: str = Field("127.0.0.1:4317", description="OTLP gRPC collector (traces=otlp)")
 

@@ -6,6 +6,7 @@ tokens the engine saw and produced.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -40,11 +41,15 @@ class EpisodeRunner:
         self.reward = reward
         self.replica = replica
 
-    async def run(self, task: task_pb2.Task, sample_index: int) -> tpb.Trajectory:
+    async def run(
+        self, task: task_pb2.Task, sample_index: int, gate: asyncio.Future | None = None
+    ) -> tpb.Trajectory:
+        """Play one episode of `task`. `gate`, when given, is awaited after the env session is
+        open and the prompt rendered, before the first generation (the weights it needs)."""
         metrics.EPISODES_IN_FLIGHT.inc()
         try:
             with tracing.tracer().start_as_current_span("rollout.episode") as span:
-                traj = await self._run(task, sample_index)
+                traj = await self._run(task, sample_index, gate)
                 tracing.inject_proto(traj.trace)  # the trainer's spans join this trace
                 span.set_attributes(
                     {
@@ -62,7 +67,9 @@ class EpisodeRunner:
             metrics.PHASE.labels(phase).observe(getattr(traj.timings, f"{phase}_s"))
         return traj
 
-    async def _run(self, task: task_pb2.Task, sample_index: int) -> tpb.Trajectory:
+    async def _run(
+        self, task: task_pb2.Task, sample_index: int, gate: asyncio.Future | None
+    ) -> tpb.Trajectory:
         started = time.time()
         traj = tpb.Trajectory(
             trajectory_id=uuid.uuid4().hex,
@@ -76,7 +83,7 @@ class EpisodeRunner:
         traj.timings.queue_s = max(0.0, started - task.created_at)
         t = Transcript(self.tokenizer)
         try:
-            info = await self._play(task, sample_index, t, traj)
+            info = await self._play(task, sample_index, t, traj, gate)
         except grpc.aio.AioRpcError as exc:
             return _failed(
                 traj,
@@ -115,7 +122,12 @@ class EpisodeRunner:
         return traj
 
     async def _play(
-        self, task: task_pb2.Task, sample_index: int, t: Transcript, traj: tpb.Trajectory
+        self,
+        task: task_pb2.Task,
+        sample_index: int,
+        t: Transcript,
+        traj: tpb.Trajectory,
+        gate: asyncio.Future | None,
     ) -> dict:
         env_start = time.time()
         session = await self.env.create(
@@ -137,6 +149,8 @@ class EpisodeRunner:
         closed = False
         try:
             t.add_messages(_messages(session.observation))
+            if gate is not None:
+                await asyncio.shield(gate)  # shared by the group: one episode must not cancel it
             for turn in range(max(1, task.max_turns)):
                 gen_start = time.time()
                 try:

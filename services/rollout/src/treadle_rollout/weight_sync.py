@@ -4,6 +4,11 @@ Only the chunks the engine does not hold travel. The swap happens at the engine'
 point (between decode steps); every swap's pause is recorded. When the weight-store cannot
 be reached the engine keeps serving the version it has; `last_error` says why (and the
 service's `/readyz` reports it).
+
+Only announced versions are fetched. A task may demand a version that is not published yet
+(a sync run feeds the next step's tasks while it trains the step that publishes it): it
+waits for the announcement, and while it waits the store is asked for its latest version
+every `poll_s`, in case an announcement was lost.
 """
 
 from __future__ import annotations
@@ -34,8 +39,10 @@ class SwapRecord:
 
 
 class WeightSync:
-    def __init__(self, engine: Engine, store: WeightStoreClient):
+    def __init__(self, engine: Engine, store: WeightStoreClient, poll_s: float = 2.0):
         self.engine = engine
+        self.poll_s = poll_s
+        self._wanted = -1  # the newest version a waiting task demands
         self.store = store
         self.swaps: list[SwapRecord] = []
         self.stage = Stage("rollout", "weights", lambda: self.version_lag)
@@ -56,8 +63,7 @@ class WeightSync:
     async def run(self, nc: NATS) -> None:
         await watch(nc.jetstream(), self.engine.model_name, self.on_announcement)
         while True:
-            await self._wake.wait()
-            self._wake.clear()
+            await self._next_wake()
             target = self._latest_announced
             if target <= self.engine.version:
                 continue
@@ -69,12 +75,30 @@ class WeightSync:
                 await asyncio.sleep(1.0)
                 self._wake.set()
 
+    async def _next_wake(self) -> None:
+        """Until an announcement (or a failed update's retry) wakes us; while a task waits for
+        a version the engine lacks, at most `poll_s`, then ask the store for its latest."""
+        waiting = self._wanted > self.engine.version
+        try:
+            await asyncio.wait_for(self._wake.wait(), self.poll_s if waiting else None)
+        except TimeoutError:
+            try:
+                latest = await self.store.latest(self.engine.model_name)
+            except Exception as exc:  # the store is away: the next poll asks again
+                self.last_error = f"asking the store for the latest version failed: {exc!r}"
+                return
+            if latest is not None:
+                self._latest_announced = max(self._latest_announced, latest)
+        self._wake.clear()
+
     async def ensure_version(self, version: int) -> None:
-        """Wait until the engine holds at least `version` (tasks may demand a minimum)."""
+        """Wait until the engine holds at least `version` (tasks may demand a minimum, which
+        may not be published yet)."""
         if self.engine.version >= version:
             return
-        self._latest_announced = max(self._latest_announced, version)
-        self._wake.set()
+        if version > self._wanted:
+            self._wanted = version
+            self._wake.set()  # the run loop starts polling for it
         async with self._swapped:
             await self._swapped.wait_for(lambda: self.engine.version >= version)
 

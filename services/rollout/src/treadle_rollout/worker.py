@@ -2,11 +2,11 @@
 
     treadle:runs (set) -> for each active run: XREADGROUP treadle:{run}:tasks (group `rollout`)
       -> validate (a malformed task is acked and counted as invalid, with its reason)
-      -> wait for the task's minimum policy version
       -> staleness admission (shared Redis bound; a refused group waits for a newer version)
-      -> group_size episodes concurrently
-      -> MULTI: XADD each trajectory to treadle:{run}:trajectories + count them -> EXEC
-      -> XACK the task (only now: its trajectories are durable in Redis)
+      -> group_size episodes concurrently; each waits for the task's minimum policy version
+         (if the engine lacks it) after opening its env session, before generating
+      -> MULTI: XADD each trajectory to treadle:{run}:trajectories + count them + XACK the
+         task -> EXEC (the task is acked exactly when its trajectories are in Redis)
 
 Tasks left pending by a dead replica are reclaimed after `reclaim_idle_ms`.
 """
@@ -147,21 +147,18 @@ class TaskWorker:
                 span.set_attributes(
                     {"treadle.task_id": task.task_id, "treadle.group_size": task.group_size}
                 )
-                with tracer.start_as_current_span("rollout.wait_for_weights_and_admission"):
-                    await self.sync.ensure_version(task.min_policy_version)
+                with tracer.start_as_current_span("rollout.admission"):
                     if not await self._admit(task):
                         span.set_attribute("treadle.cancelled", True)
                         await self._cancel(stream, entry_id)
                         return
-                group = await asyncio.gather(
-                    *(self.runner.run(task, i) for i in range(task.group_size))
-                )
+                group = await self._play(task)
             async with self.r.pipeline(transaction=True) as pipe:
                 for traj in group:
                     await streams.add(pipe, names.trajectories_stream(task.run_id), traj)
                 pipe.hincrby(names.run_state(task.run_id), "trajectories_produced", len(group))
+                pipe.xack(stream, names.ROLLOUT_GROUP, entry_id)  # with its trajectories
                 await pipe.execute()
-            await self.r.xack(stream, names.ROLLOUT_GROUP, entry_id)
             self.tasks_done += 1
             self.trajectories_pushed += len(group)
             self.on_task_done()
@@ -170,6 +167,26 @@ class TaskWorker:
             log.error("task failed; left pending for retry", entry=entry_id, error=repr(exc))
         finally:
             self.slots.release()
+
+    async def _play(self, task: task_pb2.Task) -> list:
+        """The task's episodes. A task that demands a version the engine does not hold yet (a
+        sync run's next step, fed while the trainer trains the step that publishes it) starts
+        its episodes at once: they open their env sessions and render their prompts, then
+        wait for that version before their first generation (`EpisodeRunner.run`'s gate)."""
+        gate = None
+        if self.sync.engine.version < task.min_policy_version:
+            gate = asyncio.ensure_future(self._weights(task.min_policy_version))
+        try:
+            return await asyncio.gather(
+                *(self.runner.run(task, i, gate) for i in range(task.group_size))
+            )
+        finally:
+            if gate is not None and not gate.done():
+                gate.cancel()
+
+    async def _weights(self, version: int) -> None:
+        with tracing.tracer().start_as_current_span("rollout.wait_for_weights"):
+            await self.sync.ensure_version(version)
 
     async def _reject(self, stream: str, entry_id: str, reason: str) -> None:
         self.invalid_tasks += 1
@@ -192,9 +209,13 @@ class TaskWorker:
             await pipe.execute()
 
     async def _admit(self, task: task_pb2.Task) -> bool:
-        """Wait until the run's staleness bound lets this group start; False: cancelled."""
+        """Wait until the run's staleness bound lets this group start; False: cancelled.
+
+        A task's episodes generate with at least its `min_policy_version` (they wait for it),
+        so that version, when the engine holds an older one, is what the bound is checked
+        against: a sync run's next step is admitted before its weights arrive."""
         while True:
-            version = self.sync.engine.version
+            version = max(self.sync.engine.version, task.min_policy_version)
             decision = await admission.admit(self.r, task.run_id, task.task_id, version)
             if decision.closed:
                 return False

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 
 import torch
-from fastapi import HTTPException
+from fastapi import HTTPException, Query
 
 from treadle_common import names
 from treadle_common.clients import streams
@@ -125,10 +125,21 @@ async def main(settings: Settings) -> None:
         return [o.status for o in runs.values()]
 
     @runtime.app.get("/v1/runs/{run_id}", tags=["runs"])
-    async def get_run(run_id: str) -> RunStatus:
+    async def get_run(
+        run_id: str,
+        steps_from: int = Query(
+            0,
+            ge=0,
+            description="Only the step records from this index on (a polling client "
+            "asks for the ones it has not seen: the answer stays small in a long run)",
+        ),
+    ) -> RunStatus:
         if run_id not in runs:
             raise HTTPException(404, f"no run {run_id}")
-        return runs[run_id].status
+        status = runs[run_id].status
+        if not steps_from:
+            return status
+        return status.model_copy(update={"steps": status.steps[steps_from:]})
 
     @runtime.app.post("/v1/runs/{run_id}/evaluations", tags=["runs"])
     async def evaluated(run_id: str, report: EvaluationDone) -> RunStatus:

@@ -1,7 +1,9 @@
 """Run ownership: feed tasks, assemble groups, train, publish, checkpoint, ack exactly once.
 
     dataset / env generator --cursor--> MULTI: XADD treadle:{run}:tasks + cursor + fed ids
-        (fed up to (step + max_staleness) * tasks_per_step; rollout admission does the rest)
+        (fed up to (step + max_staleness) * tasks_per_step; rollout admission does the rest;
+        a sync run feeds the next step's tasks, demanding the version this step will publish,
+        before it trains this step, so rollout prepares them meanwhile)
     treadle:{run}:trajectories --XREADGROUP (group `trainer`, consumer `owner`)--> validate
         --> GroupBuffer (complete groups) --> staleness / status drops --> advantages
         --> micro-batches by token budget --> backend.forward_backward + optim_step
@@ -265,9 +267,13 @@ class RunOwner:
             # async keeps S steps of work fed, up to the last step (as a longer run would)
             await self._feed(source, (step + self.max_staleness) * t.tasks_per_step, served)
             groups = await self._collect(t.tasks_per_step, version)
+            wait_s = time.perf_counter() - started
             if step == t.num_steps:
                 await admission.close(self.r, cfg.run_id)  # no later group would be trained
-            wait_s = time.perf_counter() - started
+            elif self._feeds_ahead(step):
+                # the next step's tasks, demanding this step's weights: rollout picks them up,
+                # opens their sessions and renders their prompts while this step trains
+                await self._feed(source, (step + 1) * t.tasks_per_step, self._v0 + step)
             version = await self._step(step, groups, version, started, wait_s)
             if self._publishes(step):
                 served = version
@@ -376,6 +382,12 @@ class RunOwner:
                 log.warning("no evaluation reported; going on", run=self.config.run_id, step=step)
 
     # --- feeding ------------------------------------------------------------------------------
+    def _feeds_ahead(self, step: int) -> bool:
+        """A sync run feeds step + 1's tasks before training `step` (they wait in rollout for
+        the version `step` publishes), unless an evaluation of `step`'s weights comes first:
+        nothing may generate beside it."""
+        return self.max_staleness == 0 and self._publishes(step) and not self.evaluates_after(step)
+
     async def _feed(self, source: TaskSource, upto: int, version: int) -> None:
         """Feed tasks until `upto` live ones were fed (cancelled ones are replaced); the
         cursor, the tasks and their ids move in one transaction."""
