@@ -186,9 +186,7 @@ class EnvGatewayServicer(env_pb2_grpc.EnvGatewayServicer):
 
             async def one(index: int, step: pb.StepRequest) -> pb.StepManyItem:
                 try:
-                    with tracing.tracer().start_as_current_span(
-                        "env.Step", context=tracing.from_proto(step.trace), kind=SpanKind.SERVER
-                    ):
+                    with tracing.item_span("env.Step", step.trace):
                         result = await self._step(step)
                 except tuple(CODES) as exc:
                     metrics.REQUESTS.labels(SERVICE, "Step", type(exc).__name__).inc()

@@ -96,9 +96,7 @@ class ScoringService:
         """Every request at once, each in its own `reward.score` span of its own trace."""
 
         async def one(request: pb.ScoreRequest) -> pb.ScoreResult:
-            with tracing.tracer().start_as_current_span(
-                "reward.score", context=tracing.from_proto(request.trace), kind=SpanKind.SERVER
-            ) as span:
+            with tracing.item_span("reward.score", request.trace) as span:
                 span.set_attribute("treadle.scorer", request.scorer)
                 return await self.score(request)
 

@@ -659,9 +659,9 @@ class RunOwner:
         start = now - (mono - train_start)
         for group in groups:
             for e in group.entries:
+                if not tracing.recorded(e.traj.trace.traceparent):
+                    continue  # not a recorded trace: no spans to add
                 parent = tracing.from_proto(e.traj.trace)
-                if parent is None:
-                    continue
                 queued_at = int(e.entry_id.split("-")[0]) / 1000  # the stream entry's XADD time
                 tracer.start_span(
                     "trainer.queued", context=parent, start_time=tracing.ns(queued_at)
