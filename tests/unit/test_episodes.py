@@ -1,5 +1,6 @@
 """EpisodeRunner against scripted fakes: token-exact bookkeeping over several turns."""
 
+import asyncio
 import json
 
 import pytest
@@ -135,3 +136,36 @@ async def test_engine_failure_is_a_status(tokenizer):
         Broken(tokenizer, []), tokenizer, ScriptedEnv(), ScriptedReward(), "r"
     ).run(task(), 0)
     assert traj.status == tpb.TRAJECTORY_STATUS_ENGINE_ERROR and "CUDA fell over" in traj.error
+
+
+async def test_a_gated_episode_opens_its_session_then_waits_to_generate(tokenizer):
+    """A task whose weights are not there yet: the env session is open and the prompt rendered,
+    and nothing is generated until the gate (the weights) opens."""
+    engine, env, reward = ScriptedEngine(tokenizer, ["5", "3"]), ScriptedEnv(), ScriptedReward()
+    created = []
+    create = env.create
+
+    async def recording_create(*args, **kwargs):
+        created.append(args)
+        return await create(*args, **kwargs)
+
+    env.create = recording_create
+    gate = asyncio.get_running_loop().create_future()
+    runner = EpisodeRunner(engine, tokenizer, env, reward, "rep")
+    episode = asyncio.create_task(runner.run(task(), 0, gate))
+    await asyncio.sleep(0.05)
+    assert created and engine.prompts == [] and not episode.done()
+    gate.set_result(None)
+    traj = await asyncio.wait_for(episode, 5)
+    assert traj.status == tpb.TRAJECTORY_STATUS_OK and env.steps == ["5", "3"]
+
+
+async def test_a_cancelled_episode_leaves_the_shared_gate_alone(tokenizer):
+    engine, env, reward = ScriptedEngine(tokenizer, ["5", "3"]), ScriptedEnv(), ScriptedReward()
+    gate = asyncio.get_running_loop().create_future()
+    runner = EpisodeRunner(engine, tokenizer, env, reward, "rep")
+    first = asyncio.create_task(runner.run(task(), 0, gate))
+    await asyncio.sleep(0.05)
+    first.cancel()
+    await asyncio.gather(first, return_exceptions=True)
+    assert not gate.cancelled()  # the group's other episodes still wait on it

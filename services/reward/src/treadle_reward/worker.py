@@ -129,7 +129,8 @@ class ScoringService:
                 info=_json(request.info_json, "info_json", {}),
                 options=_json(request.options_json, "options_json", {}),
             )
-            score = await asyncio.wait_for(scorer.score(score_input), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):  # no task per request (wait_for's)
+                score = await scorer.score(score_input)
             result.reward, result.status = score.reward, pb.SCORE_STATUS_OK
             result.breakdown.update(score.breakdown)
             outcome = "ok"

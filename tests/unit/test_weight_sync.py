@@ -1,0 +1,89 @@
+"""WeightSync against scripted fakes: a demanded version is waited for, never fetched before
+the store has it; a lost announcement is made up for by polling the store."""
+
+import asyncio
+
+import pytest
+
+from treadle_common.proto.treadle.v1 import weights_pb2 as pb
+from treadle_rollout.engines.base import SwapStats
+from treadle_rollout.weight_sync import WeightSync
+
+pytestmark = pytest.mark.unit
+
+
+class ScriptedEngine:
+    model_name = "m"
+
+    def __init__(self):
+        self.version = 1
+        self.fetched: list[int] = []
+
+    async def update_to(self, store, version):
+        if version not in store.versions:
+            raise RuntimeError(f"version {version} fetched before it was published")
+        self.fetched.append(version)
+        self.version = version
+        return SwapStats(version, 0.0, 0.0, 0)
+
+
+class ScriptedStore:
+    def __init__(self):
+        self.versions = {1}
+        self.polls = 0
+
+    async def latest(self, model):
+        self.polls += 1
+        return max(self.versions)
+
+
+class NoNats:
+    """`WeightSync.run` watches JetStream first; announcements are delivered by the test."""
+
+    def jetstream(self):
+        return None
+
+
+@pytest.fixture
+def sync(monkeypatch):
+    async def no_watch(js, model, callback):
+        return None
+
+    monkeypatch.setattr("treadle_rollout.weight_sync.watch", no_watch)
+    engine, store = ScriptedEngine(), ScriptedStore()
+    return WeightSync(engine, store, poll_s=0.05), engine, store
+
+
+async def test_a_demanded_version_is_fetched_once_announced_and_not_before(sync):
+    weights, engine, store = sync
+    runner = asyncio.create_task(weights.run(NoNats()))
+    waiter = asyncio.create_task(weights.ensure_version(2))
+    await asyncio.sleep(0.2)  # polls meanwhile: the store's latest is still 1
+    assert not waiter.done() and engine.fetched == [] and store.polls >= 2
+    store.versions.add(2)
+    await weights.on_announcement(pb.WeightAnnouncement(model="m", version=2))
+    await asyncio.wait_for(waiter, 2)
+    assert engine.fetched == [2] and weights.last_error is None
+    runner.cancel()
+
+
+async def test_a_lost_announcement_is_made_up_for_by_polling_the_store(sync):
+    weights, engine, store = sync
+    runner = asyncio.create_task(weights.run(NoNats()))
+    waiter = asyncio.create_task(weights.ensure_version(3))
+    await asyncio.sleep(0.1)
+    store.versions.update({2, 3})  # published, but its announcement never arrives
+    await asyncio.wait_for(waiter, 2)
+    assert engine.fetched == [3]
+    runner.cancel()
+
+
+async def test_nothing_is_polled_while_no_task_waits(sync):
+    weights, engine, store = sync
+    runner = asyncio.create_task(weights.run(NoNats()))
+    await asyncio.sleep(0.2)
+    assert store.polls == 0
+    await weights.ensure_version(1)  # held already: returns at once, starts no polling
+    await asyncio.sleep(0.2)
+    assert store.polls == 0
+    runner.cancel()
