@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import signal
 import socket
@@ -228,6 +229,11 @@ class ServiceRuntime:
             await self.grpc_server.start()
             await self.grpc_health.set("", health_pb2.HealthCheckResponse.SERVING)
         self._install_signals()
+        # what startup made (modules, models, servers) lives as long as the process: moved out
+        # of the collector's reach, so a full collection does not stop the event loop to scan
+        # the hundreds of thousands of objects torch, transformers and grpc bring
+        gc.collect()
+        gc.freeze()
         server = _Uvicorn(uvicorn.Config(self.app, log_level="warning", lifespan="off"))
         tasks = [
             asyncio.create_task(server.serve(sockets=[http_sock]), name="http"),

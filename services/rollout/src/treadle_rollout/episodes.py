@@ -101,9 +101,10 @@ class EpisodeRunner:
         except (_EngineFailure, TemplateNotPrefixStable) as exc:
             return _failed(traj, t, tpb.TRAJECTORY_STATUS_ENGINE_ERROR, str(exc), started)
         reward_start = time.time()
-        result = await self.reward.score(
-            t.score_request(task.scorer, task.payload_json, info, task.scorer_options_json)
-        )
+        with tracing.tracer().start_as_current_span("rollout.score"):  # the hop, as seen here
+            result = await self.reward.score(
+                t.score_request(task.scorer, task.payload_json, info, task.scorer_options_json)
+            )
         traj.timings.reward_s = time.time() - reward_start
         if result.status != reward_pb2.SCORE_STATUS_OK:
             status = reward_pb2.ScoreStatus.Name(result.status)

@@ -2,8 +2,8 @@
 
     dataset / env generator --cursor--> MULTI: XADD treadle:{run}:tasks + cursor + fed ids
         (fed up to (step + max_staleness) * tasks_per_step; rollout admission does the rest;
-        a sync run feeds the next step's tasks, demanding the version this step will publish,
-        before it trains this step, so rollout prepares them meanwhile)
+        with `feed_ahead` a sync run feeds the next step's tasks, demanding the version this
+        step will publish, before it trains this step, so rollout prepares them meanwhile)
     treadle:{run}:trajectories --XREADGROUP (group `trainer`, consumer `owner`)--> validate
         --> GroupBuffer (complete groups) --> staleness / status drops --> advantages
         --> micro-batches by token budget --> backend.forward_backward + optim_step
@@ -268,13 +268,20 @@ class RunOwner:
             await self._feed(source, (step + self.max_staleness) * t.tasks_per_step, served)
             groups = await self._collect(t.tasks_per_step, version)
             wait_s = time.perf_counter() - started
+            feeding = None
             if step == t.num_steps:
                 await admission.close(self.r, cfg.run_id)  # no later group would be trained
             elif self._feeds_ahead(step):
-                # the next step's tasks, demanding this step's weights: rollout picks them up,
-                # opens their sessions and renders their prompts while this step trains
-                await self._feed(source, (step + 1) * t.tasks_per_step, self._v0 + step)
-            version = await self._step(step, groups, version, started, wait_s)
+                # the next step's tasks, demanding this step's weights, fed while this step
+                # trains: rollout picks them up, opens their sessions and renders their prompts
+                feeding = asyncio.ensure_future(
+                    self._feed(source, (step + 1) * t.tasks_per_step, self._v0 + step)
+                )
+            try:
+                version = await self._step(step, groups, version, started, wait_s)
+            finally:
+                if feeding is not None:
+                    await feeding
             if self._publishes(step):
                 served = version
             if step % t.checkpoint_every == 0 and step < t.num_steps:
@@ -383,10 +390,15 @@ class RunOwner:
 
     # --- feeding ------------------------------------------------------------------------------
     def _feeds_ahead(self, step: int) -> bool:
-        """A sync run feeds step + 1's tasks before training `step` (they wait in rollout for
-        the version `step` publishes), unless an evaluation of `step`'s weights comes first:
-        nothing may generate beside it."""
-        return self.max_staleness == 0 and self._publishes(step) and not self.evaluates_after(step)
+        """With `trainer.feed_ahead`, a sync run feeds step + 1's tasks before training `step`
+        (they wait in rollout for the version `step` publishes), unless an evaluation of
+        `step`'s weights comes first: nothing may generate beside it."""
+        return (
+            self.config.trainer.feed_ahead
+            and self.max_staleness == 0
+            and self._publishes(step)
+            and not self.evaluates_after(step)
+        )
 
     async def _feed(self, source: TaskSource, upto: int, version: int) -> None:
         """Feed tasks until `upto` live ones were fed (cancelled ones are replaced); the

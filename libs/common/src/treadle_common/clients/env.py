@@ -109,14 +109,15 @@ class EnvClient:
     async def _send_steps(self, _key: Hashable, items: Pending) -> None:
         request = pb.StepManyRequest(steps=[step for step, _ in items])
         call = self.stub.StepMany(request, timeout=120, metadata=tracing.grpc_metadata())
-        async for item in call:
-            future = items[item.index][1]
-            if future.done():
-                continue
-            if item.result.status == "request_error":
-                future.set_exception(EnvRequestError(item.code, item.result.error))
-            else:
-                future.set_result(item.result)
+        async for results in call:
+            for item in results.items:
+                future = items[item.index][1]
+                if future.done():
+                    continue
+                if item.result.status == "request_error":
+                    future.set_exception(EnvRequestError(item.code, item.result.error))
+                else:
+                    future.set_result(item.result)
 
     async def _send_closes(self, _key: Hashable, items: Pending) -> None:
         await self.stub.CloseSessions(

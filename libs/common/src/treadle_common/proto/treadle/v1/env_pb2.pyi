@@ -149,6 +149,12 @@ class StepManyItem(_message.Message):
     code: str
     def __init__(self, index: _Optional[int] = ..., result: _Optional[_Union[StepResponse, _Mapping]] = ..., code: _Optional[str] = ...) -> None: ...
 
+class StepManyResults(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[StepManyItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[StepManyItem, _Mapping]]] = ...) -> None: ...
+
 class CloseSessionsRequest(_message.Message):
     __slots__ = ("session_ids",)
     SESSION_IDS_FIELD_NUMBER: _ClassVar[int]

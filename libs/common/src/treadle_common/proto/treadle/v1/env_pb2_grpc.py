@@ -67,7 +67,7 @@ class EnvGatewayStub:
         self.StepMany = channel.unary_stream(
                 '/treadle.v1.EnvGateway/StepMany',
                 request_serializer=treadle_dot_v1_dot_env__pb2.StepManyRequest.SerializeToString,
-                response_deserializer=treadle_dot_v1_dot_env__pb2.StepManyItem.FromString,
+                response_deserializer=treadle_dot_v1_dot_env__pb2.StepManyResults.FromString,
                 _registered_method=True)
         self.CloseSessions = channel.unary_unary(
                 '/treadle.v1.EnvGateway/CloseSessions',
@@ -163,7 +163,7 @@ def add_EnvGatewayServicer_to_server(servicer, server):
             'StepMany': grpc.unary_stream_rpc_method_handler(
                     servicer.StepMany,
                     request_deserializer=treadle_dot_v1_dot_env__pb2.StepManyRequest.FromString,
-                    response_serializer=treadle_dot_v1_dot_env__pb2.StepManyItem.SerializeToString,
+                    response_serializer=treadle_dot_v1_dot_env__pb2.StepManyResults.SerializeToString,
             ),
             'CloseSessions': grpc.unary_unary_rpc_method_handler(
                     servicer.CloseSessions,
@@ -359,7 +359,7 @@ class EnvGateway:
             target,
             '/treadle.v1.EnvGateway/StepMany',
             treadle_dot_v1_dot_env__pb2.StepManyRequest.SerializeToString,
-            treadle_dot_v1_dot_env__pb2.StepManyItem.FromString,
+            treadle_dot_v1_dot_env__pb2.StepManyResults.FromString,
             options,
             channel_credentials,
             insecure,
