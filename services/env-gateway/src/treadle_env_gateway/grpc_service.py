@@ -3,8 +3,9 @@
 Besides one call per hop (`CreateSession`, `Step`, `CloseSession`), a group's hops go in one
 call each: `CreateSessions` (one task, a seed per episode), `StepMany` (any sessions; results
 stream back as soon as their steps are done, the ones that finished together in one
-message, so a slow tool call delays only its own episode) and `CloseSessions`. A step with `close_when_done` closes its session when it ends
-the episode, so a finished episode needs no close hop at all.
+message, so a slow tool call delays only its own episode) and `CloseSessions`. A step with
+`close_when_done` closes its session when it ends the episode, so a finished episode needs
+no close hop at all.
 """
 
 from __future__ import annotations
