@@ -234,7 +234,14 @@ class ServiceRuntime:
         # the hundreds of thousands of objects torch, transformers and grpc bring
         gc.collect()
         gc.freeze()
-        server = _Uvicorn(uvicorn.Config(self.app, log_level="warning", lifespan="off"))
+        server = _Uvicorn(
+            uvicorn.Config(
+                self.app,
+                log_level="warning",
+                lifespan="off",
+                timeout_keep_alive=names.HTTP_KEEPALIVE_S,
+            )
+        )
         tasks = [
             asyncio.create_task(server.serve(sockets=[http_sock]), name="http"),
             asyncio.create_task(self._connect_nats(), name="nats-connect"),

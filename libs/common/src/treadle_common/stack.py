@@ -200,8 +200,12 @@ class Supervisor:
 @functools.cache
 def http() -> httpx.Client:
     """One client for every status poll: `httpx.get` builds a client (and an SSL context,
-    ~20 ms of CPU) per call, which a 2-core machine running the stack feels."""
-    return httpx.Client()
+    ~20 ms of CPU) per call, which a 2-core machine running the stack feels.
+
+    Pooled connections are dropped well before the services' keep-alive timeout: a request
+    sent on a connection the server is closing at that moment fails with "connection reset"
+    (seen: an SFT warm-up validating every ~5 s against uvicorn's 5 s timeout)."""
+    return httpx.Client(limits=httpx.Limits(keepalive_expiry=names.HTTP_KEEPALIVE_S / 2))
 
 
 def service_health(url: str) -> dict:
