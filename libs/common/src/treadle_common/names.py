@@ -90,9 +90,9 @@ HEARTBEAT_BUCKET = "treadle_heartbeats"
 
 # --- Services and default ports -----------------------------------------------------------
 SERVICES = ("weight-store", "env-gateway", "reward", "rollout", "trainer")
-HTTP_KEEPALIVE_S = 5.0
-"""Services close an idle HTTP connection after this; clients drop theirs sooner."""
 """Start order for `treadle up`: dependencies first."""
+HTTP_KEEPALIVE_S = 5
+"""Services close an idle HTTP connection after this many seconds; clients drop theirs sooner."""
 
 DEFAULT_PORTS: dict[str, dict[str, int]] = {
     "weight-store": {"grpc": 50051, "http": 8001},
