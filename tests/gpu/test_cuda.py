@@ -25,7 +25,7 @@ WORKER = Path(__file__).resolve().parents[1] / "integration" / "fsdp_worker.py"
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    from treadle_common.tiny_model import init_tiny
+    from treadle_cli.tiny_model import init_tiny
 
     return init_tiny(tmp_path_factory.mktemp("models") / "tiny")
 

@@ -6,7 +6,7 @@ import pytest
 import redis
 
 from tests.conftest import free_ports
-from treadle_common.infra import Infra, InfraError, alive
+from treadle_cli.infra import Infra, InfraError, alive
 from treadle_common.settings import Settings
 
 pytestmark = pytest.mark.integration

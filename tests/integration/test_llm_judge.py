@@ -62,7 +62,7 @@ async def test_judge_scores_good_and_bad_answers(fake_openai):
 async def test_reward_model_scores_in_batches(tmp_path):
     import asyncio
 
-    from treadle_common.tiny_model import init_tiny_classifier
+    from treadle_cli.tiny_model import init_tiny_classifier
     from treadle_reward.scorers.reward_model import RewardModel
 
     scorer = RewardModel(init_tiny_classifier(tmp_path / "rm"))

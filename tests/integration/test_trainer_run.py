@@ -15,7 +15,7 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from benchmarks.synthetic_rollout import SyntheticRollout
+from treadle_bench.synthetic_rollout import SyntheticRollout
 from tests.conftest import ServiceProc, start_service
 from treadle_common import names
 from treadle_common.clients import streams

@@ -6,9 +6,9 @@ import httpx
 import pytest
 
 from treadle_common.config import RunConfig
-from treadle_common.report import RunReport
-from treadle_common.run_client import eval_summary
-from treadle_common.warmup import TrainingSession
+from treadle_cli.report import RunReport
+from treadle_cli.run_client import eval_summary
+from treadle_cli.warmup import TrainingSession
 
 pytestmark = pytest.mark.unit
 

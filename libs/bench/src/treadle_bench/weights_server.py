@@ -1,7 +1,7 @@
 """The server side of `treadle bench weights`: one process hosting the real WeightStore gRPC
 servicer and, for the baseline, a plain gRPC byte stream (`treadle.bench.Raw`).
 
-    python -m benchmarks.weights_server PORT DATA_DIR
+    python -m treadle_bench.weights_server PORT DATA_DIR
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import grpc
 
-from benchmarks.harness import identity
-from benchmarks.harness import serve as serve_forever
+from treadle_bench.harness import identity
+from treadle_bench.harness import serve as serve_forever
 from treadle_common.logs import configure_logging
 from treadle_weight_store.backends.local import LocalBackend
 from treadle_weight_store.grpc_service import WeightStoreServicer, add_to_server

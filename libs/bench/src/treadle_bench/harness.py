@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import httpx
 
-from treadle_common.infra import Infra, terminate
+from treadle_cli.infra import Infra, terminate
 from treadle_common.settings import Settings
 
 

@@ -25,14 +25,14 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from treadle_common import stack
+from treadle_cli import stack
 from treadle_common.clients.env import EnvClient
 from treadle_common.clients.weights import WeightStoreClient
 from treadle_common.config import RunConfig, dump_resolved
 from treadle_common.evaluation import EvaluationDone, held_out_tasks
-from treadle_common.report import RunReport
+from treadle_cli.report import RunReport
 from treadle_common.settings import Settings
-from treadle_common.warmup import TrainingSession, demonstrations, validation_tasks
+from treadle_cli.warmup import TrainingSession, demonstrations, validation_tasks
 from treadle_common.weights_export import export_hf
 
 FINAL = ("succeeded", "failed")
@@ -68,7 +68,7 @@ class RunClient:
         cfg = self.config
         cfg.model.path = cfg.model.path.resolve()
         if cfg.model.init_tiny and not (cfg.model.path / "config.json").exists():
-            from treadle_common.tiny_model import init_tiny
+            from treadle_cli.tiny_model import init_tiny
 
             init_tiny(
                 cfg.model.path,

@@ -1,7 +1,7 @@
 """Server side of `treadle bench env`: the real EnvGateway servicer plus a plain gRPC echo
 (`treadle.bench.Echo/Call`) in one process.
 
-    python -m benchmarks.env_server PORT
+    python -m treadle_bench.env_server PORT
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import sys
 
 import grpc
 
-from benchmarks.harness import identity
-from benchmarks.harness import serve as serve_forever
+from treadle_bench.harness import identity
+from treadle_bench.harness import serve as serve_forever
 from treadle_common.logs import configure_logging
 from treadle_common.proto.treadle.v1 import env_pb2_grpc
 from treadle_env_gateway.grpc_service import EnvGatewayServicer

@@ -1,7 +1,7 @@
 """`treadle bench trainer`: the trainer service's full step vs a plain torch loop.
 
 Service path: a real trainer process owns an async run on private redis + nats with a real
-weight-store; a synthetic rollout (benchmarks/synthetic_rollout.py) answers its tasks with
+weight-store; a synthetic rollout (treadle_bench/synthetic_rollout.py) answers its tasks with
 fixed-shape trajectories through Redis. Each step reads the trajectories from Redis, validates
 and groups them, computes advantages, runs the PPO loss and AdamW, and publishes the weights
 (delta) to the weight store. service_tokens_per_s = loss tokens / step wall time (steady-state
@@ -27,13 +27,13 @@ import redis.asyncio as aioredis
 import torch
 from transformers import AutoModelForCausalLM
 
-from benchmarks.harness import free_port, infra_with_weight_store, start_service
-from benchmarks.synthetic_rollout import SyntheticRollout
+from treadle_bench.harness import free_port, infra_with_weight_store, start_service
+from treadle_bench.synthetic_rollout import SyntheticRollout
 from treadle_common import names
 from treadle_common.clients.weights import WeightStoreClient
 from treadle_common.logs import configure_logging
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
-from treadle_common.tiny_model import init_tiny
+from treadle_cli.tiny_model import init_tiny
 
 MODEL = "bench-trainer"
 WARMUP_STEPS = 2

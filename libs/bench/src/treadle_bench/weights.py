@@ -41,7 +41,7 @@ import time
 import grpc
 import torch
 
-from benchmarks.harness import free_port, server_process
+from treadle_bench.harness import free_port, server_process
 from treadle_common.clients.torch_weights import ChunkCache, fetch_into, state_dict_to_raw
 from treadle_common.clients.weights import WeightStoreClient
 from treadle_common.logs import configure_logging
@@ -185,7 +185,7 @@ def fanout(
 ) -> float:
     """`replicas` fetcher processes, warm like the single fetch, fetch `version` together,
     `rounds` times: the median of the seconds until the last one holds it."""
-    cmd = [sys.executable, "-m", "benchmarks.weights", "--fetcher", address]
+    cmd = [sys.executable, "-m", "treadle_bench.weights", "--fetcher", address]
     cmd += [str(warm_version), str(version), str(size_mb), str(num_tensors)]
     procs = [
         subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -247,7 +247,7 @@ def run(
     port = free_port()
     address = f"127.0.0.1:{port}"
     with tempfile.TemporaryDirectory() as tmp:
-        with server_process("benchmarks.weights_server", str(port), tmp):
+        with server_process("treadle_bench.weights_server", str(port), tmp):
             timings = asyncio.run(measure(address, state, repeats))
             sent, version = asyncio.run(delta_bytes(address, state, changed))
             fanout_s = fanout(

@@ -20,7 +20,7 @@ import time
 
 import grpc
 
-from benchmarks.harness import free_port, server_process
+from treadle_bench.harness import free_port, server_process
 from treadle_common.clients.env import EnvClient
 from treadle_common.logs import configure_logging
 from treadle_common.proto.treadle.v1 import env_pb2 as pb
@@ -76,7 +76,7 @@ def run(sessions: int = 256, seconds: float = 10.0) -> dict:
     tasks = Arith.sample_tasks(64, seed=0, split="bench", options={})
     port = free_port()
     address = f"127.0.0.1:{port}"
-    with server_process("benchmarks.env_server", str(port)):
+    with server_process("treadle_bench.env_server", str(port)):
         asyncio.run(_raw(address, tasks[0], 8, 1.0))  # warm-up
         asyncio.run(_ours(address, tasks, 8, 1.0))
         raw_loops = asyncio.run(_raw(address, tasks[0], sessions, seconds))

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import nats
 
-from benchmarks.harness import free_port, start_service
+from treadle_bench.harness import free_port, start_service
 from treadle_common.clients.reward import RewardClient
-from treadle_common.infra import Infra, terminate
+from treadle_cli.infra import Infra, terminate
 from treadle_common.logs import configure_logging
 from treadle_common.proto.treadle.v1 import reward_pb2 as pb
 from treadle_common.settings import Settings
@@ -33,7 +33,7 @@ def start_replica(nats_url: str, state_dir: str) -> subprocess.Popen:
     env = {
         "TREADLE_NATS_URL": nats_url,
         "TREADLE_STATE_DIR": state_dir,
-        "TREADLE_SCORER_MODULES": "benchmarks.cpu_scorer",
+        "TREADLE_SCORER_MODULES": "treadle_bench.cpu_scorer",
         "TREADLE_REWARD_CACHE_SIZE": "0",
         "TREADLE_LOG_LEVEL": "WARNING",
     }

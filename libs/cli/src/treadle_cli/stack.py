@@ -9,7 +9,7 @@
     treadle down             SIGTERM the supervisor (it drains services in reverse order),
                              then makes sure every pid it recorded is gone
 
-`python -m treadle_common.stack SPEC.json` runs a supervisor (what `up --detach` starts).
+`python -m treadle_cli.stack SPEC.json` runs a supervisor (what `up --detach` starts).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 
 from treadle_common import names
-from treadle_common.infra import Infra, alive, port_free, probe, terminate
+from treadle_cli.infra import Infra, alive, port_free, probe, terminate
 from treadle_common.settings import Settings
 
 
@@ -332,7 +332,7 @@ def prepare(
     if model_dir is None:
         model_dir = state_dir / "models" / "tiny"
     if not (model_dir / "config.json").exists():
-        from treadle_common.tiny_model import init_tiny
+        from treadle_cli.tiny_model import init_tiny
 
         init_tiny(model_dir)
     return StackSpec(
@@ -356,7 +356,7 @@ def launch_detached(spec: StackSpec) -> int:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log_file:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "treadle_common.stack", str(spec_path)],
+            [sys.executable, "-m", "treadle_cli.stack", str(spec_path)],
             cwd=spec.cwd,
             stdout=log_file,
             stderr=subprocess.STDOUT,

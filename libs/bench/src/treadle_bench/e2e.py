@@ -35,13 +35,13 @@ from typing import Any
 
 from rich.console import Console
 
-from treadle_common import stack
+from treadle_cli import stack
 from treadle_common.config import RunConfig, load_recipe
-from treadle_common.infra import free_port_range
-from treadle_common.report import RunReport
-from treadle_common.run_client import RunClient, eval_summary
+from treadle_cli.infra import free_port_range
+from treadle_cli.report import RunReport
+from treadle_cli.run_client import RunClient, eval_summary
 from treadle_common.settings import Settings
-from treadle_common.tiny_model import init_tiny
+from treadle_cli.tiny_model import init_tiny
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 DEFAULT_RECIPE = RECIPES / "agentic.yaml"

@@ -7,8 +7,7 @@ treadle down                     stop everything `up` started
 treadle run RECIPE [--set a=b]   run a recipe on the stack (starting one if none runs)
 treadle model init-tiny DIR      build the tiny local HF model
 treadle weights list|export       inspect / export weight-store versions as HF directories
-treadle bench weights|env|reward|rollout|trainer|e2e|learn|step [--json]
-                                 our path vs a baseline, or learning per seed, as JSON
+treadle bench ...                (with treadle-bench installed: see treadle_bench.cli)
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ import asyncio
 import json
 import time
 from pathlib import Path
+from importlib.metadata import entry_points
 from typing import Annotated
 
 import typer
@@ -24,9 +24,9 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from treadle_common import stack
+from treadle_cli import stack
 from treadle_common.config import RecipeError, load_recipe
-from treadle_common.infra import Infra, InfraError, states_json
+from treadle_cli.infra import Infra, InfraError, states_json
 from treadle_common.settings import get_settings
 
 app = typer.Typer(
@@ -36,6 +36,7 @@ infra_app = typer.Typer(no_args_is_help=True, help="Embedded infrastructure (red
 model_app = typer.Typer(no_args_is_help=True, help="Model utilities.")
 app.add_typer(infra_app, name="infra")
 app.add_typer(model_app, name="model")
+PLUGIN_GROUP = "treadle.commands"
 console = Console()
 err = Console(stderr=True)
 
@@ -192,7 +193,7 @@ def model_init_tiny(
     layers: Annotated[int, typer.Option(help="Decoder layers")] = 2,
 ) -> None:
     """Build a tiny random HF causal LM (Llama, head_dim 64) with a locally trained tokenizer."""
-    from treadle_common.tiny_model import init_tiny
+    from treadle_cli.tiny_model import init_tiny
 
     if (out_dir / "config.json").exists():
         console.print(f"{out_dir} already holds a model; left as it is")
@@ -215,7 +216,7 @@ def run(
         config = load_recipe(recipe, overrides)
     except RecipeError as exc:
         fail(str(exc), code=2)
-    from treadle_common.run_client import RunClient
+    from treadle_cli.run_client import RunClient
 
     code = RunClient(config, get_settings(), console).execute(timeout)
     raise typer.Exit(code)
@@ -271,143 +272,15 @@ def weights_export(model: str, version: int, out_dir: Path, store: StoreOption =
         fail(f"{exc.code().name}: {exc.details()}")
 
 
-# -- bench ---------------------------------------------------------------------------------
-bench_app = typer.Typer(
-    no_args_is_help=True, help="Benchmarks: our path vs a raw baseline, as JSON."
-)
-app.add_typer(bench_app, name="bench")
-
-
-@bench_app.command("weights")
-def bench_weights(
-    size_mb: Annotated[int, typer.Option(help="State dict size")] = 512,
-    num_tensors: Annotated[int, typer.Option(help="Tensors in the state dict")] = 64,
-    changed: Annotated[float, typer.Option(help="Fraction of tensors a step changes")] = 0.03,
-    replicas: Annotated[int, typer.Option(help="Concurrent fetchers in the fan-out")] = 8,
-    as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
-) -> None:
-    """Weight sync: publish/fetch via the weight-store vs a plain gRPC stream, delta, fan-out."""
-    from benchmarks import weights  # installed with the `treadle` meta-distribution
-
-    result = weights.run(size_mb, num_tensors, changed, replicas)
-    print(json.dumps(result, indent=None if as_json else 2))
-
-
-@bench_app.command("env")
-def bench_env(
-    sessions: Annotated[int, typer.Option(help="Concurrent sessions")] = 256,
-    seconds: Annotated[float, typer.Option(help="Measurement time per side")] = 10.0,
-    as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
-) -> None:
-    """Env-gateway episodes (arith) vs a plain gRPC echo at the same concurrency."""
-    from benchmarks import env
-
-    print(json.dumps(env.run(sessions, seconds), indent=None if as_json else 2))
-
-
-@bench_app.command("reward")
-def bench_reward(
-    requests: Annotated[int, typer.Option(help="Scoring requests per measurement")] = 200,
-    concurrency: Annotated[int, typer.Option(help="Requests in flight")] = 32,
-    rounds: Annotated[int, typer.Option(help="CPU work per score (sha256 rounds)")] = 100_000,
-    as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
-) -> None:
-    """CPU-bound scoring with 1 then 2 reward replicas (separate processes) over NATS."""
-    from benchmarks import reward
-
-    print(json.dumps(reward.run(requests, concurrency, rounds), indent=None if as_json else 2))
-
-
-@bench_app.command("rollout")
-def bench_rollout(
-    prompts: Annotated[int, typer.Option(help="Concurrent requests per round")] = 32,
-    max_new_tokens: Annotated[int, typer.Option(help="Tokens generated per request")] = 32,
-    rounds: Annotated[int, typer.Option(help="Measured rounds per side")] = 3,
-    swaps: Annotated[int, typer.Option(help="Weight versions published under load")] = 5,
-    as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
-) -> None:
-    """Generation through the rollout service (hf engine) vs the same engine in-process."""
-    from benchmarks import rollout
-
-    result = rollout.run(prompts, max_new_tokens, rounds, swaps)
-    print(json.dumps(result, indent=None if as_json else 2))
-
-
-@bench_app.command("trainer")
-def bench_trainer(
-    steps: Annotated[int, typer.Option(help="Training steps (the first 2 warm up)")] = 16,
-    groups: Annotated[int, typer.Option(help="Groups (tasks) per step")] = 16,
-    group_size: Annotated[int, typer.Option(help="Trajectories per group")] = 4,
-    completion_len: Annotated[int, typer.Option(help="Generated tokens per trajectory")] = 224,
-    as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
-) -> None:
-    """Full trainer steps (Redis -> loss -> AdamW -> publish) vs a plain torch loop."""
-    from benchmarks import trainer
-
-    result = trainer.run(steps, groups, group_size, completion_len=completion_len)
-    print(json.dumps(result, indent=None if as_json else 2))
-
-
-@bench_app.command("e2e")
-def bench_e2e(
-    recipe: Annotated[Path, typer.Option(help="Workload recipe")] = Path("recipes/agentic.yaml"),
-    steps: Annotated[int, typer.Option(help="Trainer steps per mode")] = 12,
-    max_concurrent_tasks: Annotated[
-        int,
-        typer.Option(help="Rollout task groups in flight (TREADLE_ROLLOUT_MAX_CONCURRENT_TASKS)"),
-    ] = 64,
-    quality_recipe: Annotated[
-        Path, typer.Option(help="A learnable recipe: held-out accuracy of sync vs async")
-    ] = Path("recipes/arith_latency.yaml"),
-    quality: Annotated[
-        bool, typer.Option("--quality/--no-quality", help="Run the learning half")
-    ] = True,
-    quality_overrides: Annotated[
-        list[str] | None, typer.Option("--quality-set", help="Override a.b=c in quality_recipe")
-    ] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
-) -> None:
-    """The same recipe in sync and in async mode, for the same number of steps; then a
-    learnable one in both modes from the same warm-up: speed, and what each learned."""
-    from benchmarks import e2e
-
-    result = e2e.run(
-        recipe, steps, max_concurrent_tasks, quality_recipe if quality else None, quality_overrides
-    )
-    print(json.dumps(result, indent=None if as_json else 2))
-
-
-@bench_app.command("learn")
-def bench_learn(
-    seeds: Annotated[str, typer.Option(help="Comma-separated seeds, one run each")] = "0,1,2",
-    recipe: Annotated[Path, typer.Option(help="Learning recipe")] = Path("recipes/demo.yaml"),
-    overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a.b=c")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
-) -> None:
-    """The demo recipe once per seed: held-out accuracy at the start, after the warm-up and
-    at the end; `min_rl_lift` is what RL alone gained on the worst seed."""
-    from benchmarks import learn
-
-    result = learn.run([int(s) for s in seeds.split(",")], recipe, overrides)
-    print(json.dumps(result, indent=None if as_json else 2))
-
-
-@bench_app.command("step")
-def bench_step(
-    steps: Annotated[int, typer.Option(help="Trainer steps per way")] = 100,
-    recipe: Annotated[Path, typer.Option(help="Workload recipe")] = Path("recipes/step.yaml"),
-    overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a.b=c")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
-) -> None:
-    """A short, compute-bound step three ways: an in-process loop with the same engine and
-    trainer code, Treadle sync, Treadle async; seconds per step, where they go, publishes."""
-    from benchmarks import step
-
-    result = step.run(steps, recipe, overrides)
-    print(json.dumps(result, indent=None if as_json else 2))
+def add_plugins() -> None:
+    """Sub-commands other distributions add through the `treadle.commands` entry-point group
+    (`treadle-bench` adds `treadle bench`): each entry point is a typer app, named by its key."""
+    for entry in entry_points(group=PLUGIN_GROUP):
+        app.add_typer(entry.load(), name=entry.name)
 
 
 def main() -> None:
+    add_plugins()
     app()
 
 

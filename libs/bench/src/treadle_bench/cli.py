@@ -1,0 +1,145 @@
+"""`treadle bench ...`: added to the `treadle` command through the `treadle.commands`
+entry-point group (see `treadle_cli.cli.add_plugins`).
+
+treadle bench weights|env|reward|rollout|trainer|e2e|learn|step [--json]
+    our path vs a baseline, or learning per seed, as JSON
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(no_args_is_help=True, help="Benchmarks: our path vs a raw baseline, as JSON.")
+
+
+@app.command("weights")
+def bench_weights(
+    size_mb: Annotated[int, typer.Option(help="State dict size")] = 512,
+    num_tensors: Annotated[int, typer.Option(help="Tensors in the state dict")] = 64,
+    changed: Annotated[float, typer.Option(help="Fraction of tensors a step changes")] = 0.03,
+    replicas: Annotated[int, typer.Option(help="Concurrent fetchers in the fan-out")] = 8,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
+) -> None:
+    """Weight sync: publish/fetch via the weight-store vs a plain gRPC stream, delta, fan-out."""
+    from treadle_bench import weights
+
+    result = weights.run(size_mb, num_tensors, changed, replicas)
+    print(json.dumps(result, indent=None if as_json else 2))
+
+
+@app.command("env")
+def bench_env(
+    sessions: Annotated[int, typer.Option(help="Concurrent sessions")] = 256,
+    seconds: Annotated[float, typer.Option(help="Measurement time per side")] = 10.0,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
+) -> None:
+    """Env-gateway episodes (arith) vs a plain gRPC echo at the same concurrency."""
+    from treadle_bench import env
+
+    print(json.dumps(env.run(sessions, seconds), indent=None if as_json else 2))
+
+
+@app.command("reward")
+def bench_reward(
+    requests: Annotated[int, typer.Option(help="Scoring requests per measurement")] = 200,
+    concurrency: Annotated[int, typer.Option(help="Requests in flight")] = 32,
+    rounds: Annotated[int, typer.Option(help="CPU work per score (sha256 rounds)")] = 100_000,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
+) -> None:
+    """CPU-bound scoring with 1 then 2 reward replicas (separate processes) over NATS."""
+    from treadle_bench import reward
+
+    print(json.dumps(reward.run(requests, concurrency, rounds), indent=None if as_json else 2))
+
+
+@app.command("rollout")
+def bench_rollout(
+    prompts: Annotated[int, typer.Option(help="Concurrent requests per round")] = 32,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens generated per request")] = 32,
+    rounds: Annotated[int, typer.Option(help="Measured rounds per side")] = 3,
+    swaps: Annotated[int, typer.Option(help="Weight versions published under load")] = 5,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
+) -> None:
+    """Generation through the rollout service (hf engine) vs the same engine in-process."""
+    from treadle_bench import rollout
+
+    result = rollout.run(prompts, max_new_tokens, rounds, swaps)
+    print(json.dumps(result, indent=None if as_json else 2))
+
+
+@app.command("trainer")
+def bench_trainer(
+    steps: Annotated[int, typer.Option(help="Training steps (the first 2 warm up)")] = 16,
+    groups: Annotated[int, typer.Option(help="Groups (tasks) per step")] = 16,
+    group_size: Annotated[int, typer.Option(help="Trajectories per group")] = 4,
+    completion_len: Annotated[int, typer.Option(help="Generated tokens per trajectory")] = 224,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
+) -> None:
+    """Full trainer steps (Redis -> loss -> AdamW -> publish) vs a plain torch loop."""
+    from treadle_bench import trainer
+
+    result = trainer.run(steps, groups, group_size, completion_len=completion_len)
+    print(json.dumps(result, indent=None if as_json else 2))
+
+
+@app.command("e2e")
+def bench_e2e(
+    recipe: Annotated[Path, typer.Option(help="Workload recipe")] = Path("recipes/agentic.yaml"),
+    steps: Annotated[int, typer.Option(help="Trainer steps per mode")] = 12,
+    max_concurrent_tasks: Annotated[
+        int,
+        typer.Option(help="Rollout task groups in flight (TREADLE_ROLLOUT_MAX_CONCURRENT_TASKS)"),
+    ] = 64,
+    quality_recipe: Annotated[
+        Path, typer.Option(help="A learnable recipe: held-out accuracy of sync vs async")
+    ] = Path("recipes/arith_latency.yaml"),
+    quality: Annotated[
+        bool, typer.Option("--quality/--no-quality", help="Run the learning half")
+    ] = True,
+    quality_overrides: Annotated[
+        list[str] | None, typer.Option("--quality-set", help="Override a.b=c in quality_recipe")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
+) -> None:
+    """The same recipe in sync and in async mode, for the same number of steps; then a
+    learnable one in both modes from the same warm-up: speed, and what each learned."""
+    from treadle_bench import e2e
+
+    result = e2e.run(
+        recipe, steps, max_concurrent_tasks, quality_recipe if quality else None, quality_overrides
+    )
+    print(json.dumps(result, indent=None if as_json else 2))
+
+
+@app.command("learn")
+def bench_learn(
+    seeds: Annotated[str, typer.Option(help="Comma-separated seeds, one run each")] = "0,1,2",
+    recipe: Annotated[Path, typer.Option(help="Learning recipe")] = Path("recipes/demo.yaml"),
+    overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a.b=c")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
+) -> None:
+    """The demo recipe once per seed: held-out accuracy at the start, after the warm-up and
+    at the end; `min_rl_lift` is what RL alone gained on the worst seed."""
+    from treadle_bench import learn
+
+    result = learn.run([int(s) for s in seeds.split(",")], recipe, overrides)
+    print(json.dumps(result, indent=None if as_json else 2))
+
+
+@app.command("step")
+def bench_step(
+    steps: Annotated[int, typer.Option(help="Trainer steps per way")] = 100,
+    recipe: Annotated[Path, typer.Option(help="Workload recipe")] = Path("recipes/step.yaml"),
+    overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a.b=c")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
+) -> None:
+    """A short, compute-bound step three ways: an in-process loop with the same engine and
+    trainer code, Treadle sync, Treadle async; seconds per step, where they go, publishes."""
+    from treadle_bench import step
+
+    result = step.run(steps, recipe, overrides)
+    print(json.dumps(result, indent=None if as_json else 2))
