@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, free_port_range, free_ports
+from treadle_cli.infra import alive
 from treadle_common.clients.rollout import GenerationClient
 from treadle_common.clients.trainer import TrainerClient
-from treadle_cli.infra import alive
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 TREADLE = str(Path(sys.executable).parent / "treadle")

@@ -15,8 +15,8 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from treadle_bench.synthetic_rollout import SyntheticRollout
 from tests.conftest import ServiceProc, start_service
+from treadle_bench.synthetic_rollout import SyntheticRollout
 from treadle_common import names
 from treadle_common.clients import streams
 from treadle_common.clients.weights import WeightStoreClient

@@ -5,10 +5,10 @@ import json
 import httpx
 import pytest
 
-from treadle_common.config import RunConfig
 from treadle_cli.report import RunReport
 from treadle_cli.run_client import eval_summary
 from treadle_cli.warmup import TrainingSession
+from treadle_common.config import RunConfig
 
 pytestmark = pytest.mark.unit
 

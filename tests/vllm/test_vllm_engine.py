@@ -19,8 +19,8 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from tests.reference import teacher_forced_logprobs  # noqa: E402
-from treadle_common.clients.torch_weights import TorchWeightClient  # noqa: E402
 from treadle_cli.tiny_model import init_tiny  # noqa: E402
+from treadle_common.clients.torch_weights import TorchWeightClient  # noqa: E402
 from treadle_rollout.engines.base import Sampling  # noqa: E402
 from treadle_rollout.engines.vllm import VLLMEngine  # noqa: E402
 from treadle_weight_store.backends.local import LocalBackend  # noqa: E402

@@ -36,12 +36,12 @@ from typing import Any
 from rich.console import Console
 
 from treadle_cli import stack
-from treadle_common.config import RunConfig, load_recipe
 from treadle_cli.infra import free_port_range
 from treadle_cli.report import RunReport
 from treadle_cli.run_client import RunClient, eval_summary
-from treadle_common.settings import Settings
 from treadle_cli.tiny_model import init_tiny
+from treadle_common.config import RunConfig, load_recipe
+from treadle_common.settings import Settings
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 DEFAULT_RECIPE = RECIPES / "agentic.yaml"

@@ -22,8 +22,8 @@ from pathlib import Path
 import nats
 
 from treadle_bench.harness import free_port, start_service
-from treadle_common.clients.reward import RewardClient
 from treadle_cli.infra import Infra, terminate
+from treadle_common.clients.reward import RewardClient
 from treadle_common.logs import configure_logging
 from treadle_common.proto.treadle.v1 import reward_pb2 as pb
 from treadle_common.settings import Settings

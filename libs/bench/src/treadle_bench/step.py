@@ -35,9 +35,9 @@ from rich.console import Console
 
 from treadle_bench import e2e
 from treadle_cli import stack
+from treadle_cli.report import RunReport
 from treadle_common.clients.weights import WeightStoreClient
 from treadle_common.config import RunConfig, load_recipe
-from treadle_cli.report import RunReport
 from treadle_common.weights_export import export_hf
 
 STEP_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "step.yaml"

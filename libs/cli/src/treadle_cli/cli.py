@@ -15,8 +15,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from pathlib import Path
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -25,8 +25,8 @@ from rich.live import Live
 from rich.table import Table
 
 from treadle_cli import stack
-from treadle_common.config import RecipeError, load_recipe
 from treadle_cli.infra import Infra, InfraError, states_json
+from treadle_common.config import RecipeError, load_recipe
 from treadle_common.settings import get_settings
 
 app = typer.Typer(

@@ -26,13 +26,13 @@ from rich.live import Live
 from rich.table import Table
 
 from treadle_cli import stack
+from treadle_cli.report import RunReport
+from treadle_cli.warmup import TrainingSession, demonstrations, validation_tasks
 from treadle_common.clients.env import EnvClient
 from treadle_common.clients.weights import WeightStoreClient
 from treadle_common.config import RunConfig, dump_resolved
 from treadle_common.evaluation import EvaluationDone, held_out_tasks
-from treadle_cli.report import RunReport
 from treadle_common.settings import Settings
-from treadle_cli.warmup import TrainingSession, demonstrations, validation_tasks
 from treadle_common.weights_export import export_hf
 
 FINAL = ("succeeded", "failed")

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import httpx
 
-from treadle_common import names
 from treadle_cli.infra import Infra, alive, port_free, probe, terminate
+from treadle_common import names
 from treadle_common.settings import Settings
 
 
