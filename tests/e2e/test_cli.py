@@ -219,9 +219,7 @@ async def _generate_and_list(ports: dict) -> list:
     assert len(result.logprobs) == len(result.token_versions) == len(result.tokens)
     assert all(lp <= 0 for lp in result.logprobs) and set(result.token_versions) == {0}
     trainer = TrainerClient(f"http://127.0.0.1:{ports['trainer']['http']}")
-    runs = await trainer.list_runs()
-    await trainer.close()
-    return runs
+    return trainer.list_runs()  # typed: RunStatus models
 
 
 def test_bad_recipe_fails_before_anything_starts(cli_env, tmp_path):

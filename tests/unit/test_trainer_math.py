@@ -377,3 +377,13 @@ async def test_a_sync_run_waits_at_each_evaluated_step_until_the_client_reports(
     await sync.mark_evaluated(10)
     await asyncio.wait_for(held, 1)
     await asyncio.wait_for(owner("sync", hold_s=0.05)._hold_for_evaluation(10), 1)  # deadline
+
+
+def test_every_loss_name_has_an_implementation_and_back():
+    """A recipe or training-API request may name exactly the losses the trainer implements."""
+    import typing
+
+    from treadle_common.config import LossName
+    from treadle_trainer.losses import LOSSES
+
+    assert set(typing.get_args(LossName)) == set(LOSSES)

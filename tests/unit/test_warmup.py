@@ -7,7 +7,12 @@ import pytest
 
 from treadle_cli.report import RunReport
 from treadle_cli.run_client import eval_summary
+<<<<<<< HEAD
 from treadle_cli.warmup import TrainingSession
+=======
+from treadle_cli.warmup import TrainingSession, WarmUp
+from treadle_common.api.training import DatumIn
+>>>>>>> e2303c7 (Issue 25: treadle_common.api — the HTTP APIs' models shared by services and clients (runs, rollout info/evaluate/swaps, training sessions, readiness, weight-store versions); typed TrainerClient/TrainingClient/RolloutClient; the CLI reads no API response by key (stack status and stack.json typed too); a test ties LossName to the implemented losses)
 from treadle_common.config import RunConfig
 
 pytestmark = pytest.mark.unit
@@ -20,11 +25,11 @@ def scripted_api(calls: list[str]) -> httpx.MockTransport:
         op = request.url.path.rsplit("/", 1)[-1]
         calls.append(op)
         if op == "forward_backward":
-            return httpx.Response(200, json={"loss": 1.0})
+            return httpx.Response(200, json={"loss": 1.0, "num_tokens": 1.0})
         if op == "optim_step":
             assert json.loads(request.content)["learning_rate"] == 1e-3
-            return httpx.Response(200, json={"grad_norm": 0.5})
-        return httpx.Response(200, json={"version": next(versions)})  # save_weights
+            return httpx.Response(200, json={"grad_norm": 0.5, "step": 1})
+        return httpx.Response(200, json={"version": next(versions), "bytes_sent": 1})
 
     return httpx.MockTransport(handle)
 
@@ -33,11 +38,13 @@ def config(**sft) -> RunConfig:
     return RunConfig.model_validate({"model": {"path": "m"}, "sft": {"lr": 1e-3, **sft}})
 
 
-async def warm_up(cfg: RunConfig, scores: list[float]) -> tuple[dict, list[str], list]:
+async def warm_up(cfg: RunConfig, scores: list[float]) -> tuple[WarmUp, list[str], list]:
     calls: list[str] = []
     checked: list[tuple[int, int]] = []
     session = TrainingSession("http://trainer", cfg)
-    session.http = httpx.AsyncClient(base_url="http://trainer", transport=scripted_api(calls))
+    session.client.http = httpx.AsyncClient(
+        base_url="http://trainer", transport=scripted_api(calls)
+    )
     session.sid = "s1"
 
     async def validate(step: int, version: int) -> float:
@@ -45,22 +52,23 @@ async def warm_up(cfg: RunConfig, scores: list[float]) -> tuple[dict, list[str],
         return scores[len(checked) - 1]
 
     try:
-        return await session.sft([{"model_input": [1]}], None, validate), calls, checked
+        data = [DatumIn(model_input=[1], target_tokens=[1])]
+        return await session.sft(data, None, validate), calls, checked
     finally:
-        await session.http.aclose()
+        await session.client.close()
 
 
 async def test_the_warm_up_stops_at_the_first_validation_that_reaches_the_target():
     cfg = config(steps=100, target_reward=0.3, check_every=10)
     result, calls, checked = await warm_up(cfg, [0.0, 0.1, 0.35, 0.9])
     assert checked == [(10, 1), (20, 2), (30, 3)]  # each check scores freshly saved weights
-    assert result["steps"] == 30 and result["version"] == 4
+    assert result.steps == 30 and result.version == 4
     assert calls.count("optim_step") == 30 and calls[-1] == "save_weights"
 
 
 async def test_without_a_target_the_warm_up_runs_every_step_and_never_validates():
     result, calls, checked = await warm_up(config(steps=12, check_every=5), [])
-    assert checked == [] and result["steps"] == 12 and calls.count("save_weights") == 1
+    assert checked == [] and result.steps == 12 and calls.count("save_weights") == 1
 
 
 def test_eval_summary_separates_the_warm_up_from_rl(tmp_path):

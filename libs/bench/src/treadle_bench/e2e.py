@@ -113,7 +113,7 @@ def both_modes(
     spec = stack.prepare(settings, model_dir.resolve(), m.name, None)
     stack.launch_detached(spec)
     try:
-        if not stack.wait_healthy(settings.state_dir.resolve(), 180)["healthy"]:
+        if not stack.wait_healthy(settings.state_dir.resolve(), 180).healthy:
             raise RuntimeError(f"bench stack not healthy; logs in {settings.state_dir}")
         rollout_info = f"{spec.http_url('rollout')}/v1/info"
         cfg = sync_config

@@ -71,7 +71,7 @@ def run(
     stack.launch_detached(spec)
     per_seed: list[dict[str, Any]] = []
     try:
-        if not stack.wait_healthy(settings.state_dir.resolve(), 180)["healthy"]:
+        if not stack.wait_healthy(settings.state_dir.resolve(), 180).healthy:
             raise RuntimeError(f"bench stack not healthy; logs in {settings.state_dir}")
         for seed, cfg in zip(seeds, configs, strict=True):
             started = time.perf_counter()

@@ -77,27 +77,23 @@ def infra_status(as_json: Annotated[bool, typer.Option("--json")] = False) -> No
 
 
 # -- stack -----------------------------------------------------------------------------------
-def status_table(current: dict) -> Table:
+def status_table(current: stack.StackStatus) -> Table:
     table = Table(title="treadle stack")
     for column in ("component", "kind", "healthy", "pid", "restarts", "detail"):
         table.add_column(column)
-    for name, i in current.get("infra", {}).items():
-        table.add_row(
-            name, "infra", _mark(i["healthy"]), "", "", i["url"] if i["healthy"] else i["detail"]
-        )
-    for name, s in current.get("services", {}).items():
-        bad = {k: v for k, v in s["checks"].items() if v != "ok"}
-        detail = ", ".join(f"{k}: {v}" for k, v in bad.items()) or f"ports {s['ports']}"
+    for name, i in current.infra.items():
+        table.add_row(name, "infra", _mark(i.healthy), "", "", i.url if i.healthy else i.detail)
+    for name, s in current.services.items():
+        bad = {k: v for k, v in s.checks.items() if v != "ok"}
+        detail = ", ".join(f"{k}: {v}" for k, v in bad.items()) or f"ports {s.ports}"
         stalls = [
-            f"[red]STALLED {stage}[/red] ({p['pending']} pending, idle {p['idle_s']}s)"
-            for stage, p in s.get("progress", {}).items()
-            if p["stalled"]
+            f"[red]STALLED {stage}[/red] ({p.pending} pending, idle {p.idle_s}s)"
+            for stage, p in s.progress.items()
+            if p.stalled
         ]
         if stalls:
             detail = "; ".join(stalls + [f"{k}: {v}" for k, v in bad.items()])
-        table.add_row(
-            name, "service", _mark(s["healthy"]), str(s["pid"]), str(s["restarts"]), detail[:80]
-        )
+        table.add_row(name, "service", _mark(s.healthy), str(s.pid), str(s.restarts), detail[:80])
     return table
 
 
@@ -128,7 +124,7 @@ def up(
         stack.launch_detached(spec)
         current = stack.wait_healthy(settings.state_dir.resolve(), timeout)
         console.print(status_table(current))
-        if not current["healthy"]:
+        if not current.healthy:
             fail(
                 f"not healthy after {timeout:.0f}s; logs in {spec.state_dir}/logs "
                 "(treadle down stops it)"
@@ -165,14 +161,14 @@ def status(
     """Health of the stack: every service's /readyz and every infra server."""
     current = stack.status(get_settings().state_dir.resolve(), detail=True)
     if as_json:
-        print(json.dumps(current, indent=2))
-    elif not current["running"]:
+        print(current.model_dump_json(indent=2))
+    elif not current.running:
         console.print("no stack is running (treadle up starts one)")
     else:
         console.print(status_table(current))
-        if current.get("time"):
-            console.print(time_table(current["time"]))
-    raise typer.Exit(0 if current["healthy"] else 1)
+        if current.time:
+            console.print(time_table(current.time))
+    raise typer.Exit(0 if current.healthy else 1)
 
 
 def time_table(breakdown: dict) -> Table:

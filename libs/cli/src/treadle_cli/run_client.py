@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
@@ -28,14 +29,17 @@ from rich.table import Table
 from treadle_cli import stack
 from treadle_cli.report import RunReport
 from treadle_cli.warmup import TrainingSession, demonstrations, validation_tasks
+from treadle_common.api.rollout import EvaluateRequest, EvaluateResult, RolloutInfo
+from treadle_common.api.runs import RunStatus
 from treadle_common.clients.env import EnvClient
+from treadle_common.clients.http import ApiError
+from treadle_common.clients.rollout import RolloutClient
+from treadle_common.clients.trainer import TrainerClient
 from treadle_common.clients.weights import WeightStoreClient
 from treadle_common.config import RunConfig, dump_resolved
-from treadle_common.evaluation import EvaluationDone, held_out_tasks
+from treadle_common.evaluation import held_out_tasks
 from treadle_common.settings import Settings
 from treadle_common.weights_export import export_hf
-
-FINAL = ("succeeded", "failed")
 
 
 def eval_summary(report: RunReport) -> dict:
@@ -55,6 +59,14 @@ def eval_summary(report: RunReport) -> dict:
     if "eval_end" in out and "eval_after_sft" in out:
         out["rl_lift"] = round(out["eval_end"] - out["eval_after_sft"], 4)
     return out
+
+
+@dataclass(frozen=True)
+class Urls:
+    """Where the run's HTTP APIs answer (the weight-store's data plane is gRPC)."""
+
+    trainer: str
+    rollout: str
 
 
 class RunClient:
@@ -78,9 +90,9 @@ class RunClient:
                 seed=cfg.trainer.seed,
             )
         own_stack = False
-        current = {"healthy": True} if self.remote else stack.status(self.state_dir)
-        if not current["healthy"]:
-            if current["running"]:
+        current = None if self.remote else stack.status(self.state_dir)
+        if current is not None and not current.healthy:
+            if current.running:
                 self.console.print(
                     "[red]a stack is running but unhealthy[/red]; treadle status says why"
                 )
@@ -89,10 +101,10 @@ class RunClient:
             stack.launch_detached(spec)
             own_stack = True
             current = stack.wait_healthy(self.state_dir, health_timeout_s)
-            if not current["healthy"]:
+            if not current.healthy:
                 self.console.print(
                     f"[red]stack not healthy after {health_timeout_s:.0f}s[/red]: "
-                    + json.dumps(current)[:2000]
+                    + current.model_dump_json()[:2000]
                 )
                 stack.down(self.settings)
                 return 1
@@ -106,14 +118,14 @@ class RunClient:
         record = stack.read_stack(self.state_dir)
         if record is None:
             raise RuntimeError(f"no stack recorded in {self.state_dir}")
-        return stack.StackSpec(**record["spec"])
+        return record.spec
 
     @property
     def remote(self) -> bool:
         """A deployed stack (compose, Kubernetes) named by TREADLE_*_URL settings."""
         return self.settings.trainer_url is not None
 
-    def _urls(self) -> dict[str, str]:
+    def _urls(self) -> Urls:
         s = self.settings
         if self.remote:
             if not (s.rollout_url and s.weight_store_url):
@@ -121,13 +133,9 @@ class RunClient:
                     "TREADLE_TRAINER_URL needs TREADLE_ROLLOUT_URL and _WEIGHT_STORE_URL"
                 )
             assert s.trainer_url is not None
-            return {
-                "trainer": s.trainer_url,
-                "rollout": s.rollout_url,
-                "weight-store": s.weight_store_url,
-            }
+            return Urls(trainer=s.trainer_url, rollout=s.rollout_url)
         spec = self._spec()
-        return {name: spec.http_url(name) for name in ("trainer", "rollout", "weight-store")}
+        return Urls(trainer=spec.http_url("trainer"), rollout=spec.http_url("rollout"))
 
     def _grpc(self, service: str) -> str:
         if self.remote:
@@ -141,85 +149,66 @@ class RunClient:
     def _follow(self) -> int:
         cfg = self.config
         urls = self._urls()
-        info = stack.http().get(f"{urls['rollout']}/v1/info", timeout=5).json()
-        if info["model"] != cfg.model.name or Path(info["model_dir"]) != cfg.model.path:
+        self.trainer = TrainerClient(urls.trainer, stack.http())
+        self.rollout = RolloutClient(urls.rollout, stack.http())
+        info = self.rollout.info()
+        if info.model != cfg.model.name or Path(info.model_dir) != cfg.model.path:
             self.console.print(
-                f"[red]rollout serves {info['model']} from {info['model_dir']}[/red]; "
+                f"[red]rollout serves {info.model} from {info.model_dir}[/red]; "
                 f"the recipe needs {cfg.model.name} from {cfg.model.path} (treadle down, then run)"
             )
             return 1
         out_dir = cfg.output_dir / cfg.run_id
         report = RunReport(out_dir)
         dump_resolved(cfg, out_dir / "config.yaml")
-        held_out = asyncio.run(self._prepare(urls, report))
+        held_out = asyncio.run(self._prepare(report))
         dump_resolved(cfg, out_dir / "config.yaml")  # with the warm-up's init_version
-        response = stack.http().post(
-            f"{urls['trainer']}/v1/runs", json=cfg.model_dump(mode="json"), timeout=30
-        )
-        if response.status_code != 202:
-            self.console.print(
-                f"[red]trainer refused the run ({response.status_code})[/red]: {response.text}"
-            )
+        try:
+            run = self.trainer.start_run(cfg)
+        except ApiError as exc:
+            self.console.print(f"[red]trainer refused the run ({exc.status_code})[/red]: {exc}")
             return 1
-        run = response.json()
-        steps: list[dict] = run["steps"]
+        steps = run.steps
         evaluated = 0
         with Live(self._table(run, report), console=self.console, refresh_per_second=2) as live:
-            while run["state"] not in FINAL:
+            while not run.finished:
                 time.sleep(0.5)
-                run = (  # only the records not seen yet: a long run's answer stays small
-                    stack.http()
-                    .get(
-                        f"{urls['trainer']}/v1/runs/{cfg.run_id}",
-                        params={"steps_from": len(steps)},
-                        timeout=10,
-                    )
-                    .json()
-                )
-                for record in run["steps"]:
-                    report.add("step", record, at=record["finished_at"] or None)
-                steps += run["steps"]
-                run["steps"] = steps
+                # only the records not seen yet: a long run's answer stays small
+                run = self.trainer.get_run(cfg.run_id, steps_from=len(steps))
+                for record in run.steps:
+                    report.add("step", record.model_dump(), at=record.finished_at or None)
+                steps += run.steps
+                run.steps = steps
                 every = cfg.eval.every
-                if held_out and every and run["state"] not in FINAL and run["steps"]:
-                    step = run["steps"][-1]
-                    last_step = step["step"] >= cfg.trainer.num_steps  # the end eval covers it
-                    if step["step"] % every == 0 and step["step"] != evaluated and not last_step:
-                        evaluated = step["step"]
+                if held_out and every and not run.finished and run.steps:
+                    step = run.steps[-1]
+                    last_step = step.step >= cfg.trainer.num_steps  # the end eval covers it
+                    if step.step % every == 0 and step.step != evaluated and not last_step:
+                        evaluated = step.step
                         try:
-                            self._evaluate(
-                                urls["rollout"],
-                                held_out,
-                                f"step {evaluated}",
-                                step["version"],
-                                report,
-                            )
+                            self._evaluate(held_out, f"step {evaluated}", step.version, report)
                         finally:  # a sync run waits there until told
-                            stack.http().post(
-                                f"{urls['trainer']}/v1/runs/{cfg.run_id}/evaluations",
-                                json=EvaluationDone(step=evaluated).model_dump(),
-                                timeout=10,
-                            ).raise_for_status()
+                            self.trainer.evaluation_done(cfg.run_id, evaluated)
                 live.update(self._table(run, report))
-        summary = self._summary(run, urls)
+        summary = self._summary(run)
         last = summary["rollout_policy_version"]
         if held_out:
-            self._evaluate(urls["rollout"], held_out, "end", last, report)
+            self._evaluate(held_out, "end", last, report)
             summary.update(eval_summary(report))
-        if run["state"] == "succeeded":
+        if run.state == "succeeded":
             summary["final_model_dir"] = str(asyncio.run(self._export(last, out_dir)))
         if report.of("step"):
             summary["plot"] = str(report.plot())
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         self.console.print_json(json.dumps(summary))
-        ok = run["state"] == "succeeded" and summary["exactly_once"] and self._improved(report)
+        ok = run.state == "succeeded" and run.exactly_once and self._improved(report)
         self.console.print(
             ("[green]run succeeded[/green]" if ok else "[red]run failed[/red]")
             + f" — outputs in {out_dir}"
         )
         return 0 if ok else 1
 
-    async def _prepare(self, urls: dict[str, str], report: RunReport) -> list[dict]:
+    async def _prepare(self, report: RunReport) -> list[dict]:
         """Held-out tasks, the start evaluation and the SFT warm-up (then evaluation again).
 
         The recipe's model is published first, so the start evaluation scores the policy
@@ -241,10 +230,10 @@ class RunClient:
             return held_out
         if cfg.model.init_version is not None:  # rollout holds it only once the run starts
             return held_out
-        async with TrainingSession(urls["trainer"], cfg) as session:
+        async with TrainingSession(self.trainer.base_url, cfg) as session:
             cfg.model.init_version = await session.save_weights()
             if held_out:
-                self._evaluate(urls["rollout"], held_out, "start", cfg.model.init_version, report)
+                self._evaluate(held_out, "start", cfg.model.init_version, report)
             if not data:
                 return held_out
             with self.console.status("SFT warm-up") as status:
@@ -258,21 +247,19 @@ class RunClient:
 
                 async def validate(step: int, version: int) -> float:
                     status.update(f"SFT warm-up: step {step}, validating")
-                    result = self._evaluate(
-                        urls["rollout"], checks, f"sft step {step}", version, report, "sft_val"
-                    )
-                    return float(result["mean_reward"])
+                    result = self._evaluate(checks, f"sft step {step}", version, report, "sft_val")
+                    return result.mean_reward
 
                 warm = await session.sft(data, on_step, validate if checks else None)
         self.console.print(
-            f"SFT warm-up: {warm['steps']} steps on {warm['examples']} demonstrations in "
-            f"{warm['seconds']:.0f}s, loss {warm['first_loss']:.3f} -> {warm['last_loss']:.3f}, "
-            f"version {warm['version']}"
+            f"SFT warm-up: {warm.steps} steps on {warm.examples} demonstrations in "
+            f"{warm.seconds:.0f}s, loss {warm.first_loss:.3f} -> {warm.last_loss:.3f}, "
+            f"version {warm.version}"
         )
-        cfg.model.init_version = warm["version"]
-        await self._pin(warm["version"])
+        cfg.model.init_version = warm.version
+        await self._pin(warm.version)
         if held_out:
-            self._evaluate(urls["rollout"], held_out, "after_sft", warm["version"], report)
+            self._evaluate(held_out, "after_sft", warm.version, report)
         return held_out
 
     async def _pin(self, version: int) -> None:
@@ -286,46 +273,39 @@ class RunClient:
 
     def _evaluate(
         self,
-        url: str,
         tasks: list[dict],
         phase: str,
         version: int,
         report: RunReport,
         kind: str = "eval",
-    ) -> dict:
+    ) -> EvaluateResult:
         """Greedy episodes on `tasks` with `version`, scored by the eval scorer; recorded as
         `kind` (`eval` on the held-out set, `sft_val` on the warm-up's validation set)."""
         cfg, options = self.config, self.config.eval.scorer_options
-        self._wait_rollout_version(url, version)
-        response = stack.http().post(
-            f"{url}/v1/evaluate",
-            json={
-                "env": cfg.env.name,
-                "tasks": tasks,
-                "scorer": cfg.eval.scorer or cfg.scorer,
-                "scorer_options": cfg.scorer_options if options is None else options,
-                "max_turns": cfg.rollout.max_turns,
-                "max_new_tokens": cfg.eval.max_new_tokens or cfg.rollout.sampling.max_new_tokens,
-            },
-            timeout=600,
+        self._wait_rollout_version(version)
+        result = self.rollout.evaluate(
+            EvaluateRequest(
+                env=cfg.env.name,
+                tasks=tasks,
+                scorer=cfg.eval.scorer or cfg.scorer,
+                scorer_options=cfg.scorer_options if options is None else options,
+                max_turns=cfg.rollout.max_turns,
+                max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.sampling.max_new_tokens,
+            )
         )
-        response.raise_for_status()
-        result = response.json()
         report.add(
             kind,
             {
                 "phase": phase,
-                "mean_reward": result["mean_reward"],
-                "num_tasks": result["num_tasks"],
-                "policy_versions": result["policy_versions"],
-                "statuses": result["statuses"],
-                "seconds": round(result["seconds"], 2),
+                **result.model_dump(include={"mean_reward", "num_tasks", "policy_versions"}),
+                "statuses": result.statuses,
+                "seconds": round(result.seconds, 2),
             },
         )
         which = "held-out" if kind == "eval" else "validation"
         self.console.print(
-            f"eval ({phase}): mean reward {result['mean_reward']:.3f} on "
-            f"{result['num_tasks']} {which} tasks, policy version {result['policy_versions']}"
+            f"eval ({phase}): mean reward {result.mean_reward:.3f} on "
+            f"{result.num_tasks} {which} tasks, policy version {result.policy_versions}"
         )
         return result
 
@@ -365,57 +345,59 @@ class RunClient:
         self.console.print(line, style=None if ok else "red", soft_wrap=True)
         return ok
 
-    def _summary(self, run: dict, urls: dict[str, str]) -> dict:
-        last = run["versions"][-1] if run["versions"] else run["base_version"]
-        rollout = self._wait_rollout_version(urls["rollout"], last)
-        versions = (
-            stack.http()
-            .get(f"{urls['weight-store']}/v1/models/{self.config.model.name}/versions", timeout=10)
-            .json()
-        )
-        exactly_once = (
-            run["trajectories_consumed"] == run["trajectories_produced"]
-            and run["duplicates"] == 0
-            and run["pending_after_run"] == 0
-            and run["trajectories_acked"] == run["trajectories_consumed"] + run["rejected"]
+    def _summary(self, run: RunStatus) -> dict:
+        last = run.last_version
+        rollout = self._wait_rollout_version(last if last is not None else 0)
+        stored = asyncio.run(self._stored_versions())
+        counters = run.model_dump(
+            include={
+                "run_id",
+                "state",
+                "error",
+                "tasks_fed",
+                "tasks_cancelled",
+                "trajectories_produced",
+                "trajectories_consumed",
+                "trajectories_trained",
+                "trajectories_acked",
+                "rejected",
+                "duplicates",
+                "pending_after_run",
+                "dropped",
+            }
         )
         return {
-            "run_id": run["run_id"],
-            "state": run["state"],
-            "error": run["error"],
-            "steps": run["step"],
-            "tasks_fed": run["tasks_fed"],
-            "tasks_cancelled": run["tasks_cancelled"],
-            "trajectories_produced": run["trajectories_produced"],
-            "trajectories_consumed": run["trajectories_consumed"],
-            "trajectories_trained": run["trajectories_trained"],
-            "trajectories_acked": run["trajectories_acked"],
-            "rejected": run["rejected"],
-            "duplicates": run["duplicates"],
-            "pending_after_run": run["pending_after_run"],
-            "dropped": run["dropped"],
-            "exactly_once": exactly_once,
-            "versions_published": run["versions"],
-            "weight_store_versions": [int(v["version"]) for v in versions["versions"]],
-            "rollout_policy_version": rollout["policy_version"],
-            "rollout_swaps": rollout["swaps"],
-            "mean_reward_per_step": [round(s["mean_reward"], 4) for s in run["steps"]],
+            **counters,
+            "steps": run.step,
+            "exactly_once": run.exactly_once,
+            "versions_published": run.versions,
+            "weight_store_versions": stored,
+            "rollout_policy_version": rollout.policy_version,
+            "rollout_swaps": rollout.swaps,
+            "mean_reward_per_step": [round(s.mean_reward, 4) for s in run.steps],
         }
 
-    def _wait_rollout_version(self, url: str, version: int, timeout_s: float = 30.0) -> dict:
+    async def _stored_versions(self) -> list[int]:
+        store = WeightStoreClient(self._grpc("weight-store"))
+        try:
+            return [v.version for v in await store.list_versions(self.config.model.name)]
+        finally:
+            await store.close()
+
+    def _wait_rollout_version(self, version: int, timeout_s: float = 30.0) -> RolloutInfo:
         deadline = time.monotonic() + timeout_s
         while True:
-            info = stack.http().get(f"{url}/v1/info", timeout=5).json()
-            if info["policy_version"] >= version or time.monotonic() > deadline:
+            info = self.rollout.info()
+            if info.policy_version >= version or time.monotonic() > deadline:
                 return info
             time.sleep(0.2)
 
-    def _table(self, run: dict, report: RunReport) -> Table:
+    def _table(self, run: RunStatus, report: RunReport) -> Table:
         evals = ", ".join(f"{e['phase']} {e['mean_reward']:.3f}" for e in report.of("eval"))
-        steps = run["steps"]
+        steps = run.steps
         table = Table(
-            title=f"run {run['run_id']} ({self.config.mode}) — {run['state']}, "
-            f"step {run['step']}/{self.config.trainer.num_steps}",
+            title=f"run {run.run_id} ({self.config.mode}) — {run.state}, "
+            f"step {run.step}/{self.config.trainer.num_steps}",
             caption=f"eval: {evals}" if evals else None,
         )
         columns = ("step", "version", "reward", "trajectories", "loss", "tokens/s", "staleness")
@@ -423,15 +405,15 @@ class RunClient:
             table.add_column(column)
         for s in steps[-12:]:
             table.add_row(
-                str(s["step"]),
-                str(s["version"]),
-                f"{s['mean_reward']:.3f}",
-                str(s["num_trajectories"]),
-                f"{s['loss']:.4f}",
-                f"{s['tokens_per_s']:.0f}",
-                str(s["max_staleness"]),
-                f"{s['bytes_published'] / 2**20:.2f}",
-                f"{s['wait_for_batch_s']:.1f}",
-                f"{s['duration_s']:.1f}",
+                str(s.step),
+                str(s.version),
+                f"{s.mean_reward:.3f}",
+                str(s.num_trajectories),
+                f"{s.loss:.4f}",
+                f"{s.tokens_per_s:.0f}",
+                str(s.max_staleness),
+                f"{s.bytes_published / 2**20:.2f}",
+                f"{s.wait_for_batch_s:.1f}",
+                f"{s.duration_s:.1f}",
             )
         return table

@@ -23,11 +23,17 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
+from pydantic import BaseModel, Field
 
 from treadle_cli.infra import Infra, alive, port_free, probe, terminate
 from treadle_common import names
+from treadle_common.api.ops import Readiness, ServiceInfo, StageProgress
+from treadle_common.api.rollout import RolloutInfo
+from treadle_common.clients.http import ApiError, info, readiness
+from treadle_common.clients.trainer import TrainerClient
 from treadle_common.settings import Settings
 
 
@@ -94,9 +100,26 @@ def stack_file(state_dir: Path) -> Path:
     return state_dir / "stack.json"
 
 
-def read_stack(state_dir: Path) -> dict | None:
+class ServiceRecord(BaseModel):
+    """One supervised service in `stack.json`."""
+
+    pid: int | None
+    state: str = Field(description="starting | running | restarting | failed | stopped")
+    restarts: int = 0
+    last_exit: int | None = None
+
+
+class StackRecord(BaseModel):
+    """`{state_dir}/stack.json`, written by the supervisor: what `status` and `down` read."""
+
+    supervisor_pid: int
+    spec: StackSpec
+    services: dict[str, ServiceRecord]
+
+
+def read_stack(state_dir: Path) -> StackRecord | None:
     path = stack_file(state_dir)
-    return json.loads(path.read_text()) if path.exists() else None
+    return StackRecord.model_validate_json(path.read_text()) if path.exists() else None
 
 
 @dataclass
@@ -133,21 +156,21 @@ class Supervisor:
         m.state = "running"
 
     def write(self) -> None:
-        record = {
-            "supervisor_pid": os.getpid(),
-            "spec": asdict(self.spec),
-            "services": {
-                m.name: {
-                    "pid": m.proc.pid if m.proc else None,
-                    "state": m.state,
-                    "restarts": m.restarts,
-                    "last_exit": m.last_exit,
-                }
+        record = StackRecord(
+            supervisor_pid=os.getpid(),
+            spec=self.spec,
+            services={
+                m.name: ServiceRecord(
+                    pid=m.proc.pid if m.proc else None,
+                    state=m.state,
+                    restarts=m.restarts,
+                    last_exit=m.last_exit,
+                )
                 for m in self.services.values()
             },
-        }
+        )
         tmp = stack_file(self.state_dir).with_suffix(".tmp")
-        tmp.write_text(json.dumps(record, indent=2))
+        tmp.write_text(record.model_dump_json(indent=2))
         tmp.replace(stack_file(self.state_dir))
 
     def start_all(self) -> None:
@@ -208,101 +231,136 @@ def http() -> httpx.Client:
     return httpx.Client(limits=httpx.Limits(keepalive_expiry=names.HTTP_KEEPALIVE_S / 2))
 
 
-def service_health(url: str) -> dict:
+class InfraHealth(BaseModel):
+    url: str
+    healthy: bool
+    detail: str
+
+
+class ServiceHealth(BaseModel):
+    pid: int | None
+    alive: bool
+    state: str
+    restarts: int
+    ports: dict[str, int]
+    progress: dict[str, StageProgress] = Field(default_factory=dict)
+    stalled: list[str] = Field(default_factory=list, description="Stages with work, no progress")
+    ready: bool
+    checks: dict[str, str]
+    healthy: bool = Field(description="Its process is alive and /readyz says ready")
+
+
+class StackStatus(BaseModel):
+    """`treadle status --json`: the stack `treadle up` started, service by service."""
+
+    running: bool
+    healthy: bool
+    supervisor_pid: int | None = None
+    infra: dict[str, InfraHealth] = Field(default_factory=dict)
+    services: dict[str, ServiceHealth] = Field(default_factory=dict)
+    stalled: dict[str, list[str]] = Field(default_factory=dict)
+    time: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="With detail: where the runs' time goes"
+    )
+
+
+def service_health(url: str) -> Readiness:
     try:
-        response = http().get(f"{url}/readyz", timeout=2.0)
-        body = response.json()
-        return {"ready": response.status_code == 200, "checks": body.get("checks", {})}
+        return readiness(http(), url)
     except (httpx.HTTPError, ValueError) as exc:
-        return {"ready": False, "checks": {"http": f"unreachable: {exc}"}}
+        return Readiness(ready=False, checks={"http": f"unreachable: {exc}"})
 
 
-def service_info(url: str) -> dict:
+def service_info(url: str, model: type[ServiceInfo] = ServiceInfo) -> ServiceInfo | None:
     try:
-        return http().get(f"{url}/v1/info", timeout=2.0).json()
-    except (httpx.HTTPError, ValueError):
-        return {}
+        return info(http(), url, model)
+    except (httpx.HTTPError, ValueError, ApiError):
+        return None
 
 
-def time_breakdown(spec: StackSpec, infos: dict[str, dict]) -> dict:
+def time_breakdown(spec: StackSpec, rollout: RolloutInfo | None) -> dict[str, dict[str, Any]]:
     """Where time goes: the trainer waiting for batches vs rollout generating or waiting."""
-    out: dict = {}
-    rollout = infos.get("rollout", {})
-    if rollout:
-        out["rollout"] = {
-            "engine_busy_fraction": rollout.get("engine_busy_fraction"),
-            "policy_version": rollout.get("policy_version"),
-            "version_lag": rollout.get("version_lag"),
-            "admission_waits": rollout.get("admission_waits"),
-            "engine_requests": rollout.get("engine_requests"),
-        }
+    out: dict[str, dict[str, Any]] = {}
+    if rollout is not None:
+        out["rollout"] = rollout.model_dump(
+            include={
+                "engine_busy_fraction",
+                "policy_version",
+                "version_lag",
+                "admission_waits",
+                "engine_requests",
+            }
+        )
     try:
-        runs = http().get(f"{spec.http_url('trainer')}/v1/runs", timeout=2.0).json()
-    except (httpx.HTTPError, ValueError):
+        runs = TrainerClient(spec.http_url("trainer"), http(), timeout_s=2.0).list_runs()
+    except (httpx.HTTPError, ValueError, ApiError):
         runs = []
     for run in runs:
-        steps = run.get("steps", [])[-20:]
-        total = sum(s["duration_s"] for s in steps)
+        steps = run.steps[-20:]
+        total = sum(s.duration_s for s in steps)
         if not total:
             continue
-        out[f"trainer {run['run_id']}"] = {
-            "state": run["state"],
-            "step": run["step"],
-            "wait_for_batch_fraction": round(sum(s["wait_for_batch_s"] for s in steps) / total, 3),
-            "train_fraction": round(sum(s["train_s"] for s in steps) / total, 3),
-            "publish_fraction": round(sum(s["publish_s"] for s in steps) / total, 3),
-            "max_staleness": max(s["max_staleness"] for s in steps),
+        out[f"trainer {run.run_id}"] = {
+            "state": run.state,
+            "step": run.step,
+            "wait_for_batch_fraction": round(sum(s.wait_for_batch_s for s in steps) / total, 3),
+            "train_fraction": round(sum(s.train_s for s in steps) / total, 3),
+            "publish_fraction": round(sum(s.publish_s for s in steps) / total, 3),
+            "max_staleness": max(s.max_staleness for s in steps),
         }
     return out
 
 
-def status(state_dir: Path, detail: bool = False) -> dict:
+def status(state_dir: Path, detail: bool = False) -> StackStatus:
     """Machine-readable health of the stack recorded in `state_dir`; with `detail`, also where
     the runs' time goes (reads every run's step records: for `treadle status`, not polling)."""
     record = read_stack(state_dir)
     if record is None:
-        return {"running": False, "healthy": False, "infra": {}, "services": {}}
-    spec = StackSpec(**record["spec"])
+        return StackStatus(running=False, healthy=False)
+    spec = record.spec
     infra = {}
     for name, url in (("redis", spec.redis_url), ("nats", spec.nats_url)):
         why = probe(name, url)
-        infra[name] = {"url": url, "healthy": why is None, "detail": why or "ok"}
-    services, infos = {}, {}
-    for name, svc in record["services"].items():
-        health = service_health(spec.http_url(name))
-        infos[name] = service_info(spec.http_url(name))
-        progress = infos[name].get("progress", {})
-        pid = svc["pid"]
-        services[name] = {
-            "pid": pid,
-            "alive": bool(pid) and alive(pid),
-            "state": svc["state"],
-            "restarts": svc["restarts"],
-            "ports": spec.ports[name],
-            "progress": progress,
-            "stalled": sorted(stage for stage, p in progress.items() if p["stalled"]),
-            **health,
-        }
-        services[name]["healthy"] = services[name]["alive"] and health["ready"]
-    healthy = all(i["healthy"] for i in infra.values()) and all(
-        s["healthy"] for s in services.values()
+        infra[name] = InfraHealth(url=url, healthy=why is None, detail=why or "ok")
+    services: dict[str, ServiceHealth] = {}
+    rollout_info: RolloutInfo | None = None
+    for name, svc in record.services.items():
+        url = spec.http_url(name)
+        health = service_health(url)
+        service = service_info(url, RolloutInfo if name == "rollout" else ServiceInfo)
+        if isinstance(service, RolloutInfo):
+            rollout_info = service
+        progress = service.progress if service is not None else {}
+        up = svc.pid is not None and alive(svc.pid)
+        services[name] = ServiceHealth(
+            pid=svc.pid,
+            alive=up,
+            state=svc.state,
+            restarts=svc.restarts,
+            ports=spec.ports[name],
+            progress=progress,
+            stalled=sorted(stage for stage, p in progress.items() if p.stalled),
+            ready=health.ready,
+            checks=health.checks,
+            healthy=up and health.ready,
+        )
+    healthy = all(i.healthy for i in infra.values()) and all(s.healthy for s in services.values())
+    return StackStatus(
+        running=True,
+        healthy=healthy,
+        supervisor_pid=record.supervisor_pid,
+        infra=infra,
+        services=services,
+        stalled={n: s.stalled for n, s in services.items() if s.stalled},
+        time=time_breakdown(spec, rollout_info) if detail else {},
     )
-    return {
-        "running": True,
-        "healthy": healthy,
-        "supervisor_pid": record["supervisor_pid"],
-        "infra": infra,
-        "services": services,
-        "stalled": {n: s["stalled"] for n, s in services.items() if s["stalled"]},
-        "time": time_breakdown(spec, infos) if detail else {},
-    }
 
 
-def wait_healthy(state_dir: Path, timeout_s: float) -> dict:
+def wait_healthy(state_dir: Path, timeout_s: float) -> StackStatus:
     deadline = time.monotonic() + timeout_s
     while True:
         current = status(state_dir)
-        if current["healthy"] or time.monotonic() > deadline:
+        if current.healthy or time.monotonic() > deadline:
             return current
         time.sleep(0.5)
 
@@ -319,7 +377,7 @@ def prepare(
     state_dir = settings.state_dir.resolve()
     record = read_stack(state_dir)
     if record is not None:
-        if alive(record["supervisor_pid"]):
+        if alive(record.supervisor_pid):
             raise StackError(f"a stack is already running from {state_dir} (treadle down stops it)")
         stack_file(state_dir).unlink(missing_ok=True)  # left by a supervisor that died
     ports = StackSpec.ports_from(base_port if base_port is not None else settings.base_port)
@@ -379,7 +437,7 @@ def down(settings: Settings, timeout_s: float = 60.0) -> list[str]:
     record = read_stack(state_dir)
     stopped: list[str] = []
     if record is not None:
-        sup = record["supervisor_pid"]
+        sup = record.supervisor_pid
         if alive(sup):
             os.kill(sup, signal.SIGTERM)
             deadline = time.monotonic() + timeout_s
@@ -387,12 +445,11 @@ def down(settings: Settings, timeout_s: float = 60.0) -> list[str]:
                 time.sleep(0.1)
             if alive(sup):
                 terminate(sup)
-        for name, svc in record["services"].items():
-            if svc["pid"] and alive(svc["pid"]):
-                terminate(svc["pid"])
+        for name, svc in record.services.items():
+            if svc.pid and alive(svc.pid):
+                terminate(svc.pid)
             stopped.append(name)
-        spec = StackSpec(**record["spec"])
-        if spec.infra_started:
+        if record.spec.infra_started:
             stopped += Infra(settings).down()
         stack_file(state_dir).unlink(missing_ok=True)
     return stopped

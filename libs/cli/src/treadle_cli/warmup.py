@@ -16,9 +16,11 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import httpx
+from pydantic import BaseModel
 
+from treadle_common.api.training import AdamParams, CreateSession, DatumIn, ForwardBackward
 from treadle_common.clients.env import EnvClient
+from treadle_common.clients.trainer import TrainingClient
 from treadle_common.config import RunConfig
 from treadle_common.evaluation import distinct_tasks, without_held_out
 
@@ -28,7 +30,7 @@ VALIDATION_SPLIT = "sft_val"
 
 async def demonstrations(
     env: EnvClient, config: RunConfig, held_out: list[dict[str, Any]]
-) -> list[dict[str, list]]:
+) -> list[DatumIn]:
     """Training-API datums (`model_input`, `target_tokens`, `weights`) for the warm-up."""
     from transformers import AutoTokenizer
 
@@ -53,15 +55,15 @@ async def demonstrations(
         await env.close_session(session.session_id)
         messages = [{"role": m.role, "content": m.content} for m in session.observation.messages]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
-        reply = tokenizer(str(task[field]), add_special_tokens=False)["input_ids"]
+        prompt = tokenizer(text, add_special_tokens=False).input_ids
+        reply = tokenizer(str(task[field]), add_special_tokens=False).input_ids
         tokens = prompt + reply + [tokenizer.eos_token_id]
         data.append(
-            {
-                "model_input": tokens[:-1],
-                "target_tokens": tokens[1:],
-                "weights": [0.0] * (len(prompt) - 1) + [1.0] * (len(reply) + 1),
-            }
+            DatumIn(
+                model_input=tokens[:-1],
+                target_tokens=tokens[1:],
+                weights=[0.0] * (len(prompt) - 1) + [1.0] * (len(reply) + 1),
+            )
         )
     return data
 
@@ -75,52 +77,53 @@ async def validation_tasks(
     return without_held_out(rows, held_out)
 
 
+class WarmUp(BaseModel):
+    """What the warm-up did: the version the RL run starts from, and its loss curve's ends."""
+
+    version: int
+    steps: int
+    examples: int
+    first_loss: float
+    last_loss: float
+    seconds: float
+
+
 class TrainingSession:
     """A session on the trainer's training API, opened on the recipe's model."""
 
     def __init__(self, trainer_url: str, config: RunConfig):
         self.config = config
-        self.http = httpx.AsyncClient(base_url=trainer_url, timeout=300)
-        self.sid: str | None = None
+        self.client = TrainingClient(trainer_url)
+        self.sid = ""
         self.losses: list[float] = []
 
     async def __aenter__(self) -> TrainingSession:
         cfg = self.config
-        response = await self.http.post(
-            "/v1/training/sessions",
-            json={
-                "model_path": str(cfg.model.path),
-                "model_name": cfg.model.name,
-                "seed": cfg.trainer.seed,
-            },
+        created = await self.client.create_session(
+            CreateSession(
+                model_path=str(cfg.model.path), model_name=cfg.model.name, seed=cfg.trainer.seed
+            )
         )
-        response.raise_for_status()
-        self.sid = response.json()["session_id"]
+        self.sid = created.session_id
         return self
 
     async def __aexit__(self, *exc_info) -> None:
         try:
-            if self.sid is not None:
-                await self.http.delete(f"/v1/training/sessions/{self.sid}")
+            if self.sid:
+                await self.client.delete_session(self.sid)
         finally:
-            await self.http.aclose()
-
-    async def _post(self, op: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        response = await self.http.post(f"/v1/training/sessions/{self.sid}/{op}", json=body)
-        if response.is_error:
-            raise RuntimeError(f"training API {op}: {response.status_code} {response.text}")
-        return response.json()
+            await self.client.close()
 
     async def save_weights(self) -> int:
         """Publish the session's current weights; rollout swaps to the returned version."""
-        return int((await self._post("save_weights"))["version"])
+        return (await self.client.save_weights(self.sid)).version
 
     async def sft(
         self,
-        data: list[dict[str, list]],
+        data: list[DatumIn],
         on_step: Callable[[dict[str, Any]], None] | None = None,
         validate: Callable[[int, int], Awaitable[float]] | None = None,
-    ) -> dict[str, Any]:
+    ) -> WarmUp:
         """`sft.steps` cross-entropy steps on random batches of `data`, then save_weights.
 
         With `sft.target_reward`, every `sft.check_every` steps the weights are saved and
@@ -128,31 +131,28 @@ class TrainingSession:
         reaches the target."""
         sft = self.config.sft
         rng = random.Random(self.config.trainer.seed)
+        adam = AdamParams(learning_rate=sft.lr, max_grad_norm=self.config.trainer.max_grad_norm)
         started = time.perf_counter()
         step = 0
         for step in range(1, sft.steps + 1):
             batch = [rng.choice(data) for _ in range(sft.batch_size)]
-            fb = await self._post(
-                "forward_backward",
-                {"loss_fn": "cross_entropy", "aggregation": "token", "data": batch},
+            fb = await self.client.forward_backward(
+                self.sid, ForwardBackward(loss_fn="cross_entropy", aggregation="token", data=batch)
             )
-            opt = await self._post(
-                "optim_step",
-                {"learning_rate": sft.lr, "max_grad_norm": self.config.trainer.max_grad_norm},
-            )
-            self.losses.append(fb["loss"])
+            opt = await self.client.optim_step(self.sid, adam)
+            self.losses.append(fb.loss)
             if on_step is not None:
-                on_step({"sft_step": step, "loss": fb["loss"], **opt})
+                on_step({"sft_step": step, "loss": fb.loss, **opt.model_dump()})
             target = sft.target_reward
             if target is None or validate is None or step % sft.check_every or step == sft.steps:
                 continue
             if await validate(step, await self.save_weights()) >= target:
                 break
-        return {
-            "version": await self.save_weights(),
-            "steps": step,
-            "examples": len(data),
-            "first_loss": self.losses[0] if self.losses else None,
-            "last_loss": self.losses[-1] if self.losses else None,
-            "seconds": round(time.perf_counter() - started, 2),
-        }
+        return WarmUp(
+            version=await self.save_weights(),
+            steps=step,
+            examples=len(data),
+            first_loss=self.losses[0] if self.losses else float("nan"),
+            last_loss=self.losses[-1] if self.losses else float("nan"),
+            seconds=round(time.perf_counter() - started, 2),
+        )

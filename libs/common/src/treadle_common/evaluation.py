@@ -9,19 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, Field
-
 from treadle_common.clients.env import EnvClient
 from treadle_common.config import RunConfig, task_key
 
 EVAL_SPLIT = "eval"
-
-
-class EvaluationDone(BaseModel):
-    """`POST /v1/runs/{id}/evaluations` on the trainer: the client (`treadle run`) evaluated
-    the weights of `step`, so a sync run waiting there (`eval.hold_s`) goes on."""
-
-    step: int = Field(ge=1)
 
 
 async def held_out_tasks(env: EnvClient, config: RunConfig) -> list[dict[str, Any]]:

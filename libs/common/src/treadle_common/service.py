@@ -33,6 +33,7 @@ from nats.aio.client import Client as NATS
 from nats.js.kv import KeyValue
 
 from treadle_common import __version__, metrics, names, tracing
+from treadle_common.api.ops import Readiness, ServiceInfo
 from treadle_common.logs import configure_logging, get_logger
 from treadle_common.progress import Progress
 from treadle_common.settings import Settings
@@ -84,6 +85,7 @@ class ServiceRuntime:
             self._checks["redis"] = self.redis_check
         self._drain_hooks: list[Callable[[], Awaitable[None]]] = []
         self._info: Callable[[], dict[str, Any]] = dict
+        self._info_model: type[ServiceInfo] = ServiceInfo
         self.grpc_server: grpc.aio.Server | None = None
         self.grpc_health = health.aio.HealthServicer()
         self.progress = Progress(service, settings.stall_after_s)
@@ -105,8 +107,11 @@ class ServiceRuntime:
     def on_drain(self, hook: Callable[[], Awaitable[None]]) -> None:
         self._drain_hooks.append(hook)
 
-    def set_info(self, info: Callable[[], dict[str, Any]]) -> None:
-        self._info = info
+    def set_info(
+        self, info: Callable[[], dict[str, Any]], model: type[ServiceInfo] = ServiceInfo
+    ) -> None:
+        """The service's own `/v1/info` fields; `model` (a `ServiceInfo`) is their shape."""
+        self._info, self._info_model = info, model
 
     def make_grpc_server(self) -> grpc.aio.Server:
         self.grpc_server = grpc.aio.server(
@@ -156,8 +161,8 @@ class ServiceRuntime:
             checks = await self.readiness()
             ready = not self.draining and all(v == "ok" for v in checks.values())
             metrics.READY.labels(self.service).set(1 if ready else 0)
-            body = {"ready": ready, "draining": self.draining, "checks": checks}
-            return JSONResponse(body, status_code=200 if ready else 503)
+            body = Readiness(ready=ready, draining=self.draining, checks=checks)
+            return JSONResponse(body.model_dump(), status_code=200 if ready else 503)
 
         @app.get("/metrics", tags=["ops"])
         async def prometheus() -> Response:
@@ -166,14 +171,15 @@ class ServiceRuntime:
 
         @app.get("/v1/info", tags=["ops"])
         async def info() -> dict[str, Any]:
-            return {
-                "service": self.service,
-                "version": __version__,
-                "instance": self.settings.instance,
-                "uptime_s": round(time.time() - self.started_at, 3),
-                "progress": self.progress.snapshot(),
+            body = self._info_model(
+                service=self.service,
+                version=__version__,
+                instance=self.settings.instance,
+                uptime_s=round(time.time() - self.started_at, 3),
+                progress=self.progress.snapshot(),
                 **self._info(),
-            }
+            )
+            return body.model_dump(mode="json")
 
     # -- background tasks --------------------------------------------------------------------
     async def _connect_nats(self) -> None:

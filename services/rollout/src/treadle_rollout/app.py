@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 import torch
 
+from treadle_common.api.rollout import RolloutInfo, Swap, Swaps
 from treadle_common.clients.env import EnvClient
 from treadle_common.clients.reward import RewardClient
 from treadle_common.clients.weights import WeightStoreClient
@@ -138,10 +139,10 @@ async def main(settings: Settings) -> None:
             "weight_sync_error": sync.last_error,
             "swaps": len(sync.swaps),
             "last_swap": asdict(sync.swaps[-1]) if sync.swaps else None,
+            "engine_stats": engine.stats(),
             "engine_requests": engine.running,
             "engine_busy_fraction": round(engine.busy_fraction(), 4),
             "engine_busy_s": round(engine.busy_seconds(), 3),
-            **engine.stats(),
             "tasks_done": worker.tasks_done if worker else 0,
             "tasks_invalid": worker.invalid_tasks if worker else 0,
             "tasks_cancelled": worker.cancelled_tasks if worker else 0,
@@ -150,11 +151,11 @@ async def main(settings: Settings) -> None:
             "recorded_sessions": len(frontend.recorder.sessions),
         }
 
-    runtime.set_info(info)
+    runtime.set_info(info, RolloutInfo)
 
     @runtime.app.get("/v1/swaps", tags=["weights"])
-    async def swaps() -> dict:
-        return {"swaps": [asdict(s) for s in sync.swaps]}
+    async def swaps() -> Swaps:
+        return Swaps(swaps=[Swap(**asdict(s)) for s in sync.swaps])
 
     async def work() -> None:
         nc = await runtime.wait_nats()

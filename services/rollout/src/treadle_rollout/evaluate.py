@@ -16,37 +16,11 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, HTTPException
-from pydantic import BaseModel, Field
 
+from treadle_common.api.rollout import EvaluateRequest, EvaluateResult
 from treadle_common.proto.treadle.v1 import common_pb2, task_pb2
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
 from treadle_rollout.episodes import EpisodeRunner
-
-MAX_TASKS = 4096
-
-
-class EvaluateRequest(BaseModel):
-    env: str = Field(min_length=1, description="Environment registered in the env-gateway")
-    tasks: list[dict[str, Any]] = Field(min_length=1, max_length=MAX_TASKS)
-    scorer: str = Field("exact_match", min_length=1)
-    scorer_options: dict[str, Any] = Field(default_factory=dict, description="The scorer's")
-    max_turns: int = Field(1, ge=1, le=1024)
-    temperature: float = Field(0.0, ge=0.0, description="0 = greedy")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    max_new_tokens: int = Field(16, ge=1, le=32768)
-    concurrency: int = Field(64, ge=1, le=1024, description="Episodes in flight at once")
-    seed: int = Field(
-        0, ge=0, description="Task i samples with seed + i when nonzero (temperature > 0)"
-    )
-
-
-class EvaluateResult(BaseModel):
-    num_tasks: int
-    mean_reward: float
-    rewards: list[float] = Field(description="Per task, in request order (failed = 0)")
-    statuses: dict[str, int]
-    policy_versions: list[int] = Field(description="Distinct policy versions that generated")
-    seconds: float
 
 
 def mount(app: FastAPI, runner: Callable[[], EpisodeRunner | None]) -> None:

@@ -18,16 +18,16 @@ import torch
 from fastapi import HTTPException, Query
 
 from treadle_common import names
+from treadle_common.api.runs import Backlog, EvaluationDone, RunStatus, TrainerInfo
 from treadle_common.clients import streams
 from treadle_common.clients.env import EnvClient
 from treadle_common.clients.weights import WeightStoreClient
 from treadle_common.config import RunConfig
-from treadle_common.evaluation import EvaluationDone
 from treadle_common.logs import get_logger
 from treadle_common.service import ServiceRuntime
 from treadle_common.settings import Settings
 from treadle_trainer import training_api
-from treadle_trainer.run import SERVICE, RunOwner, RunStatus
+from treadle_trainer.run import SERVICE, RunOwner
 
 log = get_logger(__name__)
 
@@ -41,7 +41,9 @@ async def main(settings: Settings) -> None:
     runs: dict[str, RunOwner] = {}
     tasks: set[asyncio.Task] = set()
     lease_ms = int(settings.trainer_lease_s * 1000)
-    runtime.set_info(lambda: {"runs": {rid: o.status.state for rid, o in runs.items()}})
+    runtime.set_info(
+        lambda: {"runs": {rid: o.status.state for rid, o in runs.items()}}, TrainerInfo
+    )
     stages = (
         runtime.progress.stage("trajectories", lambda: sum(o.collecting for o in runs.values())),
         runtime.progress.stage("step"),
@@ -100,25 +102,25 @@ async def main(settings: Settings) -> None:
         return runs[config.run_id].status
 
     @runtime.app.get("/v1/backlog", tags=["runs"])
-    async def backlog() -> dict:
+    async def backlog() -> Backlog:
         """Work waiting in Redis for the active runs (KEDA scales rollout on `tasks_waiting`)."""
         r = runtime.redis
         active = [m.decode() for m in await r.smembers(names.RUNS_KEY)]
-        return {
-            "runs": len(active),
-            "tasks_waiting": sum(
+        return Backlog(
+            runs=len(active),
+            tasks_waiting=sum(
                 [
                     await streams.backlog(r, names.tasks_stream(run), names.ROLLOUT_GROUP)
                     for run in active
                 ]
             ),
-            "trajectories_waiting": sum(
+            trajectories_waiting=sum(
                 [
                     await streams.backlog(r, names.trajectories_stream(run), names.TRAINER_GROUP)
                     for run in active
                 ]
             ),
-        }
+        )
 
     @runtime.app.get("/v1/runs", tags=["runs"])
     async def list_runs() -> list[RunStatus]:

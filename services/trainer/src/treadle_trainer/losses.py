@@ -26,23 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from pydantic import BaseModel, Field
 
-
-class LossParams(BaseModel):
-    """Hyper-parameters shared by the losses (recipe `trainer.*` or a training-API request)."""
-
-    clip_low: float = Field(0.2, ge=0, description="PPO/CISPO lower clip: ratio >= 1 - clip_low")
-    clip_high: float = Field(0.28, ge=0, description="Upper clip (clip-higher when > clip_low)")
-    is_cap: float = Field(2.0, gt=0, description="Cap of the truncated behaviour IS weight")
-    kl_coef: float = Field(0.0, ge=0, description="Weight of the k3 KL to the frozen reference")
-    temperature: float = Field(
-        1.0,
-        gt=0,
-        description="Sampling temperature of the behaviour logprobs: the trainer's logits are "
-        "divided by it, so the policy it trains (and its ratios to the behaviour policy) is the "
-        "one rollout sampled from",
-    )
+from treadle_common.api.training import LossParams  # the API's shape, re-exported here
 
 
 @dataclass

@@ -40,9 +40,9 @@ from typing import Any
 import redis.asyncio as aioredis
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind
-from pydantic import BaseModel, Field
 
 from treadle_common import admission, metrics, names, tracing
+from treadle_common.api.runs import RunStatus, StepRecord
 from treadle_common.clients import streams
 from treadle_common.clients.env import EnvClient
 from treadle_common.clients.torch_weights import model_assets, state_dict_to_raw
@@ -88,69 +88,6 @@ def task_seed(run_seed: int, index: int, group_size: int) -> int:
     """The sampling seed of the run's `index`-th task: its episodes take seed + 0 .. seed +
     group_size - 1, so no two episodes of a run share one (and 0, unseeded, is never used)."""
     return (run_seed % 2**20) * 2**40 + index * group_size + 1
-
-
-class StepRecord(BaseModel):
-    step: int
-    version: int
-    mean_reward: float
-    reward_std: float = 0.0
-    num_trajectories: int
-    num_tokens: float = 0.0
-    max_staleness: int
-    loss: float
-    grad_norm: float
-    entropy: float = 0.0
-    kl: float = 0.0
-    clip_fraction: float = 0.0
-    wait_for_batch_s: float = 0.0
-    train_s: float = 0.0
-    publish_s: float = Field(
-        description="Seconds the step waited for publishing (sync: until its weights were "
-        "committed; async: handing them to the background publisher)"
-    )
-    published: bool = Field(
-        False, description="The step's weights were published (not skipped or coalesced)"
-    )
-    publish_duration_s: float | None = Field(
-        None, description="Seconds the publish of this step's weights took, once done"
-    )
-    publish_latency_s: float | None = Field(
-        None, description="Seconds from the step's end to its weights committed, once done"
-    )
-    bytes_published: int = 0
-    duration_s: float
-    tokens_per_s: float = 0.0
-    finished_at: float = Field(
-        0.0, description="Unix time the step ended (sync: its weights were published)"
-    )
-
-
-class RunStatus(BaseModel):
-    run_id: str
-    state: str = Field("pending", description="pending | running | succeeded | failed")
-    error: str | None = None
-    step: int = 0
-    checkpoint_step: int = 0
-    resumed: int = Field(0, description="Times this run was restored from a checkpoint")
-    base_version: int | None = None
-    versions: list[int] = Field(default_factory=list)
-    tasks_fed: int = 0
-    tasks_cancelled: int = Field(
-        0, description="Fed tasks no step needed once the last step had its batch (never run)"
-    )
-    trajectories_produced: int = 0
-    trajectories_consumed: int = 0
-    trajectories_trained: int = 0
-    trajectories_acked: int = 0
-    rejected: int = Field(0, description="Entries dropped as they were read (acked, not consumed)")
-    duplicates: int = 0
-    publishes_coalesced: int = Field(
-        0, description="Versions never published: a newer one replaced them while waiting"
-    )
-    dropped: dict[str, int] = Field(default_factory=dict)
-    pending_after_run: int | None = None
-    steps: list[StepRecord] = Field(default_factory=list)
 
 
 class RunOwner:

@@ -8,9 +8,10 @@
     POST   /v1/training/sessions/{id}/load_state       {path} -> step
     DELETE /v1/training/sessions/{id}
 
-A Datum is one sequence: `model_input` tokens and per-position `target_tokens`, `weights`
-(loss mask), `advantages` and sampling `logprobs`, the loss inputs Tinker names. Losses are
-the trainer's (`losses.py`); aggregation defaults to a plain sum as in Tinker.
+The requests and answers are `treadle_common.api.training`'s (a Datum is one sequence:
+`model_input` tokens and per-position `target_tokens`, `weights` (loss mask), `advantages` and
+sampling `logprobs`, the loss inputs Tinker names). Losses are the trainer's (`losses.py`);
+aggregation defaults to a plain sum as in Tinker.
 """
 
 from __future__ import annotations
@@ -18,16 +19,26 @@ from __future__ import annotations
 import asyncio
 import uuid
 from pathlib import Path
-from typing import Literal
 
 from fastapi import FastAPI, HTTPException
-from pydantic import BaseModel, Field, model_validator
 
+from treadle_common.api.training import (
+    AdamParams,
+    CreateSession,
+    DatumIn,
+    ForwardBackward,
+    ForwardBackwardResult,
+    LoadedState,
+    LoadState,
+    OptimStepResult,
+    SavedState,
+    SavedWeights,
+    SaveState,
+    SessionCreated,
+)
 from treadle_common.clients.torch_weights import model_assets, state_dict_to_raw
 from treadle_common.clients.weights import WeightStoreClient
-from treadle_common.config import LossName
 from treadle_trainer.backends import (
-    AdamParams,
     BackendSpec,
     TorchBackend,
     build_backend,
@@ -35,57 +46,18 @@ from treadle_trainer.backends import (
 )
 from treadle_trainer.backends.single import IncompatibleCheckpoint
 from treadle_trainer.batches import Datum, pack
-from treadle_trainer.losses import LossParams
 
 
-class CreateSession(BaseModel):
-    model_path: str = Field(description="HF model directory to train")
-    model_name: str = Field("tiny", description="Weight-store model name for save_weights")
-    seed: int = 0
-    kl_reference: bool = Field(False, description="Keep a frozen reference for kl_coef > 0")
-
-
-class DatumIn(BaseModel):
-    model_input: list[int] = Field(min_length=1)
-    target_tokens: list[int]
-    weights: list[float] | None = None
-    advantages: list[float] | None = None
-    logprobs: list[float] | None = None
-
-    @model_validator(mode="after")
-    def _same_lengths(self) -> DatumIn:
-        n = len(self.model_input)
-        for name in ("target_tokens", "weights", "advantages", "logprobs"):
-            value = getattr(self, name)
-            if value is not None and len(value) != n:
-                raise ValueError(f"{name} has {len(value)} entries, model_input has {n}")
-        return self
-
-    def datum(self) -> Datum:
-        n = len(self.model_input)
-        return Datum(
-            input_ids=self.model_input,
-            targets=self.target_tokens,
-            weights=self.weights if self.weights is not None else [1.0] * n,
-            advantages=self.advantages if self.advantages is not None else [0.0] * n,
-            logprobs=self.logprobs if self.logprobs is not None else [0.0] * n,
-        )
-
-
-class ForwardBackward(BaseModel):
-    loss_fn: LossName = "cross_entropy"
-    loss_params: LossParams = Field(default_factory=LossParams)
-    aggregation: Literal["token", "sequence", "group", "sum"] = "sum"
-    micro_batch_tokens: int = Field(8192, ge=1)
-    data: list[DatumIn] = Field(min_length=1)
-
-
-class LoadState(BaseModel):
-    path: str
-
-
-class SaveState(BaseModel):
-    name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$")
+def _datum(d: DatumIn) -> Datum:
+    """A wire datum as the trainer's; omitted per-position fields take their defaults."""
+    n = len(d.model_input)
+    return Datum(
+        input_ids=d.model_input,
+        targets=d.target_tokens,
+        weights=d.weights if d.weights is not None else [1.0] * n,
+        advantages=d.advantages if d.advantages is not None else [0.0] * n,
+        logprobs=d.logprobs if d.logprobs is not None else [0.0] * n,
+    )
 
 
 class Session:
@@ -105,7 +77,7 @@ def mount(app: FastAPI, store: WeightStoreClient, state_dir: Path) -> None:
         return sessions[sid]
 
     @app.post("/v1/training/sessions", status_code=201, tags=["training"])
-    async def create(request: CreateSession) -> dict:
+    async def create(request: CreateSession) -> SessionCreated:
         if not (Path(request.model_path) / "config.json").exists():
             raise HTTPException(400, f"{request.model_path} is not an HF model directory")
         spec = BackendSpec(
@@ -114,10 +86,10 @@ def mount(app: FastAPI, store: WeightStoreClient, state_dir: Path) -> None:
         backend = await on_torch_thread(build_backend, spec)
         sid = uuid.uuid4().hex[:12]
         sessions[sid] = Session(sid, request, backend, state_dir / "training" / sid)
-        return {"session_id": sid, "vocab_size": backend.vocab_size}
+        return SessionCreated(session_id=sid, vocab_size=backend.vocab_size)
 
     @app.post("/v1/training/sessions/{sid}/forward_backward", tags=["training"])
-    async def forward_backward(sid: str, request: ForwardBackward) -> dict:
+    async def forward_backward(sid: str, request: ForwardBackward) -> ForwardBackwardResult:
         session = get(sid)
         vocab = session.backend.vocab_size
         for i, d in enumerate(request.data):
@@ -126,26 +98,27 @@ def mount(app: FastAPI, store: WeightStoreClient, state_dir: Path) -> None:
         if request.loss_params.kl_coef > 0 and session.backend.reference is None:
             raise HTTPException(400, "kl_coef > 0 needs a session created with kl_reference")
         mbs = pack(
-            [d.datum() for d in request.data],
+            [_datum(d) for d in request.data],
             request.micro_batch_tokens,
             request.aggregation,
             session.backend.pad_id,
         )
         async with session.lock:
-            return await on_torch_thread(
+            out = await on_torch_thread(
                 session.backend.forward_backward, mbs, request.loss_fn, request.loss_params
             )
+        return ForwardBackwardResult(**out)
 
     @app.post("/v1/training/sessions/{sid}/optim_step", tags=["training"])
-    async def optim_step(sid: str, adam: AdamParams) -> dict:
+    async def optim_step(sid: str, adam: AdamParams) -> OptimStepResult:
         session = get(sid)
         async with session.lock:
             out = await on_torch_thread(session.backend.optim_step, adam)
             session.steps += 1
-        return {**out, "step": session.steps}
+        return OptimStepResult(grad_norm=out["grad_norm"], step=session.steps)
 
     @app.post("/v1/training/sessions/{sid}/save_weights", tags=["training"])
-    async def save_weights(sid: str) -> dict:
+    async def save_weights(sid: str) -> SavedWeights:
         session = get(sid)
         async with session.lock:
             state = await on_torch_thread(session.backend.state_dict_cpu)
@@ -158,18 +131,18 @@ def mount(app: FastAPI, store: WeightStoreClient, state_dir: Path) -> None:
             metadata={"training_session": sid},
         )
         session.versions.append(response.version)
-        return {"version": response.version, "bytes_sent": response.bytes_received}
+        return SavedWeights(version=response.version, bytes_sent=response.bytes_received)
 
     @app.post("/v1/training/sessions/{sid}/save_state", tags=["training"])
-    async def save_state(sid: str, request: SaveState) -> dict:
+    async def save_state(sid: str, request: SaveState) -> SavedState:
         session = get(sid)
         path = session.root / (request.name or f"step-{session.steps:06d}")
         async with session.lock:
             await on_torch_thread(session.backend.save, path, {"step": session.steps})
-        return {"path": str(path.resolve()), "step": session.steps}
+        return SavedState(path=str(path.resolve()), step=session.steps)
 
     @app.post("/v1/training/sessions/{sid}/load_state", tags=["training"])
-    async def load_state(sid: str, request: LoadState) -> dict:
+    async def load_state(sid: str, request: LoadState) -> LoadedState:
         session = get(sid)
         path = Path(request.path)
         if not (path / "meta.json").exists():
@@ -180,7 +153,7 @@ def mount(app: FastAPI, store: WeightStoreClient, state_dir: Path) -> None:
             except IncompatibleCheckpoint as exc:
                 raise HTTPException(409, str(exc)) from exc
             session.steps = int(meta.get("step", 0))
-        return {"step": session.steps}
+        return LoadedState(step=session.steps)
 
     @app.delete("/v1/training/sessions/{sid}", status_code=204, tags=["training"])
     async def delete(sid: str) -> None:

@@ -16,6 +16,7 @@ from fastapi import HTTPException
 from google.protobuf.json_format import MessageToDict
 
 from treadle_common import names
+from treadle_common.api.weights import Models, VersionInfo, Versions
 from treadle_common.clients.weights import ensure_weights_stream
 from treadle_common.logs import get_logger
 from treadle_common.proto.treadle.v1 import weights_pb2 as pb
@@ -105,16 +106,14 @@ def _add_routes(runtime: ServiceRuntime, store: WeightStore) -> None:
         )
 
     @app.get("/v1/models", tags=["weights"])
-    async def list_models() -> dict:
-        return {"models": await guard(store.models())}
+    async def list_models() -> Models:
+        return Models(models=await guard(store.models()))
 
     @app.get("/v1/models/{model}/versions", tags=["weights"])
-    async def list_versions(model: str) -> dict:
+    async def list_versions(model: str) -> Versions:
         versions = await guard(store.versions(model))
-        return {
-            "model": model,
-            "versions": [as_dict(await guard(store.info(model, v))) for v in versions],
-        }
+        infos = [await guard(store.info(model, v)) for v in versions]
+        return Versions(model=model, versions=[VersionInfo.from_proto(i) for i in infos])
 
     @app.get("/v1/models/{model}/versions/{version}", tags=["weights"])
     async def get_version(model: str, version: int) -> dict:

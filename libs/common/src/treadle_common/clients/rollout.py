@@ -1,9 +1,13 @@
-"""Rollout client: token-level generation over gRPC (`treadle.v1.Generation`)."""
+"""Rollout clients: token-level generation over gRPC (`treadle.v1.Generation`) and the
+HTTP API (`/v1/info`, `/v1/evaluate`, `/v1/swaps`)."""
 
 from __future__ import annotations
 
 import grpc
+import httpx
 
+from treadle_common.api.rollout import EvaluateRequest, EvaluateResult, RolloutInfo, Swaps
+from treadle_common.clients.http import parse
 from treadle_common.proto.treadle.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 
@@ -28,3 +32,28 @@ class GenerationClient:
         )
         request = generation_pb2.GenerateRequest(prompt_tokens=prompt_tokens, sampling=sampling)
         return await self.stub.Generate(request, timeout=120)
+
+
+class RolloutClient:
+    """The rollout service's HTTP API (synchronous: the CLI's calls), as `api.rollout`'s
+    models."""
+
+    def __init__(self, base_url: str, http: httpx.Client | None = None, timeout_s: float = 10.0):
+        self.base_url = base_url.rstrip("/")
+        self.http = http or httpx.Client(timeout=timeout_s)
+        self.timeout_s = timeout_s
+
+    def info(self) -> RolloutInfo:
+        response = self.http.get(f"{self.base_url}/v1/info", timeout=self.timeout_s)
+        return parse(response, RolloutInfo)
+
+    def evaluate(self, request: EvaluateRequest, timeout_s: float = 600.0) -> EvaluateResult:
+        """Score the current policy on `request.tasks` (greedy by default)."""
+        response = self.http.post(
+            f"{self.base_url}/v1/evaluate", json=request.model_dump(), timeout=timeout_s
+        )
+        return parse(response, EvaluateResult)
+
+    def swaps(self) -> Swaps:
+        response = self.http.get(f"{self.base_url}/v1/swaps", timeout=self.timeout_s)
+        return parse(response, Swaps)

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from treadle_common.api.training import AdamParams  # the API's shape, re-exported here
 from treadle_trainer.batches import MicroBatch
 from treadle_trainer.losses import NEEDS_PROXIMAL, LossParams, TokenInputs, total_loss
 
@@ -40,15 +41,6 @@ class BackendSpec(BaseModel):
     reference: bool = Field(False, description="Keep a frozen copy for the KL penalty")
     bf16: bool = Field(True, description="bf16 compute on GPU (ignored on CPU)")
     device: str | None = None
-
-
-class AdamParams(BaseModel):
-    learning_rate: float = Field(1e-4, gt=0)
-    beta1: float = Field(0.9, ge=0, lt=1)
-    beta2: float = Field(0.999, ge=0, lt=1)
-    eps: float = Field(1e-8, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    max_grad_norm: float = Field(1.0, gt=0, description="Clip the global grad norm to this")
 
 
 class IncompatibleCheckpoint(ValueError):

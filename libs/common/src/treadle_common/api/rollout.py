@@ -1,0 +1,74 @@
+"""The rollout service's HTTP API: `GET /v1/info` (`RolloutInfo`), `POST /v1/evaluate`,
+`GET /v1/swaps`. (Its OpenAI-compatible API has its own models, in the service.)"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from treadle_common.api.ops import ServiceInfo
+
+MAX_EVAL_TASKS = 4096
+
+
+class Swap(BaseModel):
+    """One weight swap: the version swapped in, the engine's pause and the fetch."""
+
+    version: int
+    pause_s: float
+    fetch_s: float
+    bytes_fetched: int
+    at: float
+
+
+class Swaps(BaseModel):
+    swaps: list[Swap]
+
+
+class RolloutInfo(ServiceInfo):
+    model: str
+    model_dir: str
+    engine: str
+    swap_policy: str
+    policy_version: int
+    version_lag: int
+    weight_sync_error: str | None = None
+    swaps: int
+    last_swap: Swap | None = None
+    engine_requests: int
+    engine_busy_fraction: float
+    engine_busy_s: float
+    engine_stats: dict[str, float] = Field(
+        default_factory=dict, description="Engine-specific counters (e.g. prefix-cache use)"
+    )
+    tasks_done: int = 0
+    tasks_invalid: int = 0
+    tasks_cancelled: int = 0
+    admission_waits: int = 0
+    trajectories_pushed: int = 0
+    recorded_sessions: int = 0
+
+
+class EvaluateRequest(BaseModel):
+    env: str = Field(min_length=1, description="Environment registered in the env-gateway")
+    tasks: list[dict[str, Any]] = Field(min_length=1, max_length=MAX_EVAL_TASKS)
+    scorer: str = Field("exact_match", min_length=1)
+    scorer_options: dict[str, Any] = Field(default_factory=dict, description="The scorer's")
+    max_turns: int = Field(1, ge=1, le=1024)
+    temperature: float = Field(0.0, ge=0.0, description="0 = greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_new_tokens: int = Field(16, ge=1, le=32768)
+    concurrency: int = Field(64, ge=1, le=1024, description="Episodes in flight at once")
+    seed: int = Field(
+        0, ge=0, description="Task i samples with seed + i when nonzero (temperature > 0)"
+    )
+
+
+class EvaluateResult(BaseModel):
+    num_tasks: int
+    mean_reward: float
+    rewards: list[float] = Field(description="Per task, in request order (failed = 0)")
+    statuses: dict[str, int]
+    policy_versions: list[int] = Field(description="Distinct policy versions that generated")
+    seconds: float

@@ -1,0 +1,118 @@
+"""The trainer's run API: `POST /v1/runs` (a `RunConfig`) -> `RunStatus`; `GET /v1/runs`,
+`GET /v1/runs/{id}?steps_from=N`; `POST /v1/runs/{id}/evaluations` (`EvaluationDone`)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from treadle_common.api.ops import ServiceInfo
+
+RunState = Literal["pending", "running", "succeeded", "failed"]
+FINAL_STATES: tuple[RunState, ...] = ("succeeded", "failed")
+
+
+class StepRecord(BaseModel):
+    step: int
+    version: int
+    mean_reward: float
+    reward_std: float = 0.0
+    num_trajectories: int
+    num_tokens: float = 0.0
+    max_staleness: int
+    loss: float
+    grad_norm: float
+    entropy: float = 0.0
+    kl: float = 0.0
+    clip_fraction: float = 0.0
+    wait_for_batch_s: float = 0.0
+    train_s: float = 0.0
+    publish_s: float = Field(
+        description="Seconds the step waited for publishing (sync: until its weights were "
+        "committed; async: handing them to the background publisher)"
+    )
+    published: bool = Field(
+        False, description="The step's weights were published (not skipped or coalesced)"
+    )
+    publish_duration_s: float | None = Field(
+        None, description="Seconds the publish of this step's weights took, once done"
+    )
+    publish_latency_s: float | None = Field(
+        None, description="Seconds from the step's end to its weights committed, once done"
+    )
+    bytes_published: int = 0
+    duration_s: float
+    tokens_per_s: float = 0.0
+    finished_at: float = Field(
+        0.0, description="Unix time the step ended (sync: its weights were published)"
+    )
+
+
+class RunStatus(BaseModel):
+    run_id: str
+    state: RunState = "pending"
+    error: str | None = None
+    step: int = 0
+    checkpoint_step: int = 0
+    resumed: int = Field(0, description="Times this run was restored from a checkpoint")
+    base_version: int | None = None
+    versions: list[int] = Field(default_factory=list)
+    tasks_fed: int = 0
+    tasks_cancelled: int = Field(
+        0, description="Fed tasks no step needed once the last step had its batch (never run)"
+    )
+    trajectories_produced: int = 0
+    trajectories_consumed: int = 0
+    trajectories_trained: int = 0
+    trajectories_acked: int = 0
+    rejected: int = Field(0, description="Entries dropped as they were read (acked, not consumed)")
+    duplicates: int = 0
+    publishes_coalesced: int = Field(
+        0, description="Versions never published: a newer one replaced them while waiting"
+    )
+    dropped: dict[str, int] = Field(default_factory=dict)
+    pending_after_run: int | None = None
+    steps: list[StepRecord] = Field(
+        default_factory=list, description="Step records (from `steps_from` when asked)"
+    )
+
+    @property
+    def finished(self) -> bool:
+        return self.state in FINAL_STATES
+
+    @property
+    def last_version(self) -> int | None:
+        """The newest version the run published (its base version before any)."""
+        return self.versions[-1] if self.versions else self.base_version
+
+    @property
+    def exactly_once(self) -> bool:
+        """Every produced trajectory consumed once, every read entry acked, nothing pending."""
+        return (
+            self.trajectories_consumed == self.trajectories_produced
+            and self.duplicates == 0
+            and self.pending_after_run == 0
+            and self.trajectories_acked == self.trajectories_consumed + self.rejected
+        )
+
+
+class EvaluationDone(BaseModel):
+    """`POST /v1/runs/{id}/evaluations`: the client (`treadle run`) evaluated the weights of
+    `step`, so a sync run waiting there (`eval.hold_s`) goes on."""
+
+    step: int = Field(ge=1)
+
+
+class Backlog(BaseModel):
+    """`GET /v1/backlog`: work waiting in Redis for the active runs (KEDA scales on it)."""
+
+    runs: int
+    tasks_waiting: int
+    trajectories_waiting: int
+
+
+class TrainerInfo(ServiceInfo):
+    """The trainer's `GET /v1/info`."""
+
+    runs: dict[str, RunState] = Field(default_factory=dict, description="Run id -> state")
