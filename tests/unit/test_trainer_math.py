@@ -281,7 +281,7 @@ async def test_a_wholly_stale_group_does_not_take_a_batch_slot():
     (the step drops it, counted) but the batch still gets its 2 trainable groups."""
     from types import SimpleNamespace
 
-    from treadle_trainer.run import RunOwner
+    from treadle_trainer.run.collector import Collector
 
     def group(gid: str, version: int) -> list[Entry]:
         return [
@@ -289,24 +289,26 @@ async def test_a_wholly_stale_group_does_not_take_a_batch_slot():
             for i in range(2)
         ]
 
-    class Owner(RunOwner):
+    class Scripted(Collector):
         def __init__(self, arrivals: list[list[Entry]]):  # no Redis: a scripted stream
-            trainer = SimpleNamespace(batch_timeout_s=0.5, max_staleness=1)
-            self.config = SimpleNamespace(mode="async", trainer=trainer)  # type: ignore[assignment]
-            self._buffer = GroupBuffer(2)
+            trainer = SimpleNamespace(batch_timeout_s=0.5)
+            self.config = SimpleNamespace(trainer=trainer)  # type: ignore[assignment]
+            self.buffer = GroupBuffer(2)
             self.arrivals = arrivals
 
-        async def _read(self, block_ms):
+        async def read(self, block_ms):
             for entry in self.arrivals.pop(0) if self.arrivals else []:
-                self._buffer.add(entry)
+                self.buffer.add(entry)
             return 1
 
-    owner = Owner([group("old", 0), group("a", 4), group("older", 0), group("b", 5), group("c", 5)])
-    taken = await owner._collect(2, version=5)
+    collector = Scripted(
+        [group("old", 0), group("a", 4), group("older", 0), group("b", 5), group("c", 5)]
+    )
+    taken = await collector.collect(2, version=5, max_staleness=1)
     assert [g.group_id for g in taken] == ["old", "a", "older", "b"]
-    assert [g.group_id for g in owner._buffer.take_all()] == []  # "c" is not read yet
+    assert [g.group_id for g in collector.buffer.take_all()] == []  # "c" is not read yet
     with pytest.raises(TimeoutError, match="only 1/2"):
-        await Owner([group("x", 0), group("d", 5)])._collect(2, version=5)
+        await Scripted([group("x", 0), group("d", 5)]).collect(2, version=5, max_staleness=1)
 
 
 def test_learning_rate_warms_up_linearly_then_holds():
@@ -349,9 +351,9 @@ async def test_a_sync_run_waits_at_each_evaluated_step_until_the_client_reports(
     import asyncio
 
     from treadle_common.config import RunConfig
-    from treadle_trainer.run import RunOwner
+    from treadle_trainer.run.step import EvaluationHold
 
-    def owner(mode: str, hold_s: float = 600.0) -> RunOwner:
+    def owner(mode: str, hold_s: float = 600.0) -> EvaluationHold:
         config = RunConfig.model_validate(
             {
                 "mode": mode,
@@ -360,15 +362,13 @@ async def test_a_sync_run_waits_at_each_evaluated_step_until_the_client_reports(
                 "eval": {"num_tasks": 10, "every": 10, "hold_s": hold_s},
             }
         )
-        o = RunOwner.__new__(RunOwner)  # only the evaluation hold's state
-        o.config, o.evaluated_step, o._evaluated = config, 0, asyncio.Condition()
-        return o
+        return EvaluationHold(config)
 
     sync = owner("sync")
-    assert [s for s in range(1, 31) if sync.evaluates_after(s)] == [10, 20]  # the end: no hold
-    assert not any(owner("async").evaluates_after(s) for s in range(1, 31))
-    assert not owner("sync", hold_s=0).evaluates_after(10)
-    held = asyncio.create_task(sync._hold_for_evaluation(10))
+    assert [s for s in range(1, 31) if sync.after(s)] == [10, 20]  # the end: no hold
+    assert not any(owner("async").after(s) for s in range(1, 31))
+    assert not owner("sync", hold_s=0).after(10)
+    held = asyncio.create_task(sync.wait(10))
     await asyncio.sleep(0.05)
     assert not held.done()  # waits for the client
     await sync.mark_evaluated(9)
@@ -376,7 +376,7 @@ async def test_a_sync_run_waits_at_each_evaluated_step_until_the_client_reports(
     assert not held.done()
     await sync.mark_evaluated(10)
     await asyncio.wait_for(held, 1)
-    await asyncio.wait_for(owner("sync", hold_s=0.05)._hold_for_evaluation(10), 1)  # deadline
+    await asyncio.wait_for(owner("sync", hold_s=0.05).wait(10), 1)  # deadline
 
 
 def test_every_loss_name_has_an_implementation_and_back():

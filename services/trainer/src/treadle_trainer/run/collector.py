@@ -1,0 +1,149 @@
+"""Collecting a run's trajectories into complete groups.
+
+    treadle:{run}:trajectories --XREADGROUP (group `trainer`, consumer `owner`)--> validate
+        --> GroupBuffer (complete groups), or a counted drop (invalid, duplicate, not ours)
+
+A step takes `tasks_per_step` complete groups that are not wholly stale; wholly stale groups
+met on the way come along (the step drops them, counted) without taking a trainable one's
+place. Entries stay pending in Redis until a checkpoint acks them (`ledger.py`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import redis.asyncio as aioredis
+
+from treadle_common import names
+from treadle_common.api.runs import RunStatus
+from treadle_common.clients import streams
+from treadle_common.config import RunConfig
+from treadle_common.logs import get_logger
+from treadle_common.progress import Stage
+from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
+from treadle_trainer.batches import Entry, Group, GroupBuffer, invalid_reason, staleness
+from treadle_trainer.run.feeder import Feeder
+from treadle_trainer.run.ledger import Drops, Ledger, LedgerEntry, LooseDrop
+
+log = get_logger(__name__)
+
+
+class Collector:
+    def __init__(
+        self,
+        config: RunConfig,
+        r: aioredis.Redis,
+        consumer: str,
+        status: RunStatus,
+        ledger: Ledger,
+        drops: Drops,
+        fed: set[str],
+        stage: Stage,
+    ):
+        self.config = config
+        self.r = r
+        self.consumer = consumer
+        self.status = status
+        self.ledger = ledger
+        self.drops = drops
+        self.fed = fed
+        self.stage = stage
+        self.stream = names.trajectories_stream(config.run_id)
+        self.buffer = GroupBuffer(config.rollout.group_size)
+        self.seen: set[str] = set()
+        self.vocab_size = 0
+        self.collecting = False
+
+    async def replay_pending(self) -> None:
+        """What the last owner read but never committed: validated again, in order."""
+        for _, entry_id, traj in await streams.pending_own(
+            self.r, self.stream, names.TRAINER_GROUP, self.consumer, tpb.Trajectory, 1_000_000
+        ):
+            self.accept(entry_id, traj)
+
+    def accept(self, entry_id: str, traj: tpb.Trajectory | streams.InvalidEntry) -> None:
+        """Validate one entry read from Redis: into the group buffer, or a counted drop."""
+        if isinstance(traj, streams.InvalidEntry):
+            return self._drop(entry_id, "", "invalid_entry")
+        reason = invalid_reason(traj, self.vocab_size)
+        if reason is None and traj.trajectory_id in self.seen:
+            self.status.duplicates += 1
+            reason = "duplicate"
+        if reason is None and traj.group_id not in self.fed:
+            if not self.config.trainer.external_groups:
+                reason = "unknown_group"
+        if reason is not None:
+            return self._drop(entry_id, traj.trajectory_id, reason)
+        self.seen.add(traj.trajectory_id)
+        self.status.trajectories_consumed += 1
+        self.buffer.add(Entry(entry_id, traj))
+
+    def _drop(self, entry_id: str, trajectory_id: str, reason: str) -> None:
+        self.ledger.drop_loose(LooseDrop(entry_id, trajectory_id, reason))
+        self.status.rejected += 1
+        self.drops.count(reason)
+        log.warning("trajectory dropped", entry=entry_id, reason=reason)
+
+    async def collect(self, num_groups: int, version: int, max_staleness: int) -> list[Group]:
+        """Read until `num_groups` complete groups that are not wholly stale at `version` are
+        buffered, then take them, with the wholly stale ones met on the way."""
+        t = self.config.trainer
+        deadline = time.monotonic() + t.batch_timeout_s
+        taken: list[Group] = []
+        fresh = 0
+        self.collecting = True
+        try:
+            while True:
+                for group in self.buffer.take(num_groups - fresh):
+                    taken.append(group)
+                    fresh += any(staleness(e.traj, version) <= max_staleness for e in group.entries)
+                if fresh >= num_groups:
+                    return taken
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"only {fresh}/{num_groups} complete groups after {t.batch_timeout_s}s"
+                    )
+                await self.read(block_ms=1000)
+        finally:
+            self.collecting = False
+
+    async def read(self, block_ms: int | None) -> int:
+        """Read new trajectories into the buffer (or counted drops); how many were read."""
+        cfg = self.config
+        batch = await streams.read_group(
+            self.r,
+            [self.stream],
+            names.TRAINER_GROUP,
+            self.consumer,
+            tpb.Trajectory,
+            count=max(cfg.trainer.tasks_per_step * cfg.rollout.group_size, 64),
+            block_ms=block_ms,
+        )
+        for _, entry_id, traj in batch:
+            self.accept(entry_id, traj)
+        if batch:
+            self.stage.tick(len(batch))
+        return len(batch)
+
+    async def finish(self, feeder: Feeder, step: int, version: int) -> None:
+        """After the last step (admission closed): cancel the fed tasks no replica started,
+        let the groups in flight land, and drop every trajectory no step used as
+        `run_ended`. The final checkpoint acks them with the run's last ledger entry, so the
+        run ends with nothing pending and every produced trajectory accounted for once."""
+        run = self.config.run_id
+        await feeder.cancel_unstarted(f"{self.consumer}-end")
+        deadline = time.monotonic() + self.config.trainer.batch_timeout_s
+        while await feeder.in_flight() > 0:
+            if time.monotonic() > deadline:
+                log.warning("run end: tasks still in flight on rollout are left pending", run=run)
+                break
+            await self.read(block_ms=200)
+        while await self.read(block_ms=None):
+            pass
+        unused = self.buffer.take_all()
+        dropped = {e.traj.trajectory_id: "run_ended" for g in unused for e in g.entries}
+        for reason in dropped.values():
+            self.drops.count(reason)
+        entries = [e.entry_id for g in unused for e in g.entries]
+        if entries or self.ledger.loose:
+            self.ledger.add(LedgerEntry(step, "run_end", version, entries, [], dropped))

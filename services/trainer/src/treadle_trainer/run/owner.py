@@ -1,0 +1,301 @@
+"""`RunOwner`: one run's step loop, from its first task to its last checkpoint.
+
+restore (last committed checkpoint) or base version --> per step:
+    feed (feeder.py) --> collect complete groups (collector.py) --> build the batch
+    (step.py) --> train --> weights to the background publisher (publishing.py; a sync
+    run waits for them) --> every `checkpoint_every` steps: checkpoint + ledger commit
+    (ledger.py) --> a sync run's evaluation hold
+after the last step: cancel unstarted tasks, let groups in flight land, drop what no
+step used as `run_ended`; the final checkpoint acks and ledgers them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from pathlib import Path
+
+import redis.asyncio as aioredis
+
+from treadle_common import admission, names
+from treadle_common.api.runs import RunStatus
+from treadle_common.clients import streams
+from treadle_common.clients.env import EnvClient
+from treadle_common.clients.weights import WeightStoreClient
+from treadle_common.config import RunConfig
+from treadle_common.logs import get_logger
+from treadle_common.progress import Stage
+from treadle_trainer import metrics as tm
+from treadle_trainer.backends import (
+    AdamParams,
+    BackendSpec,
+    TorchBackend,
+    build_backend,
+    on_torch_thread,
+)
+from treadle_trainer.batches import Datum, Group
+from treadle_trainer.losses import LossParams
+from treadle_trainer.publisher import Snapshot
+from treadle_trainer.run.collector import Collector
+from treadle_trainer.run.feeder import Feeder, task_source
+from treadle_trainer.run.ledger import Drops, Ledger, LedgerEntry
+from treadle_trainer.run.publishing import RunVersions, initial_model_dir
+from treadle_trainer.run.step import EvaluationHold, build_batch, observe, step_record, trace_step
+from treadle_trainer.train import train_batch
+
+log = get_logger(__name__)
+KEEP_CHECKPOINTS = 2
+
+
+class RunOwner:
+    def __init__(
+        self,
+        config: RunConfig,
+        r: aioredis.Redis,
+        store: WeightStoreClient,
+        env: EnvClient,
+        consumer: str = names.TRAINER_CONSUMER,
+        stages: tuple[Stage, Stage] | None = None,
+    ):
+        read_stage, self.step_stage = stages or (
+            Stage("trainer", "trajectories"),
+            Stage("trainer", "step"),
+        )
+        self.config, self.r, self.store, self.env = config, r, store, env
+        self.status = RunStatus(run_id=config.run_id)
+        self.backend: TorchBackend | None = None
+        self.run_dir = config.output_dir / config.run_id
+        self.ledger = Ledger(r, config.run_id)
+        self.drops = Drops(self.status)
+        self.feeder = Feeder(config, r, self.status)
+        self.collector = Collector(
+            config, r, consumer, self.status, self.ledger, self.drops, self.feeder.fed, read_stage
+        )
+        self.versions = RunVersions(config, store, self.status)
+        self.holds = EvaluationHold(config)
+        self._v0 = 0  # the version before step 1: step s publishes version V0 + s
+        t = config.trainer
+        self.loss_params = LossParams(
+            clip_low=t.clip_low,
+            clip_high=t.clip_high,
+            is_cap=t.is_cap,
+            kl_coef=t.kl_coef,
+            temperature=config.rollout.sampling.temperature or 1.0,  # 0 = greedy: plain logits
+        )
+        self.adam = AdamParams(learning_rate=t.lr, max_grad_norm=t.max_grad_norm)
+
+    @property
+    def max_staleness(self) -> int:
+        t = self.config.trainer
+        # sync: a batch is generated with the last published version, up to K - 1 steps old
+        return t.publish_every - 1 if self.config.mode == "sync" else t.max_staleness
+
+    @property
+    def collecting(self) -> bool:
+        return self.collector.collecting
+
+    async def execute(self) -> RunStatus:
+        self.status.state = "running"
+        await self.r.hset(names.run_state(self.config.run_id), "state", "running")
+        outcome = "failed"
+        try:
+            await self._execute()
+            outcome = "succeeded"
+        except Exception as exc:
+            self.status.error = f"{type(exc).__name__}: {exc}"
+            log.error("run failed", run=self.config.run_id, error=self.status.error)
+        finally:
+            run = self.config.run_id
+            await self.versions.publisher.close()
+            await self.r.srem(names.RUNS_KEY, run)
+            await self._final_counts()  # before the final state: readers see complete counts
+            self.status.state = "succeeded" if outcome == "succeeded" else "failed"
+            await self.r.hset(names.run_state(run), "state", outcome)
+            if self.backend is not None:
+                await on_torch_thread(self.backend.close)
+        return self.status
+
+    # --- setup and restore -----------------------------------------------------------------------
+    async def _execute(self) -> None:
+        cfg, t = self.config, self.config.trainer
+        model_dir = await initial_model_dir(cfg, self.store, self.run_dir)
+        spec = BackendSpec(
+            model_dir=str(model_dir), seed=t.seed, reference=t.kl_coef > 0, bf16=t.bf16
+        )
+        self.backend = backend = await on_torch_thread(build_backend, spec)
+        self.collector.vocab_size = backend.vocab_size
+        count = (t.num_steps + self.max_staleness) * t.tasks_per_step
+        source = await task_source(cfg, self.env, count)
+        await streams.ensure_group(self.r, self.collector.stream, names.TRAINER_GROUP)
+        await self.r.set(names.run_config(cfg.run_id), cfg.model_dump_json())
+        if await self._restore():
+            version = await self._publish_now(step=self.status.step)  # rollout goes back to it
+        else:
+            assert self.backend is not None
+            state = await on_torch_thread(self.backend.state_dict_cpu)
+            version = await self.versions.base_version(state)
+            self.status.base_version = version
+        self._v0 = version - self.status.step
+        served = version  # what rollout generates the next batch with (sync: must hold)
+        await admission.configure(
+            self.r,
+            cfg.run_id,
+            groups_per_step=t.tasks_per_step,
+            max_staleness=self.max_staleness,
+            base_version=self._v0,
+        )
+        await self.r.sadd(names.RUNS_KEY, cfg.run_id)
+        await self.collector.replay_pending()
+        while self.status.step < t.num_steps:
+            step = self.status.step + 1
+            started = time.perf_counter()
+            # async keeps S steps of work fed, up to the last step (as a longer run would)
+            await self._feed(source, (step + self.max_staleness) * t.tasks_per_step, served)
+            groups = await self.collector.collect(t.tasks_per_step, version, self.max_staleness)
+            wait_s = time.perf_counter() - started
+            feeding = None
+            if step == t.num_steps:
+                await admission.close(self.r, cfg.run_id)  # no later group would be trained
+            elif self._feeds_ahead(step):
+                # the next step's tasks, demanding this step's weights, fed while this step
+                # trains: rollout picks them up, opens their sessions and renders their prompts
+                feeding = asyncio.ensure_future(
+                    self._feed(source, (step + 1) * t.tasks_per_step, self._v0 + step)
+                )
+            try:
+                version = await self._step(step, groups, version, started, wait_s)
+            finally:
+                if feeding is not None:
+                    await feeding
+            if self.versions.publishes(step):
+                served = version
+            if step % t.checkpoint_every == 0 and step < t.num_steps:
+                await self._checkpoint(version)
+            await self.holds.wait(step)
+        await admission.close(self.r, cfg.run_id)
+        await self.collector.finish(self.feeder, self.status.step, version)
+        if self.ledger.uncommitted or self.status.checkpoint_step < self.status.step:
+            await self._checkpoint(version)
+        await self.versions.publisher.flush()  # the run's last weights are in the store
+
+    async def _feed(self, source, upto: int, version: int) -> None:
+        await self.feeder.feed(source, upto, version if self.max_staleness == 0 else 0)
+
+    def _feeds_ahead(self, step: int) -> bool:
+        """With `trainer.feed_ahead`, a sync run feeds step + 1's tasks before training `step`
+        (they wait in rollout for the version `step` publishes), unless an evaluation of
+        `step`'s weights comes first: nothing may generate beside it."""
+        return (
+            self.config.trainer.feed_ahead
+            and self.max_staleness == 0
+            and self.versions.publishes(step)
+            and not self.holds.after(step)
+        )
+
+    async def _restore(self) -> bool:
+        """Load the last committed checkpoint of this run, if any; True when restored."""
+        run = self.config.run_id
+        await self.feeder.restore()
+        path = await self.r.hget(names.run_state(run), "checkpoint_path")
+        if path is None:
+            return False
+        assert self.backend is not None
+        meta = await on_torch_thread(self.backend.load, Path(path.decode()))
+        restored = RunStatus.model_validate(meta["run"])
+        restored.tasks_fed, restored.state = self.status.tasks_fed, "running"
+        restored.resumed += 1
+        for name in RunStatus.model_fields:  # in place: every part holds this status
+            setattr(self.status, name, getattr(restored, name))
+        self.collector.seen = set(meta["seen"])
+        self.drops.reload()
+        log.info("run restored", run=run, step=restored.step, checkpoint=path.decode())
+        return True
+
+    async def _publish_now(self, step: int) -> int:
+        assert self.backend is not None
+        state = await on_torch_thread(self.backend.state_dict_cpu)
+        return await self.versions.publish_now(state, step)
+
+    # --- one step -------------------------------------------------------------------------------
+    async def _step(
+        self, step: int, groups: list[Group], version: int, started: float, wait_s: float
+    ) -> int:
+        assert self.backend is not None
+        batch = build_batch(groups, version, self.max_staleness, self.config.trainer)
+        for reason in batch.dropped.values():
+            self.drops.count(reason)
+        train_start = time.perf_counter()
+        with self.step_stage.track():
+            stats = await on_torch_thread(self._train, batch.data)
+        train_s = time.perf_counter() - train_start
+        publish_start = time.perf_counter()
+        version = self._v0 + step
+        if self.versions.publishes(step):
+            state = await on_torch_thread(self.backend.snapshot_cpu)
+            # a sync run's next batch is generated with these weights: it waits for them
+            await self.versions.submit(
+                Snapshot(step, version, state), wait=self.config.mode == "sync"
+            )
+        publish_s = time.perf_counter() - publish_start
+        self.status.trajectories_trained += len(batch.trained)
+        self.ledger.add(
+            LedgerEntry(step, "step", version, batch.entries, batch.trained, batch.dropped)
+        )
+        duration = time.perf_counter() - started
+        trace_step(batch, step, version, train_start, duration - (train_start - started))
+        timings = {
+            "wait_for_batch_s": wait_s,
+            "train_s": train_s,
+            "publish_s": publish_s,
+            "duration_s": duration,
+        }
+        record = step_record(step, version, batch, timings, stats)
+        self.status.step = step
+        self.status.steps.append(record)
+        if self.versions.publishes(step):
+            self.versions.record(record)
+        observe(self.config.run_id, record, batch.stale)
+        return version
+
+    def _train(self, data: list[Datum]) -> dict[str, float]:
+        assert self.backend is not None
+        t = self.config.trainer
+        return train_batch(self.backend, data, t, self.loss_params, self.adam, self.status.step + 1)
+
+    # --- run end, checkpoint and commit -----------------------------------------------------------
+    async def _checkpoint(self, version: int) -> None:
+        """Checkpoint, then ack and ledger every entry of the steps since the last one."""
+        assert self.backend is not None
+        run, step = self.config.run_id, self.status.step
+        started = time.perf_counter()
+        await self.versions.publisher.flush()  # the checkpoint's versions are all in the store
+        path = (self.run_dir / "checkpoints" / f"step-{step:06d}").resolve()
+        self.status.checkpoint_step = step
+        self.status.trajectories_acked += self.ledger.pending_acks
+        # buffered (read, not yet trained) entries stay pending: a restored owner re-reads them
+        buffered = self.collector.buffer.trajectory_ids()
+        run_state = self.status.model_dump(mode="json")
+        run_state["trajectories_consumed"] -= len(buffered)
+        meta = {
+            "run": run_state,
+            "seen": sorted(self.collector.seen - buffered),
+            "version": version,
+            "model": self.config.model.name,
+        }
+        await on_torch_thread(self.backend.save, path, meta)
+        await self.ledger.commit(step, path)
+        old = sorted((self.run_dir / "checkpoints").glob("step-*"))[:-KEEP_CHECKPOINTS]
+        for stale_dir in old:
+            shutil.rmtree(stale_dir, ignore_errors=True)
+        tm.CHECKPOINT_SECONDS.labels(run).observe(time.perf_counter() - started)
+
+    async def _final_counts(self) -> None:
+        state = await self.r.hgetall(names.run_state(self.config.run_id))
+        self.status.trajectories_produced = int(state.get(b"trajectories_produced", 0))
+        self.status.tasks_cancelled = int(state.get(b"tasks_cancelled", 0))
+        try:
+            pending = await self.r.xpending(self.collector.stream, names.TRAINER_GROUP)
+            self.status.pending_after_run = int(pending["pending"])
+        except Exception:  # the stream never existed (the run failed early)
+            self.status.pending_after_run = None

@@ -1,0 +1,131 @@
+"""A run's weight versions: step s publishes version V0 + s, every `publish_every` steps.
+
+Published off the step's critical path by the background, newest-first `Publisher`
+(`treadle_trainer/publisher.py`); the weight-store announces each version on NATS. A step's
+record gets its publish's duration and size once both exist (the publish may end after the
+step's record is written, or never, when a newer snapshot replaced it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from opentelemetry.context import Context
+
+from treadle_common import tracing
+from treadle_common.api.runs import RunStatus, StepRecord
+from treadle_common.clients.torch_weights import model_assets, state_dict_to_raw
+from treadle_common.clients.weights import WeightStoreClient, build_manifest, chunk_positions
+from treadle_common.config import RunConfig
+from treadle_common.proto.treadle.v1 import weights_pb2
+from treadle_common.weights_export import export_hf
+from treadle_trainer import metrics as tm
+from treadle_trainer.publisher import Published, Publisher, Snapshot
+
+
+class RunVersions:
+    def __init__(self, config: RunConfig, store: WeightStoreClient, status: RunStatus):
+        self.config = config
+        self.store = store
+        self.status = status
+        self.publisher = Publisher(self._publish_snapshot, self._published)
+        self.assets = model_assets(config.model.path)  # config + tokenizer travel with weights
+        self._records: dict[int, StepRecord] = {}  # steps whose publish is not recorded yet
+        self._done: dict[int, Published] = {}
+
+    def publishes(self, step: int) -> bool:
+        t = self.config.trainer
+        return step % t.publish_every == 0 or step == t.num_steps
+
+    async def publish_now(
+        self, state: dict[str, torch.Tensor], step: int, version: int = -1
+    ) -> int:
+        """Publish now, in the foreground (the base and restored weights: version -1 takes
+        the next free one); the version."""
+        response = await self._send(state, step, version)
+        self.status.versions.append(response.version)
+        return response.version
+
+    async def base_version(self, state: dict[str, torch.Tensor]) -> int:
+        """The version rollout must hold before generating for step 1, given the run's
+        initial weights: 0 (the model directory itself) when the store has no version of
+        this model; the latest when it holds exactly these weights; else these, published."""
+        name = self.config.model.name
+        versions = await self.store.list_versions(name)
+        if not versions:
+            return 0
+        latest = await self.store.get_manifest(name, versions[-1].version)
+        ours, _ = build_manifest(name, state_dict_to_raw(state))
+        if chunk_positions(latest) == chunk_positions(ours):
+            return latest.version
+        return await self.publish_now(state, step=0)
+
+    async def submit(self, snapshot: Snapshot, wait: bool) -> None:
+        """Hand a step's weights to the background publisher; `wait`: until committed."""
+        await self.publisher.submit(snapshot)
+        if wait:
+            await self.publisher.wait_for(snapshot.version)
+
+    def record(self, record: StepRecord) -> None:
+        """A published step's record: its publish fields are filled in once it is done."""
+        self._records[record.step] = record
+        self._fill(record.step)
+
+    async def _send(
+        self, state: dict[str, torch.Tensor], step: int, version: int
+    ) -> weights_pb2.PublishResponse:
+        response = await self.store.publish(
+            self.config.model.name,
+            state_dict_to_raw(state),
+            version=version,
+            trainer_step=step,
+            parent_version=self.status.versions[-1] if self.status.versions else -1,
+            assets=self.assets,
+            metadata={"run_id": self.config.run_id},
+        )
+        if version >= 0 and response.version != version:
+            raise RuntimeError(f"published version {response.version}, wanted {version}")
+        return response
+
+    async def _publish_snapshot(self, snapshot: Snapshot) -> int:
+        """The background publisher's work: one step's weights as version V0 + step."""
+        with tracing.tracer().start_as_current_span("trainer.publish", context=Context()) as span:
+            span.set_attributes(
+                {"treadle.step": snapshot.step, "treadle.version": snapshot.version}
+            )
+            response = await self._send(snapshot.state, snapshot.step, snapshot.version)
+        return response.bytes_received
+
+    def _published(self, done: Published) -> None:
+        self.status.versions.append(done.version)
+        self.status.publishes_coalesced = self.publisher.coalesced
+        self._done[done.step] = done
+        self._fill(done.step)
+        for step in [s for s in self._records if s < done.step]:  # coalesced: never published
+            del self._records[step]
+        tm.PUBLISH_SECONDS.labels(self.config.run_id).observe(done.publish_s)
+
+    def _fill(self, step: int) -> None:
+        """Fill in the step record's publish once both the record and the publish exist."""
+        record, done = self._records.get(step), self._done.get(step)
+        if record is None or done is None:
+            return
+        record.published = True
+        record.publish_duration_s = done.publish_s
+        record.publish_latency_s = done.latency_s
+        record.bytes_published = done.bytes_sent
+        del self._records[step], self._done[step]
+
+
+async def initial_model_dir(config: RunConfig, store: WeightStoreClient, run_dir: Path) -> Path:
+    """`model.path`, or `model.init_version` exported as an HF directory in the run dir."""
+    m = config.model
+    if m.init_version is None:
+        return m.path
+    out = run_dir / f"init-v{m.init_version}"
+    if not (out / "model.safetensors").exists():
+        tmp = out.with_name(out.name + ".tmp")
+        await export_hf(store, m.name, m.init_version, tmp)
+        tmp.rename(out)
+    return out
