@@ -2,7 +2,7 @@
 #   make setup   create .venv and install the whole workspace editable (idempotent)
 #   make demo    run recipes/demo.yaml on the embedded stack
 #   make test    setup + lint + proto check + the whole test suite, vLLM included (CI)
-#   make lint    ruff lint + format check + mypy on libs/common
+#   make lint    ruff lint + format check + mypy on every library and service
 #   make bench   the `treadle bench` workloads (JSON)
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -34,7 +34,7 @@ demo: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy libs/common/src/treadle_common
+	$(VENV)/bin/mypy $(wildcard libs/*/src/treadle_*) $(wildcard services/*/src/treadle_*)
 
 protos: setup
 	$(PY) scripts/gen_protos.py

@@ -141,7 +141,9 @@ async def _service(http, redis_url, store_addr, recipe, prompt_len, completion_l
         finally:
             producer.cancel()
     needed = recipe["trainer"]["tasks_per_step"] * recipe["rollout"]["group_size"]
-    entries = await r.xrange(names.trajectories_stream("bench"), count=needed)
+    entries: list[tuple[bytes, dict[bytes, bytes]]] = await r.xrange(  # type: ignore[assignment]
+        names.trajectories_stream("bench"), count=needed
+    )
     batch = [tpb.Trajectory.FromString(f[names.STREAM_FIELD.encode()]) for _, f in entries]
     await store.close()
     await r.aclose()

@@ -74,7 +74,7 @@ class ServiceRuntime:
         self.draining = False
         self.stop_event = asyncio.Event()
         self.app = FastAPI(title=f"treadle {service}", version=__version__)
-        self.redis: aioredis.Redis | None = (
+        self._redis: aioredis.Redis | None = (
             aioredis.from_url(settings.redis_url, socket_timeout=10) if uses_redis else None
         )
         self.nats: NATS | None = None
@@ -123,9 +123,15 @@ class ServiceRuntime:
         health_pb2_grpc.add_HealthServicer_to_server(self.grpc_health, self.grpc_server)
         return self.grpc_server
 
+    @property
+    def redis(self) -> aioredis.Redis:
+        """The service's Redis client (a service built with `uses_redis`)."""
+        if self._redis is None:
+            raise RuntimeError(f"{self.service} was built without Redis (uses_redis=False)")
+        return self._redis
+
     # -- dependency checks -----------------------------------------------------------------
     async def redis_check(self) -> None:
-        assert self.redis is not None
         await self.redis.ping()
 
     async def nats_check(self) -> None:
@@ -285,8 +291,8 @@ class ServiceRuntime:
         if self.nats is not None:
             with contextlib.suppress(Exception):
                 await self.nats.drain()
-        if self.redis is not None:
-            await self.redis.aclose()
+        if self._redis is not None:
+            await self._redis.aclose()
         await asyncio.to_thread(tracing.flush)
         log.info("stopped")
 

@@ -215,7 +215,11 @@ def _fill(traj: tpb.Trajectory, t: Transcript, started: float) -> None:
 
 
 def _failed(
-    traj: tpb.Trajectory, t: Transcript, status: int, error: str, started: float
+    traj: tpb.Trajectory,
+    t: Transcript,
+    status: tpb.TrajectoryStatus,
+    error: str,
+    started: float,
 ) -> tpb.Trajectory:
     traj.status = status
     traj.error = error

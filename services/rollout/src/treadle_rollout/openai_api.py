@@ -17,6 +17,7 @@ Errors use OpenAI's error body: `{"error": {"message", "type", "param", "code"}}
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -385,7 +386,8 @@ def mount(app: FastAPI, frontend: OpenAIFrontend) -> None:
                 400, f"invalid request: {first.get('msg', exc)}", param=param
             ).response()
         if default_handler is not None:
-            return await default_handler(request, exc)
+            response = default_handler(request, exc)
+            return await response if inspect.isawaitable(response) else response
         return JSONResponse({"detail": exc.errors()}, status_code=422)
 
     @router.get("/v1/models")

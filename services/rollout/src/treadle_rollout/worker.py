@@ -83,7 +83,7 @@ class TaskWorker:
         self.on_task_done: Callable[[], None] = lambda: None
 
     async def active_streams(self) -> list[str]:
-        runs = sorted(m.decode() for m in await self.r.smembers(names.RUNS_KEY))
+        runs = sorted(streams.text(m) for m in await self.r.smembers(names.RUNS_KEY))
         out = []
         for run in runs:
             stream = names.tasks_stream(run)

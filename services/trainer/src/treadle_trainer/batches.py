@@ -213,7 +213,9 @@ def collate(data: Sequence[Datum], coefs: Sequence[float], pad_id: int) -> Micro
         targets[b, :n] = torch.tensor(d.targets)
         for tensor, values in zip(floats, (d.weights, d.advantages, d.logprobs), strict=True):
             tensor[b, :n] = torch.tensor(values, dtype=torch.float32)
-    return MicroBatch(input_ids, targets, *floats, torch.tensor(coefs, dtype=torch.float32))
+    weights, advantages, logprobs = floats
+    coef = torch.tensor(coefs, dtype=torch.float32)
+    return MicroBatch(input_ids, targets, weights, advantages, logprobs, coef)
 
 
 def pack(

@@ -80,7 +80,7 @@ class Runs:
         redis = self.runtime.redis
         while not self.runtime.draining:
             for member in await redis.smembers(names.RUNS_KEY):
-                run = member.decode()
+                run = streams.text(member)
                 if run in self.owners:
                     continue
                 raw = await redis.get(names.run_config(run))
@@ -118,7 +118,7 @@ class Runs:
 
     async def backlog(self) -> Backlog:
         r = self.runtime.redis
-        active = [m.decode() for m in await r.smembers(names.RUNS_KEY)]
+        active = [streams.text(m) for m in await r.smembers(names.RUNS_KEY)]
         tasks = [
             await streams.backlog(r, names.tasks_stream(run), names.ROLLOUT_GROUP) for run in active
         ]

@@ -70,7 +70,7 @@ async def read_group(
     out = []
     for stream, entries in reply or []:
         for entry_id, fields in entries:
-            out.append((_s(stream), _s(entry_id), decode(fields, cls)))
+            out.append((text(stream), text(entry_id), decode(fields, cls)))
     return out
 
 
@@ -87,7 +87,7 @@ async def reclaim(
     """Take over entries idle longer than `min_idle_ms` (their consumer died)."""
     reply: Any = await r.xautoclaim(stream, group, consumer, min_idle_ms, "0-0", count=count)
     entries = reply[1]  # redis 7 appends a third element (deleted ids); 6.2 does not
-    return [(stream, _s(entry_id), decode(fields, cls)) for entry_id, fields in entries if fields]
+    return [(stream, text(entry_id), decode(fields, cls)) for entry_id, fields in entries if fields]
 
 
 async def pending_own(
@@ -99,7 +99,7 @@ async def pending_own(
     for _, entries in reply or []:
         for entry_id, fields in entries:
             if fields:
-                out.append((stream, _s(entry_id), decode(fields, cls)))
+                out.append((stream, text(entry_id), decode(fields, cls)))
     return out
 
 
@@ -108,13 +108,14 @@ async def backlog(r: aioredis.Redis, stream: str, group: str, cap: int = 100_000
     if not await r.exists(stream):
         return 0
     for info in await r.xinfo_groups(stream):
-        if _s(info["name"]) != group:
+        if text(info["name"]) != group:
             continue
-        last = _s(info["last-delivered-id"])
+        last = text(info["last-delivered-id"])
         undelivered = await r.xrange(stream, min=f"({last}", count=cap)  # works on Redis 6.2
         return len(undelivered or []) + int(info["pending"])
     return await r.xlen(stream)  # no consumer has read yet
 
 
-def _s(value: bytes | str) -> str:
+def text(value: bytes | str) -> str:
+    """A Redis reply as text (bytes unless the client decodes responses)."""
     return value.decode() if isinstance(value, bytes) else value

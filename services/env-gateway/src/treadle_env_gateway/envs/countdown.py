@@ -24,7 +24,7 @@ class Countdown(Env):
     ) -> list[dict[str, Any]]:
         rng = random.Random(f"countdown-{split}-{seed}")
         count, top = int(options.get("num_numbers", 3)), int(options.get("max_number", 10))
-        tasks = []
+        tasks: list[dict] = []
         while len(tasks) < num_tasks:
             numbers = [rng.randint(1, top) for _ in range(count)]
             value = numbers[0]

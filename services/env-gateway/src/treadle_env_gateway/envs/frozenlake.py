@@ -36,7 +36,7 @@ class FrozenLake(Env):
     ) -> list[dict[str, Any]]:
         rng = random.Random(f"frozenlake-{split}-{seed}")
         size, holes = int(options.get("size", 4)), float(options.get("hole_prob", 0.2))
-        tasks = []
+        tasks: list[dict] = []
         while len(tasks) < num_tasks:
             cells = [
                 ["H" if rng.random() < holes else "F" for _ in range(size)] for _ in range(size)

@@ -12,6 +12,7 @@ import asyncio
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 from treadle_reward.scorers.base import Score, ScoreInput, Scorer, register
 
@@ -30,7 +31,7 @@ class RewardModel(Scorer):
         self.model_dir = model_dir
         self.max_length = max_length
         self.max_batch = max_batch
-        self._loaded = None
+        self._loaded: tuple[Any, Any, Any] | None = None
         self._waiting: list[tuple[ScoreInput, asyncio.Future[Score]]] = []
         self._flushing: asyncio.Task | None = None
 

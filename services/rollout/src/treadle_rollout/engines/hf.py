@@ -30,7 +30,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol, cast
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
@@ -81,8 +81,8 @@ class _Batch:
     def add(self, seqs: list[_Seq], cache: DynamicCache, mask_B_T: torch.Tensor) -> None:
         """Append prefilled sequences (their cache right-aligned, as `mask_B_T` says)."""
         self.slab.add(
-            [layer.keys for layer in cache.layers],
-            [layer.values for layer in cache.layers],
+            [layer.keys for layer in _layers(cache)],
+            [layer.values for layer in _layers(cache)],
             mask_B_T,
         )
         self.seqs += seqs
@@ -100,13 +100,23 @@ class _Batch:
         self.slab.clear()
 
 
+class _KV(Protocol):
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+def _layers(cache: DynamicCache) -> list[_KV]:
+    """The cache's per-layer keys and values (full-attention layers: both always set)."""
+    return cast(list[_KV], cache.layers)
+
+
 def _right_align(cache: DynamicCache, mask_B_T: torch.Tensor) -> torch.Tensor:
     """Move every row's cached columns to the right end, in order, dropping the padding
     between a reused prefix and the prefilled rest; return the new mask."""
     length = int(mask_B_T.sum(1).max())
     # a stable sort puts each row's padding columns first and keeps its tokens in order
     index_B_T = torch.sort(mask_B_T, dim=1, stable=True).indices[:, -length:]
-    for layer in cache.layers:
+    for layer in _layers(cache):
         index = index_B_T[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
         layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
     return mask_B_T.gather(1, index_B_T)
@@ -129,9 +139,8 @@ class HFEngine(Engine):
         self.model_name = model_name
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(
-            self.device
-        )
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model = model.to(self.device)  # type: ignore[arg-type]  # transformers' `to` typing
         self.model.eval()
         self.eos_id = self.tokenizer.eos_token_id
         self.pad_id = (
@@ -341,7 +350,7 @@ class HFEngine(Engine):
         distinct = list({row: seq for row, seq in zip(rows, seqs, strict=True)}.values())
         cache, mask_B_T, logits_B_V = self._prefill_rows(distinct)
         index = torch.tensor(rows, device=self.device)
-        for layer in cache.layers:
+        for layer in _layers(cache):
             layer.keys = layer.keys.index_select(0, index)
             layer.values = layer.values.index_select(0, index)
         metrics.PREFIX_CACHE_HIT_TOKENS.inc(

@@ -20,6 +20,7 @@ import os
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 from transformers import AutoTokenizer
 
@@ -64,7 +65,7 @@ class VLLMEngine(Engine):
         self._dtype = dtype
         self._enforce_eager = enforce_eager
         self._max_batch = max_batch
-        self._llm = None
+        self._llm: Any = None  # vllm AsyncLLM, once started
         self._held: set[str] = set()
         self._swap_epoch = 0
         self.meter = BusyMeter()

@@ -16,7 +16,7 @@ import shutil
 from collections import defaultdict
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from pydantic import BaseModel, Field
@@ -83,7 +83,7 @@ class TorchBackend:
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else tokenizer.eos_token_id
         self.model = self._load_model()
-        self.vocab_size = int(self.model.config.vocab_size)
+        self.vocab_size = int(self.model.config.vocab_size)  # type: ignore[union-attr,arg-type]
         self.reference = self._load_model().eval().requires_grad_(False) if spec.reference else None
         self.proximal: torch.nn.Module | None = None  # decoupled PPO with several minibatches
         self._wrap()
@@ -91,9 +91,8 @@ class TorchBackend:
         self.signature = {k: list(v.shape) for k, v in self.model.state_dict().items()}
 
     def _load_model(self) -> torch.nn.Module:
-        return AutoModelForCausalLM.from_pretrained(self.spec.model_dir, dtype=torch.float32).to(
-            self.device
-        )
+        model = AutoModelForCausalLM.from_pretrained(self.spec.model_dir, dtype=torch.float32)
+        return model.to(self.device)  # type: ignore[arg-type]  # transformers types `to` oddly
 
     def _wrap(self) -> None:
         """Distribute the model (FSDP); nothing to do in one process."""
@@ -211,7 +210,9 @@ class TorchBackend:
 
     def state_dict_cpu(self) -> dict[str, torch.Tensor]:
         """The full model state dict on the CPU (complete on rank 0)."""
-        sd = get_model_state_dict(self.model, options=self._options())
+        sd = cast(
+            dict[str, torch.Tensor], get_model_state_dict(self.model, options=self._options())
+        )
         return {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
 
     def snapshot_cpu(self) -> dict[str, torch.Tensor]:
@@ -252,7 +253,7 @@ class TorchBackend:
                 f"({len(theirs)} vs {len(ours)} tensors; first difference: {diff[:3]})"
             )
         primary = self.rank == 0
-        model_sd = load_file(str(path / "model.safetensors")) if primary else {}
+        model_sd: dict[str, Any] = load_file(str(path / "model.safetensors")) if primary else {}
         optim_sd = torch.load(path / "optimizer.pt", weights_only=True) if primary else {}
         set_model_state_dict(self.model, model_sd, options=self._options(load=True))
         set_optimizer_state_dict(

@@ -64,7 +64,7 @@ class Feeder:
         fed = await self.r.hget(names.run_state(run), "tasks_fed")
         self.status.tasks_fed = int(fed or 0)
         self.fed.clear()  # in place: the collector checks groups against this set
-        self.fed.update(m.decode() for m in await self.r.smembers(names.fed_tasks(run)))
+        self.fed.update(streams.text(m) for m in await self.r.smembers(names.fed_tasks(run)))
 
     async def feed(self, source: TaskSource, upto: int, min_version: int) -> None:
         """Feed tasks until `upto` live ones were fed (cancelled ones are replaced); the

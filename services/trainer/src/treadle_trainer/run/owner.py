@@ -197,11 +197,12 @@ class RunOwner:
         """Load the last committed checkpoint of this run, if any; True when restored."""
         run = self.config.run_id
         await self.feeder.restore()
-        path = await self.r.hget(names.run_state(run), "checkpoint_path")
-        if path is None:
+        raw = await self.r.hget(names.run_state(run), "checkpoint_path")
+        if raw is None:
             return False
+        path = streams.text(raw)
         assert self.backend is not None
-        meta = await on_torch_thread(self.backend.load, Path(path.decode()))
+        meta = await on_torch_thread(self.backend.load, Path(path))
         restored = RunStatus.model_validate(meta["run"])
         restored.tasks_fed, restored.state = self.status.tasks_fed, "running"
         restored.resumed += 1
@@ -209,7 +210,7 @@ class RunOwner:
             setattr(self.status, name, getattr(restored, name))
         self.collector.seen = set(meta["seen"])
         self.drops.reload()
-        log.info("run restored", run=run, step=restored.step, checkpoint=path.decode())
+        log.info("run restored", run=run, step=restored.step, checkpoint=path)
         return True
 
     async def _publish_now(self, step: int) -> int:
