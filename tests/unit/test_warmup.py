@@ -7,12 +7,8 @@ import pytest
 
 from treadle_cli.report import RunReport
 from treadle_cli.run_client import eval_summary
-<<<<<<< HEAD
-from treadle_cli.warmup import TrainingSession
-=======
 from treadle_cli.warmup import TrainingSession, WarmUp
 from treadle_common.api.training import DatumIn
->>>>>>> e2303c7 (Issue 25: treadle_common.api — the HTTP APIs' models shared by services and clients (runs, rollout info/evaluate/swaps, training sessions, readiness, weight-store versions); typed TrainerClient/TrainingClient/RolloutClient; the CLI reads no API response by key (stack status and stack.json typed too); a test ties LossName to the implemented losses)
 from treadle_common.config import RunConfig
 
 pytestmark = pytest.mark.unit
