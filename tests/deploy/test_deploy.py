@@ -17,7 +17,13 @@ import pytest
 import yaml
 
 from tests.conftest import ROOT
+from treadle_cli.settings import CliSettings
 from treadle_common.settings import Settings
+from treadle_env_gateway.settings import EnvGatewaySettings
+from treadle_reward.settings import RewardSettings
+from treadle_rollout.settings import RolloutSettings
+from treadle_trainer.settings import TrainerSettings
+from treadle_weight_store.settings import WeightStoreSettings
 
 pytestmark = pytest.mark.unit
 
@@ -25,7 +31,20 @@ SERVICES = ["weight-store", "env-gateway", "reward", "rollout", "trainer"]
 BIN = Path(sys.executable).parent
 COMPOSE = Path(compose.__file__).parent / "docker-compose"
 OVERLAYS = ["dev", "gpu"]
-SETTINGS_VARS = {f"TREADLE_{name.upper()}" for name in Settings.model_fields}
+SERVICE_SETTINGS: dict[str, type[Settings]] = {
+    "weight-store": WeightStoreSettings,
+    "env-gateway": EnvGatewaySettings,
+    "reward": RewardSettings,
+    "rollout": RolloutSettings,
+    "trainer": TrainerSettings,
+}
+
+
+def variables(settings: type[Settings]) -> set[str]:
+    return {f"TREADLE_{name.upper()}" for name in settings.model_fields}
+
+
+SETTINGS_VARS = set().union(*map(variables, [*SERVICE_SETTINGS.values(), CliSettings]))
 
 
 # --- Dockerfiles ---------------------------------------------------------------------------------
@@ -342,3 +361,14 @@ def test_every_variable_set_is_one_the_settings_class_reads(rendered):
     assert needed <= manifest_vars(docs) and needed <= compose_env
     assert {"TREADLE_ROLLOUT_MODEL", "TREADLE_ROLLOUT_MODEL_NAME"} <= manifest_vars(docs)
     assert {"MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD"} <= compose_env  # minio's own
+
+
+def test_each_service_is_given_only_settings_it_reads():
+    """Per-service settings: a variable compose sets on a service is one that service's own
+    settings class reads (not merely some other process's)."""
+    services = compose_config("cpu")["services"]
+    for name, settings in SERVICE_SETTINGS.items():
+        given = {k for k in services[name].get("environment") or {} if k.startswith("TREADLE_")}
+        assert given - variables(settings) == set(), name
+    # and the common part is what every service reads
+    assert all(variables(Settings) <= variables(s) for s in SERVICE_SETTINGS.values())

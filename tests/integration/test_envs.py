@@ -15,7 +15,8 @@ from treadle_common.proto.treadle.v1 import env_pb2 as pb
 pytestmark = pytest.mark.integration
 
 CRASHY_ENV = """
-from treadle_env_gateway.envs.base import Env, Message, StepResult, register
+from treadle_env_gateway.envs import register
+from treadle_env_gateway.envs.base import Env, Message, StepResult
 
 @register("crashy")
 class Crashy(Env):

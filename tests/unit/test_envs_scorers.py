@@ -1,11 +1,11 @@
 import pytest
 
 from treadle_common.proto.treadle.v1 import reward_pb2
+from treadle_env_gateway.envs import registry as env_registry
 from treadle_env_gateway.envs.base import Action, EnvError
-from treadle_env_gateway.envs.base import registry as env_registry
 from treadle_env_gateway.sessions import SessionManager
+from treadle_reward.scorers import registry as scorer_registry
 from treadle_reward.scorers.base import ScoreInput
-from treadle_reward.scorers.base import registry as scorer_registry
 from treadle_reward.worker import ScoringService
 
 pytestmark = pytest.mark.unit

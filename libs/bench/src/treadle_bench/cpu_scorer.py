@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import hashlib
 
-from treadle_reward.scorers.base import Score, ScoreInput, Scorer, register
+from treadle_reward.scorers import register
+from treadle_reward.scorers.base import Score, ScoreInput, Scorer
 
 
 @register("bench_cpu")

@@ -39,9 +39,9 @@ from treadle_cli import stack
 from treadle_cli.infra import free_port_range
 from treadle_cli.report import RunReport
 from treadle_cli.run_client import RunClient, eval_summary
+from treadle_cli.settings import CliSettings
 from treadle_cli.tiny_model import init_tiny
 from treadle_common.config import RunConfig, load_recipe
-from treadle_common.settings import Settings
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 DEFAULT_RECIPE = RECIPES / "agentic.yaml"
@@ -77,7 +77,7 @@ def both_modes(
     `before_down(spec, sync_config)` runs once both did, while the stack is still up."""
     base = free_port_range(8)
     redis_port, nats_port = free_port_range(1), free_port_range(1)
-    settings = Settings(
+    settings = CliSettings(
         state_dir=tmp / "state",
         redis_url=f"redis://127.0.0.1:{redis_port}",
         nats_url=f"nats://127.0.0.1:{nats_port}",

@@ -26,9 +26,9 @@ from treadle_cli import stack
 from treadle_cli.infra import free_port_range
 from treadle_cli.report import RunReport
 from treadle_cli.run_client import RunClient, eval_summary
+from treadle_cli.settings import CliSettings
 from treadle_cli.tiny_model import init_tiny
 from treadle_common.config import load_recipe
-from treadle_common.settings import Settings
 
 DEMO_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "demo.yaml"
 
@@ -38,7 +38,7 @@ def run(
 ) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="treadle-bench-learn-"))
     console = Console(file=sys.stderr)
-    settings = Settings(
+    settings = CliSettings(
         state_dir=tmp / "state",
         redis_url=f"redis://127.0.0.1:{free_port_range(1)}",
         nats_url=f"nats://127.0.0.1:{free_port_range(1)}",

@@ -96,10 +96,10 @@ async def inproc_loop(model_dir: Path, cfg: RunConfig, steps: int) -> dict[str, 
     import torch
 
     from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
+    from treadle_env_gateway.envs import registry as env_registry
     from treadle_env_gateway.envs.base import Action
-    from treadle_env_gateway.envs.base import registry as env_registry
+    from treadle_reward.scorers import registry as scorer_registry
     from treadle_reward.scorers.base import ScoreInput
-    from treadle_reward.scorers.base import registry as scorer_registry
     from treadle_rollout.engines.base import Sampling
     from treadle_rollout.engines.hf import HFEngine
     from treadle_rollout.transcript import Transcript

@@ -26,8 +26,8 @@ from rich.table import Table
 
 from treadle_cli import stack
 from treadle_cli.infra import Infra, InfraError, states_json
+from treadle_cli.settings import get_settings
 from treadle_common.config import RecipeError, load_recipe
-from treadle_common.settings import get_settings
 
 app = typer.Typer(
     no_args_is_help=True, add_completion=False, help="Treadle: service-oriented RL post-training."

@@ -28,6 +28,7 @@ from rich.table import Table
 
 from treadle_cli import stack
 from treadle_cli.report import RunReport
+from treadle_cli.settings import CliSettings
 from treadle_cli.warmup import TrainingSession, demonstrations, validation_tasks
 from treadle_common.api.rollout import EvaluateRequest, EvaluateResult, RolloutInfo
 from treadle_common.api.runs import RunStatus
@@ -38,7 +39,6 @@ from treadle_common.clients.trainer import TrainerClient
 from treadle_common.clients.weights import WeightStoreClient
 from treadle_common.config import RunConfig, dump_resolved
 from treadle_common.evaluation import held_out_tasks
-from treadle_common.settings import Settings
 from treadle_common.weights_export import export_hf
 
 
@@ -70,7 +70,7 @@ class Urls:
 
 
 class RunClient:
-    def __init__(self, config: RunConfig, settings: Settings, console: Console):
+    def __init__(self, config: RunConfig, settings: CliSettings, console: Console):
         self.config = config
         self.settings = settings
         self.console = console

@@ -29,12 +29,12 @@ import httpx
 from pydantic import BaseModel, Field
 
 from treadle_cli.infra import Infra, alive, port_free, probe, terminate
+from treadle_cli.settings import CliSettings
 from treadle_common import names
 from treadle_common.api.ops import Readiness, ServiceInfo, StageProgress
 from treadle_common.api.rollout import RolloutInfo
 from treadle_common.clients.http import ApiError, info, readiness
 from treadle_common.clients.trainer import TrainerClient
-from treadle_common.settings import Settings
 
 
 class StackError(RuntimeError):
@@ -201,7 +201,7 @@ class Supervisor:
                 terminate(m.proc.pid, timeout_s=25.0)
             m.state = "stopped"
         if self.spec.infra_started:
-            settings = Settings(
+            settings = CliSettings(
                 state_dir=Path(self.spec.state_dir),
                 redis_url=self.spec.redis_url,
                 nats_url=self.spec.nats_url,
@@ -367,7 +367,7 @@ def wait_healthy(state_dir: Path, timeout_s: float) -> StackStatus:
 
 # -- up / down ---------------------------------------------------------------------------
 def prepare(
-    settings: Settings,
+    settings: CliSettings,
     model_dir: Path | None,
     model_name: str | None,
     base_port: int | None,
@@ -431,7 +431,7 @@ def launch_detached(spec: StackSpec) -> int:
     return proc.pid
 
 
-def down(settings: Settings, timeout_s: float = 60.0) -> list[str]:
+def down(settings: CliSettings, timeout_s: float = 60.0) -> list[str]:
     """Stop the supervisor (which stops services and the infra it started); kill leftovers."""
     state_dir = settings.state_dir.resolve()
     record = read_stack(state_dir)

@@ -302,13 +302,12 @@ class ServiceRuntime:
         await self.stop_event.wait()
 
 
-def run_service(app_module: str) -> None:
-    """Entry point of every service's `__main__`: settings first, heavy imports after."""
+def run_service(app_module: str, settings_class: type[Settings]) -> None:
+    """Entry point of every service's `__main__`: its settings (from the environment) first,
+    heavy imports after; `app_module.main(settings)` serves until SIGTERM."""
     import importlib
 
-    from treadle_common.settings import Settings
-
-    settings = Settings()
+    settings = settings_class()
     app = importlib.import_module(app_module)
     try:
         asyncio.run(app.main(settings))

@@ -15,10 +15,10 @@ from pydantic import BaseModel, Field
 
 from treadle_common.proto.treadle.v1 import env_pb2_grpc
 from treadle_common.service import ServiceRuntime
-from treadle_common.settings import Settings
 from treadle_env_gateway.envs.base import Action, EnvError, UnknownEnv
 from treadle_env_gateway.grpc_service import EnvGatewayServicer
 from treadle_env_gateway.sessions import SERVICE, CapacityExceeded, SessionManager, UnknownSession
+from treadle_env_gateway.settings import EnvGatewaySettings
 
 
 class CreateSessionBody(BaseModel):
@@ -32,7 +32,7 @@ class StepBody(BaseModel):
     text: str = Field("", description="The policy's text action")
 
 
-def build(settings: Settings) -> tuple[ServiceRuntime, SessionManager]:
+def build(settings: EnvGatewaySettings) -> tuple[ServiceRuntime, SessionManager]:
     runtime = ServiceRuntime(SERVICE, settings)
     modules = tuple(m.strip() for m in settings.env_modules.split(",") if m.strip())
     sessions = SessionManager(
@@ -40,6 +40,7 @@ def build(settings: Settings) -> tuple[ServiceRuntime, SessionManager]:
         max_sessions=settings.env_max_sessions,
         idle_ttl_s=settings.env_idle_ttl_s,
         env_modules=modules,
+        settings=settings,
     )
     env_pb2_grpc.add_EnvGatewayServicer_to_server(
         EnvGatewayServicer(sessions, runtime.progress.stage("step")), runtime.make_grpc_server()
@@ -96,6 +97,6 @@ async def expire_loop(runtime: ServiceRuntime, sessions: SessionManager) -> None
         await sessions.expire_idle()
 
 
-async def main(settings: Settings) -> None:
+async def main(settings: EnvGatewaySettings) -> None:
     runtime, sessions = build(settings)
     await runtime.serve(expire_loop(runtime, sessions))

@@ -15,6 +15,7 @@ from typing import Any
 
 from treadle_common import metrics
 from treadle_common.logs import get_logger
+from treadle_env_gateway.envs import registry
 from treadle_env_gateway.envs.base import (
     Action,
     Env,
@@ -22,9 +23,9 @@ from treadle_env_gateway.envs.base import (
     Message,
     StepResult,
     UnknownEnv,
-    registry,
 )
 from treadle_env_gateway.latency import Latency, latency_from
+from treadle_env_gateway.settings import EnvGatewaySettings
 
 log = get_logger(__name__)
 
@@ -62,12 +63,15 @@ class SessionManager:
         idle_ttl_s: float = 600.0,
         max_action_chars: int = 65_536,
         env_modules: tuple[str, ...] = (),
+        settings: EnvGatewaySettings | None = None,
     ):
         self.replica = replica
         self.max_sessions = max_sessions
         self.idle_ttl_s = idle_ttl_s
         self.max_action_chars = max_action_chars
         self.envs = registry(env_modules)
+        for cls in self.envs.values():
+            cls.configure(settings or EnvGatewaySettings())
         self.sessions: dict[str, Session] = {}
 
     def env_class(self, name: str) -> type[Env]:

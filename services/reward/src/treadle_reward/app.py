@@ -15,8 +15,8 @@ from pydantic import BaseModel, Field
 
 from treadle_common.proto.treadle.v1 import reward_pb2 as pb
 from treadle_common.service import ServiceRuntime
-from treadle_common.settings import Settings
-from treadle_reward.scorers.base import registry
+from treadle_reward.scorers import registry
+from treadle_reward.settings import RewardSettings
 from treadle_reward.worker import SERVICE, ScoringService
 
 
@@ -28,11 +28,11 @@ class ScoreBody(BaseModel):
     options: dict[str, Any] = Field(default_factory=dict)
 
 
-def build(settings: Settings) -> tuple[ServiceRuntime, ScoringService]:
+def build(settings: RewardSettings) -> tuple[ServiceRuntime, ScoringService]:
     runtime = ServiceRuntime(SERVICE, settings)
     modules = tuple(m.strip() for m in settings.scorer_modules.split(",") if m.strip())
     scoring = ScoringService(
-        registry(modules),
+        registry(settings, modules),
         timeout_s=settings.reward_timeout_s,
         max_concurrency=settings.reward_max_concurrency,
         cache_size=settings.reward_cache_size,
@@ -70,7 +70,7 @@ def build(settings: Settings) -> tuple[ServiceRuntime, ScoringService]:
     return runtime, scoring
 
 
-async def main(settings: Settings) -> None:
+async def main(settings: RewardSettings) -> None:
     runtime, scoring = build(settings)
 
     async def subscribe() -> None:

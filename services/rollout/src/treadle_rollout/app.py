@@ -23,11 +23,11 @@ from treadle_common.clients.weights import WeightStoreClient
 from treadle_common.proto.treadle.v1 import generation_pb2 as gpb
 from treadle_common.proto.treadle.v1 import generation_pb2_grpc
 from treadle_common.service import ServiceRuntime
-from treadle_common.settings import Settings
 from treadle_rollout import evaluate, metrics, openai_api
 from treadle_rollout.engines.base import ContextOverflow, Engine, Sampling
 from treadle_rollout.engines.hf import HFEngine
 from treadle_rollout.episodes import EpisodeRunner
+from treadle_rollout.settings import RolloutSettings
 from treadle_rollout.weight_sync import WeightSync
 from treadle_rollout.worker import SERVICE, TaskWorker
 
@@ -57,7 +57,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         )
 
 
-async def build_engine(settings: Settings, model_dir: Path, model_name: str) -> Engine:
+async def build_engine(settings: RolloutSettings, model_dir: Path, model_name: str) -> Engine:
     if settings.rollout_engine == "vllm":
         from treadle_rollout.engines.vllm import VLLMEngine
 
@@ -93,7 +93,7 @@ async def build_engine(settings: Settings, model_dir: Path, model_name: str) -> 
     )
 
 
-async def main(settings: Settings) -> None:
+async def main(settings: RolloutSettings) -> None:
     if settings.rollout_model is None:
         raise SystemExit("rollout needs TREADLE_ROLLOUT_MODEL (an HF model directory)")
     model_dir = Path(settings.rollout_model)

@@ -1,6 +1,6 @@
 """`python -m treadle_trainer` / `treadle-trainer`: run the trainer service.
 
-Settings come from the environment (TREADLE_*), see treadle_common.settings. Under
+Settings come from the environment (TREADLE_*), see `treadle_trainer.settings`. Under
 `torchrun --nproc-per-node N -m treadle_trainer`, rank 0 serves and ranks 1..N-1 follow it
 (FSDP2 backend, see backends/fsdp.py).
 """
@@ -8,6 +8,7 @@ Settings come from the environment (TREADLE_*), see treadle_common.settings. Und
 import os
 
 from treadle_common.service import run_service
+from treadle_trainer.settings import TrainerSettings
 
 
 def main() -> None:
@@ -17,7 +18,7 @@ def main() -> None:
         follow()
         return
     try:
-        run_service("treadle_trainer.app")
+        run_service("treadle_trainer.app", TrainerSettings)
     finally:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             from treadle_trainer.backends.fsdp import shutdown_followers

@@ -18,15 +18,15 @@ from treadle_common.clients.env import EnvClient
 from treadle_common.clients.weights import WeightStoreClient
 from treadle_common.logs import get_logger
 from treadle_common.service import ServiceRuntime
-from treadle_common.settings import Settings
 from treadle_trainer import training_api
 from treadle_trainer.run import SERVICE
 from treadle_trainer.runs_api import Runs
+from treadle_trainer.settings import TrainerSettings
 
 log = get_logger(__name__)
 
 
-async def main(settings: Settings) -> None:
+async def main(settings: TrainerSettings) -> None:
     runtime = ServiceRuntime(SERVICE, settings, uses_redis=True)
     if settings.torch_threads:  # before any torch work: every thread it starts follows
         torch.set_num_threads(settings.torch_threads)

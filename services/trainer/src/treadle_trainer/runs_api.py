@@ -25,8 +25,8 @@ from treadle_common.config import RunConfig
 from treadle_common.logs import get_logger
 from treadle_common.progress import Stage
 from treadle_common.service import ServiceRuntime
-from treadle_common.settings import Settings
 from treadle_trainer.run import RunOwner
+from treadle_trainer.settings import TrainerSettings
 
 log = get_logger(__name__)
 
@@ -35,7 +35,7 @@ class Runs:
     def __init__(
         self,
         runtime: ServiceRuntime,
-        settings: Settings,
+        settings: TrainerSettings,
         store: WeightStoreClient,
         env: EnvClient,
         stages: tuple[Stage, Stage],

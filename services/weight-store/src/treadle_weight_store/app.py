@@ -21,17 +21,17 @@ from treadle_common.clients.weights import ensure_weights_stream
 from treadle_common.logs import get_logger
 from treadle_common.proto.treadle.v1 import weights_pb2 as pb
 from treadle_common.service import ServiceRuntime
-from treadle_common.settings import Settings
 from treadle_weight_store.backends import make_backend
 from treadle_weight_store.errors import BadRequest, NotFound, Precondition, StoreError
 from treadle_weight_store.grpc_service import SERVICE, WeightStoreServicer, add_to_server
+from treadle_weight_store.settings import WeightStoreSettings
 from treadle_weight_store.store import WeightStore
 
 GC_INTERVAL_S = 60.0
 log = get_logger(__name__)
 
 
-def make_store(settings: Settings) -> WeightStore:
+def make_store(settings: WeightStoreSettings) -> WeightStore:
     backend = make_backend(
         settings.weight_store_backend,
         root=settings.weight_store_dir or settings.state_dir / "weights",
@@ -50,7 +50,7 @@ def make_store(settings: Settings) -> WeightStore:
     )
 
 
-def build(settings: Settings) -> tuple[ServiceRuntime, WeightStore]:
+def build(settings: WeightStoreSettings) -> tuple[ServiceRuntime, WeightStore]:
     runtime = ServiceRuntime(SERVICE, settings)
     store = make_store(settings)
     grpc_addr = f"{settings.host}:{settings.port(SERVICE, 'grpc')}"
@@ -130,6 +130,6 @@ async def gc_loop(runtime: ServiceRuntime, store: WeightStore) -> None:
             log.error("gc failed", error=str(exc))
 
 
-async def main(settings: Settings) -> None:
+async def main(settings: WeightStoreSettings) -> None:
     runtime, store = build(settings)
     await runtime.serve(gc_loop(runtime, store))

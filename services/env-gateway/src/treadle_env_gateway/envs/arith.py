@@ -13,7 +13,8 @@ import hashlib
 import random
 from typing import Any
 
-from treadle_env_gateway.envs.base import Action, Env, EnvError, Message, StepResult, register
+from treadle_env_gateway.envs import register
+from treadle_env_gateway.envs.base import Action, Env, EnvError, Message, StepResult
 
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 EVAL_SPLIT = "eval"

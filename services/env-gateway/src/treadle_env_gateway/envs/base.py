@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
 from typing import Any
+
+from treadle_env_gateway.settings import EnvGatewaySettings
 
 
 @dataclass
@@ -56,6 +57,10 @@ class Env(abc.ABC):
     def __init__(self, options: dict[str, Any] | None = None):
         self.options = options or {}
 
+    @classmethod  # noqa: B027  (an optional hook, not abstract)
+    def configure(cls, settings: EnvGatewaySettings) -> None:
+        """Once per process, before any session: the env's share of the gateway's settings."""
+
     @classmethod
     @abc.abstractmethod
     def sample_tasks(
@@ -81,36 +86,3 @@ class EnvError(ValueError):
 
 class UnknownEnv(EnvError):
     """No environment of that name is registered; answered as NOT_FOUND."""
-
-
-_BUILTIN: dict[str, type[Env]] = {}
-
-
-def register(name: str):
-    def wrap(cls: type[Env]) -> type[Env]:
-        _BUILTIN[name] = cls
-        return cls
-
-    return wrap
-
-
-def registry(extra_modules: tuple[str, ...] = ()) -> dict[str, type[Env]]:
-    """Built-in envs, those of installed packages (entry point group `treadle.envs`) and those
-    that `extra_modules` register with `@register` when imported."""
-    import importlib
-
-    for module in extra_modules:
-        importlib.import_module(module)
-    from treadle_env_gateway.envs import (  # noqa: F401  (importing registers the built-ins)
-        arith,
-        calculator,
-        countdown,
-        frozenlake,
-        guess_number,
-        python_tests,
-    )
-
-    envs = dict(_BUILTIN)
-    for ep in entry_points(group="treadle.envs"):
-        envs.setdefault(ep.name, ep.load())
-    return envs

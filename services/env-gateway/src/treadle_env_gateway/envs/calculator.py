@@ -8,7 +8,8 @@ import random
 from typing import Any
 
 from treadle_common.safe_math import ExpressionError, evaluate, format_number
-from treadle_env_gateway.envs.base import Action, Env, EnvError, Message, StepResult, register
+from treadle_env_gateway.envs import register
+from treadle_env_gateway.envs.base import Action, Env, EnvError, Message, StepResult
 
 CALCULATOR = {
     "type": "function",

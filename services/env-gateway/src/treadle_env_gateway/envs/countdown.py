@@ -7,7 +7,8 @@ from collections import Counter
 from typing import Any
 
 from treadle_common.safe_math import ExpressionError, evaluate
-from treadle_env_gateway.envs.base import Action, Env, EnvError, Message, StepResult, register
+from treadle_env_gateway.envs import register
+from treadle_env_gateway.envs.base import Action, Env, EnvError, Message, StepResult
 
 
 def _answer_expression(text: str) -> str:

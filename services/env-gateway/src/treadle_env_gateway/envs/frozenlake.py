@@ -7,7 +7,8 @@ import re
 from collections import deque
 from typing import Any
 
-from treadle_env_gateway.envs.base import Action, Env, EnvError, Message, StepResult, register
+from treadle_env_gateway.envs import register
+from treadle_env_gateway.envs.base import Action, Env, EnvError, Message, StepResult
 
 MOVES = {"left": (0, -1), "right": (0, 1), "up": (-1, 0), "down": (1, 0)}
 _MOVE = re.compile(r"\b(left|right|up|down)\b", re.IGNORECASE)

@@ -6,7 +6,8 @@ import random
 import re
 from typing import Any
 
-from treadle_env_gateway.envs.base import Action, Env, EnvError, Message, StepResult, register
+from treadle_env_gateway.envs import register
+from treadle_env_gateway.envs.base import Action, Env, EnvError, Message, StepResult
 
 _INT = re.compile(r"-?\d+")
 

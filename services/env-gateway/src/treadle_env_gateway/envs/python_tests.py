@@ -12,8 +12,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from treadle_env_gateway.envs.base import Action, Env, EnvError, Message, StepResult, register
+from treadle_env_gateway.envs import register
+from treadle_env_gateway.envs.base import Action, Env, EnvError, Message, StepResult
 from treadle_env_gateway.sandbox.runner import Limits, Sandbox
+from treadle_env_gateway.settings import EnvGatewaySettings
 
 PROBLEMS = [
     (
@@ -59,17 +61,6 @@ PROBLEMS = [
     ),
 ]
 _CODE_BLOCK = re.compile(r"```(?:python)?\n(.*?)```", re.DOTALL)
-_sandbox: Sandbox | None = None
-
-
-def sandbox() -> Sandbox:
-    """One sandbox runner per gateway process (its base dir under the state dir)."""
-    global _sandbox
-    if _sandbox is None:
-        from treadle_common.settings import get_settings
-
-        _sandbox = Sandbox(Path(get_settings().state_dir) / "sandbox")
-    return _sandbox
 
 
 def extract_code(text: str) -> str:
@@ -79,6 +70,20 @@ def extract_code(text: str) -> str:
 
 @register("python_tests")
 class PythonTests(Env):
+    _sandbox_dir = Path(".treadle") / "sandbox"
+    _sandbox: Sandbox | None = None  # one runner per gateway process, made on first use
+
+    @classmethod
+    def configure(cls, settings: EnvGatewaySettings) -> None:
+        """Sandboxes live under the gateway's state dir."""
+        cls._sandbox_dir, cls._sandbox = settings.state_dir / "sandbox", None
+
+    @classmethod
+    def sandbox(cls) -> Sandbox:
+        if cls._sandbox is None:
+            cls._sandbox = Sandbox(cls._sandbox_dir)
+        return cls._sandbox
+
     @classmethod
     def sample_tasks(
         cls, num_tasks: int, seed: int, split: str, options: dict[str, Any]
@@ -104,7 +109,7 @@ class PythonTests(Env):
             + self.task["tests"]
             + "\nprint('ALL TESTS PASSED')\n"
         )
-        result = await sandbox().run(program, limits=self.limits)
+        result = await self.sandbox().run(program, limits=self.limits)
         info = {
             "sandbox": result.status,
             "exit_code": result.exit_code,

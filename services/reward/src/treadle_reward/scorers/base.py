@@ -1,16 +1,17 @@
-"""The scorer interface and its registry.
+"""The scorer interface (the registry is the package's: `treadle_reward.scorers`).
 
 A scorer turns a `ScoreInput` (task, final answer, transcript, env info, options) into a
 `Score`. Scorers are stateless, so any replica can serve any request. Third-party packages
-add scorers through the `treadle.scorers` entry point group.
+add scorers through the `treadle.scorers` entry-point group.
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
 from typing import Any
+
+from treadle_reward.settings import RewardSettings
 
 
 @dataclass
@@ -45,43 +46,10 @@ class Scorer(abc.ABC):
     async def score(self, request: ScoreInput) -> Score:
         """Score one request. Raise to report an error; never return 0 for a failure."""
 
+    @classmethod
+    def from_settings(cls, settings: RewardSettings) -> Scorer:
+        """The scorer, configured from the reward service's settings (most need none)."""
+        return cls()
+
     async def score_batch(self, requests: list[ScoreInput]) -> list[Score]:
         return [await self.score(r) for r in requests]
-
-
-_BUILTIN: dict[str, type[Scorer]] = {}
-
-
-def register(name: str):
-    def wrap(cls: type[Scorer]) -> type[Scorer]:
-        cls.name = name
-        _BUILTIN[name] = cls
-        return cls
-
-    return wrap
-
-
-def registry(extra_modules: tuple[str, ...] = ()) -> dict[str, Scorer]:
-    """Instances of the built-in scorers, those of installed packages (entry point group
-    `treadle.scorers`) and those `extra_modules` register with `@register` when imported."""
-    import importlib
-
-    for module in extra_modules:
-        importlib.import_module(module)
-    from treadle_reward.scorers import (  # noqa: F401  (importing registers the built-ins)
-        code_tests,
-        composite,
-        digit_match,
-        exact_match,
-        format_regex,
-        llm_judge,
-        math_verify,
-        reward_model,
-    )
-
-    classes = dict(_BUILTIN)
-    for ep in entry_points(group="treadle.scorers"):
-        classes.setdefault(ep.name, ep.load())
-    scorers = {name: cls() for name, cls in classes.items()}
-    scorers["composite"].registry = scorers  # type: ignore[attr-defined]
-    return scorers

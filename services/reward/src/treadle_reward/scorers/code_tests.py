@@ -11,18 +11,20 @@ from __future__ import annotations
 import json
 
 from treadle_common.clients.env import EnvClient
-from treadle_reward.scorers.base import Score, ScoreInput, Scorer, register
+from treadle_reward.scorers import register
+from treadle_reward.scorers.base import Score, ScoreInput, Scorer
+from treadle_reward.settings import RewardSettings
 
 
 @register("code_tests")
 class CodeTests(Scorer):
-    def __init__(self, env_gateway_addr: str | None = None):
-        if env_gateway_addr is None:
-            from treadle_common.settings import get_settings
-
-            env_gateway_addr = get_settings().env_gateway_addr
+    def __init__(self, env_gateway_addr: str):
         self.address = env_gateway_addr
         self._client: EnvClient | None = None
+
+    @classmethod
+    def from_settings(cls, settings: RewardSettings) -> CodeTests:
+        return cls(settings.env_gateway_addr)
 
     async def score(self, request: ScoreInput) -> Score:
         if not isinstance(request.task.get("tests"), str):

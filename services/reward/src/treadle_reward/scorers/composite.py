@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
-from treadle_reward.scorers.base import Score, ScoreInput, Scorer, register
+from treadle_reward.scorers import register
+from treadle_reward.scorers.base import Score, ScoreInput, Scorer
 
 
 @register("composite")

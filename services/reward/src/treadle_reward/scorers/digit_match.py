@@ -8,7 +8,8 @@ gets the units right but misses a carry still earns something. Used with `exact_
 
 from __future__ import annotations
 
-from treadle_reward.scorers.base import Score, ScoreInput, Scorer, reference, register
+from treadle_reward.scorers import register
+from treadle_reward.scorers.base import Score, ScoreInput, Scorer, reference
 from treadle_reward.scorers.exact_match import normalize
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import re
 
-from treadle_reward.scorers.base import Score, ScoreInput, Scorer, reference, register
+from treadle_reward.scorers import register
+from treadle_reward.scorers.base import Score, ScoreInput, Scorer, reference
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 

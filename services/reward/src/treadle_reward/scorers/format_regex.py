@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import regex
 
-from treadle_reward.scorers.base import Score, ScoreInput, Scorer, register
+from treadle_reward.scorers import register
+from treadle_reward.scorers.base import Score, ScoreInput, Scorer
 
 TIMEOUT_S = 1.0  # patterns come from requests: a catastrophic one must not stall the replica
 

@@ -14,7 +14,9 @@ import re
 
 import httpx
 
-from treadle_reward.scorers.base import Score, ScoreInput, Scorer, register
+from treadle_reward.scorers import register
+from treadle_reward.scorers.base import Score, ScoreInput, Scorer
+from treadle_reward.settings import RewardSettings
 
 DEFAULT_RUBRIC = "Judge whether the answer correctly and completely solves the task."
 _SCORE = re.compile(r"score\s*[:=]\s*(-?\d+(?:\.\d+)?)", re.IGNORECASE)
@@ -33,21 +35,14 @@ def parse_score(text: str, scale: float) -> float:
 
 @register("llm_judge")
 class LLMJudge(Scorer):
-    def __init__(
-        self, base_url: str | None = None, model: str | None = None, api_key: str | None = None
-    ):
-        if base_url is None:
-            from treadle_common.settings import get_settings
-
-            settings = get_settings()
-            base_url, model, api_key = (
-                settings.judge_base_url,
-                settings.judge_model,
-                settings.judge_api_key,
-            )
+    def __init__(self, base_url: str = "", model: str = "", api_key: str = ""):
         self.base_url = (base_url or "").rstrip("/")
         self.model = model or ""
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    @classmethod
+    def from_settings(cls, settings: RewardSettings) -> LLMJudge:
+        return cls(settings.judge_base_url, settings.judge_model, settings.judge_api_key)
 
     async def score(self, request: ScoreInput) -> Score:
         if not self.base_url:

@@ -13,7 +13,8 @@ import re
 from fractions import Fraction
 
 from treadle_common.safe_math import ExpressionError, evaluate
-from treadle_reward.scorers.base import Score, ScoreInput, Scorer, reference, register
+from treadle_reward.scorers import register
+from treadle_reward.scorers.base import Score, ScoreInput, Scorer, reference
 
 _ANSWER_IS = re.compile(r"answer is[:\s]*\$?([^\n$]+)", re.IGNORECASE)
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?%?")

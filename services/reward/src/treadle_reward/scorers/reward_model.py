@@ -14,26 +14,26 @@ import math
 from pathlib import Path
 from typing import Any
 
-from treadle_reward.scorers.base import Score, ScoreInput, Scorer, register
+from treadle_reward.scorers import register
+from treadle_reward.scorers.base import Score, ScoreInput, Scorer
+from treadle_reward.settings import RewardSettings
 
 
 @register("reward_model")
 class RewardModel(Scorer):
     deterministic = True
 
-    def __init__(
-        self, model_dir: str | Path | None = None, max_length: int = 1024, max_batch: int = 32
-    ):
-        if model_dir is None:
-            from treadle_common.settings import get_settings
-
-            model_dir = get_settings().reward_model_dir
+    def __init__(self, model_dir: str | Path = "", max_length: int = 1024, max_batch: int = 32):
         self.model_dir = model_dir
         self.max_length = max_length
         self.max_batch = max_batch
         self._loaded: tuple[Any, Any, Any] | None = None
         self._waiting: list[tuple[ScoreInput, asyncio.Future[Score]]] = []
         self._flushing: asyncio.Task | None = None
+
+    @classmethod
+    def from_settings(cls, settings: RewardSettings) -> RewardModel:
+        return cls(settings.reward_model_dir)
 
     def _load(self):
         if self._loaded is None:

@@ -1,0 +1,43 @@
+"""Rollout's settings (TREADLE_*): the common ones and its own."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from treadle_common.settings import Settings
+
+
+class RolloutSettings(Settings):
+    """The model rollout serves, its engine and how many tasks it plays at once."""
+
+    rollout_model: Path | None = Field(None, description="HF model directory rollout serves")
+    rollout_model_name: str | None = Field(None, description="weight-store name of that model")
+    rollout_max_concurrent_tasks: int = Field(8, ge=1, description="Tasks in flight per replica")
+    rollout_engine: Literal["hf", "vllm", "openai"] = Field(
+        "hf",
+        description="rollout engine: hf (transformers), vllm (needs .venv-vllm) or openai "
+        "(an OpenAI-compatible server; fixed policy)",
+    )
+    rollout_openai_base_url: str = Field("", description="rollout openai: server base URL (…/v1)")
+    rollout_openai_model: str = Field("", description="rollout openai: served model name")
+    rollout_openai_api_key: str = Field("", description="rollout openai: API key, if needed")
+    rollout_swap_policy: Literal["continue", "abort"] = Field(
+        "continue",
+        description="In-flight sequences at a weight swap: continue with new weights, or abort "
+        "and regenerate the turn",
+    )
+    rollout_max_batch: int = Field(64, ge=1, description="rollout hf: sequences per decode step")
+    rollout_prefix_cache_mb: int = Field(
+        256, ge=0, description="rollout hf: KV of finished turns kept for reuse by prefix (0: off)"
+    )
+    rollout_max_context: int | None = Field(
+        None, ge=16, description="rollout: context length (default: the model's)"
+    )
+    rollout_vllm_dtype: str = Field("auto", description="rollout vllm: dtype (float32 on CPU)")
+    rollout_vllm_kv_cache_gb: int = Field(1, ge=1, description="rollout vllm: CPU KV cache")
+    rollout_session_ttl_s: float = Field(
+        3600.0, gt=0, description="rollout: idle recorded OpenAI-API sessions expire after"
+    )

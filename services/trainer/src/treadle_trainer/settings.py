@@ -1,0 +1,15 @@
+"""The trainer's settings (TREADLE_*): the common ones and its own."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from treadle_common.settings import Settings
+
+
+class TrainerSettings(Settings):
+    """Run ownership."""
+
+    trainer_lease_s: float = Field(
+        15.0, gt=0, description="trainer: run-ownership lease; a dead owner's run resumes after"
+    )
