@@ -118,3 +118,31 @@ def test_the_installed_treadle_script_runs_with_its_plugins():
         [str(script), "bench", "--help"], capture_output=True, text=True, check=True
     )
     assert "step" in out.stdout and "e2e" in out.stdout
+
+
+# --- one service shape ----------------------------------------------------------------------
+@pytest.mark.parametrize("package", sorted(SERVICE_PACKAGES))
+def test_every_service_has_the_same_shape(package):
+    """`settings.py` (its own settings class), `app.py` with `async build(settings) ->
+    Service`, its HTTP routes in `http.py` (the trainer: `runs_api.py`, `training_api.py`);
+    `__main__` runs it with that settings class; nothing reads a global settings object."""
+    import importlib
+    import inspect
+    import typing
+
+    from treadle_common.service import Service
+    from treadle_common.settings import Settings
+
+    root = PACKAGES[package]
+    files = {p.name for p in root.iterdir()}
+    assert {"app.py", "settings.py", "__main__.py"} <= files
+    assert "http.py" in files or {"runs_api.py", "training_api.py"} <= files
+    app = importlib.import_module(f"{package}.app")
+    assert inspect.iscoroutinefunction(app.build)
+    hints = typing.get_type_hints(app.build)
+    assert hints["return"] is Service
+    assert issubclass(hints["settings"], Settings) and hints["settings"] is not Settings
+    main = (root / "__main__.py").read_text()
+    assert f'run_service("{package}.app", {hints["settings"].__name__})' in main
+    for module in root.rglob("*.py"):
+        assert "get_settings" not in module.read_text(), module

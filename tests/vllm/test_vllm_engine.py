@@ -24,7 +24,7 @@ from treadle_common.clients.torch_weights import TorchWeightClient  # noqa: E402
 from treadle_rollout.engines.base import Sampling  # noqa: E402
 from treadle_rollout.engines.vllm import VLLMEngine  # noqa: E402
 from treadle_weight_store.backends.local import LocalBackend  # noqa: E402
-from treadle_weight_store.grpc_service import WeightStoreServicer, add_to_server  # noqa: E402
+from treadle_weight_store.grpc import WeightStoreServicer, add_to_server  # noqa: E402
 from treadle_weight_store.store import WeightStore  # noqa: E402
 
 # in float32, vLLM's CPU kernels agree with a plain torch forward to ~1e-3 in logprob

@@ -20,6 +20,7 @@ import signal
 import socket
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -302,14 +303,39 @@ class ServiceRuntime:
         await self.stop_event.wait()
 
 
+@dataclass
+class Service:
+    """What every service's `app.build(settings)` returns: its runtime (HTTP and gRPC
+    servers, health, NATS, Redis, heartbeats) and the loops it runs beside serving."""
+
+    runtime: ServiceRuntime
+    loops: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    """Started once the servers listen; a loop that returns ends nothing."""
+    on_close: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    """Run after the service drained and stopped (release engines, clients)."""
+
+    async def serve(self) -> None:
+        """Serve until SIGTERM (drained), then close."""
+        try:
+            await self.runtime.serve(*(loop() for loop in self.loops))
+        finally:
+            for close in self.on_close:
+                await close()
+
+
 def run_service(app_module: str, settings_class: type[Settings]) -> None:
     """Entry point of every service's `__main__`: its settings (from the environment) first,
-    heavy imports after; `app_module.main(settings)` serves until SIGTERM."""
+    heavy imports after; then `await app_module.build(settings)` serves until SIGTERM."""
     import importlib
 
     settings = settings_class()
     app = importlib.import_module(app_module)
+
+    async def main() -> None:
+        service: Service = await app.build(settings)
+        await service.serve()
+
     try:
-        asyncio.run(app.main(settings))
+        asyncio.run(main())
     except PortInUseError as exc:
         raise SystemExit(f"error: {exc}") from exc

@@ -10,51 +10,23 @@ gRPC Generation.Generate / HTTP /v1/info, /v1/swaps, OpenAI /v1/chat/completions
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from pathlib import Path
 
-import grpc
 import torch
 
-from treadle_common.api.rollout import RolloutInfo, Swap, Swaps
 from treadle_common.clients.env import EnvClient
 from treadle_common.clients.reward import RewardClient
 from treadle_common.clients.weights import WeightStoreClient
-from treadle_common.proto.treadle.v1 import generation_pb2 as gpb
 from treadle_common.proto.treadle.v1 import generation_pb2_grpc
-from treadle_common.service import ServiceRuntime
-from treadle_rollout import evaluate, metrics, openai_api
-from treadle_rollout.engines.base import ContextOverflow, Engine, Sampling
+from treadle_common.service import Service, ServiceRuntime
+from treadle_rollout import http, openai_api
+from treadle_rollout.engines.base import Engine
 from treadle_rollout.engines.hf import HFEngine
 from treadle_rollout.episodes import EpisodeRunner
+from treadle_rollout.grpc import GenerationServicer
 from treadle_rollout.settings import RolloutSettings
 from treadle_rollout.weight_sync import WeightSync
 from treadle_rollout.worker import SERVICE, TaskWorker
-
-
-class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, engine: Engine):
-        self.engine = engine
-
-    async def Generate(self, request: gpb.GenerateRequest, context):
-        s = request.sampling
-        sampling = Sampling(
-            temperature=s.temperature,
-            top_p=s.top_p or 1.0,
-            max_new_tokens=s.max_new_tokens or 16,
-            seed=s.seed or None,  # proto3: 0 = unseeded
-        )
-        try:
-            gen = await self.engine.generate(list(request.prompt_tokens), sampling)
-        except ContextOverflow as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return gpb.GenerateResult(
-            request_id=request.request_id,
-            tokens=gen.tokens,
-            logprobs=gen.logprobs,
-            token_versions=gen.versions,
-            finish_reason=gen.finish_reason,
-        )
 
 
 async def build_engine(settings: RolloutSettings, model_dir: Path, model_name: str) -> Engine:
@@ -93,78 +65,40 @@ async def build_engine(settings: RolloutSettings, model_dir: Path, model_name: s
     )
 
 
-async def main(settings: RolloutSettings) -> None:
-    if settings.rollout_model is None:
-        raise SystemExit("rollout needs TREADLE_ROLLOUT_MODEL (an HF model directory)")
-    model_dir = Path(settings.rollout_model)
-    model_name = settings.rollout_model_name or model_dir.name
-    runtime = ServiceRuntime(SERVICE, settings, uses_redis=True)
-    if settings.torch_threads:  # before any torch work: every thread it starts follows
-        torch.set_num_threads(settings.torch_threads)
-    engine = await build_engine(settings, model_dir, model_name)
-    store = WeightStoreClient(settings.weight_store_addr)
-    env = EnvClient(settings.env_gateway_addr, batch=True)  # a group's hops travel together
-    sync = WeightSync(engine, store)
-    runtime.progress.add(sync.stage)
-    server = runtime.make_grpc_server()
-    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(engine), server)
-    frontend = openai_api.OpenAIFrontend(
-        engine,
-        openai_api.SessionRecorder(engine.tokenizer, ttl_s=settings.rollout_session_ttl_s),
-    )
-    openai_api.mount(runtime.app, frontend)
+class Rollout:
+    """The rollout service's parts: the engine, its weight sync, the OpenAI front end, and
+    the task worker once NATS is connected (it needs the reward client)."""
 
-    async def env_check() -> None:
-        await env.list_envs()
-
-    async def weights_check() -> None:
-        """Unreachable weight-store: the old version keeps serving, readiness says so."""
-        await store.list_versions(model_name)
-
-    runtime.add_check("env-gateway", env_check)
-    runtime.add_check("weight-store", weights_check)
-    holder: dict[str, TaskWorker] = {}
-    evaluate.mount(runtime.app, lambda: holder["worker"].runner if "worker" in holder else None)
-
-    def info() -> dict:
-        worker = holder.get("worker")
-        metrics.ENGINE_RUNNING.set(engine.running)
-        return {
-            "model": model_name,
-            "model_dir": str(model_dir.resolve()),
-            "engine": engine.name,
-            "swap_policy": settings.rollout_swap_policy,
-            "policy_version": engine.version,
-            "version_lag": sync.version_lag,
-            "weight_sync_error": sync.last_error,
-            "swaps": len(sync.swaps),
-            "last_swap": asdict(sync.swaps[-1]) if sync.swaps else None,
-            "engine_stats": engine.stats(),
-            "engine_requests": engine.running,
-            "engine_busy_fraction": round(engine.busy_fraction(), 4),
-            "engine_busy_s": round(engine.busy_seconds(), 3),
-            "tasks_done": worker.tasks_done if worker else 0,
-            "tasks_invalid": worker.invalid_tasks if worker else 0,
-            "tasks_cancelled": worker.cancelled_tasks if worker else 0,
-            "admission_waits": worker.admission_waits if worker else 0,
-            "trajectories_pushed": worker.trajectories_pushed if worker else 0,
-            "recorded_sessions": len(frontend.recorder.sessions),
-        }
-
-    runtime.set_info(info, RolloutInfo)
-
-    @runtime.app.get("/v1/swaps", tags=["weights"])
-    async def swaps() -> Swaps:
-        return Swaps(swaps=[Swap(**asdict(s)) for s in sync.swaps])
-
-    async def work() -> None:
-        nc = await runtime.wait_nats()
-        reward = RewardClient(nc, settings.reward_timeout_s, batch=True)
-        frontend.redis, frontend.reward = runtime.redis, reward
-        runner = EpisodeRunner(
+    def __init__(self, settings: RolloutSettings, runtime: ServiceRuntime, engine: Engine):
+        assert settings.rollout_model is not None
+        self.settings, self.runtime, self.engine = settings, runtime, engine
+        self.model_dir = Path(settings.rollout_model)
+        self.model_name = settings.rollout_model_name or self.model_dir.name
+        self.store = WeightStoreClient(settings.weight_store_addr)
+        self.env = EnvClient(settings.env_gateway_addr, batch=True)  # a group's hops together
+        self.sync = WeightSync(engine, self.store)
+        self.frontend = openai_api.OpenAIFrontend(
             engine,
-            engine.tokenizer,
-            env,
+            openai_api.SessionRecorder(engine.tokenizer, ttl_s=settings.rollout_session_ttl_s),
+        )
+        self.worker: TaskWorker | None = None
+
+    async def env_check(self) -> None:
+        await self.env.list_envs()
+
+    async def weights_check(self) -> None:
+        """Unreachable weight-store: the old version keeps serving, readiness says so."""
+        await self.store.list_versions(self.model_name)
+
+    async def work(self) -> None:
+        """Play the tasks of every active run (once NATS answers: rewards go over it)."""
+        runtime, settings = self.runtime, self.settings
+        reward = RewardClient(await runtime.wait_nats(), settings.reward_timeout_s, batch=True)
+        self.frontend.redis, self.frontend.reward = runtime.redis, reward
+        runner = EpisodeRunner(
+            self.engine,
+            self.engine.tokenizer,
+            self.env,
             reward,
             settings.instance,
             generate_stage=runtime.progress.stage("generate"),
@@ -172,22 +106,36 @@ async def main(settings: RolloutSettings) -> None:
         worker = TaskWorker(
             runtime.redis,
             runner,
-            sync,
+            self.sync,
             consumer=settings.instance,
             max_concurrent_tasks=settings.rollout_max_concurrent_tasks,
         )
-        holder["worker"] = worker
+        self.worker = worker
         tasks = runtime.progress.stage("tasks", lambda: len(worker.in_flight))
         worker.on_task_done = tasks.tick
         runtime.on_drain(worker.drain)
         await worker.run()
 
-    async def weights() -> None:
-        if engine.name == "openai":
-            return  # a fixed policy: nothing to swap
-        await sync.run(await runtime.wait_nats())
+    async def weights(self) -> None:
+        """Swap in every announced version (an openai engine is a fixed policy)."""
+        if self.engine.name != "openai":
+            await self.sync.run(await self.runtime.wait_nats())
 
-    try:
-        await runtime.serve(work(), weights())
-    finally:
-        await engine.close()
+
+async def build(settings: RolloutSettings) -> Service:
+    if settings.rollout_model is None:
+        raise SystemExit("rollout needs TREADLE_ROLLOUT_MODEL (an HF model directory)")
+    runtime = ServiceRuntime(SERVICE, settings, uses_redis=True)
+    if settings.torch_threads:  # before any torch work: every thread it starts follows
+        torch.set_num_threads(settings.torch_threads)
+    model_dir = Path(settings.rollout_model)
+    engine = await build_engine(settings, model_dir, settings.rollout_model_name or model_dir.name)
+    rollout = Rollout(settings, runtime, engine)
+    runtime.progress.add(rollout.sync.stage)
+    generation_pb2_grpc.add_GenerationServicer_to_server(
+        GenerationServicer(engine), runtime.make_grpc_server()
+    )
+    runtime.add_check("env-gateway", rollout.env_check)
+    runtime.add_check("weight-store", rollout.weights_check)
+    http.mount(runtime, rollout)
+    return Service(runtime, loops=[rollout.work, rollout.weights], on_close=[engine.close])

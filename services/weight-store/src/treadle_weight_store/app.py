@@ -12,18 +12,15 @@ from __future__ import annotations
 
 import asyncio
 
-from fastapi import HTTPException
-from google.protobuf.json_format import MessageToDict
-
 from treadle_common import names
-from treadle_common.api.weights import Models, VersionInfo, Versions
 from treadle_common.clients.weights import ensure_weights_stream
 from treadle_common.logs import get_logger
 from treadle_common.proto.treadle.v1 import weights_pb2 as pb
-from treadle_common.service import ServiceRuntime
+from treadle_common.service import Service, ServiceRuntime
+from treadle_weight_store import http
 from treadle_weight_store.backends import make_backend
-from treadle_weight_store.errors import BadRequest, NotFound, Precondition, StoreError
-from treadle_weight_store.grpc_service import SERVICE, WeightStoreServicer, add_to_server
+from treadle_weight_store.errors import StoreError
+from treadle_weight_store.grpc import SERVICE, WeightStoreServicer, add_to_server
 from treadle_weight_store.settings import WeightStoreSettings
 from treadle_weight_store.store import WeightStore
 
@@ -50,7 +47,7 @@ def make_store(settings: WeightStoreSettings) -> WeightStore:
     )
 
 
-def build(settings: WeightStoreSettings) -> tuple[ServiceRuntime, WeightStore]:
+async def build(settings: WeightStoreSettings) -> Service:
     runtime = ServiceRuntime(SERVICE, settings)
     store = make_store(settings)
     grpc_addr = f"{settings.host}:{settings.port(SERVICE, 'grpc')}"
@@ -83,42 +80,8 @@ def build(settings: WeightStoreSettings) -> tuple[ServiceRuntime, WeightStore]:
             "readers": store.readers(),
         }
     )
-    _add_routes(runtime, store)
-    return runtime, store
-
-
-def _add_routes(runtime: ServiceRuntime, store: WeightStore) -> None:
-    app = runtime.app
-
-    async def guard(coro):
-        try:
-            return await coro
-        except (BadRequest, Precondition) as exc:
-            raise HTTPException(400 if isinstance(exc, BadRequest) else 409, str(exc)) from exc
-        except NotFound as exc:
-            raise HTTPException(404, str(exc)) from exc
-        except StoreError as exc:
-            raise HTTPException(503, str(exc)) from exc
-
-    def as_dict(message) -> dict:
-        return MessageToDict(
-            message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-        )
-
-    @app.get("/v1/models", tags=["weights"])
-    async def list_models() -> Models:
-        return Models(models=await guard(store.models()))
-
-    @app.get("/v1/models/{model}/versions", tags=["weights"])
-    async def list_versions(model: str) -> Versions:
-        versions = await guard(store.versions(model))
-        infos = [await guard(store.info(model, v)) for v in versions]
-        return Versions(model=model, versions=[VersionInfo.from_proto(i) for i in infos])
-
-    @app.get("/v1/models/{model}/versions/{version}", tags=["weights"])
-    async def get_version(model: str, version: int) -> dict:
-        """The manifest (tensors, dtypes, shapes, chunk hashes); -1 = latest."""
-        return as_dict(await guard(store.get_manifest(model, version)))
+    http.mount(runtime.app, store)
+    return Service(runtime, loops=[lambda: gc_loop(runtime, store)])
 
 
 async def gc_loop(runtime: ServiceRuntime, store: WeightStore) -> None:
@@ -128,8 +91,3 @@ async def gc_loop(runtime: ServiceRuntime, store: WeightStore) -> None:
             await store.gc()
         except StoreError as exc:  # a backend hiccup: report it, try again next round
             log.error("gc failed", error=str(exc))
-
-
-async def main(settings: WeightStoreSettings) -> None:
-    runtime, store = build(settings)
-    await runtime.serve(gc_loop(runtime, store))

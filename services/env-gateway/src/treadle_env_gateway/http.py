@@ -1,0 +1,68 @@
+"""The env-gateway's HTTP API (people and tools; rollout uses gRPC, `grpc.py`).
+
+GET    /v1/envs                      registered environments
+POST   /v1/sessions                  open a session: its first observation
+POST   /v1/sessions/{id}/step        act: observation, done, reward, info
+DELETE /v1/sessions/{id}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, HTTPException
+from pydantic import BaseModel, Field
+
+from treadle_env_gateway.envs.base import Action, EnvError, UnknownEnv
+from treadle_env_gateway.sessions import CapacityExceeded, SessionManager, UnknownSession
+
+
+class CreateSessionBody(BaseModel):
+    env: str = Field(description="Registered environment name")
+    task: dict[str, Any] = Field(description="Env-specific task")
+    seed: int = 0
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class StepBody(BaseModel):
+    text: str = Field("", description="The policy's text action")
+
+
+def _http_errors(exc: Exception) -> HTTPException:
+    status = {EnvError: 400, UnknownEnv: 404, UnknownSession: 404, CapacityExceeded: 429}[type(exc)]
+    return HTTPException(status, exc.args[0] if exc.args else str(exc))
+
+
+def mount(app: FastAPI, sessions: SessionManager) -> None:
+
+    @app.get("/v1/envs", tags=["envs"])
+    async def list_envs() -> dict:
+        return {"envs": sorted(sessions.envs)}
+
+    @app.post("/v1/sessions", tags=["sessions"])
+    async def create(body: CreateSessionBody) -> dict:
+        try:
+            session, observation = await sessions.create(
+                body.env, body.task, body.seed, body.options
+            )
+        except (EnvError, CapacityExceeded) as exc:
+            raise _http_errors(exc) from exc
+        return {"session_id": session.session_id, "observation": [m.__dict__ for m in observation]}
+
+    @app.post("/v1/sessions/{session_id}/step", tags=["sessions"])
+    async def step(session_id: str, body: StepBody) -> dict:
+        try:
+            result = await sessions.step(session_id, Action(text=body.text))
+        except (EnvError, UnknownSession) as exc:
+            raise _http_errors(exc) from exc
+        return {
+            "observation": [m.__dict__ for m in result.observation],
+            "done": result.done,
+            "reward": result.reward,
+            "info": result.info,
+        }
+
+    @app.delete("/v1/sessions/{session_id}", tags=["sessions"])
+    async def close(session_id: str) -> dict:
+        await sessions.close(session_id)
+        return {"closed": session_id}
