@@ -9,7 +9,6 @@ is and nothing is started (`treadle infra down` never stops what it did not star
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
@@ -22,9 +21,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
+from pydantic import BaseModel
+
 from treadle_common.settings import Settings
 
 INFRA = ("redis", "nats", "s3")
+
+
+class PidFile(BaseModel):
+    """`{state_dir}/infra/<name>.json`: a server this process started."""
+
+    pid: int
+    url: str
 
 
 class InfraError(RuntimeError):
@@ -187,7 +195,7 @@ class Infra:
         url = self.url(name)
         existing = self._read_pidfile(name)
         if probe(name, url) is None:
-            pid = existing.get("pid") if existing else None
+            pid = existing.pid if existing else None
             return InfraState(
                 name, url, True, managed=bool(existing), pid=pid, detail="already running"
             )
@@ -208,7 +216,7 @@ class Infra:
                 cwd=self.state_dir,
             )
         self._pidfile(name).parent.mkdir(parents=True, exist_ok=True)
-        self._pidfile(name).write_text(json.dumps({"pid": proc.pid, "url": url}))
+        self._pidfile(name).write_text(PidFile(pid=proc.pid, url=url).model_dump_json())
         deadline = time.monotonic() + timeout_s
         while (why := probe(name, url)) is not None:
             if proc.poll() is not None:
@@ -219,9 +227,9 @@ class Infra:
             time.sleep(0.1)
         return InfraState(name, url, True, managed=True, pid=proc.pid, detail="started")
 
-    def _read_pidfile(self, name: str) -> dict | None:
+    def _read_pidfile(self, name: str) -> PidFile | None:
         path = self._pidfile(name)
-        return json.loads(path.read_text()) if path.exists() else None
+        return PidFile.model_validate_json(path.read_text()) if path.exists() else None
 
     def down(self) -> list[str]:
         stopped = []
@@ -229,7 +237,7 @@ class Infra:
             record = self._read_pidfile(name)
             if record is None:
                 continue
-            terminate(record["pid"])
+            terminate(record.pid)
             self._pidfile(name).unlink(missing_ok=True)
             stopped.append(name)
         return stopped
@@ -242,7 +250,7 @@ class Infra:
                 continue
             url = self.url(name)
             why = probe(name, url)
-            pid = record.get("pid") if record else None
+            pid = record.pid if record else None
             out.append(InfraState(name, url, why is None, bool(record), pid, why or "ok"))
         return out
 
