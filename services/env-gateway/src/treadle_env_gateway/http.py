@@ -8,24 +8,21 @@ DELETE /v1/sessions/{id}
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import asdict
 
 from fastapi import FastAPI, HTTPException
-from pydantic import BaseModel, Field
 
-from treadle_env_gateway.envs.base import Action, EnvError, UnknownEnv
+from treadle_common.api.envs import (
+    Act,
+    CreateSession,
+    EnvList,
+    ObservationMessage,
+    SessionClosed,
+    SessionOpened,
+    Stepped,
+)
+from treadle_env_gateway.envs.base import Action, EnvError, Message, UnknownEnv
 from treadle_env_gateway.sessions import CapacityExceeded, SessionManager, UnknownSession
-
-
-class CreateSessionBody(BaseModel):
-    env: str = Field(description="Registered environment name")
-    task: dict[str, Any] = Field(description="Env-specific task")
-    seed: int = 0
-    options: dict[str, Any] = Field(default_factory=dict)
-
-
-class StepBody(BaseModel):
-    text: str = Field("", description="The policy's text action")
 
 
 def _http_errors(exc: Exception) -> HTTPException:
@@ -36,33 +33,37 @@ def _http_errors(exc: Exception) -> HTTPException:
 def mount(app: FastAPI, sessions: SessionManager) -> None:
 
     @app.get("/v1/envs", tags=["envs"])
-    async def list_envs() -> dict:
-        return {"envs": sorted(sessions.envs)}
+    async def list_envs() -> EnvList:
+        return EnvList(envs=sorted(sessions.envs))
 
     @app.post("/v1/sessions", tags=["sessions"])
-    async def create(body: CreateSessionBody) -> dict:
+    async def create(body: CreateSession) -> SessionOpened:
         try:
             session, observation = await sessions.create(
                 body.env, body.task, body.seed, body.options
             )
         except (EnvError, CapacityExceeded) as exc:
             raise _http_errors(exc) from exc
-        return {"session_id": session.session_id, "observation": [m.__dict__ for m in observation]}
+        return SessionOpened(session_id=session.session_id, observation=_messages(observation))
 
     @app.post("/v1/sessions/{session_id}/step", tags=["sessions"])
-    async def step(session_id: str, body: StepBody) -> dict:
+    async def step(session_id: str, body: Act) -> Stepped:
         try:
             result = await sessions.step(session_id, Action(text=body.text))
         except (EnvError, UnknownSession) as exc:
             raise _http_errors(exc) from exc
-        return {
-            "observation": [m.__dict__ for m in result.observation],
-            "done": result.done,
-            "reward": result.reward,
-            "info": result.info,
-        }
+        return Stepped(
+            observation=_messages(result.observation),
+            done=result.done,
+            reward=result.reward,
+            info=result.info,
+        )
 
     @app.delete("/v1/sessions/{session_id}", tags=["sessions"])
-    async def close(session_id: str) -> dict:
+    async def close(session_id: str) -> SessionClosed:
         await sessions.close(session_id)
-        return {"closed": session_id}
+        return SessionClosed(closed=session_id)
+
+
+def _messages(messages: list[Message]) -> list[ObservationMessage]:
+    return [ObservationMessage(**asdict(m)) for m in messages]

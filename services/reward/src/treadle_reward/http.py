@@ -7,22 +7,12 @@ POST /v1/score:batch  several -> their results, in order
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from fastapi import FastAPI, HTTPException
-from google.protobuf.json_format import MessageToDict
-from pydantic import BaseModel, Field
 
+from treadle_common.api.reward import ScoreBatchOut, ScoreBody, ScoreOut
 from treadle_common.proto.treadle.v1 import reward_pb2 as pb
 from treadle_reward.worker import ScoringService
-
-
-class ScoreBody(BaseModel):
-    scorer: str = Field(description="Scorer name")
-    task: dict[str, Any] = Field(default_factory=dict, description="Task, with its reference")
-    answer: str = Field("", description="The trajectory's final answer")
-    info: dict[str, Any] = Field(default_factory=dict)
-    options: dict[str, Any] = Field(default_factory=dict)
 
 
 def mount(app: FastAPI, scoring: ScoringService) -> None:
@@ -39,16 +29,12 @@ def mount(app: FastAPI, scoring: ScoringService) -> None:
             options_json=json.dumps(body.options),
         )
 
-    def as_dict(result: pb.ScoreResult) -> dict:
-        return MessageToDict(
-            result, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-        )
-
     @app.post("/v1/score", tags=["score"])
-    async def score(body: ScoreBody) -> dict:
-        return as_dict(await scoring.score(to_request(body)))
+    async def score(body: ScoreBody) -> ScoreOut:
+        return ScoreOut.from_proto(await scoring.score(to_request(body)))
 
     @app.post("/v1/score:batch", tags=["score"])
-    async def score_batch(bodies: list[ScoreBody]) -> dict:
+    async def score_batch(bodies: list[ScoreBody]) -> ScoreBatchOut:
         batch = pb.ScoreBatchRequest(requests=[to_request(b) for b in bodies])
-        return {"results": [as_dict(r) for r in (await scoring.score_batch(batch)).results]}
+        results = (await scoring.score_batch(batch)).results
+        return ScoreBatchOut(results=[ScoreOut.from_proto(r) for r in results])

@@ -6,5 +6,7 @@ type error on the other, not a `KeyError` at run time.
     runs      trainer: `/v1/runs` (RunStatus, StepRecord), `/v1/runs/{id}/evaluations`
     rollout   rollout: `/v1/info` (RolloutInfo), `/v1/evaluate`, `/v1/swaps`
     training  trainer: the Tinker-style `/v1/training/sessions` API
-    weights   weight-store: `/v1/models/{model}/versions`
+    weights   weight-store: `/v1/models`, `/v1/models/{model}/versions`
+    envs      env-gateway: `/v1/envs`, `/v1/sessions`
+    reward    reward: `/v1/score`, `/v1/score:batch`
 """
