@@ -42,7 +42,7 @@ class Act(BaseModel):
 class Stepped(BaseModel):
     observation: list[ObservationMessage]
     done: bool
-    reward: float
+    reward: float | None = Field(None, description="The env's own reward, when it gives one")
     info: dict[str, Any] = Field(default_factory=dict)
 
 
