@@ -188,7 +188,7 @@ def test_up_status_down_without_orphans(cli_env, tmp_path):
         after_run = json.loads(treadle("status", "--json", env=cli_env, cwd=tmp_path).stdout)
         assert after_run["stalled"] == {}
         assert after_run["services"]["rollout"]["progress"]["generate"]["done"] > 0
-        spent = after_run["time"]["trainer remote-run"]
+        spent = after_run["time"]["runs"]["remote-run"]
         assert spent["step"] == 3 and 0 <= spent["wait_for_batch_fraction"] <= 1
         assert 0 < after_run["time"]["rollout"]["engine_busy_fraction"] <= 1
         # a crashed service is reported and restarted by the supervisor

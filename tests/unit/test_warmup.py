@@ -5,8 +5,7 @@ import json
 import httpx
 import pytest
 
-from treadle_cli.report import RunReport
-from treadle_cli.run_client import eval_summary
+from treadle_cli.report import EvalRow, RunReport, SftRow
 from treadle_cli.warmup import TrainingSession, WarmUp
 from treadle_common.api.training import DatumIn
 from treadle_common.config import RunConfig
@@ -70,9 +69,11 @@ async def test_without_a_target_the_warm_up_runs_every_step_and_never_validates(
 def test_eval_summary_separates_the_warm_up_from_rl(tmp_path):
     report = RunReport(tmp_path)
     for phase, reward in (("start", 0.0), ("after_sft", 0.3), ("step 100", 0.4), ("end", 0.45)):
-        report.add("eval", {"phase": phase, "mean_reward": reward})
-    report.add("sft_val", {"phase": "sft step 10", "mean_reward": 0.9})  # not held out
-    e = eval_summary(report)
-    assert (e["eval_start"], e["eval_after_sft"], e["eval_end"]) == (0.0, 0.3, 0.45)
-    assert e["gain"] == 0.45 and e["rl_lift"] == 0.15
-    assert "sft step 10" not in e["eval"]
+        report.add(EvalRow(phase=phase, mean_reward=reward))
+    report.add(EvalRow(kind="sft_val", phase="sft step 10", mean_reward=0.9))  # not held out
+    report.add(SftRow(sft_step=1, loss=2.0, grad_norm=1.0))
+    e = RunReport.load(tmp_path).eval_summary()  # read back from metrics.jsonl
+    assert (e.eval_start, e.eval_after_sft, e.eval_end) == (0.0, 0.3, 0.45)
+    assert e.gain == 0.45 and e.rl_lift == 0.15
+    assert e.eval == {"start": 0.0, "after_sft": 0.3, "step 100": 0.4, "end": 0.45}
+    assert "sft step 10" not in e.eval

@@ -37,8 +37,8 @@ from rich.console import Console
 
 from treadle_cli import stack
 from treadle_cli.infra import free_port_range
-from treadle_cli.report import RunReport
-from treadle_cli.run_client import RunClient, eval_summary
+from treadle_cli.report import RunReport, StepRow
+from treadle_cli.run_client import RunClient
 from treadle_cli.settings import CliSettings
 from treadle_cli.tiny_model import init_tiny
 from treadle_common.config import RunConfig, load_recipe
@@ -48,18 +48,18 @@ DEFAULT_RECIPE = RECIPES / "agentic.yaml"
 QUALITY_RECIPE = RECIPES / "arith_latency.yaml"
 
 
-def _timings(steps: list[dict[str, Any]]) -> dict[str, float]:
-    first_start = steps[0]["finished_at"] - steps[0]["duration_s"]
-    wall = steps[-1]["finished_at"] - first_start
+def _timings(steps: list[StepRow]) -> dict[str, float]:
+    first_start = steps[0].finished_at - steps[0].duration_s
+    wall = steps[-1].finished_at - first_start
     rest = steps[1:] or steps  # step 1 fills the pipeline
-    after_fill = steps[-1]["finished_at"] - (rest[0]["finished_at"] - rest[0]["duration_s"])
-    wait_after_fill = sum(s["wait_for_batch_s"] for s in rest)
+    after_fill = steps[-1].finished_at - (rest[0].finished_at - rest[0].duration_s)
+    wait_after_fill = sum(s.wait_for_batch_s for s in rest)
     return {
         "wall_s": wall,
         "idle_fraction": wait_after_fill / after_fill if after_fill > 0 else 0.0,
-        "idle_fraction_incl_fill": sum(s["wait_for_batch_s"] for s in steps) / wall,
-        "max_staleness": max(s["max_staleness"] for s in steps),
-        "step_s_p50": sorted(s["duration_s"] for s in steps)[len(steps) // 2],
+        "idle_fraction_incl_fill": sum(s.wait_for_batch_s for s in steps) / wall,
+        "max_staleness": max(s.max_staleness for s in steps),
+        "step_s_p50": sorted(s.duration_s for s in steps)[len(steps) // 2],
     }
 
 
@@ -130,11 +130,11 @@ def both_modes(
                 raise RuntimeError(f"{mode} run failed; outputs in {tmp / 'runs'}")
             report = RunReport.load(cfg.output_dir / cfg.run_id)
             results[mode] = {
-                **_timings(report.of("step")),
-                **eval_summary(report),
+                **_timings(report.steps()),
+                **report.eval_summary().model_dump(exclude_none=True),
                 "run_s": time.perf_counter() - started,
                 "rollout_busy": busy / (time.perf_counter() - started),
-                "train_reward_last": report.of("step")[-1]["mean_reward"],
+                "train_reward_last": report.steps()[-1].mean_reward,
             }
         if before_down is not None:
             before_down(spec, sync_config)

@@ -25,7 +25,7 @@ from rich.console import Console
 from treadle_cli import stack
 from treadle_cli.infra import free_port_range
 from treadle_cli.report import RunReport
-from treadle_cli.run_client import RunClient, eval_summary
+from treadle_cli.run_client import RunClient
 from treadle_cli.settings import CliSettings
 from treadle_cli.tiny_model import init_tiny
 from treadle_common.config import load_recipe
@@ -77,18 +77,18 @@ def run(
             started = time.perf_counter()
             code = RunClient(cfg, settings, console).execute(health_timeout_s=180)
             report = RunReport.load(cfg.output_dir / cfg.run_id)
-            e = eval_summary(report)
+            e, evals = report.eval_summary(), report.evals()
             per_seed.append(
                 {
                     "seed": seed,
                     "exit_code": code,
-                    "eval_start": e.get("eval_start"),
-                    "eval_after_sft": e.get("eval_after_sft"),
-                    "eval_end": e.get("eval_end"),
-                    "rl_lift": e.get("rl_lift"),
-                    "held_out_tasks": report.of("eval")[0]["num_tasks"] if report.of("eval") else 0,
-                    "sft_steps": len(report.of("sft")),
-                    "rl_steps": len(report.of("step")),
+                    "eval_start": e.eval_start,
+                    "eval_after_sft": e.eval_after_sft,
+                    "eval_end": e.eval_end,
+                    "rl_lift": e.rl_lift,
+                    "held_out_tasks": evals[0].num_tasks if evals else 0,
+                    "sft_steps": len(report.sft()),
+                    "rl_steps": len(report.steps()),
                     "wall_s": round(time.perf_counter() - started, 1),
                 }
             )

@@ -35,7 +35,7 @@ from rich.console import Console
 
 from treadle_bench import e2e
 from treadle_cli import stack
-from treadle_cli.report import RunReport
+from treadle_cli.report import RunReport, StepRow
 from treadle_common.clients.weights import WeightStoreClient
 from treadle_common.config import RunConfig, load_recipe
 from treadle_common.weights_export import export_hf
@@ -56,21 +56,21 @@ def per_step(finished: list[float]) -> float:
     return (finished[-1] - finished[0]) / (len(finished) - 1)
 
 
-def breakdown(steps: list[dict[str, Any]]) -> dict[str, float]:
+def breakdown(steps: list[StepRow]) -> dict[str, float]:
     rest = steps[1:] or steps
-    published = [s["publish_duration_s"] for s in rest if s.get("publish_duration_s")]
+    published = [s.publish_duration_s for s in rest if s.publish_duration_s]
     p50, p99 = _quantile(published, 0.5), _quantile(published, 0.99)
     return {
-        "s_per_step": per_step([s["finished_at"] for s in steps]),
-        "wait_for_batch_s": statistics.median(s["wait_for_batch_s"] for s in rest),
-        "train_s": statistics.median(s["train_s"] for s in rest),
-        "publish_s": statistics.median(s["publish_s"] for s in rest),
+        "s_per_step": per_step([s.finished_at for s in steps]),
+        "wait_for_batch_s": statistics.median(s.wait_for_batch_s for s in rest),
+        "train_s": statistics.median(s.train_s for s in rest),
+        "publish_s": statistics.median(s.publish_s for s in rest),
         "publish_p50_s": p50,
         "publish_p99_s": p99,
         "publish_stall_ratio": p99 / p50 if p50 else 0.0,
         "versions_published": len(published),
-        "reward_first": steps[0]["mean_reward"],
-        "reward_last": statistics.fmean(s["mean_reward"] for s in steps[-10:]),
+        "reward_first": steps[0].mean_reward,
+        "reward_last": statistics.fmean(s.mean_reward for s in steps[-10:]),
     }
 
 
@@ -198,7 +198,7 @@ def run(steps: int = 100, recipe: Path = STEP_RECIPE, overrides: list[str] | Non
         version = sync_config.model.init_version
         if version is None:
             raise RuntimeError("the sync run left no warmed-up version to start from")
-        address = f"{spec.host}:{spec.ports['weight-store']['grpc']}"
+        address = spec.grpc_addr("weight-store")
         asyncio.run(_export(address, sync_config.model.name, version, warm_dir))
         errors.extend(log_errors(Path(spec.state_dir)))
 
@@ -210,8 +210,8 @@ def run(steps: int = 100, recipe: Path = STEP_RECIPE, overrides: list[str] | Non
         console,
         before_down=export_warm,
     )
-    sync = breakdown(RunReport.load(stack_dir / "runs" / "bench-sync").of("step"))
-    asyn = breakdown(RunReport.load(stack_dir / "runs" / "bench-async").of("step"))
+    sync = breakdown(RunReport.load(stack_dir / "runs" / "bench-sync").steps())
+    asyn = breakdown(RunReport.load(stack_dir / "runs" / "bench-async").steps())
     inproc_cfg = load_recipe(recipe, [f"trainer.num_steps={steps}", *(overrides or [])])
     inproc = asyncio.run(inproc_loop(warm_dir, inproc_cfg, steps))
     result = {

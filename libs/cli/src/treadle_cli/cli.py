@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from pydantic import BaseModel
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
@@ -166,17 +167,21 @@ def status(
         console.print("no stack is running (treadle up starts one)")
     else:
         console.print(status_table(current))
-        if current.time:
+        if current.time is not None:
             console.print(time_table(current.time))
     raise typer.Exit(0 if current.healthy else 1)
 
 
-def time_table(breakdown: dict) -> Table:
+def time_table(breakdown: stack.TimeBreakdown) -> Table:
     table = Table(title="where time goes")
     table.add_column("component")
     table.add_column("numbers")
-    for name, values in breakdown.items():
-        table.add_row(name, ", ".join(f"{k} {v}" for k, v in values.items()))
+    rows: list[tuple[str, BaseModel]] = []
+    if breakdown.rollout is not None:
+        rows.append(("rollout", breakdown.rollout))
+    rows += [(f"trainer {run_id}", run) for run_id, run in breakdown.runs.items()]
+    for name, values in rows:
+        table.add_row(name, ", ".join(f"{k} {v}" for k, v in values.model_dump().items()))
     return table
 
 

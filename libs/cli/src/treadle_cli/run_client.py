@@ -17,21 +17,22 @@ exactly-once accounting does not add up, or when `eval.min_improvement` (start -
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
+from pydantic import Field
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
 from treadle_cli import stack
-from treadle_cli.report import RunReport
+from treadle_cli.report import EvalRow, EvalSummary, RunReport, SftRow, StepRow
 from treadle_cli.settings import CliSettings
 from treadle_cli.warmup import TrainingSession, demonstrations, validation_tasks
 from treadle_common.api.rollout import EvaluateRequest, EvaluateResult, RolloutInfo
-from treadle_common.api.runs import RunStatus
+from treadle_common.api.runs import RunState, RunStatus
 from treadle_common.clients.env import EnvClient
 from treadle_common.clients.http import ApiError
 from treadle_common.clients.rollout import RolloutClient
@@ -42,23 +43,33 @@ from treadle_common.evaluation import held_out_tasks
 from treadle_common.weights_export import export_hf
 
 
-def eval_summary(report: RunReport) -> dict:
-    """The held-out evaluations by phase, `eval_start` / `eval_after_sft` / `eval_end`, the
-    whole gain (`gain`, end - start) and RL's own (`rl_lift`, end - after the warm-up)."""
-    evals = {e["phase"]: e["mean_reward"] for e in report.of("eval")}
-    out: dict = {"eval": evals}
-    for phase, key in (
-        ("start", "eval_start"),
-        ("after_sft", "eval_after_sft"),
-        ("end", "eval_end"),
-    ):
-        if phase in evals:
-            out[key] = evals[phase]
-    if "eval_end" in out and "eval_start" in out:
-        out["gain"] = round(out["eval_end"] - out["eval_start"], 4)
-    if "eval_end" in out and "eval_after_sft" in out:
-        out["rl_lift"] = round(out["eval_end"] - out["eval_after_sft"], 4)
-    return out
+class RunSummary(EvalSummary):
+    """`summary.json`: the run's accounting as the trainer reports it, the weight store's and
+    rollout's view of its versions, and the held-out evaluations (`EvalSummary`)."""
+
+    eval: dict[str, float] = Field(default_factory=dict)
+    run_id: str
+    state: RunState
+    error: str | None = None
+    steps: int
+    tasks_fed: int
+    tasks_cancelled: int
+    trajectories_produced: int
+    trajectories_consumed: int
+    trajectories_trained: int
+    trajectories_acked: int
+    rejected: int
+    duplicates: int
+    pending_after_run: int | None
+    dropped: dict[str, int]
+    exactly_once: bool
+    versions_published: list[int]
+    weight_store_versions: list[int]
+    rollout_policy_version: int
+    rollout_swaps: int
+    mean_reward_per_step: list[float]
+    final_model_dir: str | None = None
+    plot: str | None = None
 
 
 @dataclass(frozen=True)
@@ -144,7 +155,7 @@ class RunClient:
                 "weight-store": self.settings.weight_store_addr,
             }[service]
         spec = self._spec()
-        return f"{spec.host}:{spec.ports[service]['grpc']}"
+        return spec.grpc_addr(service)
 
     def _follow(self) -> int:
         cfg = self.config
@@ -176,7 +187,7 @@ class RunClient:
                 # only the records not seen yet: a long run's answer stays small
                 run = self.trainer.get_run(cfg.run_id, steps_from=len(steps))
                 for record in run.steps:
-                    report.add("step", record.model_dump(), at=record.finished_at or None)
+                    report.add(StepRow(**record.model_dump()), at=record.finished_at or None)
                 steps += run.steps
                 run.steps = steps
                 every = cfg.eval.every
@@ -191,16 +202,16 @@ class RunClient:
                             self.trainer.evaluation_done(cfg.run_id, evaluated)
                 live.update(self._table(run, report))
         summary = self._summary(run)
-        last = summary["rollout_policy_version"]
+        last = summary.rollout_policy_version
         if held_out:
             self._evaluate(held_out, "end", last, report)
-            summary.update(eval_summary(report))
+            summary = summary.model_copy(update=report.eval_summary().model_dump())
         if run.state == "succeeded":
-            summary["final_model_dir"] = str(asyncio.run(self._export(last, out_dir)))
-        if report.of("step"):
-            summary["plot"] = str(report.plot())
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        self.console.print_json(json.dumps(summary))
+            summary.final_model_dir = str(asyncio.run(self._export(last, out_dir)))
+        if report.steps():
+            summary.plot = str(report.plot())
+        (out_dir / "summary.json").write_text(summary.model_dump_json(indent=2))
+        self.console.print_json(summary.model_dump_json())
         ok = run.state == "succeeded" and run.exactly_once and self._improved(report)
         self.console.print(
             ("[green]run succeeded[/green]" if ok else "[red]run failed[/red]")
@@ -238,11 +249,10 @@ class RunClient:
                 return held_out
             with self.console.status("SFT warm-up") as status:
 
-                def on_step(record: dict) -> None:
-                    report.add("sft", record)
+                def on_step(row: SftRow) -> None:
+                    report.add(row)
                     status.update(
-                        f"SFT warm-up: step {record['sft_step']}/{cfg.sft.steps}, "
-                        f"loss {record['loss']:.4f}"
+                        f"SFT warm-up: step {row.sft_step}/{cfg.sft.steps}, loss {row.loss:.4f}"
                     )
 
                 async def validate(step: int, version: int) -> float:
@@ -277,7 +287,7 @@ class RunClient:
         phase: str,
         version: int,
         report: RunReport,
-        kind: str = "eval",
+        kind: Literal["eval", "sft_val"] = "eval",
     ) -> EvaluateResult:
         """Greedy episodes on `tasks` with `version`, scored by the eval scorer; recorded as
         `kind` (`eval` on the held-out set, `sft_val` on the warm-up's validation set)."""
@@ -294,13 +304,13 @@ class RunClient:
             )
         )
         report.add(
-            kind,
-            {
-                "phase": phase,
+            EvalRow(
+                kind=kind,
+                phase=phase,
                 **result.model_dump(include={"mean_reward", "num_tasks", "policy_versions"}),
-                "statuses": result.statuses,
-                "seconds": round(result.seconds, 2),
-            },
+                statuses=result.statuses,
+                seconds=round(result.seconds, 2),
+            )
         )
         which = "held-out" if kind == "eval" else "validation"
         self.console.print(
@@ -319,33 +329,35 @@ class RunClient:
     def _improved(self, report: RunReport) -> bool:
         """The eval gates: start -> end (`min_improvement`) and after the warm-up -> end
         (`min_rl_improvement`, what RL alone gained); one line says both."""
-        e = eval_summary(report)
-        if "eval_end" not in e:
+        e = report.eval_summary()
+        if e.eval_end is None:
             return True
         ok = True
         parts = ["eval reward"]
-        if "eval_start" in e:
-            parts.append(f"{e['eval_start']:.3f} at the start ->")
-        if "eval_after_sft" in e:
-            parts.append(f"{e['eval_after_sft']:.3f} after the warm-up ->")
-        parts.append(f"{e['eval_end']:.3f} at the end")
-        gates = [("eval.min_improvement", "gain", self.config.eval.min_improvement)]
-        gates.append(("eval.min_rl_improvement", "rl_lift", self.config.eval.min_rl_improvement))
-        for name, key, want in gates:
-            if key not in e:  # e.g. no warm-up, so no RL lift: a gate on it cannot pass
+        if e.eval_start is not None:
+            parts.append(f"{e.eval_start:.3f} at the start ->")
+        if e.eval_after_sft is not None:
+            parts.append(f"{e.eval_after_sft:.3f} after the warm-up ->")
+        parts.append(f"{e.eval_end:.3f} at the end")
+        gates = [
+            ("eval.min_improvement", "gain", e.gain, self.config.eval.min_improvement),
+            ("eval.min_rl_improvement", "rl lift", e.rl_lift, self.config.eval.min_rl_improvement),
+        ]
+        for name, what, got, want in gates:
+            if got is None:  # e.g. no warm-up, so no RL lift: a gate on it cannot pass
                 ok = ok and want is None
                 if want is not None:
-                    parts.append(f"; {name} {want}: NOT met (no {key.replace('_', ' ')})")
+                    parts.append(f"; {name} {want}: NOT met (no {what})")
                 continue
-            met = want is None or e[key] >= want
+            met = want is None or got >= want
             ok = ok and met
             verdict = "" if want is None else f" ({name} {want}: {'met' if met else 'NOT met'})"
-            parts.append(f"; {key.replace('_', ' ')} {e[key]:+.3f}{verdict}")
+            parts.append(f"; {what} {got:+.3f}{verdict}")
         line = " ".join(parts).replace(" ;", ";")
         self.console.print(line, style=None if ok else "red", soft_wrap=True)
         return ok
 
-    def _summary(self, run: RunStatus) -> dict:
+    def _summary(self, run: RunStatus) -> RunSummary:
         last = run.last_version
         rollout = self._wait_rollout_version(last if last is not None else 0)
         stored = asyncio.run(self._stored_versions())
@@ -366,16 +378,16 @@ class RunClient:
                 "dropped",
             }
         )
-        return {
+        return RunSummary(
             **counters,
-            "steps": run.step,
-            "exactly_once": run.exactly_once,
-            "versions_published": run.versions,
-            "weight_store_versions": stored,
-            "rollout_policy_version": rollout.policy_version,
-            "rollout_swaps": rollout.swaps,
-            "mean_reward_per_step": [round(s.mean_reward, 4) for s in run.steps],
-        }
+            steps=run.step,
+            exactly_once=run.exactly_once,
+            versions_published=run.versions,
+            weight_store_versions=stored,
+            rollout_policy_version=rollout.policy_version,
+            rollout_swaps=rollout.swaps,
+            mean_reward_per_step=[round(s.mean_reward, 4) for s in run.steps],
+        )
 
     async def _stored_versions(self) -> list[int]:
         store = WeightStoreClient(self._grpc("weight-store"))
@@ -393,7 +405,7 @@ class RunClient:
             time.sleep(0.2)
 
     def _table(self, run: RunStatus, report: RunReport) -> Table:
-        evals = ", ".join(f"{e['phase']} {e['mean_reward']:.3f}" for e in report.of("eval"))
+        evals = ", ".join(f"{e.phase} {e.mean_reward:.3f}" for e in report.evals())
         steps = run.steps
         table = Table(
             title=f"run {run.run_id} ({self.config.mode}) — {run.state}, "

@@ -23,7 +23,6 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import httpx
 from pydantic import BaseModel, Field
@@ -33,6 +32,7 @@ from treadle_cli.settings import CliSettings
 from treadle_common import names
 from treadle_common.api.ops import Readiness, ServiceInfo, StageProgress
 from treadle_common.api.rollout import RolloutInfo
+from treadle_common.api.runs import RunStatus
 from treadle_common.clients.http import ApiError, info, readiness
 from treadle_common.clients.trainer import TrainerClient
 
@@ -75,11 +75,11 @@ class StackSpec:
             "TREADLE_REDIS_URL": self.redis_url,
             "TREADLE_NATS_URL": self.nats_url,
             "TREADLE_HOST": self.host,
-            "TREADLE_WEIGHT_STORE_ADDR": f"{self.host}:{ports['weight-store']['grpc']}",
-            "TREADLE_ENV_GATEWAY_ADDR": f"{self.host}:{ports['env-gateway']['grpc']}",
+            "TREADLE_WEIGHT_STORE_ADDR": self.grpc_addr("weight-store"),
+            "TREADLE_ENV_GATEWAY_ADDR": self.grpc_addr("env-gateway"),
             "TREADLE_ROLLOUT_MODEL": self.model_dir,
             "TREADLE_ROLLOUT_MODEL_NAME": self.model_name,
-            "TREADLE_HTTP_PORT": str(ports[service]["http"]),
+            "TREADLE_HTTP_PORT": str(self.port(service, "http")),
             "TREADLE_INSTANCE": f"{service}-local",
         }
         # the services share this machine's cores: OpenMP workers that spin while idle would
@@ -89,11 +89,18 @@ class StackSpec:
             env.setdefault("TREADLE_TORCH_THREADS", str(max(1, (os.cpu_count() or 2) // 2)))
         env.pop("TREADLE_GRPC_PORT", None)
         if "grpc" in ports[service]:
-            env["TREADLE_GRPC_PORT"] = str(ports[service]["grpc"])
+            env["TREADLE_GRPC_PORT"] = str(self.port(service, "grpc"))
         return env
 
     def http_url(self, service: str) -> str:
-        return f"http://{self.host}:{self.ports[service]['http']}"
+        return f"http://{self.host}:{self.port(service, 'http')}"
+
+    def grpc_addr(self, service: str) -> str:
+        return f"{self.host}:{self.port(service, 'grpc')}"
+
+    def port(self, service: str, kind: str) -> int:
+        """`service`'s port for `kind` (`http` | `grpc`); KeyError names what it lacks."""
+        return self.ports[service][kind]
 
 
 def stack_file(state_dir: Path) -> Path:
@@ -250,6 +257,49 @@ class ServiceHealth(BaseModel):
     healthy: bool = Field(description="Its process is alive and /readyz says ready")
 
 
+class RolloutTime(BaseModel):
+    """Rollout's side of where time goes (from its `/v1/info`)."""
+
+    engine_busy_fraction: float
+    policy_version: int
+    version_lag: int
+    admission_waits: int
+    engine_requests: int
+
+
+class RunTime(BaseModel):
+    """A run's last 20 steps: the fractions of their time spent on each stage."""
+
+    state: str
+    step: int
+    wait_for_batch_fraction: float
+    train_fraction: float
+    publish_fraction: float
+    max_staleness: int
+
+    @classmethod
+    def of(cls, run: RunStatus) -> RunTime | None:
+        steps = run.steps[-20:]
+        total = sum(s.duration_s for s in steps)
+        if not total:
+            return None
+        return cls(
+            state=run.state,
+            step=run.step,
+            wait_for_batch_fraction=round(sum(s.wait_for_batch_s for s in steps) / total, 3),
+            train_fraction=round(sum(s.train_s for s in steps) / total, 3),
+            publish_fraction=round(sum(s.publish_s for s in steps) / total, 3),
+            max_staleness=max(s.max_staleness for s in steps),
+        )
+
+
+class TimeBreakdown(BaseModel):
+    """`treadle status` with detail: rollout's engine and each run's step stages."""
+
+    rollout: RolloutTime | None = None
+    runs: dict[str, RunTime] = Field(default_factory=dict, description="By run id")
+
+
 class StackStatus(BaseModel):
     """`treadle status --json`: the stack `treadle up` started, service by service."""
 
@@ -259,9 +309,7 @@ class StackStatus(BaseModel):
     infra: dict[str, InfraHealth] = Field(default_factory=dict)
     services: dict[str, ServiceHealth] = Field(default_factory=dict)
     stalled: dict[str, list[str]] = Field(default_factory=dict)
-    time: dict[str, dict[str, Any]] = Field(
-        default_factory=dict, description="With detail: where the runs' time goes"
-    )
+    time: TimeBreakdown | None = Field(None, description="With detail: where the time goes")
 
 
 def service_health(url: str) -> Readiness:
@@ -278,37 +326,16 @@ def service_info(url: str, model: type[ServiceInfo] = ServiceInfo) -> ServiceInf
         return None
 
 
-def time_breakdown(spec: StackSpec, rollout: RolloutInfo | None) -> dict[str, dict[str, Any]]:
+def time_breakdown(spec: StackSpec, rollout: RolloutInfo | None) -> TimeBreakdown:
     """Where time goes: the trainer waiting for batches vs rollout generating or waiting."""
-    out: dict[str, dict[str, Any]] = {}
-    if rollout is not None:
-        out["rollout"] = rollout.model_dump(
-            include={
-                "engine_busy_fraction",
-                "policy_version",
-                "version_lag",
-                "admission_waits",
-                "engine_requests",
-            }
-        )
     try:
         runs = TrainerClient(spec.http_url("trainer"), http(), timeout_s=2.0).list_runs()
     except (httpx.HTTPError, ValueError, ApiError):
         runs = []
-    for run in runs:
-        steps = run.steps[-20:]
-        total = sum(s.duration_s for s in steps)
-        if not total:
-            continue
-        out[f"trainer {run.run_id}"] = {
-            "state": run.state,
-            "step": run.step,
-            "wait_for_batch_fraction": round(sum(s.wait_for_batch_s for s in steps) / total, 3),
-            "train_fraction": round(sum(s.train_s for s in steps) / total, 3),
-            "publish_fraction": round(sum(s.publish_s for s in steps) / total, 3),
-            "max_staleness": max(s.max_staleness for s in steps),
-        }
-    return out
+    return TimeBreakdown(
+        rollout=None if rollout is None else RolloutTime(**rollout.model_dump()),
+        runs={run.run_id: time for run in runs if (time := RunTime.of(run)) is not None},
+    )
 
 
 def status(state_dir: Path, detail: bool = False) -> StackStatus:
@@ -352,7 +379,7 @@ def status(state_dir: Path, detail: bool = False) -> StackStatus:
         infra=infra,
         services=services,
         stalled={n: s.stalled for n, s in services.items() if s.stalled},
-        time=time_breakdown(spec, rollout_info) if detail else {},
+        time=time_breakdown(spec, rollout_info) if detail else None,
     )
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from treadle_cli.report import SftRow
 from treadle_common.api.training import AdamParams, CreateSession, DatumIn, ForwardBackward
 from treadle_common.clients.env import EnvClient
 from treadle_common.clients.trainer import TrainingClient
@@ -121,7 +122,7 @@ class TrainingSession:
     async def sft(
         self,
         data: list[DatumIn],
-        on_step: Callable[[dict[str, Any]], None] | None = None,
+        on_step: Callable[[SftRow], None] | None = None,
         validate: Callable[[int, int], Awaitable[float]] | None = None,
     ) -> WarmUp:
         """`sft.steps` cross-entropy steps on random batches of `data`, then save_weights.
@@ -142,7 +143,7 @@ class TrainingSession:
             opt = await self.client.optim_step(self.sid, adam)
             self.losses.append(fb.loss)
             if on_step is not None:
-                on_step({"sft_step": step, "loss": fb.loss, **opt.model_dump()})
+                on_step(SftRow(sft_step=step, loss=fb.loss, grad_norm=opt.grad_norm))
             target = sft.target_reward
             if target is None or validate is None or step % sft.check_every or step == sft.steps:
                 continue

@@ -199,11 +199,7 @@ class WeightStoreServicer(weights_pb2_grpc.WeightStoreServicer):
 
     async def ListVersions(self, request: pb.ListVersionsRequest, context):
         async with _as_status(context, "ListVersions"):
-            infos = [
-                await self.store.info(request.model, v)
-                for v in await self.store.versions(request.model)
-            ]
-            return pb.ListVersionsResponse(versions=infos)
+            return pb.ListVersionsResponse(versions=await self.store.infos(request.model))
 
     async def ListModels(self, request, context):
         async with _as_status(context, "ListModels"):

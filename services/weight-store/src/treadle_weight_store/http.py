@@ -38,8 +38,7 @@ def mount(app: FastAPI, store: WeightStore) -> None:
 
     @app.get("/v1/models/{model}/versions", tags=["weights"])
     async def list_versions(model: str) -> Versions:
-        versions = await guard(store.versions(model))
-        infos = [await guard(store.info(model, v)) for v in versions]
+        infos = await guard(store.infos(model))
         return Versions(model=model, versions=[VersionInfo.from_proto(i) for i in infos])
 
     @app.get("/v1/models/{model}/versions/{version}", tags=["weights"])

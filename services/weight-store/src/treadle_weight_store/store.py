@@ -503,6 +503,17 @@ class WeightStore:
             durable=self.durable(model, m.version),
         )
 
+    async def infos(self, model: str) -> list[pb.VersionInfo]:
+        """Every version's info, oldest first. A version that retention or GC deletes between
+        the listing and the reading of its manifest is left out, not an error: it is gone."""
+        out = []
+        for version in await self.versions(model):
+            try:
+                out.append(await self.info(model, version))
+            except NotFound:
+                continue
+        return out
+
     async def set_pin(self, model: str, version: int, pinned: bool) -> pb.VersionInfo:
         version = await self.resolve(model, version)
         await self.get_manifest(model, version)  # NOT_FOUND for an unknown version
