@@ -254,3 +254,26 @@ async def test_the_trainer_scores_sampled_tokens_under_the_sampling_temperature(
         plain, _ = token_logprobs(engine.model, mb, "cpu")
     assert at_t[0, n:].tolist() == pytest.approx(gen.logprobs, abs=1e-4)
     assert plain[0, n:].tolist() != pytest.approx(gen.logprobs, abs=1e-2)  # T=1 is another policy
+
+
+async def test_requests_released_over_a_few_loop_turns_start_in_one_step(engine):
+    """An idle engine gathers what arrives in the next few event-loop turns (the groups a
+    weight swap un-gates) into one prefill, instead of stepping the first request alone."""
+    joined: list[int] = []
+    step = engine._step
+
+    def recording(joiners):
+        joined.append(len(joiners))
+        return step(joiners)
+
+    engine._step = recording
+    prompt = engine.tokenizer("12+34=")["input_ids"]
+
+    async def after(turns: int):
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        return await engine.generate(prompt, Sampling(1.0, 1.0, 4, seed=turns + 1))
+
+    gens = await asyncio.gather(*(after(i) for i in range(6)))
+    assert joined[0] == 6 and sum(joined) == 6
+    assert all(len(g.tokens) > 0 for g in gens)
