@@ -29,9 +29,8 @@ class StepRecord(BaseModel):
     wait_for_batch_s: float = 0.0
     train_s: float = 0.0
     publish_s: float = Field(
-        description="Seconds the step spent handing its weights to the background publisher "
-        "(a sync run's wait for them to be committed counts in the next step's "
-        "wait_for_batch_s)"
+        description="Seconds the step waited for publishing (sync: until its weights were "
+        "committed; async: handing them to the background publisher)"
     )
     published: bool = Field(
         False, description="The step's weights were published (not skipped or coalesced)"
@@ -45,7 +44,9 @@ class StepRecord(BaseModel):
     bytes_published: int = 0
     duration_s: float
     tokens_per_s: float = 0.0
-    finished_at: float = Field(0.0, description="Unix time the step ended")
+    finished_at: float = Field(
+        0.0, description="Unix time the step ended (sync: its weights were published)"
+    )
 
 
 class RunStatus(BaseModel):

@@ -1,11 +1,10 @@
 """`RunOwner`: one run's step loop, from its first task to its last checkpoint.
 
 restore (last committed checkpoint) or base version --> per step:
-    feed (feeder.py) --> [sync: wait until the last step's weights are published, while
-    rollout takes the tasks in] --> collect complete groups (collector.py) --> build the
-    batch (step.py) --> train --> weights to the background publisher (publishing.py)
-    --> every `checkpoint_every` steps: checkpoint + ledger commit (ledger.py) --> a sync
-    run's evaluation hold
+    feed (feeder.py) --> collect complete groups (collector.py) --> build the batch
+    (step.py) --> train --> weights to the background publisher (publishing.py; a sync
+    run waits for them) --> every `checkpoint_every` steps: checkpoint + ledger commit
+    (ledger.py) --> a sync run's evaluation hold
 after the last step: cancel unstarted tasks, let groups in flight land, drop what no
 step used as `run_ended`; the final checkpoint acks and ledgers them.
 """
@@ -153,10 +152,6 @@ class RunOwner:
             started = time.perf_counter()
             # async keeps S steps of work fed, up to the last step (as a longer run would)
             await self._feed(source, (step + self.max_staleness) * t.tasks_per_step, served)
-            if self.max_staleness == 0:
-                # rollout takes the tasks in (sessions, prompts) while the weights they need
-                # are published; a failed publish ends the wait here, not in a hung collect
-                await self.versions.wait_published(served)
             groups = await self.collector.collect(t.tasks_per_step, version, self.max_staleness)
             wait_s = time.perf_counter() - started
             feeding = None
@@ -239,8 +234,10 @@ class RunOwner:
         version = self._v0 + step
         if self.versions.publishes(step):
             state = await on_torch_thread(self.backend.snapshot_cpu)
-            # a sync run's next batch needs these weights: it waits for them after feeding
-            await self.versions.submit(Snapshot(step, version, state))
+            # a sync run's next batch is generated with these weights: it waits for them
+            await self.versions.submit(
+                Snapshot(step, version, state), wait=self.config.mode == "sync"
+            )
         publish_s = time.perf_counter() - publish_start
         self.status.trajectories_trained += len(batch.trained)
         self.ledger.add(

@@ -33,7 +33,6 @@ class RunVersions:
         self.assets = model_assets(config.model.path)  # config + tokenizer travel with weights
         self._records: dict[int, StepRecord] = {}  # steps whose publish is not recorded yet
         self._done: dict[int, Published] = {}
-        self._submitted = -1  # the newest version handed to the publisher
 
     def publishes(self, step: int) -> bool:
         t = self.config.trainer
@@ -62,16 +61,11 @@ class RunVersions:
             return latest.version
         return await self.publish_now(state, step=0)
 
-    async def submit(self, snapshot: Snapshot) -> None:
-        """Hand a step's weights to the background publisher (returns at once)."""
+    async def submit(self, snapshot: Snapshot, wait: bool) -> None:
+        """Hand a step's weights to the background publisher; `wait`: until committed."""
         await self.publisher.submit(snapshot)
-        self._submitted = snapshot.version
-
-    async def wait_published(self, version: int) -> None:
-        """Until `version` is in the store, when the publisher was handed it (the base and
-        restored versions were published in the foreground); raises its publish's error."""
-        if version <= self._submitted:
-            await self.publisher.wait_for(version)
+        if wait:
+            await self.publisher.wait_for(snapshot.version)
 
     def record(self, record: StepRecord) -> None:
         """A published step's record: its publish fields are filled in once it is done."""
