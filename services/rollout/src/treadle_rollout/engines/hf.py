@@ -1,6 +1,8 @@
 """`hf` engine: a transformers causal LM with continuous batching, on CPU or GPU.
 
-One scheduler task owns the model. Each iteration (a *step*):
+One scheduler task owns the model. Going from idle to busy it first waits a few event-loop
+turns, so that requests released together join one prefill (`_gather`). Each iteration (a
+*step*):
 
 1. applies pending weight swaps: this is the pause point. Policy `continue` keeps the
    running sequences and their KV cache (later tokens carry the new version); `abort`
