@@ -212,6 +212,10 @@ async def test_malformed_tasks_are_acked_and_counted(redis_client):
     assert pending["pending"] == 0
     state = await redis_client.hgetall(names.run_state(run))
     assert int(state[b"tasks_invalid"]) == 2 and b"task has no env" in state[b"last_invalid_task"]
+    assert int(state[b"tasks_dead"]) == 2 and int(state[b"dead:invalid"]) == 2
+    dead = await redis_client.xrange(names.dead_letters(run))
+    assert [f[b"reason"] for _, f in dead] == [b"invalid", b"invalid"]
+    assert b"not a Task protobuf" in dead[0][1][b"error"]
 
 
 async def test_openai_engine_is_token_exact_against_an_openai_compatible_server(
@@ -234,3 +238,144 @@ async def test_openai_engine_is_token_exact_against_an_openai_compatible_server(
     with pytest.raises(NotImplementedError):
         await engine.update_to(None, 1)  # type: ignore[arg-type]
     await engine.close()
+
+
+# --- exactly-once task handling: heartbeats, owned commits, dead letters ------------------------
+class CountingEpisodes:
+    """Episodes that wait for their gate (the task's version), then return a trajectory;
+    `fail` makes every attempt raise."""
+
+    def __init__(self, fail: bool = False):
+        self.calls: list[str] = []
+        self.fail = fail
+
+    async def run(self, task, index, gate=None):
+        self.calls.append(f"{task.task_id}/{index}")
+        if gate is not None:
+            await gate
+        if self.fail:
+            raise RuntimeError(f"scripted failure of {task.task_id}")
+        return tpb.Trajectory(
+            trajectory_id=f"{task.task_id}/{index}", group_id=task.task_id, run_id=task.run_id
+        )
+
+
+class SlowVersion:
+    """Weight sync stand-in: the task's version arrives only after `delay_s`."""
+
+    def __init__(self, delay_s: float):
+        self.delay_s = delay_s
+        self.engine = type("Engine", (), {"version": 0})()
+
+    async def ensure_version(self, version):
+        await asyncio.sleep(self.delay_s)
+        self.engine.version = max(self.engine.version, version)
+
+    async def wait_for_newer(self, version, timeout_s):
+        await asyncio.sleep(timeout_s)
+
+
+async def _one_task(redis_client, group_size: int = 2) -> tuple[str, str]:
+    run = uuid.uuid4().hex
+    stream = names.tasks_stream(run)
+    await streams.ensure_group(redis_client, stream, names.ROLLOUT_GROUP)
+    await admission.configure(redis_client, run, groups_per_step=1, max_staleness=4, base_version=0)
+    task = task_pb2.Task(
+        task_id="t0", run_id=run, env="e", scorer="s", group_size=group_size, min_policy_version=1
+    )
+    await streams.add(redis_client, stream, task)
+    await redis_client.sadd(names.RUNS_KEY, run)
+    return run, stream
+
+
+async def _until(predicate, timeout_s: float = 20.0) -> None:
+    for _ in range(int(timeout_s / 0.05)):
+        if predicate():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("condition not reached")
+
+
+async def test_a_task_waiting_longer_than_the_reclaim_time_is_not_run_twice(redis_client):
+    """The task waits 2 s for its version, 5x the reclaim idle time: its replica's heartbeat
+    keeps it, so the second replica never reclaims and replays it."""
+    run, stream = await _one_task(redis_client)
+    episodes = CountingEpisodes()
+    workers = [
+        TaskWorker(redis_client, episodes, SlowVersion(2.0), consumer=c, reclaim_idle_ms=400)
+        for c in ("c1", "c2")
+    ]
+    jobs = [asyncio.create_task(w.run()) for w in workers]
+    try:
+        await _until(lambda: sum(w.tasks_done for w in workers) == 1)
+        await asyncio.sleep(1.0)  # a second attempt would show up by now
+    finally:
+        for w, job in zip(workers, jobs, strict=True):
+            await w.drain()
+            job.cancel()
+        await redis_client.srem(names.RUNS_KEY, run)
+    assert sorted(episodes.calls) == ["t0/0", "t0/1"]  # one attempt
+    assert await redis_client.xlen(names.trajectories_stream(run)) == 2
+    assert (await redis_client.xpending(stream, names.ROLLOUT_GROUP))["pending"] == 0
+    assert all(w.lost_tasks == 0 for w in workers)
+
+
+async def test_a_replica_that_lost_its_task_cannot_commit_it(redis_client):
+    """Another replica took the task over while this one was stalled (an XCLAIM, as its
+    reclaim does): this one's heartbeat finds it gone, drops its attempt and writes nothing."""
+    run, stream = await _one_task(redis_client)
+    worker = TaskWorker(
+        redis_client, CountingEpisodes(), SlowVersion(3.0), consumer="c1", reclaim_idle_ms=400
+    )
+    job = asyncio.create_task(worker.run())
+    try:
+        await _until(lambda: len(worker.in_flight) == 1)
+        entry = streams.text((await redis_client.xrange(stream))[0][0])
+        await redis_client.xclaim(stream, names.ROLLOUT_GROUP, "c2", 0, [entry])
+
+        async def c2_alive():  # the new owner heartbeats it, as a live replica does
+            while await streams.heartbeat(redis_client, stream, names.ROLLOUT_GROUP, "c2", entry):
+                await asyncio.sleep(0.1)
+
+        alive = asyncio.create_task(c2_alive())
+        await _until(lambda: worker.lost_tasks == 1)
+        await asyncio.sleep(3.0)  # past the version's arrival: nothing may be committed
+    finally:
+        await worker.drain()
+        job.cancel()
+        alive.cancel()
+        await redis_client.srem(names.RUNS_KEY, run)
+    assert worker.tasks_done == 0
+    assert await redis_client.xlen(names.trajectories_stream(run)) == 0
+    pending = await redis_client.xpending_range(stream, names.ROLLOUT_GROUP, "-", "+", 10)
+    assert [p["consumer"] for p in pending] == [b"c2"]  # still the new owner's
+
+
+async def test_a_task_that_keeps_failing_is_dead_lettered_with_its_last_error(redis_client):
+    run, stream = await _one_task(redis_client, group_size=1)
+    worker = TaskWorker(
+        redis_client,
+        CountingEpisodes(fail=True),
+        SlowVersion(0.0),
+        consumer="c1",
+        reclaim_idle_ms=200,
+        max_deliveries=2,
+    )
+    job = asyncio.create_task(worker.run())
+    try:
+        await _until(lambda: worker.dead_lettered == 1)
+    finally:
+        await worker.drain()
+        job.cancel()
+        await redis_client.srem(names.RUNS_KEY, run)
+    dead = await redis_client.xrange(names.dead_letters(run))
+    assert len(dead) == 1
+    fields = dead[0][1]
+    assert fields[b"reason"] == b"max_deliveries" and int(fields[b"deliveries"]) == 3
+    assert b"scripted failure of t0" in fields[b"error"]
+    assert task_pb2.Task.FromString(fields[b"pb"]).task_id == "t0"  # kept for a replay
+    assert (await redis_client.xpending(stream, names.ROLLOUT_GROUP))["pending"] == 0
+    state = await redis_client.hgetall(names.run_state(run))
+    assert int(state[b"tasks_dead"]) == 1 and int(state[b"dead:max_deliveries"]) == 1
+    assert b"trajectories_produced" not in state
+    assert not await redis_client.exists(names.task_errors(run))

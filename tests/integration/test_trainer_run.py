@@ -5,6 +5,7 @@ Plus the Tinker-style training API over HTTP."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -148,6 +149,135 @@ async def test_sigkill_between_step_and_checkpoint_trains_every_trajectory_once(
     # the restarted owner re-published its restored weights before training on
     versions = await store.list_versions("crashm")
     assert len(versions) == len(final["versions"]) + 1  # + step 3 of the killed process
+    await store.close()
+    await r.aclose()
+
+
+def handoff_recipe(run: str, tmp_path, tiny_model, steps: int = 6) -> dict:
+    dataset = tmp_path / "tasks.jsonl"
+    dataset.write_text("".join(json.dumps({"q": i}) + "\n" for i in range(5)))
+    return {
+        "run_id": run,
+        "mode": "async",
+        "model": {"path": str(tiny_model), "name": f"m{run[-6:]}"},
+        "data": {"path": str(dataset)},
+        "rollout": {"group_size": GROUP_SIZE},
+        "trainer": {
+            "num_steps": steps,
+            "tasks_per_step": GROUPS_PER_STEP,
+            "loss": "ppo",
+            "advantage": "rloo",
+            "max_staleness": 8,
+            "checkpoint_every": 1,
+            "micro_batch_tokens": 128,
+        },
+        "output_dir": str(tmp_path / "runs"),
+    }
+
+
+async def assert_ledger_exact(r, run: str, steps: int, produced: list[str]) -> None:
+    """Every step ledgered once; every produced trajectory trained once or dropped once."""
+    ledger = await r.xrange(names.ledger_stream(run))
+    step_entries = [int(f[b"step"]) for _, f in ledger if f[b"kind"] == b"step"]
+    assert step_entries == list(range(1, steps + 1))
+    trained = [t for _, f in ledger for t in json.loads(f[b"trained"])]
+    dropped = [t for _, f in ledger for t in json.loads(f[b"dropped"])]
+    assert len(trained) == len(set(trained)) == steps * GROUPS_PER_STEP * GROUP_SIZE
+    assert not set(trained) & set(dropped) and len(dropped) == len(set(dropped))
+    assert set(trained) | set(dropped) == set(produced)
+
+
+async def test_sigterm_hands_the_run_off_to_another_trainer(
+    infra, tmp_path, tiny_model, weight_store
+):
+    """SIGTERM on the owner mid-run: it checkpoints at its step boundary and releases the
+    lease, and a second trainer resumes the run at once, losing and doubling nothing."""
+    run = f"handoff-{uuid.uuid4().hex[:6]}"
+    recipe = handoff_recipe(run, tmp_path, tiny_model)
+    steps = recipe["trainer"]["num_steps"]
+    r = aioredis.from_url(infra.redis_url)
+    store = WeightStoreClient(weight_store.grpc_addr or "")
+    vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
+    rollout = SyntheticRollout(r, store, run, recipe["model"]["name"], vocab, gated=True)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = start_trainer(infra, tmp_path / "a", weight_store)
+    second = producer = None
+    try:
+        async with httpx.AsyncClient(base_url=first.http) as client:
+            response = await client.post("/v1/runs", json=recipe)
+            assert response.status_code == 202, response.text
+        producer = asyncio.create_task(rollout.run_forever())
+        rollout.release(2 * GROUPS_PER_STEP)
+        await wait_run(first.http, run, lambda s: s["checkpoint_step"] == 2, producer=producer)
+        second = start_trainer(infra, tmp_path / "b", weight_store)
+        first.proc.send_signal(signal.SIGTERM)  # waiting for step 3's batch: no more come
+        assert first.proc.wait(timeout=30) == 0
+        resumed = await wait_run(second.http, run, lambda s: s["resumed"] == 1, 30)
+        assert resumed["step"] == 2  # from the handed-off checkpoint
+        rollout.release(100)
+        final = await wait_run(second.http, run, lambda s: s["state"] != "running", 120)
+    finally:
+        if producer is not None:
+            producer.cancel()
+        for trainer in (first, second):
+            if trainer is not None and trainer.proc.poll() is None:
+                trainer.stop()
+    assert final["state"] == "succeeded", final["error"]
+    assert final["step"] == steps and final["pending_after_run"] == 0
+    assert "run handed off" in first.log.read_text()
+    await assert_ledger_exact(r, run, steps, rollout.produced)
+    await store.close()
+    await r.aclose()
+
+
+async def test_a_trainer_that_stalled_past_its_lease_cannot_commit(
+    infra, tmp_path, tiny_model, weight_store
+):
+    """The owner is frozen (SIGSTOP) past its lease; a second trainer takes the run over and
+    trains on. Thawed, the first finds the run fenced: it commits nothing and reports the run
+    `lost`, and the ledger holds every step once."""
+    run = f"fence-{uuid.uuid4().hex[:6]}"
+    recipe = handoff_recipe(run, tmp_path, tiny_model)
+    steps = recipe["trainer"]["num_steps"]
+    r = aioredis.from_url(infra.redis_url)
+    store = WeightStoreClient(weight_store.grpc_addr or "")
+    vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
+    rollout = SyntheticRollout(r, store, run, recipe["model"]["name"], vocab, gated=True)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = start_trainer(infra, tmp_path / "a", weight_store)
+    second = producer = None
+    try:
+        async with httpx.AsyncClient(base_url=first.http) as client:
+            response = await client.post("/v1/runs", json=recipe)
+            assert response.status_code == 202, response.text
+        producer = asyncio.create_task(rollout.run_forever())
+        rollout.release(2 * GROUPS_PER_STEP)
+        await wait_run(first.http, run, lambda s: s["checkpoint_step"] == 2, producer=producer)
+        owner_before = await r.get(names.run_owner(run))
+        os.kill(first.proc.pid, signal.SIGSTOP)
+        second = start_trainer(infra, tmp_path / "b", weight_store)
+        await wait_run(second.http, run, lambda s: s["resumed"] == 1, 30)
+        assert await r.get(names.run_owner(run)) != owner_before  # a new fencing token
+        rollout.release(GROUPS_PER_STEP)  # step 3, read by the new owner
+        await wait_run(second.http, run, lambda s: s["checkpoint_step"] == 3)
+        os.kill(first.proc.pid, signal.SIGCONT)
+        lost = await wait_run(first.http, run, lambda s: s["state"] == "lost", 30)
+        assert "lease" in (lost["error"] or "")
+        rollout.release(100)
+        final = await wait_run(second.http, run, lambda s: s["state"] != "running", 120)
+    finally:
+        if producer is not None:
+            producer.cancel()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(first.proc.pid, signal.SIGCONT)
+        for trainer in (first, second):
+            if trainer is not None and trainer.proc.poll() is None:
+                trainer.stop()
+    assert final["state"] == "succeeded", final["error"]
+    assert final["step"] == steps and final["pending_after_run"] == 0
+    await assert_ledger_exact(r, run, steps, rollout.produced)
     await store.close()
     await r.aclose()
 

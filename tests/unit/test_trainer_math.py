@@ -295,6 +295,7 @@ async def test_a_wholly_stale_group_does_not_take_a_batch_slot():
             self.config = SimpleNamespace(trainer=trainer)  # type: ignore[assignment]
             self.buffer = GroupBuffer(2)
             self.arrivals = arrivals
+            self.stopping = False
 
         async def read(self, block_ms):
             for entry in self.arrivals.pop(0) if self.arrivals else []:

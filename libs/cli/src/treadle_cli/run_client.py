@@ -54,6 +54,8 @@ class RunSummary(EvalSummary):
     steps: int
     tasks_fed: int
     tasks_cancelled: int
+    tasks_dead: int = 0
+    dead_lettered: dict[str, int] = Field(default_factory=dict)
     trajectories_produced: int
     trajectories_consumed: int
     trajectories_trained: int
@@ -368,6 +370,8 @@ class RunClient:
                 "error",
                 "tasks_fed",
                 "tasks_cancelled",
+                "tasks_dead",
+                "dead_lettered",
                 "trajectories_produced",
                 "trajectories_consumed",
                 "trajectories_trained",

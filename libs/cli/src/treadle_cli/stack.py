@@ -268,7 +268,8 @@ class RolloutTime(BaseModel):
 
 
 class RunTime(BaseModel):
-    """A run's last 20 steps: the fractions of their time spent on each stage."""
+    """A run's last 20 steps: the fractions of their time spent on each stage; and the tasks
+    rollout gave up on (dead letters, by reason)."""
 
     state: str
     step: int
@@ -276,6 +277,8 @@ class RunTime(BaseModel):
     train_fraction: float
     publish_fraction: float
     max_staleness: int
+    tasks_dead: int = 0
+    dead_lettered: dict[str, int] = Field(default_factory=dict)
 
     @classmethod
     def of(cls, run: RunStatus) -> RunTime | None:
@@ -290,6 +293,8 @@ class RunTime(BaseModel):
             train_fraction=round(sum(s.train_s for s in steps) / total, 3),
             publish_fraction=round(sum(s.publish_s for s in steps) / total, 3),
             max_staleness=max(s.max_staleness for s in steps),
+            tasks_dead=run.tasks_dead,
+            dead_lettered=run.dead_lettered,
         )
 
 

@@ -45,9 +45,25 @@ def ledger_stream(run: str) -> str:
     return f"treadle:{run}:ledger"
 
 
+def dead_letters(run: str) -> str:
+    """Stream of tasks rollout gave up on (invalid, or failed `max_deliveries` times): the
+    task, the reason, the last error and how often it was delivered."""
+    return f"treadle:{run}:dead"
+
+
+def task_errors(run: str) -> str:
+    """Hash: task entry id -> the last error an attempt at it raised (for its dead letter)."""
+    return f"treadle:{run}:task_errors"
+
+
 def run_owner(run: str) -> str:
-    """Lease key: the trainer instance that owns the run (expires if it dies)."""
+    """Lease key: "{instance}#{token}" of the trainer that owns the run (expires if it dies)."""
     return f"treadle:{run}:owner"
+
+
+def run_fence(run: str) -> str:
+    """Counter (INCR): the run's fencing tokens, one per lease taken, never reused."""
+    return f"treadle:{run}:fence"
 
 
 ROLLOUT_GROUP = "rollout"

@@ -109,6 +109,8 @@ class Rollout:
             self.sync,
             consumer=settings.instance,
             max_concurrent_tasks=settings.rollout_max_concurrent_tasks,
+            reclaim_idle_ms=settings.rollout_reclaim_idle_ms,
+            max_deliveries=settings.rollout_max_deliveries,
         )
         self.worker = worker
         tasks = runtime.progress.stage("tasks", lambda: len(worker.in_flight))

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 
 import grpc
 
@@ -72,7 +71,9 @@ class EpisodeRunner:
     ) -> tpb.Trajectory:
         started = time.time()
         traj = tpb.Trajectory(
-            trajectory_id=uuid.uuid4().hex,
+            # one id per (task, sample): a task played twice yields the same ids, which the
+            # trainer trains once
+            trajectory_id=f"{task.task_id}/{sample_index}",
             group_id=task.task_id,
             task_id=task.task_id,
             run_id=task.run_id,

@@ -16,6 +16,15 @@ class RolloutSettings(Settings):
     rollout_model: Path | None = Field(None, description="HF model directory rollout serves")
     rollout_model_name: str | None = Field(None, description="weight-store name of that model")
     rollout_max_concurrent_tasks: int = Field(8, ge=1, description="Tasks in flight per replica")
+    rollout_reclaim_idle_ms: int = Field(
+        60_000,
+        ge=100,
+        description="rollout: a task its replica stopped heartbeating for this long is "
+        "reclaimed by another replica",
+    )
+    rollout_max_deliveries: int = Field(
+        3, ge=1, description="rollout: a task delivered more often goes to the dead letters"
+    )
     rollout_engine: Literal["hf", "vllm", "openai"] = Field(
         "hf",
         description="rollout engine: hf (transformers), vllm (needs .venv-vllm) or openai "

@@ -5,15 +5,25 @@
       -> staleness admission (shared Redis bound; a refused group waits for a newer version)
       -> group_size episodes concurrently; each waits for the task's minimum policy version
          (if the engine lacks it) after opening its env session, before generating
-      -> MULTI: XADD each trajectory to treadle:{run}:trajectories + count them + XACK the
-         task -> EXEC (the task is acked exactly when its trajectories are in Redis)
+      -> one Lua script, only while this replica still owns the task: XADD each trajectory
+         to treadle:{run}:trajectories + count them + XACK the task (the task is acked
+         exactly when its trajectories are in Redis, and by its owner only)
 
-Tasks left pending by a dead replica are reclaimed after `reclaim_idle_ms`.
+Exactly once: while a task is in progress its replica heartbeats it (`streams.heartbeat`,
+every `reclaim_idle_ms` / 4), so a task that legitimately waits (admission, a version not
+published yet) is never reclaimed. A replica that dies or stalls stops heartbeating: after
+`reclaim_idle_ms` another replica reclaims the task, and the stalled one, should it wake,
+can neither heartbeat nor commit it (it drops its work, counted `not_owner`). A task whose
+handling raises stays pending (its last error in treadle:{run}:task_errors) and is retried
+once reclaimed; delivered more than `max_deliveries` times, or invalid, it goes to the
+dead-letter stream treadle:{run}:dead with its reason and last error, acked and counted in
+the run's state (`tasks_dead`, `dead:{reason}`); the trainer feeds a task in its place.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -64,6 +74,7 @@ class TaskWorker:
         consumer: str,
         max_concurrent_tasks: int = 8,
         reclaim_idle_ms: int = 60_000,
+        max_deliveries: int = 3,
     ):
         self.r = r
         self.runner = runner
@@ -72,12 +83,15 @@ class TaskWorker:
         self.max_concurrent_tasks = max_concurrent_tasks
         self.slots = asyncio.Semaphore(max_concurrent_tasks)
         self.reclaim_idle_ms = reclaim_idle_ms
+        self.max_deliveries = max_deliveries
         self.in_flight: set[asyncio.Task] = set()
         self.stopping = False
         self.tasks_done = 0
         self.trajectories_pushed = 0
         self.invalid_tasks = 0
         self.cancelled_tasks = 0
+        self.dead_lettered = 0
+        self.lost_tasks = 0  # reclaimed by another replica while this one worked on them
         self.admission_waits = 0
         self._groups: set[str] = set()
         self.on_task_done: Callable[[], None] = lambda: None
@@ -101,14 +115,7 @@ class TaskWorker:
                 continue
             entries = []
             for stream in stream_keys:
-                entries += await streams.reclaim(
-                    self.r,
-                    stream,
-                    names.ROLLOUT_GROUP,
-                    self.consumer,
-                    task_pb2.Task,
-                    min_idle_ms=self.reclaim_idle_ms,
-                )
+                entries += await self._reclaim(stream)
             await self.slots.acquire()
             self.slots.release()
             entries += await streams.read_group(  # as many as there are free slots
@@ -126,13 +133,34 @@ class TaskWorker:
                 self.in_flight.add(job)
                 job.add_done_callback(self.in_flight.discard)
 
+    async def _reclaim(self, stream: str) -> list:
+        """Tasks whose replica stopped heartbeating them; those delivered more than
+        `max_deliveries` times go to the dead letters instead."""
+        out = []
+        for entry in await streams.reclaim(
+            self.r,
+            stream,
+            names.ROLLOUT_GROUP,
+            self.consumer,
+            task_pb2.Task,
+            min_idle_ms=self.reclaim_idle_ms,
+        ):
+            _, entry_id, task = entry
+            count = await streams.deliveries(self.r, stream, names.ROLLOUT_GROUP, entry_id)
+            if count > self.max_deliveries:
+                await self._dead_letter(stream, entry_id, task, "max_deliveries", count)
+            else:
+                out.append(entry)
+        return out
+
     async def _run_task(
         self, stream: str, entry_id: str, task: task_pb2.Task | streams.InvalidEntry
     ) -> None:
+        heartbeat = asyncio.create_task(self._heartbeat(stream, entry_id, asyncio.current_task()))
         try:
             reason = invalid_reason(task)
             if reason is not None:
-                await self._reject(stream, entry_id, reason)
+                await self._reject(stream, entry_id, task, reason)
                 return
             assert isinstance(task, task_pb2.Task)
             parent = tracing.from_proto(task.trace)
@@ -153,20 +181,58 @@ class TaskWorker:
                         await self._cancel(stream, entry_id)
                         return
                 group = await self._play(task)
-            async with self.r.pipeline(transaction=True) as pipe:
-                for traj in group:
-                    await streams.add(pipe, names.trajectories_stream(task.run_id), traj)
-                pipe.hincrby(names.run_state(task.run_id), "trajectories_produced", len(group))
-                pipe.xack(stream, names.ROLLOUT_GROUP, entry_id)  # with its trajectories
-                await pipe.execute()
+            heartbeat.cancel()
+            if not await streams.commit_owned(  # the trajectories with the task's ack
+                self.r,
+                stream,
+                names.ROLLOUT_GROUP,
+                self.consumer,
+                entry_id,
+                out_stream=names.trajectories_stream(task.run_id),
+                messages=group,
+                counter=(names.run_state(task.run_id), "trajectories_produced"),
+            ):
+                self._lost(entry_id)
+                return
             self.tasks_done += 1
             self.trajectories_pushed += len(group)
             self.on_task_done()
+        except asyncio.CancelledError:
+            if not heartbeat.done() or heartbeat.cancelled() or not heartbeat.result():
+                raise  # not a lost lease: the worker is being cancelled
+            self._lost(entry_id)
         except Exception as exc:  # the task stays pending and is retried (reclaimed)
             metrics.DROPPED.labels(SERVICE, "task_attempt", type(exc).__name__).inc()
             log.error("task failed; left pending for retry", entry=entry_id, error=repr(exc))
+            with contextlib.suppress(Exception):
+                run = names.run_of(stream)
+                await self.r.hset(names.task_errors(run), entry_id, repr(exc)[:2000])
         finally:
+            heartbeat.cancel()
             self.slots.release()
+
+    async def _heartbeat(self, stream: str, entry_id: str, work: asyncio.Task | None) -> bool:
+        """Keep the task ours while we work on it; True (after cancelling `work`) once it is
+        not ours any more. A Redis error only skips a beat (the next may succeed)."""
+        while True:
+            await asyncio.sleep(self.reclaim_idle_ms / 4000)
+            try:
+                owned = await streams.heartbeat(
+                    self.r, stream, names.ROLLOUT_GROUP, self.consumer, entry_id
+                )
+            except Exception as exc:
+                log.warning("task heartbeat failed", entry=entry_id, error=repr(exc))
+                continue
+            if not owned:
+                if work is not None:
+                    work.cancel()
+                return True
+
+    def _lost(self, entry_id: str) -> None:
+        """Another replica reclaimed the task (this one stalled): its work is dropped."""
+        self.lost_tasks += 1
+        metrics.DROPPED.labels(SERVICE, "task", "not_owner").inc()
+        log.warning("task reclaimed by another replica; this attempt is dropped", entry=entry_id)
 
     async def _play(self, task: task_pb2.Task) -> list:
         """The task's episodes. A task that demands a version the engine does not hold yet (a
@@ -188,14 +254,49 @@ class TaskWorker:
         with tracing.tracer().start_as_current_span("rollout.wait_for_weights"):
             await self.sync.ensure_version(version)
 
-    async def _reject(self, stream: str, entry_id: str, reason: str) -> None:
+    async def _reject(
+        self, stream: str, entry_id: str, task: task_pb2.Task | streams.InvalidEntry, reason: str
+    ) -> None:
         self.invalid_tasks += 1
-        metrics.DROPPED.labels(SERVICE, "task", "invalid").inc()
-        log.warning("invalid task acked", entry=entry_id, reason=reason)
+        log.warning("invalid task dead-lettered", entry=entry_id, reason=reason)
         run = names.run_of(stream)
+        await self.r.hset(names.run_state(run), "last_invalid_task", f"{entry_id}: {reason}")
+        await self._dead_letter(stream, entry_id, task, "invalid", 1, error=reason)
+
+    async def _dead_letter(
+        self,
+        stream: str,
+        entry_id: str,
+        task: task_pb2.Task | streams.InvalidEntry,
+        reason: str,
+        deliveries: int,
+        error: str | None = None,
+    ) -> None:
+        """Give up on a task: to treadle:{run}:dead with why, acked and counted, at once."""
+        run = names.run_of(stream)
+        if error is None:
+            last = await self.r.hget(names.task_errors(run), entry_id)
+            error = streams.text(last) if last is not None else ""
+        fields: dict = {
+            "entry_id": entry_id,
+            "reason": reason,
+            "error": error,
+            "deliveries": deliveries,
+            "consumer": self.consumer,
+            "at": time.time(),
+        }
+        if isinstance(task, task_pb2.Task):
+            fields |= {"task_id": task.task_id, names.STREAM_FIELD: task.SerializeToString()}
+        self.dead_lettered += 1
+        metrics.DROPPED.labels(SERVICE, "task", reason).inc()
+        log.warning("task dead-lettered", entry=entry_id, reason=reason, error=error[:300])
         async with self.r.pipeline(transaction=True) as pipe:
-            pipe.hincrby(names.run_state(run), "tasks_invalid", 1)
-            pipe.hset(names.run_state(run), "last_invalid_task", f"{entry_id}: {reason}")
+            pipe.xadd(names.dead_letters(run), fields)
+            pipe.hincrby(names.run_state(run), "tasks_dead", 1)
+            pipe.hincrby(names.run_state(run), f"dead:{reason}", 1)
+            if reason == "invalid":
+                pipe.hincrby(names.run_state(run), "tasks_invalid", 1)
+            pipe.hdel(names.task_errors(run), entry_id)
             pipe.xack(stream, names.ROLLOUT_GROUP, entry_id)
             await pipe.execute()
 

@@ -5,9 +5,13 @@
     POST /v1/runs/{id}/evaluations    the client evaluated a step: a sync run held there goes on
     GET  /v1/backlog                  work waiting in Redis (KEDA scales rollout on it)
 
-A run is owned by one trainer at a time: the owner renews `treadle:{run}:owner` while it
-executes the run. Every second each trainer looks for active runs whose lease lapsed (their
-owner died) and resumes them from their last checkpoint.
+A run is owned by one trainer at a time, through a fenced lease (`run/lease.py`): created
+with SET NX, renewed by compare-and-PEXPIRE while the owner executes the run; an owner whose
+renewal finds another trainer's lease stops at once (`lost`), and the ledger refuses its
+commits even before it notices. Every second each trainer looks for active runs whose lease
+lapsed (their owner died) and resumes them from their last checkpoint. A trainer shutting
+down (SIGTERM) hands its runs off: each stops at its next step boundary, checkpoints and
+releases its lease, so another trainer resumes it within a second.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from treadle_common.logs import get_logger
 from treadle_common.progress import Stage
 from treadle_common.service import ServiceRuntime
 from treadle_trainer.run import RunOwner
+from treadle_trainer.run.lease import Lease
 from treadle_trainer.settings import TrainerSettings
 
 log = get_logger(__name__)
@@ -58,18 +63,37 @@ class Runs:
             raise HTTPException(404, f"no run {run_id}")
         return self.owners[run_id]
 
-    async def _own(self, owner: RunOwner) -> None:
-        """Hold the run's lease while its owner executes it."""
-        key = names.run_owner(owner.config.run_id)
-        work = asyncio.create_task(owner.execute())
-        redis = self.runtime.redis
-        while not work.done():
-            await redis.set(key, self.settings.instance, px=self._lease_ms)
-            await asyncio.wait([work], timeout=self.settings.trainer_lease_s / 3)
-        await redis.delete(key)
+    def _lease(self, run_id: str) -> Lease:
+        return Lease(self.runtime.redis, run_id, self.settings.instance, self._lease_ms)
 
-    def _launch(self, config: RunConfig) -> None:
-        owner = RunOwner(config, self.runtime.redis, self.store, self.env, stages=self.stages)
+    async def _own(self, owner: RunOwner) -> None:
+        """Renew the run's lease while its owner executes it; stop the owner if another
+        trainer holds it. A Redis error skips a renewal (the lease outlives two of them)."""
+        lease = owner.lease
+        work = asyncio.create_task(owner.execute())
+        while not work.done():
+            await asyncio.wait([work], timeout=self.settings.trainer_lease_s / 3)
+            if work.done():
+                break
+            try:
+                renewed = await lease.renew()
+            except Exception as exc:
+                log.warning("lease renewal failed", run=owner.config.run_id, error=repr(exc))
+                continue
+            if not renewed:
+                log.warning("run lease taken over; stopping", run=owner.config.run_id)
+                owner.lost = True
+                work.cancel()
+                await asyncio.wait([work])
+        try:
+            await lease.release()
+        except Exception as exc:
+            log.warning("lease release failed", run=owner.config.run_id, error=repr(exc))
+
+    def _launch(self, config: RunConfig, lease: Lease) -> None:
+        owner = RunOwner(
+            config, self.runtime.redis, self.store, self.env, lease, stages=self.stages
+        )
         self.owners[config.run_id] = owner
         task = asyncio.create_task(self._own(owner))
         self._tasks.add(task)
@@ -77,24 +101,34 @@ class Runs:
 
     async def resume_orphans(self) -> None:
         """Take over active runs whose owner died (its lease expired), until we stop."""
-        redis = self.runtime.redis
         while not self.runtime.draining:
-            for member in await redis.smembers(names.RUNS_KEY):
-                run = streams.text(member)
-                if run in self.owners:
-                    continue
-                raw = await redis.get(names.run_config(run))
-                if raw is None:
-                    continue
-                if not await redis.set(
-                    names.run_owner(run), self.settings.instance, px=self._lease_ms, nx=True
-                ):
-                    continue
-                log.info("resuming run", run=run)
-                self._launch(RunConfig.model_validate_json(raw))
+            try:
+                await self._resume_orphans()
+            except Exception as exc:  # Redis away: try again in a second
+                log.warning("looking for orphaned runs failed", error=repr(exc))
             await asyncio.sleep(1.0)
 
+    async def _resume_orphans(self) -> None:
+        redis = self.runtime.redis
+        for member in await redis.smembers(names.RUNS_KEY):
+            run = streams.text(member)
+            if run in self.owners and self.owners[run].status.state in ("pending", "running"):
+                continue  # ours (a handed-off or lost one may come back to us)
+            if await redis.exists(names.run_owner(run)):
+                continue
+            raw = await redis.get(names.run_config(run))
+            if raw is None:
+                continue
+            lease = self._lease(run)
+            if not await lease.acquire():
+                continue
+            log.info("resuming run", run=run)
+            self._launch(RunConfig.model_validate_json(raw), lease)
+
     async def drain(self) -> None:
+        """Hand every run off at its next step boundary (checkpointed, lease released)."""
+        for owner in self.owners.values():
+            owner.hand_off()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
@@ -104,16 +138,19 @@ class Runs:
         if config.run_id in self.owners:
             raise HTTPException(409, f"run {config.run_id} already exists")
         redis = self.runtime.redis
+        lease = self._lease(config.run_id)
+        if not await lease.acquire():  # SET NX: of two concurrent creates, one wins
+            raise HTTPException(409, f"run {config.run_id} is owned by another trainer")
         if await redis.exists(
             names.tasks_stream(config.run_id),
             names.trajectories_stream(config.run_id),
             names.run_config(config.run_id),
         ):
+            await lease.release()
             raise HTTPException(
                 409, f"run {config.run_id} already has state in Redis; use a new run_id"
             )
-        await redis.set(names.run_owner(config.run_id), self.settings.instance, px=self._lease_ms)
-        self._launch(config)
+        self._launch(config, lease)
         return self.owners[config.run_id].status
 
     async def backlog(self) -> Backlog:

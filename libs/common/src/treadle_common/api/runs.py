@@ -9,7 +9,10 @@ from pydantic import BaseModel, Field
 
 from treadle_common.api.ops import ServiceInfo
 
-RunState = Literal["pending", "running", "succeeded", "failed"]
+RunState = Literal["pending", "running", "succeeded", "failed", "handed_off", "lost"]
+"""`handed_off`: this trainer stopped the run at a step boundary as it shut down (the run is
+checkpointed and its lease released: another trainer resumes it); `lost`: another trainer
+took the run over while this one stalled past its lease (this one's writes were refused)."""
 FINAL_STATES: tuple[RunState, ...] = ("succeeded", "failed")
 
 
@@ -61,6 +64,14 @@ class RunStatus(BaseModel):
     tasks_fed: int = 0
     tasks_cancelled: int = Field(
         0, description="Fed tasks no step needed once the last step had its batch (never run)"
+    )
+    tasks_dead: int = Field(
+        0,
+        description="Tasks rollout gave up on (treadle:{run}:dead): invalid, or delivered more "
+        "than `max_deliveries` times; the trainer fed others in their place",
+    )
+    dead_lettered: dict[str, int] = Field(
+        default_factory=dict, description="Dead-lettered tasks by reason"
     )
     trajectories_produced: int = 0
     trajectories_consumed: int = 0

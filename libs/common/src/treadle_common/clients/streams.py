@@ -3,6 +3,12 @@
 Every entry holds one serialized protobuf in field `pb`. Consumers read with XREADGROUP and
 XACK only once the work is durable downstream; entries left pending by a dead consumer are
 reclaimed with XAUTOCLAIM after `min_idle_ms`.
+
+An entry belongs to the consumer it is pending for. While it works on one, a consumer
+`heartbeat`s it (XCLAIM ... JUSTID resets its idle time, so it is not reclaimed however long
+the work legitimately waits), and `commit_owned` adds its results and acks it in one Lua
+script only if it still owns it: a consumer whose entry was reclaimed (it stalled past
+`min_idle_ms`) can neither renew it nor commit it, so every entry's results land once.
 """
 
 from __future__ import annotations
@@ -67,9 +73,14 @@ async def read_group(
     reply: Any = await r.xreadgroup(
         group, consumer, {s: ">" for s in streams}, count=count, block=block_ms
     )
+    return entries(reply, cls)
+
+
+def entries(reply: Any, cls: type[M]) -> list[tuple[str, str, M | InvalidEntry]]:
+    """An XREADGROUP reply as (stream, entry id, message)."""
     out = []
-    for stream, entries in reply or []:
-        for entry_id, fields in entries:
+    for stream, items in reply or []:
+        for entry_id, fields in items:
             out.append((text(stream), text(entry_id), decode(fields, cls)))
     return out
 
@@ -114,6 +125,56 @@ async def backlog(r: aioredis.Redis, stream: str, group: str, cap: int = 100_000
         undelivered = await r.xrange(stream, min=f"({last}", count=cap)  # works on Redis 6.2
         return len(undelivered or []) + int(info["pending"])
     return await r.xlen(stream)  # no consumer has read yet
+
+
+_OWNED = "#redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1, ARGV[2]) == 1"
+_HEARTBEAT = f"""
+if not ({_OWNED}) then return 0 end
+redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[3], 'JUSTID')
+return 1
+"""
+_COMMIT = f"""
+if not ({_OWNED}) then return 0 end
+for i = 6, #ARGV do redis.call('XADD', KEYS[2], '*', ARGV[4], ARGV[i]) end
+if ARGV[5] ~= '' then redis.call('HINCRBY', KEYS[3], ARGV[5], #ARGV - 5) end
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
+return 1
+"""
+
+
+async def heartbeat(
+    r: aioredis.Redis, stream: str, group: str, consumer: str, entry_id: str
+) -> bool:
+    """Reset the idle time of an entry `consumer` works on; False: it no longer owns it
+    (another consumer reclaimed it, or it was acked)."""
+    return bool(await r.eval(_HEARTBEAT, 1, stream, group, consumer, entry_id))
+
+
+async def commit_owned(
+    r: aioredis.Redis,
+    stream: str,
+    group: str,
+    consumer: str,
+    entry_id: str,
+    *,
+    out_stream: str,
+    messages: list[Message],
+    counter: tuple[str, str] | None = None,
+) -> bool:
+    """Atomically, if `consumer` still owns the entry: XADD `messages` to `out_stream`,
+    HINCRBY `counter` (hash key, field) by their number and XACK the entry. False: not its
+    owner any more; nothing was written."""
+    state_key, field = counter or (out_stream, "")
+    payloads = [m.SerializeToString() for m in messages]
+    keys = (stream, out_stream, state_key)
+    args = (group, consumer, entry_id, STREAM_FIELD, field, *payloads)
+    return bool(await r.eval(_COMMIT, 3, *keys, *args))
+
+
+async def deliveries(r: aioredis.Redis, stream: str, group: str, entry_id: str) -> int:
+    """How many times a pending entry was delivered (0: it is not pending)."""
+    reply: Any = await r.xpending_range(stream, group, min=entry_id, max=entry_id, count=1)
+    return int(reply[0]["times_delivered"]) if reply else 0
 
 
 def text(value: bytes | str) -> str:

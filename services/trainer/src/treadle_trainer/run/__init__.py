@@ -6,12 +6,14 @@
     step.py        a step's batch (drops, advantages), its record, spans, metrics, eval holds
     publishing.py  the run's weight versions, published in the background
     ledger.py      every entry acked and ledgered exactly once, with its checkpoint
+    lease.py       the run's fenced lease: only its owner's writes land
 
-    dataset / env generator --cursor--> MULTI: XADD treadle:{run}:tasks + cursor + fed ids
+    dataset / env generator --cursor--> fenced MULTI: XADD treadle:{run}:tasks + cursor + fed ids
         (fed up to (step + max_staleness) * tasks_per_step; rollout admission does the rest;
         with `feed_ahead` a sync run feeds the next step's tasks, demanding the version this
         step will publish, before it trains this step, so rollout prepares them meanwhile)
-    treadle:{run}:trajectories --XREADGROUP (group `trainer`, consumer `owner`)--> validate
+    treadle:{run}:trajectories --fenced XREADGROUP (group `trainer`, consumer `owner`)-->
+        validate (a trajectory id is "{task_id}/{sample}": a task played twice is trained once)
         --> GroupBuffer (complete groups) --> staleness / status drops --> advantages
         --> micro-batches by token budget --> backend.forward_backward + optim_step
         --> a copy of the new weights to the background publisher (`publisher.py`): it
@@ -19,7 +21,7 @@
             V0 + step, every `publish_every` steps, newest first. Sync runs wait for it
             (the next batch is generated with it); async runs go on at once
     every `checkpoint_every` steps: checkpoint (model, optimizer, RNG, cursor, run state) -->
-        MULTI: XACK every entry those steps used or dropped + one ledger entry per step -> EXEC
+        fenced MULTI: XACK every entry those steps used or dropped + one ledger entry per step
     sync mode, every `eval.every` steps: wait until the client has evaluated this step's
         weights (POST /v1/runs/{id}/evaluations), so nothing trains beside the evaluation
     after the last step: close admission, cancel unstarted tasks, let groups in flight land,
@@ -27,7 +29,10 @@
 
 A crash loses only uncommitted steps: the restarted owner loads the last committed checkpoint,
 re-publishes its weights, and replays its still-pending entries, so the ledger holds every
-trajectory exactly once (trained, or dropped with its reason).
+trajectory exactly once (trained, or dropped with its reason). A trainer that stalls past its
+lease while another resumes the run has every later write refused and stops (`lost`); one
+shut down with SIGTERM checkpoints at its next step boundary and releases the lease
+(`handed_off`).
 """
 
 from treadle_trainer.run.feeder import task_seed

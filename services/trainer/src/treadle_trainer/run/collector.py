@@ -23,9 +23,14 @@ from treadle_common.progress import Stage
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
 from treadle_trainer.batches import Entry, Group, GroupBuffer, invalid_reason, staleness
 from treadle_trainer.run.feeder import Feeder
+from treadle_trainer.run.lease import Lease
 from treadle_trainer.run.ledger import Drops, Ledger, LedgerEntry, LooseDrop
 
 log = get_logger(__name__)
+
+
+class Stopping(Exception):
+    """The owner is handing the run off: stop waiting for a batch."""
 
 
 class Collector:
@@ -39,6 +44,7 @@ class Collector:
         drops: Drops,
         fed: set[str],
         stage: Stage,
+        lease: Lease,
     ):
         self.config = config
         self.r = r
@@ -48,11 +54,13 @@ class Collector:
         self.drops = drops
         self.fed = fed
         self.stage = stage
+        self.lease = lease
         self.stream = names.trajectories_stream(config.run_id)
         self.buffer = GroupBuffer(config.rollout.group_size)
         self.seen: set[str] = set()
         self.vocab_size = 0
         self.collecting = False
+        self.stopping = False
 
     async def replay_pending(self) -> None:
         """What the last owner read but never committed: validated again, in order."""
@@ -99,6 +107,9 @@ class Collector:
                     fresh += any(staleness(e.traj, version) <= max_staleness for e in group.entries)
                 if fresh >= num_groups:
                     return taken
+                if self.stopping:
+                    self.buffer.ready[:0] = taken  # untrained: the next owner replays them
+                    raise Stopping()
                 if time.monotonic() > deadline:
                     raise TimeoutError(
                         f"only {fresh}/{num_groups} complete groups after {t.batch_timeout_s}s"
@@ -106,24 +117,35 @@ class Collector:
                 await self.read(block_ms=1000)
         finally:
             self.collecting = False
+        self.stopping = False
 
     async def read(self, block_ms: int | None) -> int:
-        """Read new trajectories into the buffer (or counted drops); how many were read."""
-        cfg = self.config
-        batch = await streams.read_group(
-            self.r,
-            [self.stream],
-            names.TRAINER_GROUP,
-            self.consumer,
-            tpb.Trajectory,
-            count=max(cfg.trainer.tasks_per_step * cfg.rollout.group_size, 64),
-            block_ms=block_ms,
-        )
+        """Read new trajectories into the buffer (or counted drops); how many were read.
+
+        Fenced: the group read (which moves the entries to this consumer) runs in the
+        lease's transaction, so a trainer that lost the run takes nothing from its new owner;
+        waiting for new entries is a plain XREAD from the stream's last id, which moves
+        nothing."""
+        batch, last = await self._read_fenced()
+        if not batch and block_ms:
+            await self.r.xread({self.stream: last}, count=1, block=block_ms)
+            batch, _ = await self._read_fenced()
         for _, entry_id, traj in batch:
             self.accept(entry_id, traj)
         if batch:
             self.stage.tick(len(batch))
         return len(batch)
+
+    async def _read_fenced(self) -> tuple[list, str]:
+        cfg = self.config
+        count = max(cfg.trainer.tasks_per_step * cfg.rollout.group_size, 64)
+
+        def queue(pipe: aioredis.client.Pipeline) -> None:
+            pipe.xreadgroup(names.TRAINER_GROUP, self.consumer, {self.stream: ">"}, count=count)
+            pipe.xrevrange(self.stream, count=1)
+
+        reply, last = await self.lease.transaction(queue)
+        return streams.entries(reply, tpb.Trajectory), streams.text(last[0][0]) if last else "0-0"
 
     async def finish(self, feeder: Feeder, step: int, version: int) -> None:
         """After the last step (admission closed): cancel the fed tasks no replica started,

@@ -1,6 +1,7 @@
 """Feeding a run's tasks to rollout, and taking back the ones no step needs at the end.
 
-    dataset / env generator --cursor--> MULTI: XADD treadle:{run}:tasks + cursor + fed ids
+    dataset / env generator --cursor--> fenced MULTI (`lease.py`): XADD treadle:{run}:tasks
+        + cursor + fed ids
 
 Tasks are fed up to (step + max_staleness) * tasks_per_step; rollout's admission does the
 rest. Each task's id sorts in feed order and carries its own sampling seed (`task_seed`).
@@ -27,6 +28,7 @@ from treadle_common.config import RunConfig
 from treadle_common.evaluation import held_out_tasks, without_held_out
 from treadle_common.proto.treadle.v1 import common_pb2, task_pb2
 from treadle_trainer.data import DatasetError, TaskSource, load_rows
+from treadle_trainer.run.lease import Lease
 
 
 def task_seed(run_seed: int, index: int, group_size: int) -> int:
@@ -50,11 +52,18 @@ async def task_source(config: RunConfig, env: EnvClient, count: int) -> TaskSour
     return TaskSource(rows, seed, shuffle)
 
 
+def _is_count(key: bytes | str, value: bytes | str) -> bool:
+    name, number = streams.text(key), streams.text(value)
+    counted = name.startswith("dead:") or name in ("tasks_cancelled", "tasks_dead")
+    return counted and number.lstrip("-").isdigit()
+
+
 class Feeder:
-    def __init__(self, config: RunConfig, r: aioredis.Redis, status: RunStatus):
+    def __init__(self, config: RunConfig, r: aioredis.Redis, status: RunStatus, lease: Lease):
         self.config = config
         self.r = r
         self.status = status
+        self.lease = lease
         self.fed: set[str] = set()
         """Every task id this run fed: a trajectory of any other group is not ours."""
 
@@ -72,24 +81,41 @@ class Feeder:
         version rollout must hold before generating for them."""
         cfg = self.config
         cursor = self.status.tasks_fed
-        cancelled = int(await self.r.hget(names.run_state(cfg.run_id), "tasks_cancelled") or 0)
-        if cursor - cancelled >= upto:
+        lost = await self.refresh()
+        if cursor - lost >= upto:
             return
-        upto += cancelled  # the new cursor: cancelled tasks do not count toward the bound
+        upto += lost  # the new cursor: cancelled and dead tasks do not count toward the bound
         # ids sort in feed order (a step trains its groups in that order, whatever order they
         # arrive in); the suffix keeps them unique if a run id is ever reused
         ids = [f"{i:09d}-{uuid.uuid4().hex[:12]}" for i in range(cursor, upto)]
-        async with self.r.pipeline(transaction=True) as pipe:
+        tasks = [
+            self._task(i, task_id, payload, min_version)
             for i, (task_id, payload) in enumerate(
                 zip(ids, source.take(cursor, upto - cursor), strict=True), start=cursor
-            ):
-                task = self._task(i, task_id, payload, min_version)
+            )
+        ]
+
+        async def queue(pipe: aioredis.client.Pipeline) -> None:  # fenced: ours only
+            for task in tasks:
                 await streams.add(pipe, names.tasks_stream(cfg.run_id), task)
             pipe.sadd(names.fed_tasks(cfg.run_id), *ids)
             pipe.hset(names.run_state(cfg.run_id), "tasks_fed", upto)
-            await pipe.execute()
+
+        await self.lease.transaction(queue)
         self.fed.update(ids)
         self.status.tasks_fed = upto
+
+    async def refresh(self) -> int:
+        """Read rollout's counts of this run's cancelled and dead-lettered tasks into the
+        status; how many fed tasks will never produce a group."""
+        state = await self.r.hgetall(names.run_state(self.config.run_id))
+        counts = {streams.text(k): int(v) for k, v in state.items() if _is_count(k, v)}
+        self.status.tasks_cancelled = counts.get("tasks_cancelled", 0)
+        self.status.tasks_dead = counts.get("tasks_dead", 0)
+        self.status.dead_lettered = {
+            k.removeprefix("dead:"): n for k, n in counts.items() if k.startswith("dead:")
+        }
+        return self.status.tasks_cancelled + self.status.tasks_dead
 
     def _task(self, index: int, task_id: str, payload: dict, min_version: int) -> task_pb2.Task:
         cfg, sampling = self.config, self.config.rollout.sampling

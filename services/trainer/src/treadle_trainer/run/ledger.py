@@ -3,6 +3,7 @@
 Entries trained or dropped since the last checkpoint wait here as `LedgerEntry`s (one per
 step, plus one at the run's end). A checkpoint commits them in one Redis transaction:
 
+    WATCH owner, check it is still this trainer's lease (fencing)
     MULTI: XACK every entry of those steps + XADD one ledger record per step
            + the run's checkpoint step and path -> EXEC
 
@@ -22,6 +23,7 @@ import redis.asyncio as aioredis
 
 from treadle_common import metrics, names
 from treadle_common.api.runs import RunStatus
+from treadle_trainer.run.lease import Lease
 
 SERVICE = "trainer"
 
@@ -69,9 +71,10 @@ class Drops:
 
 
 class Ledger:
-    def __init__(self, r: aioredis.Redis, run_id: str):
+    def __init__(self, r: aioredis.Redis, run_id: str, lease: Lease):
         self.r = r
         self.run_id = run_id
+        self.lease = lease
         self.stream = names.trajectories_stream(run_id)
         self.uncommitted: list[LedgerEntry] = []
         self.loose: list[LooseDrop] = []
@@ -92,8 +95,10 @@ class Ledger:
 
     async def commit(self, step: int, checkpoint: Path) -> None:
         """Ack and ledger every uncommitted entry, with the checkpoint that holds their
-        effect, in one transaction."""
-        async with self.r.pipeline(transaction=True) as pipe:
+        effect, in one transaction, fenced: refused (`Fenced`) unless this trainer still owns
+        the run."""
+
+        def queue(pipe: aioredis.client.Pipeline) -> None:
             for e in self.uncommitted:
                 if e.entries:
                     pipe.xack(self.stream, names.TRAINER_GROUP, *e.entries)
@@ -112,5 +117,6 @@ class Ledger:
                 names.run_state(self.run_id),
                 mapping={"checkpoint_step": step, "checkpoint_path": str(checkpoint)},
             )
-            await pipe.execute()
+
+        await self.lease.transaction(queue)
         self.uncommitted.clear()

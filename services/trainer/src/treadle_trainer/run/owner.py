@@ -19,7 +19,7 @@ from pathlib import Path
 import redis.asyncio as aioredis
 
 from treadle_common import admission, names
-from treadle_common.api.runs import RunStatus
+from treadle_common.api.runs import FINAL_STATES, RunState, RunStatus
 from treadle_common.clients import streams
 from treadle_common.clients.env import EnvClient
 from treadle_common.clients.weights import WeightStoreClient
@@ -37,8 +37,9 @@ from treadle_trainer.backends import (
 from treadle_trainer.batches import Datum, Group
 from treadle_trainer.losses import LossParams
 from treadle_trainer.publisher import Snapshot
-from treadle_trainer.run.collector import Collector
+from treadle_trainer.run.collector import Collector, Stopping
 from treadle_trainer.run.feeder import Feeder, task_source
+from treadle_trainer.run.lease import Fenced, Lease
 from treadle_trainer.run.ledger import Drops, Ledger, LedgerEntry
 from treadle_trainer.run.publishing import RunVersions, initial_model_dir
 from treadle_trainer.run.step import EvaluationHold, build_batch, observe, step_record, trace_step
@@ -55,6 +56,7 @@ class RunOwner:
         r: aioredis.Redis,
         store: WeightStoreClient,
         env: EnvClient,
+        lease: Lease,
         consumer: str = names.TRAINER_CONSUMER,
         stages: tuple[Stage, Stage] | None = None,
     ):
@@ -63,14 +65,25 @@ class RunOwner:
             Stage("trainer", "step"),
         )
         self.config, self.r, self.store, self.env = config, r, store, env
+        self.lease = lease
+        self.lost = False  # another trainer took the run over (set by whoever renews the lease)
+        self.handing_off = False
         self.status = RunStatus(run_id=config.run_id)
         self.backend: TorchBackend | None = None
         self.run_dir = config.output_dir / config.run_id
-        self.ledger = Ledger(r, config.run_id)
+        self.ledger = Ledger(r, config.run_id, lease)
         self.drops = Drops(self.status)
-        self.feeder = Feeder(config, r, self.status)
+        self.feeder = Feeder(config, r, self.status, lease)
         self.collector = Collector(
-            config, r, consumer, self.status, self.ledger, self.drops, self.feeder.fed, read_stage
+            config,
+            r,
+            consumer,
+            self.status,
+            self.ledger,
+            self.drops,
+            self.feeder.fed,
+            read_stage,
+            lease,
         )
         self.versions = RunVersions(config, store, self.status)
         self.holds = EvaluationHold(config)
@@ -95,26 +108,52 @@ class RunOwner:
     def collecting(self) -> bool:
         return self.collector.collecting
 
+    def hand_off(self) -> None:
+        """Stop at the next step boundary, checkpointed, leaving the run to another trainer
+        (this one is shutting down)."""
+        self.handing_off = True
+        self.collector.stopping = True
+
     async def execute(self) -> RunStatus:
         self.status.state = "running"
         await self.r.hset(names.run_state(self.config.run_id), "state", "running")
-        outcome = "failed"
+        outcome: RunState = "failed"
         try:
             await self._execute()
-            outcome = "succeeded"
+            finished = self.status.step >= self.config.trainer.num_steps
+            outcome = "succeeded" if finished else "handed_off"
+        except (Fenced, asyncio.CancelledError) as exc:
+            if not (isinstance(exc, Fenced) or self.lost):
+                raise
+            outcome, self.status.error = "lost", str(exc) or "the run's lease was taken over"
+            log.warning("run lost to another trainer", run=self.config.run_id, error=str(exc))
         except Exception as exc:
             self.status.error = f"{type(exc).__name__}: {exc}"
             log.error("run failed", run=self.config.run_id, error=self.status.error)
         finally:
-            run = self.config.run_id
             await self.versions.publisher.close()
-            await self.r.srem(names.RUNS_KEY, run)
-            await self._final_counts()  # before the final state: readers see complete counts
-            self.status.state = "succeeded" if outcome == "succeeded" else "failed"
-            await self.r.hset(names.run_state(run), "state", outcome)
+            if outcome in FINAL_STATES:
+                outcome = await self._end(outcome)
+            self.status.state = outcome
             if self.backend is not None:
                 await on_torch_thread(self.backend.close)
         return self.status
+
+    async def _end(self, outcome: RunState) -> RunState:
+        """The run is over: its final counts and state, unless another trainer owns it."""
+        run = self.config.run_id
+        await self._final_counts()  # before the final state: readers see complete counts
+
+        def final(pipe) -> None:
+            pipe.srem(names.RUNS_KEY, run)
+            pipe.hset(names.run_state(run), "state", outcome)
+
+        try:
+            await self.lease.transaction(final)
+        except Fenced as exc:
+            log.warning("run ended elsewhere meanwhile", run=run, error=str(exc))
+            return "lost"
+        return outcome
 
     # --- setup and restore -----------------------------------------------------------------------
     async def _execute(self) -> None:
@@ -147,12 +186,15 @@ class RunOwner:
         )
         await self.r.sadd(names.RUNS_KEY, cfg.run_id)
         await self.collector.replay_pending()
-        while self.status.step < t.num_steps:
+        while self.status.step < t.num_steps and not self.handing_off:
             step = self.status.step + 1
             started = time.perf_counter()
             # async keeps S steps of work fed, up to the last step (as a longer run would)
             await self._feed(source, (step + self.max_staleness) * t.tasks_per_step, served)
-            groups = await self.collector.collect(t.tasks_per_step, version, self.max_staleness)
+            try:
+                groups = await self.collector.collect(t.tasks_per_step, version, self.max_staleness)
+            except Stopping:
+                break
             wait_s = time.perf_counter() - started
             feeding = None
             if step == t.num_steps:
@@ -173,6 +215,12 @@ class RunOwner:
             if step % t.checkpoint_every == 0 and step < t.num_steps:
                 await self._checkpoint(version)
             await self.holds.wait(step)
+        if self.handing_off and self.status.step < t.num_steps:
+            if self.ledger.uncommitted or self.status.checkpoint_step < self.status.step:
+                await self._checkpoint(version)
+            await self.versions.publisher.flush()
+            log.info("run handed off", run=cfg.run_id, step=self.status.step)
+            return
         await admission.close(self.r, cfg.run_id)
         await self.collector.finish(self.feeder, self.status.step, version)
         if self.ledger.uncommitted or self.status.checkpoint_step < self.status.step:
@@ -294,7 +342,7 @@ class RunOwner:
     async def _final_counts(self) -> None:
         state = await self.r.hgetall(names.run_state(self.config.run_id))
         self.status.trajectories_produced = int(state.get(b"trajectories_produced", 0))
-        self.status.tasks_cancelled = int(state.get(b"tasks_cancelled", 0))
+        await self.feeder.refresh()
         try:
             pending = await self.r.xpending(self.collector.stream, names.TRAINER_GROUP)
             self.status.pending_after_run = int(pending["pending"])
