@@ -257,11 +257,11 @@ class TaskWorker:
     async def _reject(
         self, stream: str, entry_id: str, task: task_pb2.Task | streams.InvalidEntry, reason: str
     ) -> None:
-        self.invalid_tasks += 1
         log.warning("invalid task dead-lettered", entry=entry_id, reason=reason)
         run = names.run_of(stream)
         await self.r.hset(names.run_state(run), "last_invalid_task", f"{entry_id}: {reason}")
         await self._dead_letter(stream, entry_id, task, "invalid", 1, error=reason)
+        self.invalid_tasks += 1  # once it is all in Redis
 
     async def _dead_letter(
         self,
