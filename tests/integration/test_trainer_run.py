@@ -227,6 +227,11 @@ async def test_sigterm_hands_the_run_off_to_another_trainer(
     assert final["step"] == steps and final["pending_after_run"] == 0
     assert "run handed off" in first.log.read_text()
     await assert_ledger_exact(r, run, steps, rollout.produced)
+    # bounded state: what was acked is trimmed, and the finished run's keys expire
+    assert await r.xlen(names.trajectories_stream(run)) == 0
+    assert await r.xlen(names.tasks_stream(run)) == 0
+    for key in (names.run_state(run), names.ledger_stream(run), names.run_config(run)):
+        assert await r.ttl(key) > 0, key
     await store.close()
     await r.aclose()
 
@@ -337,3 +342,64 @@ async def test_training_api_sft_steps_lower_the_loss(infra, tmp_path, tiny_model
             assert (await client.get("/healthz")).status_code == 200
     finally:
         trainer.stop()
+
+
+async def test_a_damaged_checkpoint_falls_back_to_the_one_before(
+    infra, tmp_path, tiny_model, weight_store
+):
+    """The trainer is killed after committing step 3, and that checkpoint's model file is
+    then truncated (a node crash before the disk had it). The restarted trainer finds it
+    damaged, restores step 2's, drops step 3's trajectories as `checkpoint_lost` (their
+    entries were acked, they cannot be trained again) and finishes with every trajectory
+    accounted for once."""
+    run = f"damaged-{uuid.uuid4().hex[:6]}"
+    recipe = handoff_recipe(run, tmp_path, tiny_model)
+    steps = recipe["trainer"]["num_steps"]
+    r = aioredis.from_url(infra.redis_url)
+    store = WeightStoreClient(weight_store.grpc_addr or "")
+    vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
+    rollout = SyntheticRollout(r, store, run, recipe["model"]["name"], vocab, gated=True)
+    trainer = start_trainer(infra, tmp_path, weight_store)
+    producer = None
+    try:
+        async with httpx.AsyncClient(base_url=trainer.http) as client:
+            response = await client.post("/v1/runs", json=recipe)
+            assert response.status_code == 202, response.text
+        producer = asyncio.create_task(rollout.run_forever())
+        rollout.release(3 * GROUPS_PER_STEP)
+        await wait_run(trainer.http, run, lambda s: s["checkpoint_step"] == 3, producer=producer)
+        os.kill(trainer.proc.pid, signal.SIGKILL)
+        trainer.proc.wait(timeout=10)
+        checkpoints = tmp_path / "runs" / run / "checkpoints"
+        [step3] = checkpoints.glob("step-000003-*")
+        model = step3 / "model.safetensors"
+        model.write_bytes(model.read_bytes()[: model.stat().st_size // 2])
+
+        trainer = start_trainer(infra, tmp_path, weight_store)
+        resumed = await wait_run(trainer.http, run, lambda s: s["resumed"] == 1, 60)
+        assert resumed["step"] == 2  # the checkpoint before the damaged one
+        rollout.release(100)
+        final = await wait_run(trainer.http, run, lambda s: s["state"] != "running", 120)
+    finally:
+        if producer is not None:
+            producer.cancel()
+        trainer.stop()
+    assert final["state"] == "succeeded", final["error"]
+    assert "checkpoint damaged" in trainer.log.read_text()
+    per_step = GROUPS_PER_STEP * GROUP_SIZE
+    assert final["dropped"].get("checkpoint_lost") == per_step
+    assert final["pending_after_run"] == 0
+    assert final["trajectories_consumed"] == final["trajectories_produced"]
+    assert final["trajectories_acked"] == final["trajectories_consumed"] + final["rejected"]
+    ledger = [f for _, f in await r.xrange(names.ledger_stream(run))]
+    [rollback] = [f for f in ledger if f[b"kind"] == b"rollback"]
+    lost = set(json.loads(rollback[b"dropped"]))
+    step3 = [f for f in ledger if f[b"kind"] == b"step" and int(f[b"step"]) == 3]
+    assert len(step3) == 2 and set(json.loads(step3[0][b"trained"])) == lost
+    trained = [t for f in ledger for t in json.loads(f[b"trained"])]
+    kept = [t for t in trained if t not in lost]
+    assert len(kept) == len(set(kept)) == steps * per_step == final["trajectories_trained"]
+    dropped = {t for f in ledger for t in json.loads(f[b"dropped"])}
+    assert set(kept) | dropped == set(rollout.produced)
+    await store.close()
+    await r.aclose()

@@ -223,6 +223,41 @@ def run(
     raise typer.Exit(code)
 
 
+# -- runs ------------------------------------------------------------------------------------
+runs_app = typer.Typer(no_args_is_help=True, help="Runs' state in Redis.")
+app.add_typer(runs_app, name="runs")
+
+
+@runs_app.command("gc")
+def runs_gc(
+    older_than: Annotated[
+        float, typer.Option(help="Delete runs that ended more than this many seconds ago")
+    ] = 24 * 3600.0,
+    redis_url: Annotated[str | None, typer.Option("--redis", help="Redis URL")] = None,
+    dry_run: Annotated[bool, typer.Option(help="Only list them")] = False,
+) -> None:
+    """Delete finished runs' Redis keys (streams, ledger, dead letters, state); active runs
+    and runs that ended recently are left alone (they expire on their own after
+    TREADLE_TRAINER_RUN_RETENTION_S)."""
+    import redis.asyncio as aioredis
+
+    from treadle_common import retention
+
+    async def go() -> tuple[list[str], int]:
+        r = aioredis.from_url(redis_url or get_settings().redis_url)
+        try:
+            runs = await retention.finished_runs(r, older_than)
+            return runs, 0 if dry_run else await retention.delete_runs(r, runs)
+        finally:
+            await r.aclose()
+
+    runs, keys = asyncio.run(go())
+    for run in runs:
+        console.print(run)
+    verb = "would delete" if dry_run else f"deleted {keys} keys of"
+    console.print(f"{verb} {len(runs)} finished runs")
+
+
 # -- weights ---------------------------------------------------------------------------------
 weights_app = typer.Typer(no_args_is_help=True, help="Inspect and export weight-store versions.")
 app.add_typer(weights_app, name="weights")

@@ -59,7 +59,7 @@ class Decision:
 
 
 def admitted_key(run: str) -> str:
-    return f"treadle:{run}:admitted"
+    return names.run_keys(run)[-1]
 
 
 async def configure(

@@ -61,6 +61,14 @@ def run_owner(run: str) -> str:
     return f"treadle:{run}:owner"
 
 
+def run_keys(run: str) -> list[str]:
+    """Every Redis key a run leaves behind (expired `trainer_run_retention_s` after its end;
+    `treadle runs gc` deletes them)."""
+    keys = [tasks_stream(run), trajectories_stream(run), run_state(run), run_config(run)]
+    keys += [fed_tasks(run), ledger_stream(run), dead_letters(run), task_errors(run)]
+    return [*keys, run_fence(run), f"treadle:{run}:admitted"]
+
+
 def run_fence(run: str) -> str:
     """Counter (INCR): the run's fencing tokens, one per lease taken, never reused."""
     return f"treadle:{run}:fence"

@@ -92,7 +92,13 @@ class Runs:
 
     def _launch(self, config: RunConfig, lease: Lease) -> None:
         owner = RunOwner(
-            config, self.runtime.redis, self.store, self.env, lease, stages=self.stages
+            config,
+            self.runtime.redis,
+            self.store,
+            self.env,
+            lease,
+            stages=self.stages,
+            retention_s=self.settings.trainer_run_retention_s,
         )
         self.owners[config.run_id] = owner
         task = asyncio.create_task(self._own(owner))

@@ -10,6 +10,12 @@ from treadle_common.settings import Settings
 class TrainerSettings(Settings):
     """Run ownership."""
 
+    trainer_run_retention_s: float = Field(
+        7 * 24 * 3600.0,
+        gt=0,
+        description="trainer: a finished run's Redis keys (ledger, dead letters, state) expire "
+        "after this",
+    )
     trainer_lease_s: float = Field(
         15.0, gt=0, description="trainer: run-ownership lease; a dead owner's run resumes after"
     )

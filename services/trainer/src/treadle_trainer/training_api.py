@@ -44,7 +44,11 @@ from treadle_trainer.backends import (
     build_backend,
     on_torch_thread,
 )
-from treadle_trainer.backends.single import IncompatibleCheckpoint
+from treadle_trainer.backends.single import (
+    CorruptCheckpoint,
+    IncompatibleCheckpoint,
+    verify_checkpoint,
+)
 from treadle_trainer.batches import Datum, pack
 
 
@@ -149,9 +153,12 @@ def mount(app: FastAPI, store: WeightStoreClient, state_dir: Path) -> None:
             raise HTTPException(404, f"no checkpoint at {path}")
         async with session.lock:
             try:
+                await asyncio.to_thread(verify_checkpoint, path)
                 meta = await on_torch_thread(session.backend.load, path)
             except IncompatibleCheckpoint as exc:
                 raise HTTPException(409, str(exc)) from exc
+            except CorruptCheckpoint as exc:
+                raise HTTPException(422, str(exc)) from exc
             session.steps = int(meta.get("step", 0))
         return LoadedState(step=session.steps)
 

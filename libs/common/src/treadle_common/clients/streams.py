@@ -177,6 +177,24 @@ async def deliveries(r: aioredis.Redis, stream: str, group: str, entry_id: str) 
     return int(reply[0]["times_delivered"]) if reply else 0
 
 
+async def trim_acked(r: aioredis.Redis, stream: str, group: str) -> int:
+    """Delete the entries of `stream` that `group` has finished with (delivered and acked):
+    XTRIM MINID up to its oldest pending, or else its first undelivered, entry. For a stream
+    one consumer group reads. How many entries went."""
+    if not await r.exists(stream):
+        return 0
+    info = next((g for g in await r.xinfo_groups(stream) if text(g["name"]) == group), None)
+    if info is None:
+        return 0
+    pending: Any = await r.xpending(stream, group)
+    if pending["pending"]:
+        first = text(pending["min"])
+    else:
+        ms, seq = text(info["last-delivered-id"]).split("-")
+        first = f"{ms}-{int(seq) + 1}"
+    return int(await r.xtrim(stream, minid=first, approximate=False))
+
+
 def text(value: bytes | str) -> str:
     """A Redis reply as text (bytes unless the client decodes responses)."""
     return value.decode() if isinstance(value, bytes) else value

@@ -2,11 +2,14 @@
 checkpoints. `FSDPBackend` reuses everything here and only overrides how the model is wrapped,
 which micro-batches a rank runs and how results are reduced.
 
-Checkpoint directory (written to `DIR.tmp`, then renamed):
+Checkpoint directory (written to `DIR.tmp`, every file and the directory fsynced, then
+renamed, then the parent fsynced: a checkpoint is on disk before anyone points to it):
     model.safetensors   full model state dict
     optimizer.pt        full optimizer state dict (read back with `weights_only=True`)
     rng.safetensors     torch CPU (and CUDA) RNG state
-    meta.json           model signature (names, shapes) + the caller's run state
+    meta.json           model signature (names, shapes), each file's size and xxh3-128, and
+                        the caller's run state
+`verify_checkpoint` checks a directory against its meta.json before anything is loaded.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from treadle_common import durable
 from treadle_common.api.training import AdamParams  # the API's shape, re-exported here
 from treadle_trainer.batches import MicroBatch
 from treadle_trainer.losses import NEEDS_PROXIMAL, LossParams, TokenInputs, total_loss
@@ -45,6 +49,32 @@ class BackendSpec(BaseModel):
 
 class IncompatibleCheckpoint(ValueError):
     """A checkpoint written for a different model."""
+
+
+class CorruptCheckpoint(ValueError):
+    """A checkpoint directory that is incomplete or damaged (a crash mid-write, a bad disk)."""
+
+
+CHECKPOINT_FILES = ("model.safetensors", "optimizer.pt", "rng.safetensors")
+
+
+def verify_checkpoint(path: Path) -> dict[str, Any]:
+    """The checkpoint's meta, once every file it lists has its recorded size and digest."""
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise CorruptCheckpoint(f"checkpoint {path}: meta.json unreadable: {exc}") from exc
+    files = meta.get("files")
+    if not isinstance(files, dict) or set(files) != set(CHECKPOINT_FILES):
+        raise CorruptCheckpoint(f"checkpoint {path}: meta.json lists no file digests")
+    for name, want in files.items():
+        file = path / name
+        size = file.stat().st_size if file.exists() else -1
+        if size != want["size"] or durable.digest(file) != want["xxh3"]:
+            raise CorruptCheckpoint(
+                f"checkpoint {path}: {name} is damaged ({size} bytes, {want['size']} recorded)"
+            )
+    return meta
 
 
 def token_logprobs(
@@ -238,9 +268,17 @@ class TorchBackend:
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state()
         save_file(rng, str(tmp / "rng.safetensors"))
-        (tmp / "meta.json").write_text(json.dumps({"signature": self.signature, **meta}))
+        files = {
+            name: {"size": (tmp / name).stat().st_size, "xxh3": durable.digest(tmp / name)}
+            for name in CHECKPOINT_FILES
+        }
+        (tmp / "meta.json").write_text(
+            json.dumps({"signature": self.signature, "files": files, **meta})
+        )
+        durable.fsync_tree(tmp)
         shutil.rmtree(path, ignore_errors=True)
         tmp.rename(path)
+        durable.fsync(path.parent)
 
     def load(self, path: Path) -> dict[str, Any]:
         """Restore model, optimizer and RNG; refuse a checkpoint of another model."""

@@ -17,12 +17,13 @@ import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import redis.asyncio as aioredis
 
 from treadle_common import metrics, names
 from treadle_common.api.runs import RunStatus
+from treadle_common.clients import streams
 from treadle_trainer.run.lease import Lease
 
 SERVICE = "trainer"
@@ -33,7 +34,7 @@ class LedgerEntry:
     """What one step (or the run's end) did with the stream entries it consumed."""
 
     step: int
-    kind: Literal["step", "run_end"]
+    kind: Literal["step", "run_end", "rollback"]
     version: int
     entries: list[str] = field(default_factory=list)
     """Stream entry ids to ack: every one the step used or dropped."""
@@ -89,11 +90,17 @@ class Ledger:
         entry.dropped.update({d.trajectory_id or d.entry_id: d.reason for d in loose})
         self.uncommitted.append(entry)
 
+    async def checkpoints(self, scan: int = 256) -> list[Path]:
+        """The run's committed checkpoints, newest first (from its last `scan` records)."""
+        records: Any = await self.r.xrevrange(names.ledger_stream(self.run_id), count=scan)
+        paths = [Path(streams.text(fields[b"checkpoint"])) for _, fields in records]
+        return list(dict.fromkeys(paths))
+
     @property
     def pending_acks(self) -> int:
         return sum(len(e.entries) for e in self.uncommitted)
 
-    async def commit(self, step: int, checkpoint: Path) -> None:
+    async def commit(self, step: int, checkpoint: Path, status: str = "") -> None:
         """Ack and ledger every uncommitted entry, with the checkpoint that holds their
         effect, in one transaction, fenced: refused (`Fenced`) unless this trainer still owns
         the run."""
@@ -115,7 +122,11 @@ class Ledger:
                 )
             pipe.hset(
                 names.run_state(self.run_id),
-                mapping={"checkpoint_step": step, "checkpoint_path": str(checkpoint)},
+                mapping={
+                    "checkpoint_step": step,
+                    "checkpoint_path": str(checkpoint),
+                    "committed_status": status,  # its counters, should the checkpoint be lost
+                },
             )
 
         await self.lease.transaction(queue)

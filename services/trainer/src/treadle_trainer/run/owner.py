@@ -12,13 +12,15 @@ step used as `run_ended`; the final checkpoint acks and ledgers them.
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import redis.asyncio as aioredis
 
-from treadle_common import admission, names
+from treadle_common import admission, names, retention
 from treadle_common.api.runs import FINAL_STATES, RunState, RunStatus
 from treadle_common.clients import streams
 from treadle_common.clients.env import EnvClient
@@ -34,6 +36,7 @@ from treadle_trainer.backends import (
     build_backend,
     on_torch_thread,
 )
+from treadle_trainer.backends.single import CorruptCheckpoint, verify_checkpoint
 from treadle_trainer.batches import Datum, Group
 from treadle_trainer.losses import LossParams
 from treadle_trainer.publisher import Snapshot
@@ -47,6 +50,28 @@ from treadle_trainer.train import train_batch
 
 log = get_logger(__name__)
 KEEP_CHECKPOINTS = 2
+COMMITTED_COUNTERS = (
+    "trajectories_consumed",
+    "trajectories_trained",
+    "trajectories_acked",
+    "rejected",
+    "duplicates",
+    "dropped",
+    "versions",
+)
+"""What a rollback to an older checkpoint takes from the last committed state instead."""
+
+
+def intact_checkpoint(candidates: list[Path]) -> tuple[Path, dict]:
+    """The first intact checkpoint of `candidates` (committed ones, newest first)."""
+    errors = []
+    for path in candidates:
+        try:
+            return path, verify_checkpoint(path)
+        except CorruptCheckpoint as exc:
+            log.error("checkpoint damaged", error=str(exc))
+            errors.append(str(exc))
+    raise CorruptCheckpoint("no intact checkpoint to restore: " + "; ".join(errors))
 
 
 class RunOwner:
@@ -59,6 +84,7 @@ class RunOwner:
         lease: Lease,
         consumer: str = names.TRAINER_CONSUMER,
         stages: tuple[Stage, Stage] | None = None,
+        retention_s: float = 7 * 24 * 3600.0,
     ):
         read_stage, self.step_stage = stages or (
             Stage("trainer", "trajectories"),
@@ -66,8 +92,11 @@ class RunOwner:
         )
         self.config, self.r, self.store, self.env = config, r, store, env
         self.lease = lease
+        self.retention_s = retention_s  # a finished run's keys expire after this
         self.lost = False  # another trainer took the run over (set by whoever renews the lease)
         self.handing_off = False
+        self._rolled_back = 0
+        self._kept: list[Path] = []  # committed checkpoints kept, newest first
         self.status = RunStatus(run_id=config.run_id)
         self.backend: TorchBackend | None = None
         self.run_dir = config.output_dir / config.run_id
@@ -144,9 +173,10 @@ class RunOwner:
         run = self.config.run_id
         await self._final_counts()  # before the final state: readers see complete counts
 
-        def final(pipe) -> None:
+        async def final(pipe) -> None:
             pipe.srem(names.RUNS_KEY, run)
             pipe.hset(names.run_state(run), "state", outcome)
+            await retention.expire_run(pipe, run, self.retention_s)
 
         try:
             await self.lease.transaction(final)
@@ -248,18 +278,53 @@ class RunOwner:
         raw = await self.r.hget(names.run_state(run), "checkpoint_path")
         if raw is None:
             return False
-        path = streams.text(raw)
+        committed = Path(streams.text(raw))
+        candidates = [committed, *await self.ledger.checkpoints()]
+        candidates = list(dict.fromkeys(candidates))  # committed ones only, newest first
+        path, meta = await asyncio.to_thread(intact_checkpoint, candidates)
+        self._kept = candidates[:KEEP_CHECKPOINTS]
         assert self.backend is not None
-        meta = await on_torch_thread(self.backend.load, Path(path))
+        await on_torch_thread(self.backend.load, path)
         restored = RunStatus.model_validate(meta["run"])
         restored.tasks_fed, restored.state = self.status.tasks_fed, "running"
         restored.resumed += 1
         for name in RunStatus.model_fields:  # in place: every part holds this status
             setattr(self.status, name, getattr(restored, name))
         self.collector.seen = set(meta["seen"])
+        if path != committed:
+            await self._roll_back(restored.step, int(meta["version"]))
         self.drops.reload()
-        log.info("run restored", run=run, step=restored.step, checkpoint=path)
+        if path != committed:
+            for _ in range(self._rolled_back):
+                self.drops.count("checkpoint_lost")
+        log.info("run restored", run=run, step=restored.step, checkpoint=str(path))
         return True
+
+    async def _roll_back(self, step: int, version: int) -> None:
+        """The committed checkpoint was damaged and an older one (at `step`) restored: the
+        steps after it are undone. Their entries were acked, so their trajectories cannot be
+        trained again: a `rollback` ledger entry (committed with the next checkpoint) drops
+        them as `checkpoint_lost`, and the counters go on from the committed state."""
+        run = self.config.run_id
+        lost: list[str] = []
+        handled: set[str] = set()
+        records: Any = await self.r.xrange(names.ledger_stream(run))
+        for _, fields in records:
+            if int(fields[b"step"]) > step and fields[b"kind"] != b"rollback":
+                trained = json.loads(fields[b"trained"])
+                lost += trained
+                handled |= set(trained) | set(json.loads(fields[b"dropped"]))
+        raw = await self.r.hget(names.run_state(run), "committed_status")
+        if raw:
+            committed = RunStatus.model_validate_json(raw)
+            for name in COMMITTED_COUNTERS:
+                setattr(self.status, name, getattr(committed, name))
+        self.status.trajectories_trained -= len(lost)
+        self.collector.seen |= handled
+        self._rolled_back = len(lost)
+        dropped = dict.fromkeys(lost, "checkpoint_lost")
+        self.ledger.uncommitted.append(LedgerEntry(step, "rollback", version, [], [], dropped))
+        log.error("committed checkpoint damaged: rolled back", run=run, step=step, lost=len(lost))
 
     async def _publish_now(self, step: int) -> int:
         assert self.backend is not None
@@ -319,13 +384,17 @@ class RunOwner:
         run, step = self.config.run_id, self.status.step
         started = time.perf_counter()
         await self.versions.publisher.flush()  # the checkpoint's versions are all in the store
-        path = (self.run_dir / "checkpoints" / f"step-{step:06d}").resolve()
-        self.status.checkpoint_step = step
+        # the lease's token in the name: a stale owner (its commit refused) never writes over
+        # the directory of the run's real owner
+        name = f"step-{step:06d}-t{self.lease.token}"
+        path = (self.run_dir / "checkpoints" / name).resolve()
         self.status.trajectories_acked += self.ledger.pending_acks
         # buffered (read, not yet trained) entries stay pending: a restored owner re-reads them
         buffered = self.collector.buffer.trajectory_ids()
         run_state = self.status.model_dump(mode="json")
         run_state["trajectories_consumed"] -= len(buffered)
+        run_state["checkpoint_step"] = step
+        committed = {k: v for k, v in run_state.items() if k != "steps"}
         meta = {
             "run": run_state,
             "seen": sorted(self.collector.seen - buffered),
@@ -333,11 +402,26 @@ class RunOwner:
             "model": self.config.model.name,
         }
         await on_torch_thread(self.backend.save, path, meta)
-        await self.ledger.commit(step, path)
-        old = sorted((self.run_dir / "checkpoints").glob("step-*"))[:-KEEP_CHECKPOINTS]
-        for stale_dir in old:
-            shutil.rmtree(stale_dir, ignore_errors=True)
+        await self.ledger.commit(step, path, json.dumps(committed))
+        self.status.checkpoint_step = step
+        await self._trim()
+        # only the owner gets here (a stale one's commit was refused): keep the last
+        # KEEP_CHECKPOINTS committed, delete every other directory (stale owners' too)
+        self._kept = [path, *self._kept][:KEEP_CHECKPOINTS]
+        for stale_dir in (self.run_dir / "checkpoints").glob("step-*"):
+            if stale_dir.resolve() not in self._kept:
+                shutil.rmtree(stale_dir, ignore_errors=True)
         tm.CHECKPOINT_SECONDS.labels(run).observe(time.perf_counter() - started)
+
+    async def _trim(self) -> None:
+        """Drop the stream entries their consumers acked (bounded Redis); a failure only
+        leaves them for the next checkpoint."""
+        run = self.config.run_id
+        try:
+            await streams.trim_acked(self.r, names.trajectories_stream(run), names.TRAINER_GROUP)
+            await streams.trim_acked(self.r, names.tasks_stream(run), names.ROLLOUT_GROUP)
+        except Exception as exc:
+            log.warning("trimming the run's streams failed", run=run, error=repr(exc))
 
     async def _final_counts(self) -> None:
         state = await self.r.hgetall(names.run_state(self.config.run_id))
