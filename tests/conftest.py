@@ -88,6 +88,8 @@ class ServiceProc:
 def start_service(name: str, infra: InfraUrls, tmp: Path, **env: str) -> ServiceProc:
     """Run `python -m treadle_<name>` with TREADLE_* env on free ports; wait for /readyz."""
     http, grpc_port = free_ports(2)
+    http = int(env.get("TREADLE_HTTP_PORT", http))  # a restart on the same ports
+    grpc_port = int(env.get("TREADLE_GRPC_PORT", grpc_port))
     full_env = {
         **os.environ,
         "TREADLE_REDIS_URL": infra.redis_url,

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from tests.conftest import ServiceProc, start_service
+from tests.conftest import ServiceProc, free_ports, start_service
 from treadle_bench.synthetic_rollout import SyntheticRollout
 from treadle_common import names
 from treadle_common.clients import streams
@@ -401,5 +401,52 @@ async def test_a_damaged_checkpoint_falls_back_to_the_one_before(
     assert len(kept) == len(set(kept)) == steps * per_step == final["trajectories_trained"]
     dropped = {t for f in ledger for t in json.loads(f[b"dropped"])}
     assert set(kept) | dropped == set(rollout.produced)
+    await store.close()
+    await r.aclose()
+
+
+async def test_a_run_rides_through_a_weight_store_restart(infra, tmp_path, tiny_model):
+    """The weight-store is SIGKILLed mid-run and comes back 3 s later on the same address:
+    the run's failed publish is an infrastructure error, so the trainer resumes the run from
+    its last checkpoint (backoff) instead of failing it, and the ledger stays exact."""
+    run = f"wsdown-{uuid.uuid4().hex[:6]}"
+    recipe = handoff_recipe(run, tmp_path, tiny_model)
+    steps = recipe["trainer"]["num_steps"]
+    (tmp_path / "ws").mkdir()
+    http_port, grpc_port = free_ports(2)
+    ports = {"TREADLE_HTTP_PORT": str(http_port), "TREADLE_GRPC_PORT": str(grpc_port)}
+    store_proc = start_service("weight-store", infra, tmp_path / "ws", **ports)
+    r = aioredis.from_url(infra.redis_url)
+    store = WeightStoreClient(store_proc.grpc_addr or "")
+    vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
+    rollout = SyntheticRollout(r, store, run, recipe["model"]["name"], vocab, gated=True)
+    trainer = start_trainer(infra, tmp_path, store_proc)
+    producer = None
+    try:
+        async with httpx.AsyncClient(base_url=trainer.http) as client:
+            response = await client.post("/v1/runs", json=recipe)
+            assert response.status_code == 202, response.text
+        producer = asyncio.create_task(rollout.run_forever())
+        rollout.release(2 * GROUPS_PER_STEP)
+        await wait_run(trainer.http, run, lambda s: s["checkpoint_step"] == 2, producer=producer)
+        os.kill(store_proc.proc.pid, signal.SIGKILL)
+        store_proc.proc.wait(timeout=10)
+        rollout.release(GROUPS_PER_STEP)  # step 3 trains; its publish finds no store
+        await asyncio.sleep(3.0)
+        store_proc = start_service("weight-store", infra, tmp_path / "ws", **ports)
+        rollout.release(100)
+        final = await wait_run(
+            trainer.http, run, lambda s: s["state"] in ("succeeded", "failed"), 180
+        )
+    finally:
+        if producer is not None:
+            producer.cancel()
+        trainer.stop()
+        store_proc.stop()
+    assert final["state"] == "succeeded", final["error"]
+    assert final["resumed"] >= 1  # resumed from its checkpoint after the store came back
+    assert final["step"] == steps and final["pending_after_run"] == 0
+    assert "run interrupted; resuming" in trainer.log.read_text()
+    await assert_ledger_exact(r, run, steps, rollout.produced)
     await store.close()
     await r.aclose()

@@ -87,3 +87,17 @@ async def test_nothing_is_polled_while_no_task_waits(sync):
     await asyncio.sleep(0.2)
     assert store.polls == 0
     runner.cancel()
+
+
+async def test_a_forged_announcement_does_not_stop_rollout(sync):
+    """Version 10^9 is announced but never published: its fetch fails, the store's latest is
+    older, so it is dropped and counted, and the real next version is fetched."""
+    weights, engine, store = sync
+    runner = asyncio.create_task(weights.run(NoNats()))
+    await weights.on_announcement(pb.WeightAnnouncement(model="m", version=10**9))
+    store.versions.add(2)
+    await weights.on_announcement(pb.WeightAnnouncement(model="m", version=2))
+    await asyncio.wait_for(weights.ensure_version(2), 5)
+    assert engine.fetched == [2] and engine.version == 2
+    assert weights.bad_announcements == 1 and weights.version_lag == 0
+    runner.cancel()

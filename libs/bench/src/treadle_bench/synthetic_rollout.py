@@ -13,6 +13,7 @@ import asyncio
 import random
 import uuid
 
+import grpc
 import redis.asyncio as aioredis
 
 from treadle_common import names
@@ -41,6 +42,7 @@ class SyntheticRollout:
         self.rng = random.Random(seed)
         self.allowed = asyncio.Semaphore(0) if gated else None
         self.produced: list[str] = []
+        self.version = 0
         self.groups = 0
         self.limit = limit
 
@@ -88,7 +90,11 @@ class SyntheticRollout:
                 assert isinstance(task, task_pb2.Task)
                 if self.allowed is not None:
                     await self.allowed.acquire()
-                version = await self.store.latest(self.model) or 0
+                try:
+                    self.version = await self.store.latest(self.model) or 0
+                except grpc.aio.AioRpcError:  # the store is away: the old weights serve on
+                    pass
+                version = self.version
                 trajs = [self.trajectory(task, i, version) for i in range(task.group_size)]
                 async with self.r.pipeline(transaction=True) as pipe:
                     for t in trajs:

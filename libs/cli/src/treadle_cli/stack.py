@@ -129,11 +129,16 @@ def read_stack(state_dir: Path) -> StackRecord | None:
     return StackRecord.model_validate_json(path.read_text()) if path.exists() else None
 
 
+PROBE_EVERY_S = 5.0
+"""How often the supervisor reads every service's /healthz."""
+
+
 @dataclass
 class Managed:
     name: str
     proc: subprocess.Popen | None = None
     restarts: int = 0
+    wedged: int = 0  # times /healthz said it made no progress (it was restarted)
     state: str = "starting"  # starting | running | restarting | failed | stopped
     last_exit: int | None = None
 
@@ -185,6 +190,20 @@ class Supervisor:
             self._start(m)
         self.write()
 
+    def probe(self) -> None:
+        """Stop a service whose /healthz says it is wedged (503: a stage it alone can advance
+        made no progress for TREADLE_LIVENESS_STALL_S); `poll` then restarts it."""
+        for m in self.services.values():
+            if m.proc is None or m.state != "running" or m.proc.poll() is not None:
+                continue
+            try:
+                code = http().get(f"{self.spec.http_url(m.name)}/healthz", timeout=2.0).status_code
+            except httpx.HTTPError:
+                continue  # starting, or busy: only a clear 503 restarts it
+            if code == 503:
+                m.wedged += 1
+                terminate(m.proc.pid, timeout_s=25.0)
+
     def poll(self) -> None:
         """Restart services that exited, up to `max_restarts` each."""
         changed = False
@@ -220,8 +239,12 @@ class Supervisor:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
         signal.signal(signal.SIGINT, lambda *_: setattr(self, "stopping", True))
         self.start_all()
+        probed = time.monotonic()
         while not self.stopping:
             self.poll()
+            if time.monotonic() - probed > PROBE_EVERY_S:
+                self.probe()
+                probed = time.monotonic()
             time.sleep(0.5)
         self.stop_all()
 

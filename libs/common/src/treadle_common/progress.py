@@ -3,6 +3,11 @@ progress. A stage with pending work and no tick for `TREADLE_STALL_AFTER_S` is s
 service logs it once (and again when it recovers), sets `treadle_stage_stalled{service,
 stage}` to 1, and reports it in `/v1/info` (`progress`), which `treadle status` reads.
 
+Liveness means progress: a *liveness* stage (work only this process can finish: generating,
+training, scoring, stepping an env; not waiting for another service) stalled for
+`TREADLE_LIVENESS_STALL_S` makes `/healthz` answer 503, so the supervisor (`treadle up`),
+compose or Kubernetes restarts the process.
+
     rollout      tasks (groups in flight), generate (engine requests), weights (version lag)
     trainer      trajectories (runs collecting a batch), step (runs training)
     env-gateway  step (env steps in flight)
@@ -32,8 +37,15 @@ STALLED = Gauge(
 class Stage:
     """One stage; `pending` says how much work waits on it (default: blocks in `track`)."""
 
-    def __init__(self, service: str, name: str, pending: Callable[[], int] | None = None):
+    def __init__(
+        self,
+        service: str,
+        name: str,
+        pending: Callable[[], int] | None = None,
+        liveness: bool = False,
+    ):
         self.service, self.name = service, name
+        self.liveness = liveness
         self.in_flight = 0
         self.pending = pending or (lambda: self.in_flight)
         self.done = 0
@@ -72,8 +84,10 @@ class Progress:
         self.service, self.stall_after_s = service, stall_after_s
         self.stages: dict[str, Stage] = {}
 
-    def stage(self, name: str, pending: Callable[[], int] | None = None) -> Stage:
-        return self.add(Stage(self.service, name, pending))
+    def stage(
+        self, name: str, pending: Callable[[], int] | None = None, liveness: bool = False
+    ) -> Stage:
+        return self.add(Stage(self.service, name, pending, liveness))
 
     def add(self, stage: Stage) -> Stage:
         """Watch a stage a component made itself."""
@@ -82,6 +96,17 @@ class Progress:
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
         return {name: s.snapshot(self.stall_after_s) for name, s in self.stages.items()}
+
+    def wedged(self, limit_s: float) -> list[str]:
+        """Liveness stages with work pending and no progress for `limit_s` (0: never)."""
+        if limit_s <= 0:
+            return []
+        now = time.monotonic()
+        return [
+            s.name
+            for s in self.stages.values()
+            if s.liveness and s.pending() > 0 and now - s.last > limit_s
+        ]
 
     def check(self) -> list[str]:
         """Update gauges and logs; the names of the stalled stages."""

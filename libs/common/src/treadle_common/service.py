@@ -160,8 +160,13 @@ class ServiceRuntime:
         app = self.app
 
         @app.get("/healthz", tags=["ops"])
-        async def healthz() -> dict[str, str]:
-            return {"status": "ok", "service": self.service}
+        async def healthz() -> JSONResponse:
+            """Alive and making progress: 503 naming the wedged stages otherwise."""
+            wedged = self.progress.wedged(self.settings.liveness_stall_s)
+            if wedged:
+                body = {"status": "stalled", "service": self.service, "stages": wedged}
+                return JSONResponse(body, status_code=503)
+            return JSONResponse({"status": "ok", "service": self.service})
 
         @app.get("/readyz", tags=["ops"])
         async def readyz() -> JSONResponse:

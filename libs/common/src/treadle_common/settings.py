@@ -67,6 +67,12 @@ class Settings(BaseSettings):
     )
     log_level: str = Field("INFO", description="Python log level")
     log_json: bool = Field(False, description="Log JSON lines instead of console text")
+    liveness_stall_s: float = Field(
+        600.0,
+        ge=0,
+        description="/healthz fails once a stage only this process can advance (generate, "
+        "train, score, env step) has had work and no progress this long (0: never)",
+    )
     stall_after_s: float = Field(
         120.0, gt=0, description="A stage with pending work and no progress this long is stalled"
     )

@@ -28,7 +28,8 @@ async def build(settings: EnvGatewaySettings) -> Service:
         settings=settings,
     )
     env_pb2_grpc.add_EnvGatewayServicer_to_server(
-        EnvGatewayServicer(sessions, runtime.progress.stage("step")), runtime.make_grpc_server()
+        EnvGatewayServicer(sessions, runtime.progress.stage("step", liveness=True)),
+        runtime.make_grpc_server(),
     )
     runtime.set_info(lambda: {"envs": sorted(sessions.envs), "sessions": len(sessions.sessions)})
     http.mount(runtime.app, sessions)

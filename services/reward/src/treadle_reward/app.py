@@ -21,7 +21,7 @@ async def build(settings: RewardSettings) -> Service:
         timeout_s=settings.reward_timeout_s,
         max_concurrency=settings.reward_max_concurrency,
         cache_size=settings.reward_cache_size,
-        stage=runtime.progress.stage("score"),
+        stage=runtime.progress.stage("score", liveness=True),
     )
     runtime.set_info(lambda: {"scorers": sorted(scoring.scorers)})
 

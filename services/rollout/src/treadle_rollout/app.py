@@ -101,7 +101,7 @@ class Rollout:
             self.env,
             reward,
             settings.instance,
-            generate_stage=runtime.progress.stage("generate"),
+            generate_stage=runtime.progress.stage("generate", liveness=True),
         )
         worker = TaskWorker(
             runtime.redis,

@@ -22,6 +22,10 @@ RESTARTED_TURNS = Counter(
 )
 EPISODES_IN_FLIGHT = Gauge("treadle_rollout_episodes_in_flight", "Episodes being played")
 ENGINE_RUNNING = Gauge("treadle_rollout_engine_requests", "Requests in the engine")
+BAD_ANNOUNCEMENTS = Counter(
+    "treadle_rollout_bad_announcements_total",
+    "Weight announcements of versions the store does not have (forged or lost): ignored",
+)
 VERSION_LAG = Gauge(
     "treadle_rollout_version_lag", "Latest announced version minus the version being served"
 )

@@ -9,6 +9,12 @@ Only announced versions are fetched. A task may demand a version that is not pub
 (a sync run feeds the next step's tasks while it trains the step that publishes it): it
 waits for the announcement, and while it waits the store is asked for its latest version
 every `poll_s`, in case an announcement was lost.
+
+An announcement is a claim, not a fact: when fetching the newest announced version fails and
+the store's latest version is older, the announcement was forged, or named a version the
+store lost in a crash; it is dropped and counted (`bad_announcements`,
+`treadle_rollout_bad_announcements_total`) and the next newest one is fetched instead, so no
+announcement can wedge rollout.
 """
 
 from __future__ import annotations
@@ -46,17 +52,27 @@ class WeightSync:
         self.store = store
         self.swaps: list[SwapRecord] = []
         self.stage = Stage("rollout", "weights", lambda: self.version_lag)
-        self._latest_announced = -1
+        self._announced: set[int] = set()  # announced versions newer than the engine's
+        self.bad_announcements = 0
         self._wake = asyncio.Event()
         self._swapped = asyncio.Condition()
         self.last_error: str | None = None
+
+    @property
+    def _latest_announced(self) -> int:
+        return max(self._announced, default=-1)
+
+    def _announce(self, version: int) -> None:
+        if version > self.engine.version:
+            self._announced.add(version)
+        self._announced = {v for v in self._announced if v > self.engine.version}
 
     @property
     def version_lag(self) -> int:
         return max(0, self._latest_announced - self.engine.version)
 
     async def on_announcement(self, ann: pb.WeightAnnouncement) -> None:
-        self._latest_announced = max(self._latest_announced, ann.version)
+        self._announce(ann.version)
         metrics.VERSION_LAG.set(self.version_lag)
         self._wake.set()
 
@@ -70,6 +86,8 @@ class WeightSync:
             try:
                 await self.update_to(target)
             except Exception as exc:  # keep serving the old weights; retry shortly
+                if await self._bogus(target):
+                    continue
                 self.last_error = f"update to version {target} failed: {exc!r}"
                 log.error("weight update failed", version=target, error=repr(exc))
                 await asyncio.sleep(1.0)
@@ -88,8 +106,26 @@ class WeightSync:
                 self.last_error = f"asking the store for the latest version failed: {exc!r}"
                 return
             if latest is not None:
-                self._latest_announced = max(self._latest_announced, latest)
+                self._announce(latest)
         self._wake.clear()
+
+    async def _bogus(self, version: int) -> bool:
+        """After a failed fetch of `version`: True (and it is forgotten) when the store has
+        nothing that new, so it was never published there (or was lost)."""
+        try:
+            latest = await self.store.latest(self.engine.model_name)
+        except Exception:  # the store is away: a plain failure, retried
+            return False
+        if latest is not None and latest >= version:
+            return False
+        self._announced.discard(version)
+        if latest is not None:
+            self._announce(latest)
+        self.bad_announcements += 1
+        metrics.BAD_ANNOUNCEMENTS.inc()
+        log.warning("announced version the store does not have: ignored", version=version)
+        self._wake.set()
+        return True
 
     async def ensure_version(self, version: int) -> None:
         """Wait until the engine holds at least `version` (tasks may demand a minimum, which
@@ -117,6 +153,7 @@ class WeightSync:
         stats = await self.engine.update_to(self.store, version)
         record = SwapRecord(stats.version, stats.pause_s, stats.fetch_s, stats.bytes_fetched)
         self.swaps.append(record)
+        self._announce(-1)  # forget what this swap made old
         self.stage.tick()
         self.last_error = None
         metrics.SWAP_PAUSE.observe(stats.pause_s)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import random
 import time
 from collections.abc import Callable
 
@@ -108,30 +109,44 @@ class TaskWorker:
         return out
 
     async def run(self) -> None:
+        """Take tasks until drained. A Redis error (down, restarting, loading) never ends
+        the loop: it backs off (jittered, up to 10 s) and goes on."""
+        backoff = 0.5
         while not self.stopping:
-            stream_keys = await self.active_streams()
-            if not stream_keys:
-                await asyncio.sleep(0.2)
-                continue
-            entries = []
-            for stream in stream_keys:
-                entries += await self._reclaim(stream)
+            try:
+                await self._take()
+                backoff = 0.5
+            except Exception as exc:
+                log.warning("taking tasks failed; retrying", error=repr(exc), in_s=backoff)
+                self._groups.clear()  # a Redis that lost its data lost the groups too
+                await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
+                backoff = min(backoff * 2, 10.0)
+
+    async def _take(self) -> None:
+        """One round: reclaim abandoned tasks, read new ones, start them."""
+        stream_keys = await self.active_streams()
+        if not stream_keys:
+            await asyncio.sleep(0.2)
+            return
+        entries = []
+        for stream in stream_keys:
+            entries += await self._reclaim(stream)
+        await self.slots.acquire()
+        self.slots.release()
+        entries += await streams.read_group(  # as many as there are free slots
+            self.r,
+            stream_keys,
+            names.ROLLOUT_GROUP,
+            self.consumer,
+            task_pb2.Task,
+            count=max(1, self.max_concurrent_tasks - len(self.in_flight) - len(entries)),
+            block_ms=500,
+        )
+        for stream, entry_id, task in entries:  # task may be an InvalidEntry
             await self.slots.acquire()
-            self.slots.release()
-            entries += await streams.read_group(  # as many as there are free slots
-                self.r,
-                stream_keys,
-                names.ROLLOUT_GROUP,
-                self.consumer,
-                task_pb2.Task,
-                count=max(1, self.max_concurrent_tasks - len(self.in_flight) - len(entries)),
-                block_ms=500,
-            )
-            for stream, entry_id, task in entries:  # task may be an InvalidEntry
-                await self.slots.acquire()
-                job = asyncio.create_task(self._run_task(stream, entry_id, task))
-                self.in_flight.add(job)
-                job.add_done_callback(self.in_flight.discard)
+            job = asyncio.create_task(self._run_task(stream, entry_id, task))
+            self.in_flight.add(job)
+            job.add_done_callback(self.in_flight.discard)
 
     async def _reclaim(self, stream: str) -> list:
         """Tasks whose replica stopped heartbeating them; those delivered more than

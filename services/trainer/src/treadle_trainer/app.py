@@ -31,7 +31,9 @@ async def build(settings: TrainerSettings) -> Service:
     store = WeightStoreClient(settings.weight_store_addr)
     env = EnvClient(settings.env_gateway_addr)
     trajectories = runtime.progress.stage("trajectories")
-    runs = Runs(runtime, settings, store, env, (trajectories, runtime.progress.stage("step")))
+    runs = Runs(
+        runtime, settings, store, env, (trajectories, runtime.progress.stage("step", liveness=True))
+    )
     trajectories.pending = lambda: runs.collecting
     runtime.set_info(lambda: {"runs": runs.states()}, TrainerInfo)
     runs.mount(runtime.app)

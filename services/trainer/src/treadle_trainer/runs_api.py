@@ -17,6 +17,9 @@ releases its lease, so another trainer resumes it within a second.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import random
+import time
 
 from fastapi import FastAPI, HTTPException, Query
 
@@ -67,10 +70,41 @@ class Runs:
         return Lease(self.runtime.redis, run_id, self.settings.instance, self._lease_ms)
 
     async def _own(self, owner: RunOwner) -> None:
+        """Hold the run while it executes; after an infrastructure error, resume it from its
+        last checkpoint with a new owner (backoff with jitter, `trainer_run_retries` times)."""
+        lease, run = owner.lease, owner.config.run_id
+        retries = self.settings.trainer_run_retries
+        for attempt in range(retries + 1):
+            await self._hold(owner, last_attempt=attempt == retries)
+            if owner.status.state != "retrying":
+                break
+            delay = min(30.0, 0.5 * 2**attempt) * random.uniform(0.5, 1.0)
+            log.warning("run resumes", run=run, attempt=attempt + 1, delay_s=round(delay, 2))
+            if not await self._wait_holding(lease, delay):
+                owner.status.state = "lost"
+                break
+            owner = self._owner_for(owner.config, lease)
+            self.owners[run] = owner
+        try:
+            await lease.release()
+        except Exception as exc:
+            log.warning("lease release failed", run=run, error=repr(exc))
+
+    async def _wait_holding(self, lease: Lease, delay_s: float) -> bool:
+        """Sleep `delay_s` renewing the lease; False once another trainer holds it."""
+        deadline = time.monotonic() + delay_s
+        while (left := deadline - time.monotonic()) > 0:
+            await asyncio.sleep(min(left, self.settings.trainer_lease_s / 3))
+            with contextlib.suppress(Exception):  # Redis away: the lease may still hold
+                if not await lease.renew() and (await lease.taken() or not await lease.acquire()):
+                    return False  # another trainer has it
+        return True
+
+    async def _hold(self, owner: RunOwner, last_attempt: bool) -> None:
         """Renew the run's lease while its owner executes it; stop the owner if another
         trainer holds it. A Redis error skips a renewal (the lease outlives two of them)."""
         lease = owner.lease
-        work = asyncio.create_task(owner.execute())
+        work = asyncio.create_task(owner.execute(last_attempt))
         while not work.done():
             await asyncio.wait([work], timeout=self.settings.trainer_lease_s / 3)
             if work.done():
@@ -85,13 +119,9 @@ class Runs:
                 owner.lost = True
                 work.cancel()
                 await asyncio.wait([work])
-        try:
-            await lease.release()
-        except Exception as exc:
-            log.warning("lease release failed", run=owner.config.run_id, error=repr(exc))
 
-    def _launch(self, config: RunConfig, lease: Lease) -> None:
-        owner = RunOwner(
+    def _owner_for(self, config: RunConfig, lease: Lease) -> RunOwner:
+        return RunOwner(
             config,
             self.runtime.redis,
             self.store,
@@ -100,6 +130,9 @@ class Runs:
             stages=self.stages,
             retention_s=self.settings.trainer_run_retention_s,
         )
+
+    def _launch(self, config: RunConfig, lease: Lease) -> None:
+        owner = self._owner_for(config, lease)
         self.owners[config.run_id] = owner
         task = asyncio.create_task(self._own(owner))
         self._tasks.add(task)
@@ -118,7 +151,11 @@ class Runs:
         redis = self.runtime.redis
         for member in await redis.smembers(names.RUNS_KEY):
             run = streams.text(member)
-            if run in self.owners and self.owners[run].status.state in ("pending", "running"):
+            if run in self.owners and self.owners[run].status.state in (
+                "pending",
+                "running",
+                "retrying",
+            ):
                 continue  # ours (a handed-off or lost one may come back to us)
             if await redis.exists(names.run_owner(run)):
                 continue

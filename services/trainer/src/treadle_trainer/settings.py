@@ -16,6 +16,13 @@ class TrainerSettings(Settings):
         description="trainer: a finished run's Redis keys (ledger, dead letters, state) expire "
         "after this",
     )
+    trainer_run_retries: int = Field(
+        8,
+        ge=0,
+        description="trainer: times a run resumes from its last checkpoint after an "
+        "infrastructure error (Redis, weight-store or env-gateway unreachable, a batch timeout) "
+        "before it is marked failed",
+    )
     trainer_lease_s: float = Field(
         15.0, gt=0, description="trainer: run-ownership lease; a dead owner's run resumes after"
     )

@@ -9,10 +9,11 @@ from pydantic import BaseModel, Field
 
 from treadle_common.api.ops import ServiceInfo
 
-RunState = Literal["pending", "running", "succeeded", "failed", "handed_off", "lost"]
+RunState = Literal["pending", "running", "retrying", "succeeded", "failed", "handed_off", "lost"]
 """`handed_off`: this trainer stopped the run at a step boundary as it shut down (the run is
 checkpointed and its lease released: another trainer resumes it); `lost`: another trainer
-took the run over while this one stalled past its lease (this one's writes were refused)."""
+took the run over while this one stalled past its lease (this one's writes were refused);
+`retrying`: an infrastructure error interrupted it, it resumes from its last checkpoint."""
 FINAL_STATES: tuple[RunState, ...] = ("succeeded", "failed")
 
 

@@ -70,6 +70,11 @@ class Lease:
         if self.value is not None:
             await self.r.eval(_RELEASE, 1, self.key, self.value)
 
+    async def taken(self) -> bool:
+        """Another trainer holds the run now (not merely: our lease lapsed)."""
+        raw = await self.r.get(self.key)
+        return raw is not None and streams.text(raw) != self.value
+
     async def holds(self) -> bool:
         raw = await self.r.get(self.key)
         return raw is not None and streams.text(raw) == self.value

@@ -18,7 +18,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import grpc
+import httpx
 import redis.asyncio as aioredis
+import redis.exceptions as redis_errors
 
 from treadle_common import admission, names, retention
 from treadle_common.api.runs import FINAL_STATES, RunState, RunStatus
@@ -60,6 +63,28 @@ COMMITTED_COUNTERS = (
     "versions",
 )
 """What a rollback to an older checkpoint takes from the last committed state instead."""
+
+
+def retryable(exc: BaseException) -> bool:
+    """An error that resuming the run later can fix: a service or Redis unreachable or
+    restarting, a deadline, a batch that did not arrive in time (rollout away)."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code() in (
+            grpc.StatusCode.UNAVAILABLE,
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            grpc.StatusCode.ABORTED,
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            grpc.StatusCode.CANCELLED,
+        )
+    transient = (
+        redis_errors.ConnectionError,
+        redis_errors.TimeoutError,
+        redis_errors.BusyLoadingError,
+        httpx.TransportError,
+        ConnectionError,
+        TimeoutError,
+    )
+    return isinstance(exc, transient)
 
 
 def intact_checkpoint(candidates: list[Path]) -> tuple[Path, dict]:
@@ -143,11 +168,14 @@ class RunOwner:
         self.handing_off = True
         self.collector.stopping = True
 
-    async def execute(self) -> RunStatus:
+    async def execute(self, last_attempt: bool = True) -> RunStatus:
+        """Run to the end. An infrastructure error (`retryable`) leaves the run `retrying`
+        (nothing is marked in Redis; the caller resumes it from its last checkpoint with a
+        new owner) unless this is the `last_attempt`."""
         self.status.state = "running"
-        await self.r.hset(names.run_state(self.config.run_id), "state", "running")
         outcome: RunState = "failed"
         try:
+            await self.r.hset(names.run_state(self.config.run_id), "state", "running")
             await self._execute()
             finished = self.status.step >= self.config.trainer.num_steps
             outcome = "succeeded" if finished else "handed_off"
@@ -158,11 +186,19 @@ class RunOwner:
             log.warning("run lost to another trainer", run=self.config.run_id, error=str(exc))
         except Exception as exc:
             self.status.error = f"{type(exc).__name__}: {exc}"
-            log.error("run failed", run=self.config.run_id, error=self.status.error)
+            if retryable(exc) and not last_attempt:
+                outcome = "retrying"
+                log.warning("run interrupted; resuming", run=self.config.run_id, error=repr(exc))
+            else:
+                log.error("run failed", run=self.config.run_id, error=self.status.error)
         finally:
             await self.versions.publisher.close()
             if outcome in FINAL_STATES:
-                outcome = await self._end(outcome)
+                try:
+                    outcome = await self._end(outcome)
+                except Exception as exc:  # Redis away at the very end: resume, then end
+                    log.warning("ending the run failed", run=self.config.run_id, error=repr(exc))
+                    outcome = "failed" if last_attempt else "retrying"
             self.status.state = outcome
             if self.backend is not None:
                 await on_torch_thread(self.backend.close)
