@@ -346,3 +346,21 @@ async def test_concurrent_collections_do_not_race_each_others_deletes(tmp_path):
     results = await asyncio.gather(*(store.gc() for _ in range(4)))
     assert sum(r[1] for r in results) == 6  # each chunk deleted once, no error
     assert list(store.backend.list_chunks()) == []
+
+
+async def test_a_retried_publish_gets_its_version_back_not_a_new_one(tmp_path):
+    """The answer to a publish was lost and the client sent it again (same publish_id): the
+    store answers with the version it committed, instead of making a duplicate."""
+    store = WeightStore(LocalBackend(tmp_path), cache_bytes=0)
+    manifest, chunks = two_tensors()
+    manifest.metadata["publish_id"] = "p1"
+    await hold(store, chunks)
+    first = await store.commit(pb_copy(manifest))
+    retried = await store.commit(pb_copy(manifest))
+    assert first.version == retried.version == 1 and await store.versions("m") == [1]
+    other = pb_copy(manifest)
+    other.metadata["publish_id"] = "p2"
+    assert (await store.commit(other)).version == 2
+    restarted = WeightStore(LocalBackend(tmp_path), cache_bytes=0)
+    await store.flush()
+    assert (await restarted.commit(pb_copy(manifest))).version == 1  # known after a restart

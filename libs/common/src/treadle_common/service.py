@@ -35,6 +35,7 @@ from nats.js.kv import KeyValue
 
 from treadle_common import __version__, metrics, names, tracing
 from treadle_common.api.ops import Readiness, ServiceInfo
+from treadle_common.clients import grpc_options
 from treadle_common.logs import configure_logging, get_logger
 from treadle_common.progress import Progress
 from treadle_common.settings import Settings
@@ -115,12 +116,7 @@ class ServiceRuntime:
         self._info, self._info_model = info, model
 
     def make_grpc_server(self) -> grpc.aio.Server:
-        self.grpc_server = grpc.aio.server(
-            options=[
-                ("grpc.max_send_message_length", 64 * 1024 * 1024),
-                ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-            ]
-        )
+        self.grpc_server = grpc.aio.server(options=grpc_options.SERVER_OPTIONS)
         health_pb2_grpc.add_HealthServicer_to_server(self.grpc_health, self.grpc_server)
         return self.grpc_server
 

@@ -25,6 +25,9 @@
   broken publish can resume) and chunks a publisher was told the store holds in the last
   `PROMISE_S` (it will not send them). Should a commit still name a chunk the store lacks, it
   fails with `ChunksMissing` (ABORTED), which publishers retry: they ask again and send it.
+- A publish is idempotent: its manifest's `metadata["publish_id"]` (the client sets a fresh
+  one per publish and keeps it across retries) names the version it became, so a retry of a
+  publish whose answer was lost gets that version back instead of a duplicate one.
 - Manifests are immutable: the last `MANIFEST_CACHE` read or committed are kept parsed in
   memory, so listing, fetching and GC do not read and parse them again.
 """
@@ -70,6 +73,8 @@ MODEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MAX_CHUNK_BYTES = 16 * 2**20
 PROMISE_S = 300.0  # chunks reported present to a publisher survive GC this long
 MANIFEST_CACHE = 256
+IDEMPOTENCY_WINDOW = 16
+"""Versions a retried publish is looked for among (by its `publish_id`)."""
 
 
 def check_model(model: str) -> None:
@@ -467,6 +472,9 @@ class WeightStore:
             await self.wait_written(refs)
         async with self._commit_lock:
             versions = await self.versions(manifest.model)
+            done = await self._published_as(manifest, versions)
+            if done is not None:
+                return done  # a retry of a publish that committed: the same version
             if manifest.version < 0:
                 manifest.version = versions[-1] + 1 if versions else 1
             elif manifest.version in versions:
@@ -488,6 +496,21 @@ class WeightStore:
         if not durable:
             await self._write_manifests()  # at once if its chunks are all in the backend
         return manifest
+
+    async def _published_as(
+        self, manifest: pb.WeightManifest, versions: list[int]
+    ) -> pb.WeightManifest | None:
+        """The committed manifest of the same publish (same `publish_id`), if any: looked up
+        among the model's last `IDEMPOTENCY_WINDOW` versions."""
+        publish_id = manifest.metadata.get("publish_id")
+        if not publish_id:
+            return None
+        for version in reversed(versions[-IDEMPOTENCY_WINDOW:]):
+            with contextlib.suppress(NotFound):
+                earlier = await self.get_manifest(manifest.model, version)
+                if earlier.metadata.get("publish_id") == publish_id:
+                    return earlier
+        return None
 
     async def info(self, model: str, version: int) -> pb.VersionInfo:
         m = await self.get_manifest(model, version)

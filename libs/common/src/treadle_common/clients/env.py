@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 
 from treadle_common import tracing
+from treadle_common.clients import grpc_options
 from treadle_common.clients.coalesce import Coalescer, Pending
 from treadle_common.proto.treadle.v1 import env_pb2 as pb
 from treadle_common.proto.treadle.v1 import env_pb2_grpc
@@ -35,7 +36,7 @@ class EnvClient:
     def __init__(self, address: str, batch: bool = False):
         self.address = address
         self.batch = batch
-        self.channel = grpc.aio.insecure_channel(address)
+        self.channel = grpc.aio.insecure_channel(address, options=grpc_options.CHANNEL_OPTIONS)
         self.stub = env_pb2_grpc.EnvGatewayStub(self.channel)
         self._creates: Coalescer[int, pb.Session] = Coalescer(self._send_creates)
         self._steps: Coalescer[pb.StepRequest, pb.StepResponse] = Coalescer(self._send_steps)

@@ -7,13 +7,14 @@ import grpc
 import httpx
 
 from treadle_common.api.rollout import EvaluateRequest, EvaluateResult, RolloutInfo, Swaps
+from treadle_common.clients import grpc_options
 from treadle_common.clients.http import parse
 from treadle_common.proto.treadle.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 
 class GenerationClient:
     def __init__(self, address: str):
-        self.channel = grpc.aio.insecure_channel(address)
+        self.channel = grpc.aio.insecure_channel(address, options=grpc_options.CHANNEL_OPTIONS)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
 
     async def close(self) -> None:

@@ -11,16 +11,23 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
 
 import grpc
 import xxhash
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception,
+    stop_after_attempt,
+    wait_exponential_jitter,
+)
 
 from treadle_common import names
 from treadle_common.clients import chunk_codec as codec
+from treadle_common.clients import grpc_options
 from treadle_common.clients.chunk_codec import ChunkView
 from treadle_common.malloc import reuse_freed_memory
 from treadle_common.proto.treadle.v1 import weights_pb2 as pb
@@ -144,7 +151,7 @@ def retrying(attempts: int) -> AsyncRetrying:
     return AsyncRetrying(
         retry=retry_if_exception(_retryable),
         stop=stop_after_attempt(attempts),
-        wait=wait_exponential(multiplier=0.2, max=2.0),
+        wait=wait_exponential_jitter(initial=0.2, max=2.0),
         reraise=True,
     )
 
@@ -156,13 +163,7 @@ class WeightStoreClient:
         self.address = address
         self.attempts = attempts
         reuse_freed_memory()  # chunk-sized receive buffers reuse their pages (malloc.py)
-        self.channel = grpc.aio.insecure_channel(
-            address,
-            options=[
-                ("grpc.max_send_message_length", 64 * 1024 * 1024),
-                ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-            ],
-        )
+        self.channel = grpc.aio.insecure_channel(address, options=grpc_options.CHANNEL_OPTIONS)
         self.stub = weights_pb2_grpc.WeightStoreStub(self.channel)
         # the two chunk-carrying calls use the copy-free codec (same bytes on the wire).
         # Publish requests are encoded in the request generator, not by a request_serializer:
@@ -192,7 +193,10 @@ class WeightStoreClient:
         """Publish a version, sending only chunks the store lacks; resumes after a broken stream.
         The version is visible once the store holds it; `durable` waits until it is on the
         store's disk or S3 as well (checkpoints, exports)."""
-        pending = layout_manifest(model, tensors, **manifest_fields)
+        # one id for this publish and all its retries: the store answers a retry of a
+        # publish that committed (its answer lost) with the same version, not a new one
+        metadata = {"publish_id": uuid.uuid4().hex, **manifest_fields.pop("metadata", {})}
+        pending = layout_manifest(model, tensors, metadata=metadata, **manifest_fields)
         async for attempt in retrying(self.attempts):
             with attempt:
                 return await self.publish_pending(pending, durable=durable)
@@ -300,23 +304,33 @@ class WeightStoreClient:
         versions = await self.list_versions(model)
         return versions[-1].version if versions else None
 
+    async def _unary(self, method, request, timeout_s: float = grpc_options.UNARY_DEADLINE_S):
+        """A unary call with a deadline, retried (jittered backoff) while the store is
+        unavailable or restarting."""
+        async for attempt in retrying(self.attempts):
+            with attempt:
+                return await method(request, timeout=timeout_s)
+        raise AssertionError("unreachable")
+
     async def list_versions(self, model: str) -> list[pb.VersionInfo]:
-        response = await self.stub.ListVersions(pb.ListVersionsRequest(model=model))
+        response = await self._unary(self.stub.ListVersions, pb.ListVersionsRequest(model=model))
         return list(response.versions)
 
     async def get_manifest(self, model: str, version: int = LATEST) -> pb.WeightManifest:
-        return await self.stub.GetManifest(pb.VersionRef(model=model, version=version))
+        return await self._unary(self.stub.GetManifest, pb.VersionRef(model=model, version=version))
 
     async def delete_version(self, model: str, version: int) -> int:
-        return (
-            await self.stub.DeleteVersion(pb.VersionRef(model=model, version=version))
-        ).chunks_deleted
+        ref = pb.VersionRef(model=model, version=version)
+        return (await self._unary(self.stub.DeleteVersion, ref)).chunks_deleted
 
     async def set_pin(self, model: str, version: int, pinned: bool = True) -> pb.VersionInfo:
-        return await self.stub.SetPin(pb.PinRequest(model=model, version=version, pinned=pinned))
+        request = pb.PinRequest(model=model, version=version, pinned=pinned)
+        return await self._unary(self.stub.SetPin, request)
 
     async def garbage_collect(self) -> pb.GarbageCollectResponse:
-        return await self.stub.GarbageCollect(pb.GarbageCollectRequest())
+        return await self._unary(
+            self.stub.GarbageCollect, pb.GarbageCollectRequest(), timeout_s=600.0
+        )
 
 
 async def ensure_weights_stream(js) -> None:
