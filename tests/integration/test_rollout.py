@@ -116,7 +116,9 @@ async def test_recorded_session_becomes_a_token_exact_trajectory(openai_server, 
     # no end-of-turn token of its own, which the template adds when it is sent back
     assert decoded.replace("<|im_end|>", "") == rendered.replace("<|im_end|>", "").rstrip("\n")
     generated = [t for t, m in zip(traj.tokens, traj.loss_mask, strict=True) if m]
-    assert tok.decode(generated, skip_special_tokens=True) == "".join(replies)
+    # the tiny random model may sample a special token (e.g. <|im_start|>): replies keep it
+    strip = lambda text: text.replace("<|im_end|>", "")  # noqa: E731
+    assert strip(tok.decode(generated)) == strip("".join(replies))
     assert all(v == 0 for v, m in zip(traj.token_versions, traj.loss_mask, strict=True) if m)
     assert all(lp < 0 for lp, m in zip(traj.logprobs, traj.loss_mask, strict=True) if m)
 

@@ -406,7 +406,7 @@ async def test_a_damaged_checkpoint_falls_back_to_the_one_before(
 
 
 async def test_a_run_rides_through_a_weight_store_restart(infra, tmp_path, tiny_model):
-    """The weight-store is SIGKILLed mid-run and comes back 3 s later on the same address:
+    """The weight-store is SIGKILLed mid-run and comes back 8 s later on the same address:
     the run's failed publish is an infrastructure error, so the trainer resumes the run from
     its last checkpoint (backoff) instead of failing it, and the ledger stays exact."""
     run = f"wsdown-{uuid.uuid4().hex[:6]}"
@@ -432,7 +432,7 @@ async def test_a_run_rides_through_a_weight_store_restart(infra, tmp_path, tiny_
         os.kill(store_proc.proc.pid, signal.SIGKILL)
         store_proc.proc.wait(timeout=10)
         rollout.release(GROUPS_PER_STEP)  # step 3 trains; its publish finds no store
-        await asyncio.sleep(3.0)
+        await asyncio.sleep(8.0)  # longer than the publish's own retries
         store_proc = start_service("weight-store", infra, tmp_path / "ws", **ports)
         rollout.release(100)
         final = await wait_run(

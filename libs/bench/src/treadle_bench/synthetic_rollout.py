@@ -22,6 +22,8 @@ from treadle_common.clients.weights import WeightStoreClient
 from treadle_common.proto.treadle.v1 import task_pb2
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
 
+KEEP = 1024
+
 
 class SyntheticRollout:
     def __init__(
@@ -42,6 +44,7 @@ class SyntheticRollout:
         self.rng = random.Random(seed)
         self.allowed = asyncio.Semaphore(0) if gated else None
         self.produced: list[str] = []
+        self.first: list[tpb.Trajectory] = []  # the first KEEP produced (streams get trimmed)
         self.version = 0
         self.groups = 0
         self.limit = limit
@@ -103,4 +106,5 @@ class SyntheticRollout:
                     pipe.xack(tasks, names.ROLLOUT_GROUP, entry_id)
                     await pipe.execute()
                 self.produced += [t.trajectory_id for t in trajs]
+                self.first += trajs[: max(0, KEEP - len(self.first))]
                 self.groups += 1

@@ -30,7 +30,6 @@ from transformers import AutoModelForCausalLM
 from treadle_bench.harness import free_port, infra_with_weight_store, start_service
 from treadle_bench.synthetic_rollout import SyntheticRollout
 from treadle_cli.tiny_model import init_tiny
-from treadle_common import names
 from treadle_common.clients.weights import WeightStoreClient
 from treadle_common.logs import configure_logging
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
@@ -141,10 +140,7 @@ async def _service(http, redis_url, store_addr, recipe, prompt_len, completion_l
         finally:
             producer.cancel()
     needed = recipe["trainer"]["tasks_per_step"] * recipe["rollout"]["group_size"]
-    entries: list[tuple[bytes, dict[bytes, bytes]]] = await r.xrange(  # type: ignore[assignment]
-        names.trajectories_stream("bench"), count=needed
-    )
-    batch = [tpb.Trajectory.FromString(f[names.STREAM_FIELD.encode()]) for _, f in entries]
+    batch = rollout.first[:needed]  # the run trimmed its stream: what the rollout kept
     await store.close()
     await r.aclose()
     return status, batch, quiet_from or status["step"]
