@@ -1,7 +1,7 @@
 """`treadle bench ...`: added to the `treadle` command through the `treadle.commands`
 entry-point group (see `treadle_cli.cli.add_plugins`).
 
-treadle bench weights|env|reward|rollout|trainer|e2e|learn|step [--json]
+treadle bench weights|env|reward|rollout|trainer|e2e|learn|step|chaos [--json]
     our path vs a baseline, or learning per seed, as JSON
 """
 
@@ -142,4 +142,23 @@ def bench_step(
     from treadle_bench import step
 
     result = step.run(steps, recipe, overrides)
+    print(json.dumps(result, indent=None if as_json else 2))
+
+
+@app.command("chaos")
+def bench_chaos(
+    recipe: Annotated[Path, typer.Option(help="An async recipe")] = Path("recipes/chaos.yaml"),
+    steps: Annotated[int | None, typer.Option(help="Override trainer.num_steps")] = None,
+    overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a.b=c")] = None,
+    baseline: Annotated[
+        bool, typer.Option("--baseline/--no-baseline", help="Also run it without faults")
+    ] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
+) -> None:
+    """An async run while every service is SIGKILLed, Redis and NATS restart and a second
+    trainer takes the run over: completed, nothing lost or trained twice (from the ledger),
+    and the slowdown against the same run without faults."""
+    from treadle_bench import chaos
+
+    result = chaos.run(steps, recipe, overrides, baseline)
     print(json.dumps(result, indent=None if as_json else 2))

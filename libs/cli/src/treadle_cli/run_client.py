@@ -17,11 +17,15 @@ exactly-once accounting does not add up, or when `eval.min_improvement` (start -
 from __future__ import annotations
 
 import asyncio
+import functools
+import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
+import httpx
 from pydantic import Field
 from rich.console import Console
 from rich.live import Live
@@ -41,6 +45,8 @@ from treadle_common.clients.weights import WeightStoreClient
 from treadle_common.config import RunConfig, dump_resolved
 from treadle_common.evaluation import held_out_tasks
 from treadle_common.weights_export import export_hf
+
+T = TypeVar("T")
 
 
 class RunSummary(EvalSummary):
@@ -72,6 +78,47 @@ class RunSummary(EvalSummary):
     mean_reward_per_step: list[float]
     final_model_dir: str | None = None
     plot: str | None = None
+    reconnects: int = Field(
+        0, description="Times `treadle run` lost a service (restarting, run moved) and got back"
+    )
+
+
+class Unreachable(RuntimeError):
+    """A service did not answer for `run_reconnect_s`."""
+
+
+class Reconnect:
+    """Calls to a service that may be restarting or handing its run to another trainer:
+    transport errors and 5xx answers (and a 404 where the caller says the object exists)
+    are retried with jittered backoff, up to `give_up_s` without an answer."""
+
+    def __init__(self, console: Console, give_up_s: float):
+        self.console, self.give_up_s = console, give_up_s
+        self.outages = 0
+
+    def call(self, what: str, fn: Callable[[], T], exists: bool = False) -> T:
+        since: float | None = None
+        delay = 0.5
+        while True:
+            try:
+                result = fn()
+            except (httpx.TransportError, ApiError) as exc:
+                code = exc.status_code if isinstance(exc, ApiError) else None
+                if code is not None and code < 500 and not (exists and code == 404):
+                    raise
+                now = time.monotonic()
+                if since is None:
+                    since = now
+                    self.outages += 1
+                    self.console.print(f"[yellow]{what}: {exc}; reconnecting[/yellow]")
+                if now - since > self.give_up_s:
+                    raise Unreachable(f"{what}: no answer for {now - since:.0f}s: {exc}") from exc
+                time.sleep(delay * random.uniform(0.5, 1.0))
+                delay = min(delay * 2, 5.0)
+                continue
+            if since is not None:
+                self.console.print(f"{what}: back after {time.monotonic() - since:.1f}s")
+            return result
 
 
 @dataclass(frozen=True)
@@ -88,6 +135,7 @@ class RunClient:
         self.settings = settings
         self.console = console
         self.state_dir = settings.state_dir.resolve()
+        self.reconnect = Reconnect(console, settings.run_reconnect_s)
 
     def execute(self, health_timeout_s: float) -> int:
         cfg = self.config
@@ -164,7 +212,7 @@ class RunClient:
         urls = self._urls()
         self.trainer = TrainerClient(urls.trainer, stack.http())
         self.rollout = RolloutClient(urls.rollout, stack.http())
-        info = self.rollout.info()
+        info = self.reconnect.call("rollout", self.rollout.info)
         if info.model != cfg.model.name or Path(info.model_dir) != cfg.model.path:
             self.console.print(
                 f"[red]rollout serves {info.model} from {info.model_dir}[/red]; "
@@ -177,17 +225,28 @@ class RunClient:
         held_out = asyncio.run(self._prepare(report))
         dump_resolved(cfg, out_dir / "config.yaml")  # with the warm-up's init_version
         try:
-            run = self.trainer.start_run(cfg)
+            run = self._start_run()
         except ApiError as exc:
             self.console.print(f"[red]trainer refused the run ({exc.status_code})[/red]: {exc}")
             return 1
         steps = run.steps
         evaluated = 0
+        lost_contact: str | None = None
         with Live(self._table(run, report), console=self.console, refresh_per_second=2) as live:
             while not run.finished:
                 time.sleep(0.5)
-                # only the records not seen yet: a long run's answer stays small
-                run = self.trainer.get_run(cfg.run_id, steps_from=len(steps))
+                # only the records not seen yet: a long run's answer stays small. Any trainer
+                # answers for the run, its owner or not: the client rides through restarts.
+                try:
+                    run = self.reconnect.call(
+                        "trainer",
+                        functools.partial(self.trainer.get_run, cfg.run_id, len(steps)),
+                        exists=True,
+                    )
+                except Unreachable as exc:
+                    lost_contact = str(exc)
+                    run.steps = steps
+                    break
                 for record in run.steps:
                     report.add(StepRow(**record.model_dump()), at=record.finished_at or None)
                 steps += run.steps
@@ -201,25 +260,64 @@ class RunClient:
                         try:
                             self._evaluate(held_out, f"step {evaluated}", step.version, report)
                         finally:  # a sync run waits there until told
-                            self.trainer.evaluation_done(cfg.run_id, evaluated)
+                            self._evaluation_done(evaluated)
                 live.update(self._table(run, report))
         summary = self._summary(run)
+        if lost_contact is not None:
+            summary.error = f"treadle run lost contact with the trainer: {lost_contact}"
         last = summary.rollout_policy_version
-        if held_out:
-            self._evaluate(held_out, "end", last, report)
-            summary = summary.model_copy(update=report.eval_summary().model_dump())
-        if run.state == "succeeded":
-            summary.final_model_dir = str(asyncio.run(self._export(last, out_dir)))
+        ended = False
+        try:
+            if held_out and lost_contact is None:
+                self._evaluate(held_out, "end", last, report)
+                summary = summary.model_copy(update=report.eval_summary().model_dump())
+            if run.state == "succeeded":
+                summary.final_model_dir = str(asyncio.run(self._export(last, out_dir)))
+            ended = True
+        except Exception as exc:  # the summary is written whatever failed
+            summary.error = f"after the run: {type(exc).__name__}: {exc}"
         if report.steps():
             summary.plot = str(report.plot())
+        summary.reconnects = self.reconnect.outages
         (out_dir / "summary.json").write_text(summary.model_dump_json(indent=2))
         self.console.print_json(summary.model_dump_json())
-        ok = run.state == "succeeded" and run.exactly_once and self._improved(report)
+        ok = ended and run.state == "succeeded" and run.exactly_once and self._improved(report)
         self.console.print(
             ("[green]run succeeded[/green]" if ok else "[red]run failed[/red]")
             + f" — outputs in {out_dir}"
         )
         return 0 if ok else 1
+
+    def _start_run(self) -> RunStatus:
+        """Submit the run, retrying while the trainer is away; a 409 after a retry means
+        the first attempt got through: follow that run."""
+        cfg, retried = self.config, False
+
+        def start() -> RunStatus:
+            nonlocal retried
+            try:
+                return self.trainer.start_run(cfg)
+            except httpx.TransportError:
+                retried = True
+                raise
+            except ApiError as exc:
+                if exc.status_code == 409 and retried:
+                    return self.trainer.get_run(cfg.run_id)
+                retried = retried or exc.status_code >= 500
+                raise
+
+        return self.reconnect.call("trainer", start)
+
+    def _evaluation_done(self, step: int) -> None:
+        """Tell the run `step` was evaluated (a sync run holds there); a run that moved to
+        another trainer holds nowhere."""
+        try:
+            self.reconnect.call(
+                "trainer", lambda: self.trainer.evaluation_done(self.config.run_id, step)
+            )
+        except ApiError as exc:
+            if exc.status_code != 409:
+                raise
 
     async def _prepare(self, report: RunReport) -> list[dict]:
         """Held-out tasks, the start evaluation and the SFT warm-up (then evaluation again).
@@ -295,16 +393,15 @@ class RunClient:
         `kind` (`eval` on the held-out set, `sft_val` on the warm-up's validation set)."""
         cfg, options = self.config, self.config.eval.scorer_options
         self._wait_rollout_version(version)
-        result = self.rollout.evaluate(
-            EvaluateRequest(
-                env=cfg.env.name,
-                tasks=tasks,
-                scorer=cfg.eval.scorer or cfg.scorer,
-                scorer_options=cfg.scorer_options if options is None else options,
-                max_turns=cfg.rollout.max_turns,
-                max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.sampling.max_new_tokens,
-            )
+        request = EvaluateRequest(
+            env=cfg.env.name,
+            tasks=tasks,
+            scorer=cfg.eval.scorer or cfg.scorer,
+            scorer_options=cfg.scorer_options if options is None else options,
+            max_turns=cfg.rollout.max_turns,
+            max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.sampling.max_new_tokens,
         )
+        result = self.reconnect.call("rollout", lambda: self.rollout.evaluate(request))
         report.add(
             EvalRow(
                 kind=kind,
@@ -361,8 +458,16 @@ class RunClient:
 
     def _summary(self, run: RunStatus) -> RunSummary:
         last = run.last_version
-        rollout = self._wait_rollout_version(last if last is not None else 0)
-        stored = asyncio.run(self._stored_versions())
+        try:
+            rollout: RolloutInfo | None = self._wait_rollout_version(last or 0)
+        except Unreachable as exc:
+            self.console.print(f"[red]{exc}[/red]")
+            rollout = None
+        try:
+            stored = asyncio.run(self._stored_versions())
+        except Exception as exc:  # the store is away: the summary says so
+            self.console.print(f"[red]weight-store: {exc!r}[/red]")
+            stored = []
         counters = run.model_dump(
             include={
                 "run_id",
@@ -388,8 +493,8 @@ class RunClient:
             exactly_once=run.exactly_once,
             versions_published=run.versions,
             weight_store_versions=stored,
-            rollout_policy_version=rollout.policy_version,
-            rollout_swaps=rollout.swaps,
+            rollout_policy_version=rollout.policy_version if rollout else -1,
+            rollout_swaps=rollout.swaps if rollout else 0,
             mean_reward_per_step=[round(s.mean_reward, 4) for s in run.steps],
         )
 
@@ -403,7 +508,7 @@ class RunClient:
     def _wait_rollout_version(self, version: int, timeout_s: float = 30.0) -> RolloutInfo:
         deadline = time.monotonic() + timeout_s
         while True:
-            info = self.rollout.info()
+            info = self.reconnect.call("rollout", self.rollout.info)
             if info.policy_version >= version or time.monotonic() > deadline:
                 return info
             time.sleep(0.2)

@@ -19,6 +19,13 @@ class CliSettings(Settings):
     )
     rollout_url: str | None = Field(None, description="... and rollout's HTTP URL")
     weight_store_url: str | None = Field(None, description="... and the weight-store's HTTP URL")
+    run_reconnect_s: float = Field(
+        900.0,
+        gt=0,
+        description="`treadle run`: how long it keeps reconnecting to a trainer or rollout "
+        "that does not answer (restarting, moved) before it gives up, writes the summary it "
+        "has and exits 1",
+    )
 
 
 def get_settings() -> CliSettings:

@@ -66,7 +66,18 @@ def run_keys(run: str) -> list[str]:
     `treadle runs gc` deletes them)."""
     keys = [tasks_stream(run), trajectories_stream(run), run_state(run), run_config(run)]
     keys += [fed_tasks(run), ledger_stream(run), dead_letters(run), task_errors(run)]
-    return [*keys, run_fence(run), f"treadle:{run}:admitted"]
+    return [*keys, run_fence(run), run_status(run), run_steps(run), f"treadle:{run}:admitted"]
+
+
+def run_status(run: str) -> str:
+    """The run's `RunStatus` as JSON, without step records: written by its owner every step,
+    so any trainer answers `GET /v1/runs/{id}` for it (the owner may have died or moved)."""
+    return f"treadle:{run}:status"
+
+
+def run_steps(run: str) -> str:
+    """Hash: step number -> that step's record (JSON), written with `run_status`."""
+    return f"treadle:{run}:steps"
 
 
 def run_fence(run: str) -> str:

@@ -95,6 +95,7 @@ class TaskWorker:
         self.lost_tasks = 0  # reclaimed by another replica while this one worked on them
         self.admission_waits = 0
         self._groups: set[str] = set()
+        self._resumed: set[str] = set()  # streams whose own pending entries were taken back
         self.on_task_done: Callable[[], None] = lambda: None
 
     async def active_streams(self) -> list[str]:
@@ -130,6 +131,9 @@ class TaskWorker:
             return
         entries = []
         for stream in stream_keys:
+            if stream not in self._resumed:  # once per stream and process: our past life's
+                entries += await self._resume_own(stream)
+                self._resumed.add(stream)
             entries += await self._reclaim(stream)
         await self.slots.acquire()
         self.slots.release()
@@ -147,6 +151,24 @@ class TaskWorker:
             job = asyncio.create_task(self._run_task(stream, entry_id, task))
             self.in_flight.add(job)
             job.add_done_callback(self.in_flight.discard)
+
+    async def _resume_own(self, stream: str) -> list:
+        """Tasks still pending for this consumer name when the process starts were left by
+        its previous life (a replica restarted under the same `TREADLE_INSTANCE`): taken
+        back at once instead of after `reclaim_idle_ms`."""
+        out = []
+        for entry in await streams.pending_own(
+            self.r, stream, names.ROLLOUT_GROUP, self.consumer, task_pb2.Task
+        ):
+            _, entry_id, task = entry
+            count = await streams.deliveries(self.r, stream, names.ROLLOUT_GROUP, entry_id)
+            if count > self.max_deliveries:
+                await self._dead_letter(stream, entry_id, task, "max_deliveries", count)
+            else:
+                out.append(entry)
+        if out:
+            log.info("resuming this replica's unfinished tasks", stream=stream, tasks=len(out))
+        return out
 
     async def _reclaim(self, stream: str) -> list:
         """Tasks whose replica stopped heartbeating them; those delivered more than

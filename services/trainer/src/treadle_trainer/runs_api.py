@@ -24,7 +24,7 @@ import time
 from fastapi import FastAPI, HTTPException, Query
 
 from treadle_common import names
-from treadle_common.api.runs import Backlog, EvaluationDone, RunStatus
+from treadle_common.api.runs import Backlog, EvaluationDone, RunState, RunStatus, StepRecord
 from treadle_common.clients import streams
 from treadle_common.clients.env import EnvClient
 from treadle_common.clients.weights import WeightStoreClient
@@ -37,6 +37,8 @@ from treadle_trainer.run.lease import Lease
 from treadle_trainer.settings import TrainerSettings
 
 log = get_logger(__name__)
+MOVED: tuple[RunState, ...] = ("handed_off", "lost")
+"""A local owner in these states no longer runs the run: another trainer does."""
 
 
 class Runs:
@@ -157,13 +159,15 @@ class Runs:
                 "retrying",
             ):
                 continue  # ours (a handed-off or lost one may come back to us)
-            if await redis.exists(names.run_owner(run)):
-                continue
+            held = await redis.get(names.run_owner(run))
+            mine = held is not None and streams.text(held).startswith(f"{self.settings.instance}#")
+            if held is not None and not mine:
+                continue  # another trainer's, alive
             raw = await redis.get(names.run_config(run))
             if raw is None:
                 continue
             lease = self._lease(run)
-            if not await lease.acquire():
+            if not await (lease.reclaim_own() if mine else lease.acquire()):
                 continue
             log.info("resuming run", run=run)
             self._launch(RunConfig.model_validate_json(raw), lease)
@@ -195,6 +199,24 @@ class Runs:
             )
         self._launch(config, lease)
         return self.owners[config.run_id].status
+
+    async def stored_status(self, run_id: str, steps_from: int = 0) -> RunStatus:
+        """The run's status as its owner last wrote it to Redis; 404 if there is none, 503
+        if Redis cannot be read."""
+        r = self.runtime.redis
+        try:
+            raw = await r.get(names.run_status(run_id))
+            if raw is None:
+                raise HTTPException(404, f"no run {run_id}")
+            status = RunStatus.model_validate_json(raw)
+            fields = [str(s) for s in range(steps_from + 1, status.step + 1)]
+            records = await r.hmget(names.run_steps(run_id), fields) if fields else []
+        except HTTPException:
+            raise
+        except Exception as exc:
+            raise HTTPException(503, f"run {run_id}: its state cannot be read: {exc!r}") from exc
+        status.steps = [StepRecord.model_validate_json(r) for r in records if r is not None]
+        return status
 
     async def backlog(self) -> Backlog:
         r = self.runtime.redis
@@ -233,14 +255,22 @@ class Runs:
                 "asks for the ones it has not seen: the answer stays small in a long run)",
             ),
         ) -> RunStatus:
-            status = self._owner(run_id).status
-            if not steps_from:
-                return status
-            return status.model_copy(update={"steps": status.steps[steps_from:]})
+            """Any trainer answers for any run: the owner from memory, the others from the
+            status its owner keeps in Redis (so a client rides through the owner's restart
+            or a handoff to another trainer)."""
+            owner = self.owners.get(run_id)
+            if owner is not None and owner.status.state not in MOVED:
+                status = owner.status
+                if not steps_from:
+                    return status
+                return status.model_copy(update={"steps": status.steps[steps_from:]})
+            return await self.stored_status(run_id, steps_from)
 
         @app.post("/v1/runs/{run_id}/evaluations", tags=["runs"])
         async def evaluated(run_id: str, report: EvaluationDone) -> RunStatus:
             """The client evaluated the weights of `step`: a sync run holding there goes on."""
             owner = self._owner(run_id)
+            if owner.status.state in MOVED:
+                raise HTTPException(409, f"run {run_id} moved to another trainer")
             await owner.holds.mark_evaluated(report.step)
             return owner.status

@@ -57,6 +57,9 @@ class RunStatus(BaseModel):
     run_id: str
     state: RunState = "pending"
     error: str | None = None
+    owner: str | None = Field(
+        None, description="The trainer instance that owns the run now (its lease's holder)"
+    )
     step: int = 0
     checkpoint_step: int = 0
     resumed: int = Field(0, description="Times this run was restored from a checkpoint")

@@ -1,16 +1,21 @@
 """Reward client: NATS request-reply to `treadle.reward.{scorer}` (queue group `reward`).
 
 Failures come back as a `ScoreResult` with status TIMEOUT/ERROR and a message, never as a
-silent reward of 0. With `batch=True`, the `score` calls made in the same event-loop turn go
+silent reward of 0. While no replica answers (restarting), a request is retried with backoff
+within its timeout. With `batch=True`, the `score` calls made in the same event-loop turn go
 as one `treadle.reward._batch` message (see `coalesce.py`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import random
+import time
 import uuid
 from collections.abc import Hashable
 
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
@@ -32,6 +37,23 @@ class RewardClient:
             if not future.done():
                 future.set_result(result)
 
+    async def _request(self, subject: str, data: bytes) -> Msg:
+        """Request-reply within `timeout_s`; while no replica listens (all restarting, or
+        resubscribing after a NATS restart) it asks again with backoff until the time is up."""
+        deadline = time.monotonic() + self.timeout_s
+        delay = 0.1
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return await self.nc.request(
+                    subject, data, timeout=max(left, 0.01), headers=tracing.nats_headers()
+                )
+            except NoRespondersError:
+                if left < delay:
+                    raise
+                await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+                delay = min(delay * 2, 2.0)
+
     async def score(self, request: pb.ScoreRequest) -> pb.ScoreResult:
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
@@ -40,12 +62,7 @@ class RewardClient:
             return await self._batches.submit(None, request)
         subject = names.reward_subject(request.scorer)
         try:
-            reply = await self.nc.request(
-                subject,
-                request.SerializeToString(),
-                timeout=self.timeout_s,
-                headers=tracing.nats_headers(),
-            )
+            reply = await self._request(subject, request.SerializeToString())
         except NoRespondersError:
             return _failed(request, pb.SCORE_STATUS_ERROR, f"no reward replica serves {subject}")
         except NatsTimeout:
@@ -60,12 +77,7 @@ class RewardClient:
         """Many requests in one message (`treadle.reward._batch`); results in request order."""
         batch = pb.ScoreBatchRequest(requests=requests)
         try:
-            reply = await self.nc.request(
-                names.REWARD_BATCH_SUBJECT,
-                batch.SerializeToString(),
-                timeout=self.timeout_s,
-                headers=tracing.nats_headers(),
-            )
+            reply = await self._request(names.REWARD_BATCH_SUBJECT, batch.SerializeToString())
         except (NoRespondersError, NatsTimeout) as exc:
             return [
                 _failed(r, pb.SCORE_STATUS_ERROR, f"batch scoring failed: {type(exc).__name__}")

@@ -1,7 +1,9 @@
 """Run ownership: a fenced lease, so two trainers can never both train one run.
 
     treadle:{run}:fence  INCR -> a fencing token, never reused
-    treadle:{run}:owner  "{instance}#{token}", SET NX PX lease_ms (create or take over)
+    treadle:{run}:owner  "{instance}#{token}", SET NX PX lease_ms (create or take over);
+                         a restarted trainer with the same instance name takes its dead
+                         self's lease back at once (`reclaim_own`)
 
 The owner renews the lease with compare-and-PEXPIRE (Lua) every lease / 3 and releases it
 with compare-and-DEL. Every write that moves the run on (feeding tasks, reading its
@@ -25,6 +27,14 @@ from treadle_common.clients import streams
 _RENEW = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
+"""
+_RECLAIM = """
+local held = redis.call('GET', KEYS[1])
+if held and string.sub(held, 1, string.len(ARGV[1])) == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
   return 1
 end
 return 0
@@ -54,6 +64,20 @@ class Lease:
         token = int(await self.r.incr(names.run_fence(self.run_id)))
         value = f"{self.instance}#{token}"
         if not await self.r.set(self.key, value, px=self.lease_ms, nx=True):
+            return False
+        self.value, self.token = value, token
+        await self.r.hset(names.run_state(self.run_id), "owner", value)
+        return True
+
+    async def reclaim_own(self) -> bool:
+        """Take the run back from this instance's previous life: a trainer restarted under
+        the same `TREADLE_INSTANCE` (the supervisor, a StatefulSet) finds its dead self's
+        lease and need not wait for it to lapse. Instance names must be unique among live
+        trainers (the default, host-pid, is)."""
+        token = int(await self.r.incr(names.run_fence(self.run_id)))
+        value = f"{self.instance}#{token}"
+        prefix = f"{self.instance}#"
+        if not await self.r.eval(_RECLAIM, 1, self.key, prefix, value, self.lease_ms):
             return False
         self.value, self.token = value, token
         await self.r.hset(names.run_state(self.run_id), "owner", value)

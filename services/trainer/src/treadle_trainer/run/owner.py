@@ -121,6 +121,7 @@ class RunOwner:
         self.lost = False  # another trainer took the run over (set by whoever renews the lease)
         self.handing_off = False
         self._rolled_back = 0
+        self._steps_saved = 0  # status.steps[:this] are in Redis (run_steps)
         self._kept: list[Path] = []  # committed checkpoints kept, newest first
         self.status = RunStatus(run_id=config.run_id)
         self.backend: TorchBackend | None = None
@@ -173,9 +174,11 @@ class RunOwner:
         (nothing is marked in Redis; the caller resumes it from its last checkpoint with a
         new owner) unless this is the `last_attempt`."""
         self.status.state = "running"
+        self.status.owner = self.lease.value
         outcome: RunState = "failed"
         try:
             await self.r.hset(names.run_state(self.config.run_id), "state", "running")
+            await self._save_status()
             await self._execute()
             finished = self.status.step >= self.config.trainer.num_steps
             outcome = "succeeded" if finished else "handed_off"
@@ -209,9 +212,12 @@ class RunOwner:
         run = self.config.run_id
         await self._final_counts()  # before the final state: readers see complete counts
 
+        self.status.state = outcome
+
         async def final(pipe) -> None:
             pipe.srem(names.RUNS_KEY, run)
             pipe.hset(names.run_state(run), "state", outcome)
+            self._queue_status(pipe)
             await retention.expire_run(pipe, run, self.retention_s)
 
         try:
@@ -220,6 +226,31 @@ class RunOwner:
             log.warning("run ended elsewhere meanwhile", run=run, error=str(exc))
             return "lost"
         return outcome
+
+    # --- the status any trainer can answer for ----------------------------------------------------
+    def _queue_status(self, pipe: aioredis.client.Pipeline) -> None:
+        """Queue the status (without step records) and the step records not written yet."""
+        run = self.config.run_id
+        new = self.status.steps[self._steps_saved :]
+        if new:
+            pipe.hset(names.run_steps(run), mapping={str(r.step): r.model_dump_json() for r in new})
+        pipe.set(names.run_status(run), self.status.model_dump_json(exclude={"steps"}))
+
+    async def _save_status(self) -> None:
+        """Write the status for `GET /v1/runs/{id}` on any trainer; fenced (a stale owner's
+        write is refused and it stops); a Redis error only skips this write."""
+
+        def queue(pipe: aioredis.client.Pipeline) -> None:
+            self._queue_status(pipe)
+
+        try:
+            await self.lease.transaction(queue)
+        except Fenced:
+            raise
+        except Exception as exc:
+            log.warning("saving the run's status failed", run=self.config.run_id, error=repr(exc))
+            return
+        self._steps_saved = len(self.status.steps)
 
     # --- setup and restore -----------------------------------------------------------------------
     async def _execute(self) -> None:
@@ -278,6 +309,7 @@ class RunOwner:
                     await feeding
             if self.versions.publishes(step):
                 served = version
+            await self._save_status()
             if step % t.checkpoint_every == 0 and step < t.num_steps:
                 await self._checkpoint(version)
             await self.holds.wait(step)
@@ -324,8 +356,10 @@ class RunOwner:
         restored = RunStatus.model_validate(meta["run"])
         restored.tasks_fed, restored.state = self.status.tasks_fed, "running"
         restored.resumed += 1
+        restored.owner = self.lease.value
         for name in RunStatus.model_fields:  # in place: every part holds this status
             setattr(self.status, name, getattr(restored, name))
+        self._steps_saved = len(self.status.steps)  # the previous owner wrote these
         self.collector.seen = set(meta["seen"])
         if path != committed:
             await self._roll_back(restored.step, int(meta["version"]))
