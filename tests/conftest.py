@@ -6,8 +6,9 @@ the fixture, on a free port, with its data in a temporary directory, and stopped
 
 from __future__ import annotations
 
+import contextlib
 import os
-import socket
+import signal
 import subprocess
 import sys
 import time
@@ -18,28 +19,25 @@ from pathlib import Path
 import httpx
 import pytest
 
-from treadle_cli.infra import Infra, free_port_range, terminate
+from treadle_cli.infra import Infra, free_port_range
 from treadle_common.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+TRACEBACK = "Traceback (most recent call last)"
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def free_ports(n: int) -> list[int]:
-    """`n` distinct free ports (all held open while choosing, so none repeats)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
+    """`n` consecutive free ports below the kernel's ephemeral range (`free_port_range`): no
+    outgoing connection can take one between this check and the server binding it, which
+    binding port 0 and releasing it (an ephemeral port) could not promise."""
+    base = free_port_range(n)
+    return list(range(base, base + n))
 
 
 @dataclass
@@ -80,9 +78,37 @@ class ServiceProc:
     grpc_addr: str | None
     log: Path
 
-    def stop(self) -> int:
-        terminate(self.proc.pid, timeout_s=20)
-        return self.proc.wait(timeout=5)
+    def stop(self, timeout_s: float = 20.0) -> int:
+        """SIGTERM (the service drains and exits), SIGKILL after `timeout_s`; its real exit
+        status (Popen reaps it: 0 is a clean drain, -9 a kill)."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        return self.proc.returncode
+
+    def tracebacks(self) -> int:
+        """Python tracebacks in the service's log (an exception nobody handled or expected)."""
+        return self.log.read_text(errors="replace").count(TRACEBACK)
+
+    def stop_checked(self, allow_tracebacks: bool = False) -> None:
+        """Stop it and fail the test if it crashed while draining (a non-zero exit of a
+        service still running at teardown) or logged a traceback."""
+        running = self.proc.poll() is None
+        code = self.stop()
+        problems = []
+        if running and code != 0:
+            problems.append(f"exited {code} on SIGTERM")
+        if not allow_tracebacks and (n := self.tracebacks()):
+            problems.append(f"logged {n} traceback(s)")
+        if problems:
+            tail = self.log.read_text(errors="replace")[-4000:]
+            pytest.fail(f"{self.name}: {'; '.join(problems)}; log {self.log}:\n{tail}")
 
 
 def start_service(name: str, infra: InfraUrls, tmp: Path, **env: str) -> ServiceProc:
@@ -133,7 +159,7 @@ def wait_ready(svc: ServiceProc, timeout_s: float = 90.0) -> None:
 
 
 @pytest.fixture
-def service(infra, tmp_path):
+def service(infra, tmp_path, request):
     """Factory: `service("reward")` starts a real service process; all stop at teardown."""
     started: list[ServiceProc] = []
 
@@ -143,8 +169,9 @@ def service(infra, tmp_path):
         return svc
 
     yield start
+    allow = request.node.get_closest_marker("allow_tracebacks") is not None
     for svc in reversed(started):
-        svc.stop()
+        svc.stop_checked(allow_tracebacks=allow)
 
 
 @dataclass

@@ -46,7 +46,7 @@ def gateway(infra, tmp_path_factory):
         PYTHONPATH=f"{plugins}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
     )
     yield svc
-    svc.stop()
+    svc.stop_checked()
 
 
 async def play(

@@ -32,7 +32,7 @@ def weight_store(infra, tmp_path):
     (tmp_path / "ws").mkdir()
     svc = start_service("weight-store", infra, tmp_path / "ws")
     yield svc
-    svc.stop()
+    svc.stop_checked()
 
 
 def start_trainer(infra, tmp_path, weight_store: ServiceProc) -> ServiceProc:

@@ -1,6 +1,8 @@
 """The weight-store service as a real process, on both backends (local disk and S3)."""
 
 import asyncio
+import os
+import signal
 
 import grpc
 import httpx
@@ -53,7 +55,12 @@ async def test_publish_fetch_delta_and_announce_to_a_late_subscriber(
     )
     assert second.version == 2 and second.bytes_received == 4000  # only the changed tensor travels
 
-    # a replica that starts late learns the latest version from JetStream
+    # a version is announced once it is durable; then a replica that starts late learns the
+    # latest version from JetStream
+    for _ in range(200):
+        if all(v.durable for v in await client.list_versions("m")):
+            break
+        await asyncio.sleep(0.05)
     nc = await nats.connect(infra.nats_url)
     announced: list[int] = []
 
@@ -360,3 +367,34 @@ async def test_fanout_reads_each_chunk_once_from_the_backend(service, weight_sto
     assert counts.get("hit", 0) + counts.get("shared", 0) == 28
     for c in clients:
         await c.close()
+
+
+async def test_version_numbers_are_never_reused_after_a_crash(service, weight_store_env):
+    """Numbers come from a durable reservation: after a SIGKILL, the next auto-numbered
+    version is past every number the dead store may have handed out (here the latest,
+    deleted before the crash, as a version lost with it would be); after a clean shutdown
+    the numbering goes on exactly."""
+    ws = service("weight-store", **weight_store_env)
+    ports = {"TREADLE_HTTP_PORT": ws.http.rsplit(":", 1)[1]}
+    ports["TREADLE_GRPC_PORT"] = (ws.grpc_addr or "").rsplit(":", 1)[1]
+    client = WeightStoreClient(ws.grpc_addr)
+    for seed in range(3):
+        await client.publish("m", state_dict_to_raw(state(seed)))
+    await client.delete_version("m", 3)
+    assert [v.version for v in await client.list_versions("m")] == [1, 2]
+    await client.close()
+    os.killpg(ws.proc.pid, signal.SIGKILL)
+    assert ws.proc.wait(timeout=10) == -signal.SIGKILL
+
+    ws = service("weight-store", **weight_store_env, **ports)
+    client = WeightStoreClient(ws.grpc_addr)
+    after_crash = await client.publish("m", state_dict_to_raw(state(7)))
+    assert after_crash.version > 3  # not 3 again: a replica may have held the old 3
+    await client.close()
+    assert ws.stop() == 0  # SIGTERM: the exact next number is written back
+
+    ws = service("weight-store", **weight_store_env, **ports)
+    client = WeightStoreClient(ws.grpc_addr)
+    after_restart = await client.publish("m", state_dict_to_raw(state(8)))
+    assert after_restart.version == after_crash.version + 1
+    await client.close()

@@ -130,10 +130,17 @@ class ChaosMonkey:
         os.killpg(pid, sig)
         return f"{sig.name} pid {pid}"
 
-    def _mid(self, service: str, stage: str) -> Callable[[], str]:
+    def _mid(self, service: str, stage: str, fallback: str = "generate") -> Callable[[], str]:
+        """Kill `service` while its `stage` has work; a stage too quick to be caught busy
+        (exact-match scoring takes microseconds) falls back to: while rollout's episodes
+        run (their scoring requests then find it dead)."""
+
         def fault() -> str:
-            caught = self._wait(self._busy(service, stage), 20.0)
-            return self._kill(service) + ("" if caught else f" ({stage} idle)")
+            if self._wait(self._busy(service, stage), 10.0):
+                return self._kill(service) + f" ({stage} in progress)"
+            busy = self._wait(self._busy("rollout", fallback), 10.0)
+            where = "rollout episodes in flight" if busy else "idle"
+            return self._kill(service) + f" ({stage} not caught busy; {where})"
 
         return fault
 

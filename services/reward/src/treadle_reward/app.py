@@ -6,6 +6,7 @@ people  --POST /v1/score--------------------------> ScoringService.score
 
 from __future__ import annotations
 
+from treadle_common import names
 from treadle_common.service import Service, ServiceRuntime
 from treadle_reward import http
 from treadle_reward.scorers import registry
@@ -27,7 +28,17 @@ async def build(settings: RewardSettings) -> Service:
 
     http.mount(runtime.app, scoring)
 
-    async def subscribe() -> None:
-        await scoring.subscribe(await runtime.wait_nats())
+    ping = "treadle.reward._ping." + settings.instance.replace(".", "_").replace(" ", "_")
 
+    async def subscribe() -> None:
+        await scoring.subscribe(await runtime.wait_nats(), ping)
+
+    async def serving() -> None:
+        """Ready means able to serve: subscribed, and NATS routes a request to this replica
+        (after a NATS restart, once the client has resubscribed)."""
+        if not scoring.subscribed or runtime.nats is None:
+            raise RuntimeError(f"not subscribed to {names.REWARD_WILDCARD} yet")
+        await runtime.nats.request(ping, b"", timeout=1.0)
+
+    runtime.add_check("subscription", serving)
     return Service(runtime, loops=[subscribe])

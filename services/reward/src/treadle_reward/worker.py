@@ -61,6 +61,7 @@ class ScoringService:
         self.slots = {name: asyncio.Semaphore(max_concurrency) for name in scorers}
         self.cache: OrderedDict[bytes, pb.ScoreResult] = OrderedDict()
         self.cache_size = cache_size
+        self.subscribed = False
 
     def _cache_key(self, request: pb.ScoreRequest) -> bytes:
         fields = (
@@ -190,6 +191,15 @@ class ScoringService:
             span.set_attribute("treadle.status", pb.ScoreStatus.Name(result.status))
         await msg.respond(result.SerializeToString())
 
-    async def subscribe(self, nc: NATS) -> None:
+    async def subscribe(self, nc: NATS, ping_subject: str | None = None) -> None:
+        """Serve the scorers' subjects (queue group); answer `ping_subject` (this replica's
+        own, for its readiness check: the server routes requests to it)."""
         await nc.subscribe(names.REWARD_WILDCARD, queue=names.REWARD_QUEUE, cb=self.handle)
+        if ping_subject is not None:
+
+            async def pong(msg: Msg) -> None:
+                await msg.respond(b"pong")
+
+            await nc.subscribe(ping_subject, cb=pong)
+        self.subscribed = True
         log.info("scoring", subject=names.REWARD_WILDCARD, scorers=sorted(self.scorers))

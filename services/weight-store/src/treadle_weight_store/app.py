@@ -69,7 +69,7 @@ async def build(settings: WeightStoreSettings) -> Service:
 
     servicer = WeightStoreServicer(store, announce)
     add_to_server(servicer, runtime.make_grpc_server())
-    runtime.on_drain(store.flush)  # SIGTERM: versions written behind reach the backend first
+    runtime.on_drain(servicer.drain)  # SIGTERM: versions written behind reach the backend
     runtime.set_info(
         lambda: {
             "grpc": grpc_addr,

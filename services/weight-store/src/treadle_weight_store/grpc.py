@@ -4,8 +4,9 @@ Publish is resumable: chunks are stored as they arrive, so after a broken stream
 asks `MissingChunks` again and sends only the rest; nothing is visible until the manifest
 commits. Fetch is resumable the same way (the client lists what it already received in
 `have`). Both are back-pressured by gRPC flow control; fetch reads ahead a few chunks so the
-backend and the network overlap. On commit the version is announced on JetStream
-`treadle.weights.{model}` so late replicas learn the latest version.
+backend and the network overlap. Once a committed version is durable (in the backend: a
+crash of the store cannot lose it) it is announced on JetStream `treadle.weights.{model}`,
+so late replicas learn the latest version and no replica hears of a version that may vanish.
 """
 
 from __future__ import annotations
@@ -110,6 +111,15 @@ class WeightStoreServicer(weights_pb2_grpc.WeightStoreServicer):
         self.announce = announce
         self._collector: asyncio.Task | None = None
         self._collect_wanted = False
+        self._announcing: set[asyncio.Task] = set()
+
+    async def drain(self) -> None:
+        """SIGTERM: versions written behind reach the backend, are announced, and the next
+        version number is written back exactly."""
+        await self.store.flush()
+        if self._announcing:
+            await asyncio.gather(*self._announcing, return_exceptions=True)
+        await self.store.release_reserved()
 
     def _collect_soon(self) -> None:
         """Apply retention and collect freed chunks after a publish, off its path: one
@@ -129,6 +139,18 @@ class WeightStoreServicer(weights_pb2_grpc.WeightStoreServicer):
             except StoreError as exc:
                 log.error("gc after retention failed", error=str(exc))
             await asyncio.sleep(max(0.0, started + GC_MIN_INTERVAL_S - time.monotonic()))
+
+    def _announce_when_durable(self, manifest: pb.WeightManifest) -> None:
+        async def announce() -> None:
+            try:
+                if await self.store.until_durable(manifest.model, manifest.version):
+                    await self.announce(manifest)
+            except Exception as exc:  # rollout's poll for the latest version finds it
+                log.warning("announcing failed", version=manifest.version, error=repr(exc))
+
+        task = asyncio.create_task(announce())
+        self._announcing.add(task)
+        task.add_done_callback(self._announcing.discard)
 
     async def MissingChunks(self, request, context):
         async with _as_status(context, "MissingChunks"):
@@ -157,7 +179,10 @@ class WeightStoreServicer(weights_pb2_grpc.WeightStoreServicer):
                     new_chunks=len(received),
                     durable=self.store.durable(manifest.model, manifest.version),
                 )
-                await self.announce(manifest)
+                if self.store.durable(manifest.model, manifest.version):
+                    await self.announce(manifest)
+                else:  # rollout hears of it once a crash of the store cannot lose it
+                    self._announce_when_durable(manifest)
                 self._collect_soon()  # retire old versions and free their chunks, off this path
                 return pb.PublishResponse(
                     model=manifest.model,

@@ -74,6 +74,8 @@ MAX_CHUNK_BYTES = 16 * 2**20
 PROMISE_S = 300.0  # chunks reported present to a publisher survive GC this long
 MANIFEST_CACHE = 256
 IDEMPOTENCY_WINDOW = 16
+VERSION_BLOCK = 64
+"""Version numbers reserved (durably) at a time: a crash skips at most this many."""
 """Versions a retried publish is looked for among (by its `publish_id`)."""
 
 
@@ -142,6 +144,8 @@ class WeightStore:
         self._dirty: dict[str, bytes] = {}
         self._dirty_bytes = 0
         self._pending: dict[tuple[str, int], pb.WeightManifest] = {}
+        self._reserved: dict[str, int] = {}  # model -> numbers below are reserved durably
+        self._next: dict[str, int] = {}  # model -> the lowest number this life may hand out
         self._failed: dict[str, str] = {}  # chunk -> why its write failed for good
         self._changed = asyncio.Condition()
         self._manifest_lock = asyncio.Lock()
@@ -360,6 +364,49 @@ class WeightStore:
     def durable(self, model: str, version: int) -> bool:
         return (model, version) not in self._pending
 
+    async def until_durable(self, model: str, version: int) -> bool:
+        """Wait until a committed version is in the backend: True; False if it was
+        withdrawn (its writes failed) or deleted meanwhile."""
+        key = (model, version)
+        async with self._changed:
+            await self._changed.wait_for(lambda: key not in self._pending)
+        if key in self._manifests:
+            return True
+        try:
+            await _io(self.backend.get_manifest, model, version)
+        except StoreError:
+            return False
+        return True
+
+    # -- version numbers ----------------------------------------------------------------------
+    async def _number(self, manifest: pb.WeightManifest, versions: list[int]) -> None:
+        """Give an unnumbered (-1) version the next number; never one a previous life of the
+        store may have handed out. Numbers are reserved durably in blocks
+        (`reserved/{model}.json`) before they are used, so after a crash that lost versions
+        not yet durable, the next number is past all of them; a clean shutdown writes back
+        the exact next number (`release_reserved`)."""
+        model = manifest.model
+        if model not in self._reserved:
+            floor = await _io(self.backend.get_reserved, model)
+            self._reserved[model] = floor
+            self._next[model] = max(floor, 1)
+        if manifest.version < 0:
+            latest = versions[-1] + 1 if versions else 1
+            manifest.version = max(self._next[model], latest)
+        if manifest.version >= self._reserved[model]:
+            below = manifest.version + VERSION_BLOCK
+            await _io(self.backend.set_reserved, model, below)
+            self._reserved[model] = below
+        self._next[model] = max(self._next[model], manifest.version + 1)
+
+    async def release_reserved(self) -> None:
+        """On a clean shutdown (after `flush`): the next number is exactly the next one."""
+        for model, nxt in self._next.items():
+            try:
+                await _io(self.backend.set_reserved, model, nxt)
+            except StoreError as exc:
+                log.warning("writing back the next version number failed", error=str(exc))
+
     def dirty_bytes(self) -> int:
         return self._dirty_bytes
 
@@ -475,10 +522,9 @@ class WeightStore:
             done = await self._published_as(manifest, versions)
             if done is not None:
                 return done  # a retry of a publish that committed: the same version
-            if manifest.version < 0:
-                manifest.version = versions[-1] + 1 if versions else 1
-            elif manifest.version in versions:
+            if manifest.version in versions:
                 raise VersionConflict(f"{manifest.model} version {manifest.version} already exists")
+            await self._number(manifest, versions)
             if not manifest.created_at:
                 manifest.created_at = time.time()
             if durable:

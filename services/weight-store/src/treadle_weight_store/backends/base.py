@@ -6,6 +6,8 @@ Layout (same on every backend):
                                          payload), named by the payload's xxh3-128 hex
     manifests/{model}/{version:012d}.pb  WeightManifest protobuf
     pins/{model}.json                    pinned versions
+    reserved/{model}.json                every version number below it may have been handed
+                                         out (by this store or a previous life of it)
 """
 
 from __future__ import annotations
@@ -70,3 +72,11 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def set_pins(self, model: str, pins: set[int]) -> None: ...
+
+    @abc.abstractmethod
+    def get_reserved(self, model: str) -> int:
+        """Version numbers below this may have been handed out (0: none recorded)."""
+
+    @abc.abstractmethod
+    def set_reserved(self, model: str, below: int) -> None:
+        """Record, durably, that numbers below `below` may have been handed out."""

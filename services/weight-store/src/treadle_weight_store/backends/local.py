@@ -20,6 +20,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from treadle_common.durable import fsync
 from treadle_weight_store.backends.base import Backend, chunk_key, manifest_key
 from treadle_weight_store.errors import NotFound, VersionConflict
 
@@ -93,6 +94,7 @@ class LocalBackend(Backend):
             if not self.direct.write(fd, parts):
                 for part in parts:
                     _write_all(fd, memoryview(part))
+            os.fsync(fd)  # the data is on disk before the name points to it
         except BaseException:
             os.unlink(tmp)
             raise
@@ -107,6 +109,7 @@ class LocalBackend(Backend):
         path = self.root / chunk_key(digest)
         if not path.exists():
             os.replace(self._write_temp(path.parent, *parts), path)
+            fsync(path.parent)  # and the name itself, before a manifest names the chunk
 
     def get_chunk(self, digest: str) -> bytes:
         try:
@@ -135,6 +138,7 @@ class LocalBackend(Backend):
             raise VersionConflict(f"{model} version {version} already exists") from exc
         finally:
             os.unlink(tmp)
+        fsync(target.parent)
 
     def get_manifest(self, model: str, version: int) -> bytes:
         try:
@@ -163,3 +167,13 @@ class LocalBackend(Backend):
     def set_pins(self, model: str, pins: set[int]) -> None:
         path = self.root / "pins" / f"{model}.json"
         os.replace(self._write_temp(path.parent, json.dumps(sorted(pins)).encode()), path)
+        fsync(path.parent)
+
+    def get_reserved(self, model: str) -> int:
+        path = self.root / "reserved" / f"{model}.json"
+        return int(json.loads(path.read_text())) if path.exists() else 0
+
+    def set_reserved(self, model: str, below: int) -> None:
+        path = self.root / "reserved" / f"{model}.json"
+        os.replace(self._write_temp(path.parent, json.dumps(below).encode()), path)
+        fsync(path.parent)

@@ -117,3 +117,12 @@ class S3Backend(Backend):
 
     def set_pins(self, model: str, pins: set[int]) -> None:
         self._put(f"pins/{model}.json", json.dumps(sorted(pins)).encode())
+
+    def get_reserved(self, model: str) -> int:
+        try:
+            return int(json.loads(self._get(f"reserved/{model}.json")))
+        except NotFound:
+            return 0
+
+    def set_reserved(self, model: str, below: int) -> None:
+        self._put(f"reserved/{model}.json", json.dumps(below).encode())
