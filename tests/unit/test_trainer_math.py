@@ -289,13 +289,21 @@ async def test_a_wholly_stale_group_does_not_take_a_batch_slot():
             for i in range(2)
         ]
 
+    class Counts:  # the one Redis call collect makes: count an unusable group
+        def __init__(self):
+            self.counts: dict[str, int] = {}
+
+        async def hincrby(self, key, field, by):
+            self.counts[field] = self.counts.get(field, 0) + by
+
     class Scripted(Collector):
         def __init__(self, arrivals: list[list[Entry]]):  # no Redis: a scripted stream
             trainer = SimpleNamespace(batch_timeout_s=0.5)
-            self.config = SimpleNamespace(trainer=trainer)  # type: ignore[assignment]
+            self.config = SimpleNamespace(trainer=trainer, run_id="r")  # type: ignore[assignment]
             self.buffer = GroupBuffer(2)
             self.arrivals = arrivals
             self.stopping = False
+            self.r = Counts()  # type: ignore[assignment]
 
         async def read(self, block_ms):
             for entry in self.arrivals.pop(0) if self.arrivals else []:
@@ -308,8 +316,33 @@ async def test_a_wholly_stale_group_does_not_take_a_batch_slot():
     taken = await collector.collect(2, version=5, max_staleness=1)
     assert [g.group_id for g in taken] == ["old", "a", "older", "b"]
     assert [g.group_id for g in collector.buffer.take_all()] == []  # "c" is not read yet
+    assert collector.r.counts == {"groups_unusable": 2}  # the feeder replaces both
+    # a group whose members are all malformed (env failed before generating) is no better
+    broken = [Entry(f"e-{i}", tpb.Trajectory(group_id="e"), "too_short") for i in range(2)]
+    mixed = Scripted([broken, group("f", 5), group("g", 5)])
+    assert [g.group_id for g in await mixed.collect(2, 5, 1)] == ["e", "f", "g"]
+    assert mixed.r.counts == {"groups_unusable": 1}
     with pytest.raises(TimeoutError, match="only 1/2"):
         await Scripted([group("x", 0), group("d", 5)]).collect(2, version=5, max_staleness=1)
+
+
+def test_a_malformed_member_completes_its_group_and_its_step_drops_it():
+    """An episode that failed before generating (too short to train) still completes its
+    group: the other members are trained, it is dropped with its reason."""
+    from treadle_common.config import TrainerConfig
+    from treadle_trainer.batches import Group
+    from treadle_trainer.run.step import build_batch
+
+    buf = GroupBuffer(group_size=3)
+    buf.add(Entry("0", traj(tid="a", reward=1.0)))
+    broken = tpb.Trajectory(trajectory_id="b", group_id="g", status=tpb.TRAJECTORY_STATUS_ENV_ERROR)
+    buf.add(Entry("1", broken, invalid_reason(broken, vocab_size=8)))
+    buf.add(Entry("2", traj(tid="c", reward=0.0)))
+    [group] = buf.take(1)
+    assert isinstance(group, Group) and len(group.entries) == 3
+    batch = build_batch([group], version=3, max_staleness=0, t=TrainerConfig())
+    assert batch.trained == ["a", "c"] and batch.dropped == {"b": "too_short"}
+    assert batch.entries == ["0", "1", "2"]  # all acked with the step
 
 
 def test_learning_rate_warms_up_linearly_then_holds():

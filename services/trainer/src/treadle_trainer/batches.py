@@ -101,6 +101,10 @@ def is_constant(trajs: Sequence[tpb.Trajectory]) -> bool:
 class Entry:
     entry_id: str
     traj: tpb.Trajectory
+    invalid: str | None = None
+    """Why this member of the group cannot be trained at all (`invalid_reason`: e.g. an
+    episode whose env session failed before it generated anything). It still completes its
+    group, and its step drops it with this reason."""
 
 
 @dataclass

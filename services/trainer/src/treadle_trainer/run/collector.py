@@ -4,8 +4,9 @@
         --> GroupBuffer (complete groups), or a counted drop (invalid, duplicate, not ours)
 
 A step takes `tasks_per_step` complete groups that are not wholly stale; wholly stale groups
-met on the way come along (the step drops them, counted) without taking a trainable one's
-place. Entries stay pending in Redis until a checkpoint acks them (`ledger.py`).
+(and groups with no valid member) met on the way come along (the step drops them, counted)
+without taking a trainable one's place, and the feeder feeds a task for each. Entries stay
+pending in Redis until a checkpoint acks them (`ledger.py`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ from treadle_trainer.run.lease import Lease
 from treadle_trainer.run.ledger import Drops, Ledger, LedgerEntry, LooseDrop
 
 log = get_logger(__name__)
+UNUSABLE = "groups_unusable"
+"""Run-state counter: groups taken that no step could train (wholly stale, or no valid
+member); each is replaced by a newly fed task."""
 
 
 class Stopping(Exception):
@@ -73,18 +77,18 @@ class Collector:
         """Validate one entry read from Redis: into the group buffer, or a counted drop."""
         if isinstance(traj, streams.InvalidEntry):
             return self._drop(entry_id, "", "invalid_entry")
-        reason = invalid_reason(traj, self.vocab_size)
-        if reason is None and traj.trajectory_id in self.seen:
+        if not traj.trajectory_id or not traj.group_id:
+            return self._drop(entry_id, traj.trajectory_id, "missing_ids")
+        if traj.trajectory_id in self.seen:
             self.status.duplicates += 1
-            reason = "duplicate"
-        if reason is None and traj.group_id not in self.fed:
-            if not self.config.trainer.external_groups:
-                reason = "unknown_group"
-        if reason is not None:
-            return self._drop(entry_id, traj.trajectory_id, reason)
+            return self._drop(entry_id, traj.trajectory_id, "duplicate")
+        if traj.group_id not in self.fed and not self.config.trainer.external_groups:
+            return self._drop(entry_id, traj.trajectory_id, "unknown_group")
+        # a malformed member of one of our groups still completes its group (else the group
+        # would wait forever); its step drops it with the reason
         self.seen.add(traj.trajectory_id)
         self.status.trajectories_consumed += 1
-        self.buffer.add(Entry(entry_id, traj))
+        self.buffer.add(Entry(entry_id, traj, invalid_reason(traj, self.vocab_size)))
 
     def _drop(self, entry_id: str, trajectory_id: str, reason: str) -> None:
         self.ledger.drop_loose(LooseDrop(entry_id, trajectory_id, reason))
@@ -104,7 +108,10 @@ class Collector:
             while True:
                 for group in self.buffer.take(num_groups - fresh):
                     taken.append(group)
-                    fresh += any(staleness(e.traj, version) <= max_staleness for e in group.entries)
+                    if self._usable(group, version, max_staleness):
+                        fresh += 1
+                    else:  # the feeder feeds a task in its place (a step would lack it)
+                        await self.r.hincrby(names.run_state(self.config.run_id), UNUSABLE, 1)
                 if fresh >= num_groups:
                     return taken
                 if self.stopping:
@@ -118,6 +125,13 @@ class Collector:
         finally:
             self.collecting = False
         self.stopping = False
+
+    @staticmethod
+    def _usable(group: Group, version: int, max_staleness: int) -> bool:
+        """A group with a valid member recent enough to train on."""
+        return any(
+            e.invalid is None and staleness(e.traj, version) <= max_staleness for e in group.entries
+        )
 
     async def read(self, block_ms: int | None) -> int:
         """Read new trajectories into the buffer (or counted drops); how many were read.

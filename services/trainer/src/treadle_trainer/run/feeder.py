@@ -52,9 +52,12 @@ async def task_source(config: RunConfig, env: EnvClient, count: int) -> TaskSour
     return TaskSource(rows, seed, shuffle)
 
 
+COUNTS = ("tasks_cancelled", "tasks_dead", "groups_unusable")
+
+
 def _is_count(key: bytes | str, value: bytes | str) -> bool:
     name, number = streams.text(key), streams.text(value)
-    counted = name.startswith("dead:") or name in ("tasks_cancelled", "tasks_dead")
+    counted = name.startswith("dead:") or name in COUNTS
     return counted and number.lstrip("-").isdigit()
 
 
@@ -107,7 +110,7 @@ class Feeder:
 
     async def refresh(self) -> int:
         """Read rollout's counts of this run's cancelled and dead-lettered tasks into the
-        status; how many fed tasks will never produce a group."""
+        status; how many fed tasks will never produce a group a step can train."""
         state = await self.r.hgetall(names.run_state(self.config.run_id))
         counts = {streams.text(k): int(v) for k, v in state.items() if _is_count(k, v)}
         self.status.tasks_cancelled = counts.get("tasks_cancelled", 0)
@@ -115,7 +118,8 @@ class Feeder:
         self.status.dead_lettered = {
             k.removeprefix("dead:"): n for k, n in counts.items() if k.startswith("dead:")
         }
-        return self.status.tasks_cancelled + self.status.tasks_dead
+        unusable = counts.get("groups_unusable", 0)  # taken, but no step could train them
+        return self.status.tasks_cancelled + self.status.tasks_dead + unusable
 
     def _task(self, index: int, task_id: str, payload: dict, min_version: int) -> task_pb2.Task:
         cfg, sampling = self.config, self.config.rollout.sampling

@@ -56,9 +56,9 @@ def build_batch(groups: list[Group], version: int, max_staleness: int, t: Traine
     for group in batch.groups:
         kept = []
         for e in group.entries:
-            if e.traj.status in SCORED:
+            if e.invalid is None and e.traj.status in SCORED:
                 batch.rewards.append(e.traj.reward)
-            reason = drop_reason(e.traj, version, max_staleness)
+            reason = e.invalid or drop_reason(e.traj, version, max_staleness)
             if reason is None:
                 kept.append(e.traj)
             else:
