@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import free_port
+
 pytestmark = pytest.mark.integration
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
@@ -67,3 +69,26 @@ def test_checkpoint_of_another_model_is_refused(tiny_model, tmp_path):
     (tmp_path / "ckpt" / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(IncompatibleCheckpoint, match="different model.*lm_head.weight"):
         backend.load(tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("ping_every", [0.5, 0.0])
+def test_collectives_time_out_in_seconds_and_an_idle_leader_keeps_followers(tmp_path, ping_every):
+    """With a 2 s collective timeout, a leader idle for 5 s keeps its follower by pinging it;
+    without the pings the follower's wait fails (a hung or dead rank ends the job in the
+    configured time, not in a day)."""
+    cmd = [
+        TORCHRUN,
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        str(WORKER.with_name("dist_idle_worker.py")),
+        str(ping_every),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TREADLE_TRAINER_DIST_TIMEOUT_S": "2"}
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    if ping_every:
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    else:
+        assert result.returncode != 0
+        assert "timed out" in (result.stdout + result.stderr).lower()

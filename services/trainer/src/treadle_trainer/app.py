@@ -9,6 +9,10 @@ See `run/` for the dataflow of one run.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
+
 import torch
 
 from treadle_common.api.runs import TrainerInfo
@@ -39,4 +43,22 @@ async def build(settings: TrainerSettings) -> Service:
     runs.mount(runtime.app)
     training_api.mount(runtime.app, store, settings.state_dir)
     runtime.on_drain(runs.drain)
-    return Service(runtime, loops=[runs.resume_orphans])
+    loops = [runs.resume_orphans]
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # rank 0 of a torchrun job
+        loops.append(lambda: keep_followers(runtime, settings))
+    return Service(runtime, loops=loops)
+
+
+async def keep_followers(runtime: ServiceRuntime, settings: TrainerSettings) -> None:
+    """Join the process group at once (the followers wait for it) and ping them every quarter
+    of the collective timeout, between commands (the torch thread runs one at a time), so a
+    trainer with no run does not time out its followers, and a dead rank fails in minutes."""
+    from treadle_trainer.backends import on_torch_thread
+    from treadle_trainer.backends.fsdp import init_distributed, ping
+
+    await on_torch_thread(init_distributed)
+    while not runtime.stop_event.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(runtime.stop_event.wait(), settings.trainer_dist_timeout_s / 4)
+        if not runtime.stop_event.is_set():
+            await on_torch_thread(ping)

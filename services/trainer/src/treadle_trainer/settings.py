@@ -23,6 +23,12 @@ class TrainerSettings(Settings):
         "infrastructure error (Redis, weight-store or env-gateway unreachable, a batch timeout) "
         "before it is marked failed",
     )
+    trainer_dist_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="trainer (torchrun, FSDP): a collective that waits longer fails the job "
+        "(a rank hung or died); rank 0 pings idle followers every quarter of it",
+    )
     trainer_lease_s: float = Field(
         15.0, gt=0, description="trainer: run-ownership lease; a dead owner's run resumes after"
     )

@@ -33,12 +33,27 @@ from treadle_trainer.losses import LossParams
 _FLOAT_FIELDS = {"mask_B_T", "advantages_B_T", "logprobs_B_T", "coef_B"}
 
 
+def dist_timeout_s() -> float:
+    """How long a collective may wait (`TREADLE_TRAINER_DIST_TIMEOUT_S`): a rank that hangs
+    or died fails the others within minutes, not a day. Rank 0 pings the followers while it
+    has nothing for them (`ping`), so an idle trainer does not trip it."""
+    from treadle_trainer.settings import TrainerSettings
+
+    return TrainerSettings().trainer_dist_timeout_s
+
+
 def init_distributed() -> None:
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(days=1))  # followers wait idle
+        dist.init_process_group(backend, timeout=timedelta(seconds=dist_timeout_s()))
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def ping() -> None:
+    """Rank 0, on the torch thread between commands: tell the followers it is alive."""
+    if dist.is_initialized() and dist.get_rank() == 0:
+        _send("ping", {})
 
 
 class FSDPBackend(TorchBackend):
@@ -225,6 +240,8 @@ def follow() -> None:
     backend: FSDPBackend | None = None
     while True:
         op, header = _recv(device)
+        if op == "ping":  # rank 0 is alive and idle
+            continue
         if op == "build":
             backend = FSDPBackend(BackendSpec(**header))
         elif op == "shutdown":
