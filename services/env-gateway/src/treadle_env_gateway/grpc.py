@@ -182,10 +182,11 @@ class EnvGatewayServicer(env_pb2_grpc.EnvGatewayServicer):
         finished together in one message. A step the gateway refuses is an item with status
         `request_error`, not the end of the call."""
         parent = tracing.from_grpc(context.invocation_metadata())
-        with tracing.tracer().start_as_current_span(
-            "env.StepMany", context=parent, kind=SpanKind.SERVER
-        ) as span:
-            span.set_attribute("treadle.count", len(request.steps))
+        # not the current span: this generator yields, and a caller that goes away closes it
+        # from another context, where a current span could not be detached
+        span = tracing.tracer().start_span("env.StepMany", context=parent, kind=SpanKind.SERVER)
+        span.set_attribute("treadle.count", len(request.steps))
+        try:
 
             async def one(index: int, step: pb.StepRequest) -> pb.StepManyItem:
                 try:
@@ -212,6 +213,8 @@ class EnvGatewayServicer(env_pb2_grpc.EnvGatewayServicer):
             finally:  # the caller went away: stop the steps still running
                 for task in running:
                     task.cancel()
+        finally:
+            span.end()
 
     async def CloseSession(self, request: pb.CloseSessionRequest, context):
         async with _as_status(context, "CloseSession"):

@@ -12,6 +12,7 @@ pending in Redis until a checkpoint acks them (`ledger.py`).
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 
@@ -96,9 +97,16 @@ class Collector:
         self.drops.count(reason)
         log.warning("trajectory dropped", entry=entry_id, reason=reason)
 
-    async def collect(self, num_groups: int, version: int, max_staleness: int) -> list[Group]:
+    async def collect(
+        self,
+        num_groups: int,
+        version: int,
+        max_staleness: int,
+        refill: Callable[[], Awaitable[None]] | None = None,
+    ) -> list[Group]:
         """Read until `num_groups` complete groups that are not wholly stale at `version` are
-        buffered, then take them, with the wholly stale ones met on the way."""
+        buffered, then take them, with the wholly stale ones met on the way. `refill` feeds
+        the tasks that replace unusable groups (at once: this step may need them)."""
         t = self.config.trainer
         deadline = time.monotonic() + t.batch_timeout_s
         taken: list[Group] = []
@@ -106,12 +114,17 @@ class Collector:
         self.collecting = True
         try:
             while True:
+                unusable = 0
                 for group in self.buffer.take(num_groups - fresh):
                     taken.append(group)
                     if self._usable(group, version, max_staleness):
                         fresh += 1
                     else:  # the feeder feeds a task in its place (a step would lack it)
-                        await self.r.hincrby(names.run_state(self.config.run_id), UNUSABLE, 1)
+                        unusable += 1
+                if unusable:
+                    await self.r.hincrby(names.run_state(self.config.run_id), UNUSABLE, unusable)
+                    if refill is not None:
+                        await refill()
                 if fresh >= num_groups:
                     return taken
                 if self.stopping:

@@ -287,9 +287,15 @@ class RunOwner:
             step = self.status.step + 1
             started = time.perf_counter()
             # async keeps S steps of work fed, up to the last step (as a longer run would)
-            await self._feed(source, (step + self.max_staleness) * t.tasks_per_step, served)
+            upto = (step + self.max_staleness) * t.tasks_per_step
+            await self._feed(source, upto, served)
             try:
-                groups = await self.collector.collect(t.tasks_per_step, version, self.max_staleness)
+                groups = await self.collector.collect(
+                    t.tasks_per_step,
+                    version,
+                    self.max_staleness,
+                    refill=lambda: self._feed(source, upto, served),  # noqa: B023
+                )
             except Stopping:
                 break
             wait_s = time.perf_counter() - started
