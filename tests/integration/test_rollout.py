@@ -138,6 +138,14 @@ async def test_staleness_admission_bounds_groups_in_flight(redis_client):
     assert newer.admitted and newer.group_index == 4
     state = await redis_client.hgetall(names.run_state(run))
     assert int(state[b"admission_refused"]) == 1 and int(state[b"admission_started"]) == 5
+    # groups no step will train free their places for the tasks that replace them
+    assert (await admission.admit(redis_client, run, "t5", version=4)).admitted  # 6 of 6
+    assert not (await admission.admit(redis_client, run, "t6", version=4)).admitted
+    await redis_client.hincrby(names.run_state(run), "groups_unusable", 1)
+    assert (await admission.admit(redis_client, run, "t6", version=4)).admitted
+    assert not (await admission.admit(redis_client, run, "t7", version=4)).admitted
+    await redis_client.hincrby(names.run_state(run), "admission_released", 1)
+    assert (await admission.admit(redis_client, run, "t7", version=4)).admitted
 
 
 async def test_closed_admission_cancels_unstarted_groups_only(redis_client):
@@ -380,5 +388,6 @@ async def test_a_task_that_keeps_failing_is_dead_lettered_with_its_last_error(re
     assert (await redis_client.xpending(stream, names.ROLLOUT_GROUP))["pending"] == 0
     state = await redis_client.hgetall(names.run_state(run))
     assert int(state[b"tasks_dead"]) == 1 and int(state[b"dead:max_deliveries"]) == 1
+    assert int(state[b"admission_released"]) == 1  # it was admitted: its place is freed
     assert b"trajectories_produced" not in state
     assert not await redis_client.exists(names.task_errors(run))

@@ -10,8 +10,10 @@ waiting for the run to make progress between faults, does, in order:
 4. weight-store right after a step (its publish in flight), 5. the trainer mid-step (each
    restarted by the supervisor),
 6. restarts redis-server (SIGTERM, AOF), 7. restarts nats-server (SIGTERM, JetStream on disk),
-8. starts a second trainer, which must refuse the run (409) while it is owned, then
-9. SIGTERMs the owner: it hands the run off at its step boundary and the second resumes it.
+8. SIGKILLs a second rollout replica (started with the run, not supervised) while it holds
+   tasks: the first reclaims them once they stop being heartbeated,
+9. starts a second trainer, which must refuse the run (409) while it is owned, then
+10. SIGTERMs the owner: it hands the run off at its step boundary and the second resumes it.
 
 Then the run's ledger in Redis is read: every trajectory rollout produced (counted atomically
 with its XADD) must have been trained exactly once or dropped with a reason.
@@ -77,6 +79,8 @@ class ChaosMonkey:
         self.faults: list[Fault] = []
         self.errors: list[str] = []
         self.second: subprocess.Popen | None = None
+        self.replica: tuple[subprocess.Popen, str] | None = None
+        self.extras: list[subprocess.Popen] = []
         self.stop = threading.Event()
         self.started = time.monotonic()
         self._step = 0
@@ -165,23 +169,61 @@ class ChaosMonkey:
 
         return fault
 
-    def _second_trainer(self) -> str:
-        env = self.spec.env("trainer")
+    def _extra(self, service: str, instance: str) -> tuple[subprocess.Popen, str]:
+        """Another replica of `service` beside the supervised one (its own HTTP port)."""
+        env = self.spec.env(service)
         http_port = free_port_range(1)
-        env |= {"TREADLE_INSTANCE": "trainer-second", "TREADLE_HTTP_PORT": str(http_port)}
-        log = self.state_dir / "logs" / "trainer-second.log"
+        env |= {"TREADLE_INSTANCE": instance, "TREADLE_HTTP_PORT": str(http_port)}
+        log = self.state_dir / "logs" / f"{instance}.log"
         with open(log, "ab") as out:
-            self.second = subprocess.Popen(
-                [sys.executable, "-m", names.module_of("trainer")],
+            proc = subprocess.Popen(
+                [sys.executable, "-m", names.module_of(service)],
                 env=env,
                 cwd=self.spec.cwd,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        url = f"http://{self.spec.host}:{http_port}"
+        self.extras.append(proc)
+        return proc, f"http://{self.spec.host}:{http_port}"
+
+    def _pending_of(self, consumer: str) -> int:
+        try:
+            summary: Any = self.r.xpending(names.tasks_stream(self.run_id), names.ROLLOUT_GROUP)
+        except redis.RedisError:
+            return -1
+        for entry in summary.get("consumers") or []:
+            if entry["name"].decode() == consumer:
+                return int(entry["pending"])
+        return 0
+
+    def _replica_reclaimed(self) -> str:
+        """SIGKILL the second rollout replica while it plays tasks: nobody restarts it, so
+        the first replica must reclaim them (after `TREADLE_ROLLOUT_RECLAIM_IDLE_MS`)."""
+        assert self.replica is not None
+        proc, url = self.replica
         if not self._wait(lambda: stack.service_health(url).ready, 120.0):
-            raise RuntimeError(f"the second trainer did not get ready; see {log}")
+            raise RuntimeError("the second rollout replica did not get ready")
+        busy = self._wait(lambda: self._pending_of("rollout-second") > 0, 60.0)
+        held = self._pending_of("rollout-second")
+        os.killpg(proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        reclaimed = self._wait(lambda: self._pending_of("rollout-second") == 0, 120.0)
+        took = time.monotonic() - killed
+        return (
+            f"SIGKILL pid {proc.pid} holding {held} task(s)"
+            + ("" if busy else " (caught idle)")
+            + (
+                f"; reclaimed by the other replica in {took:.1f}s"
+                if reclaimed
+                else "; NOT reclaimed"
+            )
+        )
+
+    def _second_trainer(self) -> str:
+        self.second, url = self._extra("trainer", "trainer-second")
+        if not self._wait(lambda: stack.service_health(url).ready, 120.0):
+            raise RuntimeError("the second trainer did not get ready")
         config = self.r.get(names.run_config(self.run_id))
         assert config is not None
         body = json.loads(config)
@@ -211,6 +253,7 @@ class ChaosMonkey:
             ("trainer_sigkill_mid_step", self._mid("trainer", "step")),
             ("redis_restart", self._restart_infra("redis")),
             ("nats_restart", self._restart_infra("nats")),
+            ("rollout_replica_sigkill_reclaimed", self._replica_reclaimed),
             ("second_trainer_started", self._second_trainer),
             ("trainer_sigterm_hand_off", self._hand_off),
         ]
@@ -222,6 +265,7 @@ class ChaosMonkey:
             self.errors.append(f"{type(exc).__name__}: {exc}")
 
     def _run(self) -> None:
+        self.replica = self._extra("rollout", "rollout-second")  # shares the work from here
         last = 0
         for name, fault in self.plan():
             ready = self._wait(lambda: self.step() >= last + GAP_STEPS, 600.0)  # noqa: B023
@@ -240,8 +284,9 @@ class ChaosMonkey:
 
     def close(self) -> None:
         self.stop.set()
-        if self.second is not None and self.second.poll() is None:
-            terminate(self.second.pid, timeout_s=30.0)
+        for proc in self.extras:
+            if proc.poll() is None:
+                terminate(proc.pid, timeout_s=30.0)
 
 
 def ledger_check(r: redis.Redis, run_id: str) -> dict[str, Any]:
@@ -292,6 +337,8 @@ def run(
     tmp = Path(tempfile.mkdtemp(prefix="treadle-bench-chaos-"))
     console = Console(file=sys.stderr)
     os.environ.setdefault("TREADLE_LOG_LEVEL", "WARNING")
+    # a replica that dies is not heartbeating its tasks: another takes them after this
+    os.environ.setdefault("TREADLE_ROLLOUT_RECLAIM_IDLE_MS", "10000")
     settings = CliSettings(
         state_dir=tmp / "state",
         redis_url=f"redis://127.0.0.1:{free_port_range(1)}",

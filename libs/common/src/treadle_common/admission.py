@@ -7,7 +7,11 @@ step). Groups are numbered 0, 1, ... in the order replicas start them; group g i
 step g // B + 1 by a trainer holding version V0 + g // B. A replica holding version w may
 therefore start group g only while
 
-    g < (w - V0 + S + 1) * B
+    g - U < (w - V0 + S + 1) * B
+
+where U counts the started groups no step will train (the trainer's `groups_unusable`: wholly
+stale, or no valid member; rollout's `admission_released`: dead-lettered after admission):
+their replacements take their places, else a run that lost groups would wait forever.
 
 so that what it generates is at most S versions behind the trainer that consumes it. A
 replica that is refused waits for the next version instead of generating work the trainer
@@ -34,11 +38,15 @@ if given then return {1, tonumber(given)} end
 if redis.call('HGET', KEYS[1], 'admission_closed') == '1' then return {2, -1} end
 local b = tonumber(redis.call('HGET', KEYS[1], 'admission_groups_per_step') or '0')
 local started = tonumber(redis.call('HGET', KEYS[1], 'admission_started') or '0')
+-- groups started that no step will train (unusable, dead-lettered) free their places
+local unusable = tonumber(redis.call('HGET', KEYS[1], 'groups_unusable') or '0')
+local released = tonumber(redis.call('HGET', KEYS[1], 'admission_released') or '0')
+local live = started - unusable - released
 if b > 0 then
   local s = tonumber(redis.call('HGET', KEYS[1], 'admission_max_staleness') or '0')
   local v0 = tonumber(redis.call('HGET', KEYS[1], 'admission_base_version') or '0')
   local w = tonumber(ARGV[1])
-  if started >= (w - v0 + s + 1) * b then
+  if live >= (w - v0 + s + 1) * b then
     redis.call('HINCRBY', KEYS[1], 'admission_refused', 1)
     return {0, started}
   end

@@ -324,6 +324,9 @@ class TaskWorker:
         }
         if isinstance(task, task_pb2.Task):
             fields |= {"task_id": task.task_id, names.STREAM_FIELD: task.SerializeToString()}
+        admitted = isinstance(task, task_pb2.Task) and await self.r.hexists(
+            admission.admitted_key(run), task.task_id
+        )
         self.dead_lettered += 1
         metrics.DROPPED.labels(SERVICE, "task", reason).inc()
         log.warning("task dead-lettered", entry=entry_id, reason=reason, error=error[:300])
@@ -333,6 +336,8 @@ class TaskWorker:
             pipe.hincrby(names.run_state(run), f"dead:{reason}", 1)
             if reason == "invalid":
                 pipe.hincrby(names.run_state(run), "tasks_invalid", 1)
+            if admitted:  # its place in the staleness bound goes to its replacement
+                pipe.hincrby(names.run_state(run), "admission_released", 1)
             pipe.hdel(names.task_errors(run), entry_id)
             pipe.xack(stream, names.ROLLOUT_GROUP, entry_id)
             await pipe.execute()
