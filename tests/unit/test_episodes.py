@@ -3,6 +3,7 @@
 import asyncio
 import json
 
+import grpc
 import pytest
 from transformers import AutoTokenizer
 
@@ -169,3 +170,38 @@ async def test_a_cancelled_episode_leaves_the_shared_gate_alone(tokenizer):
     first.cancel()
     await asyncio.gather(first, return_exceptions=True)
     assert not gate.cancelled()  # the group's other episodes still wait on it
+
+
+async def test_an_episode_whose_env_gateway_restarted_is_played_again(tokenizer):
+    """The gateway dies mid-episode (its step fails UNAVAILABLE), and once back it no longer
+    knows the session (NOT_FOUND): the episode starts over on a new session and succeeds; a
+    gateway refusal of another kind is an env_error at once."""
+    from treadle_common.clients.env import EnvRequestError
+
+    class Restarting(ScriptedEnv):
+        def __init__(self, failures):
+            super().__init__()
+            self.failures, self.creates = list(failures), 0
+
+        async def create(self, env, task, seed=0, options=None):
+            self.creates += 1
+            return await super().create(env, task, seed, options)
+
+        async def step(self, session_id, text, close_when_done=False):
+            if self.failures:
+                raise self.failures.pop(0)
+            return await super().step(session_id, text, close_when_done)
+
+    unavailable = grpc.aio.AioRpcError(
+        grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "gone"
+    )
+    env = Restarting([unavailable, EnvRequestError("NOT_FOUND", "no session s1")])
+    engine = ScriptedEngine(tokenizer, ["9", "8", "5", "3"])
+    traj = await EpisodeRunner(engine, tokenizer, env, ScriptedReward(), "r").run(task(), 0)
+    assert traj.status == tpb.TRAJECTORY_STATUS_OK and env.creates == 3
+    assert env.steps == ["5", "3"] and traj.num_turns == 2  # the last attempt, whole
+
+    refused = Restarting([EnvRequestError("INVALID_ARGUMENT", "bad action")])
+    engine = ScriptedEngine(tokenizer, ["1"])
+    traj = await EpisodeRunner(engine, tokenizer, refused, ScriptedReward(), "r").run(task(), 0)
+    assert traj.status == tpb.TRAJECTORY_STATUS_ENV_ERROR and refused.creates == 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 
 import grpc
@@ -70,6 +71,29 @@ class EpisodeRunner:
         self, task: task_pb2.Task, sample_index: int, gate: asyncio.Future | None
     ) -> tpb.Trajectory:
         started = time.time()
+        backoff = 0.25
+        while True:
+            traj = self._trajectory(task, sample_index, started)
+            t = Transcript(self.tokenizer)
+            try:
+                info = await self._play(task, sample_index, t, traj, gate)
+                break
+            except (grpc.aio.AioRpcError, EnvRequestError) as exc:
+                if not (_gateway_gone(exc) and time.time() - started < ENV_RETRY_S):
+                    return self._env_failed(exc, traj, t, started)
+            except _SandboxFailure as exc:
+                return _failed(traj, t, tpb.TRAJECTORY_STATUS_SANDBOX_ERROR, str(exc), started)
+            except _EnvFailure as exc:
+                return _failed(traj, t, tpb.TRAJECTORY_STATUS_ENV_ERROR, str(exc), started)
+            except (_EngineFailure, TemplateNotPrefixStable) as exc:
+                return _failed(traj, t, tpb.TRAJECTORY_STATUS_ENGINE_ERROR, str(exc), started)
+            # the gateway went away (restarting: its sessions are gone): play it again
+            metrics.EPISODE_RETRIES.inc()
+            await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
+            backoff = min(backoff * 2, 4.0)
+        return await self._score(task, traj, t, info, started)
+
+    def _trajectory(self, task: task_pb2.Task, sample_index: int, started: float):
         traj = tpb.Trajectory(
             # one id per (task, sample): a task played twice yields the same ids, which the
             # trainer trains once
@@ -82,10 +106,12 @@ class EpisodeRunner:
             rollout_replica=self.replica,
         )
         traj.timings.queue_s = max(0.0, started - task.created_at)
-        t = Transcript(self.tokenizer)
-        try:
-            info = await self._play(task, sample_index, t, traj, gate)
-        except grpc.aio.AioRpcError as exc:
+        return traj
+
+    def _env_failed(
+        self, exc: Exception, traj: tpb.Trajectory, t: Transcript, started: float
+    ) -> tpb.Trajectory:
+        if isinstance(exc, grpc.aio.AioRpcError):
             return _failed(
                 traj,
                 t,
@@ -93,14 +119,11 @@ class EpisodeRunner:
                 f"env-gateway: {exc.code().name}: {exc.details()}",
                 started,
             )
-        except EnvRequestError as exc:
-            return _failed(traj, t, tpb.TRAJECTORY_STATUS_ENV_ERROR, f"env-gateway: {exc}", started)
-        except _SandboxFailure as exc:
-            return _failed(traj, t, tpb.TRAJECTORY_STATUS_SANDBOX_ERROR, str(exc), started)
-        except _EnvFailure as exc:
-            return _failed(traj, t, tpb.TRAJECTORY_STATUS_ENV_ERROR, str(exc), started)
-        except (_EngineFailure, TemplateNotPrefixStable) as exc:
-            return _failed(traj, t, tpb.TRAJECTORY_STATUS_ENGINE_ERROR, str(exc), started)
+        return _failed(traj, t, tpb.TRAJECTORY_STATUS_ENV_ERROR, f"env-gateway: {exc}", started)
+
+    async def _score(
+        self, task: task_pb2.Task, traj: tpb.Trajectory, t: Transcript, info: dict, started: float
+    ) -> tpb.Trajectory:
         reward_start = time.time()
         with tracing.tracer().start_as_current_span("rollout.score"):  # the hop, as seen here
             result = await self.reward.score(
@@ -192,6 +215,18 @@ class EpisodeRunner:
             if not closed:
                 await self.env.close_session(session.session_id)
         return info
+
+
+ENV_RETRY_S = 60.0
+"""An episode whose env-gateway went away (restarting) is played again, from the start, for
+up to this long (jittered backoff); after that it fails as `env_error`."""
+
+
+def _gateway_gone(exc: Exception) -> bool:
+    """The gateway is unreachable, or restarted and forgot the episode's session."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND)
+    return isinstance(exc, EnvRequestError) and exc.code == grpc.StatusCode.NOT_FOUND.name
 
 
 class _EngineFailure(RuntimeError):

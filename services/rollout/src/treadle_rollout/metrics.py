@@ -20,6 +20,10 @@ ENGINE_BUSY = Counter(
 RESTARTED_TURNS = Counter(
     "treadle_rollout_restarted_turns_total", "Turns regenerated after a swap (policy abort)"
 )
+EPISODE_RETRIES = Counter(
+    "treadle_rollout_episode_retries_total",
+    "Episodes played again because the env-gateway went away (restarting)",
+)
 EPISODES_IN_FLIGHT = Gauge("treadle_rollout_episodes_in_flight", "Episodes being played")
 ENGINE_RUNNING = Gauge("treadle_rollout_engine_requests", "Requests in the engine")
 BAD_ANNOUNCEMENTS = Counter(
