@@ -322,6 +322,16 @@ async def test_a_wholly_stale_group_does_not_take_a_batch_slot():
     mixed = Scripted([broken, group("f", 5), group("g", 5)])
     assert [g.group_id for g in await mixed.collect(2, 5, 1)] == ["e", "f", "g"]
     assert mixed.r.counts == {"groups_unusable": 1}
+    # replacements are fed at once, but a step whose groups keep failing stops asking
+    refills = []
+
+    async def refill():
+        refills.append(1)
+
+    storm = Scripted([group(f"s{i}", 0) for i in range(8)])
+    with pytest.raises(TimeoutError):
+        await storm.collect(2, version=5, max_staleness=1, refill=refill)
+    assert storm.r.counts == {"groups_unusable": 8} and len(refills) == 4  # 2 x 2 groups
     with pytest.raises(TimeoutError, match="only 1/2"):
         await Scripted([group("x", 0), group("d", 5)]).collect(2, version=5, max_staleness=1)
 

@@ -29,6 +29,8 @@ from treadle_trainer.run.lease import Lease
 from treadle_trainer.run.ledger import Drops, Ledger, LedgerEntry, LooseDrop
 
 log = get_logger(__name__)
+MAX_REPLACED = 2
+"""A step replaces at most this many times its groups (unusable ones) at once."""
 UNUSABLE = "groups_unusable"
 """Run-state counter: groups taken that no step could train (wholly stale, or no valid
 member); each is replaced by a newly fed task."""
@@ -110,7 +112,7 @@ class Collector:
         t = self.config.trainer
         deadline = time.monotonic() + t.batch_timeout_s
         taken: list[Group] = []
-        fresh = 0
+        fresh = wasted = 0
         self.collecting = True
         try:
             while True:
@@ -123,7 +125,11 @@ class Collector:
                         unusable += 1
                 if unusable:
                     await self.r.hincrby(names.run_state(self.config.run_id), UNUSABLE, unusable)
-                    if refill is not None:
+                    wasted += unusable
+                    # replaced at once, but not without end: a step whose groups keep coming
+                    # back unusable (an env failing every episode) waits for its timeout
+                    # instead of burning the dataset
+                    if refill is not None and wasted <= MAX_REPLACED * num_groups:
                         await refill()
                 if fresh >= num_groups:
                     return taken
