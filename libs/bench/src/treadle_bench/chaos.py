@@ -3,7 +3,8 @@ its infrastructure, losing and doubling nothing.
 
 On a private stack (`treadle up`'s supervisor, own redis-server with AOF and nats-server with
 JetStream on disk, free ports) the recipe (`recipes/chaos.yaml`) runs through `treadle run`
-itself (`RunClient`), once without faults (the baseline) and once while a second thread,
+itself (`RunClient`), with two rollout replicas (the supervised one and `rollout-second`),
+once without faults (the baseline) and once while a second thread,
 waiting for the run to make progress between faults, does, in order:
 
 1. SIGKILL rollout mid-episode, 2. reward mid-score, 3. env-gateway with live sessions,
@@ -72,14 +73,20 @@ class Fault:
 class ChaosMonkey:
     """Injects the faults into a running run, one after another, on the run's progress."""
 
-    def __init__(self, spec: stack.StackSpec, settings: CliSettings, run_id: str, tmp: Path):
-        self.spec, self.settings, self.run_id, self.tmp = spec, settings, run_id, tmp
+    def __init__(
+        self,
+        spec: stack.StackSpec,
+        settings: CliSettings,
+        run_id: str,
+        replica: tuple[subprocess.Popen, str],
+    ):
+        self.spec, self.settings, self.run_id = spec, settings, run_id
         self.state_dir = Path(spec.state_dir)
         self.r = redis.Redis.from_url(spec.redis_url, socket_timeout=2)
         self.faults: list[Fault] = []
         self.errors: list[str] = []
         self.second: subprocess.Popen | None = None
-        self.replica: tuple[subprocess.Popen, str] | None = None
+        self.replica = replica  # the second rollout replica, killed by one fault
         self.extras: list[subprocess.Popen] = []
         self.stop = threading.Event()
         self.started = time.monotonic()
@@ -170,22 +177,9 @@ class ChaosMonkey:
         return fault
 
     def _extra(self, service: str, instance: str) -> tuple[subprocess.Popen, str]:
-        """Another replica of `service` beside the supervised one (its own HTTP port)."""
-        env = self.spec.env(service)
-        http_port = free_port_range(1)
-        env |= {"TREADLE_INSTANCE": instance, "TREADLE_HTTP_PORT": str(http_port)}
-        log = self.state_dir / "logs" / f"{instance}.log"
-        with open(log, "ab") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", names.module_of(service)],
-                env=env,
-                cwd=self.spec.cwd,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        proc, url = start_extra(self.spec, service, instance)
         self.extras.append(proc)
-        return proc, f"http://{self.spec.host}:{http_port}"
+        return proc, url
 
     def _pending_of(self, consumer: str) -> int:
         try:
@@ -200,7 +194,6 @@ class ChaosMonkey:
     def _replica_reclaimed(self) -> str:
         """SIGKILL the second rollout replica while it plays tasks: nobody restarts it, so
         the first replica must reclaim them (after `TREADLE_ROLLOUT_RECLAIM_IDLE_MS`)."""
-        assert self.replica is not None
         proc, url = self.replica
         if not self._wait(lambda: stack.service_health(url).ready, 120.0):
             raise RuntimeError("the second rollout replica did not get ready")
@@ -265,7 +258,6 @@ class ChaosMonkey:
             self.errors.append(f"{type(exc).__name__}: {exc}")
 
     def _run(self) -> None:
-        self.replica = self._extra("rollout", "rollout-second")  # shares the work from here
         last = 0
         for name, fault in self.plan():
             ready = self._wait(lambda: self.step() >= last + GAP_STEPS, 600.0)  # noqa: B023
@@ -287,6 +279,25 @@ class ChaosMonkey:
         for proc in self.extras:
             if proc.poll() is None:
                 terminate(proc.pid, timeout_s=30.0)
+
+
+def start_extra(spec: stack.StackSpec, service: str, instance: str) -> tuple[subprocess.Popen, str]:
+    """Another replica of `service` beside the supervised one (its own HTTP port; nobody
+    restarts it)."""
+    env = spec.env(service)
+    http_port = free_port_range(1)
+    env |= {"TREADLE_INSTANCE": instance, "TREADLE_HTTP_PORT": str(http_port)}
+    log = Path(spec.state_dir) / "logs" / f"{instance}.log"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", names.module_of(service)],
+            env=env,
+            cwd=spec.cwd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    return proc, f"http://{spec.host}:{http_port}"
 
 
 def ledger_check(r: redis.Redis, run_id: str) -> dict[str, Any]:
@@ -317,6 +328,15 @@ def ledger_check(r: redis.Redis, run_id: str) -> dict[str, Any]:
         "dead_lettered": dict(dead),
         "unexplained_drops": sum(1 for reason in dropped.values() if not reason),
     }
+
+
+def _until(condition: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
 
 
 def _tracebacks(logs: Path) -> dict[str, int]:
@@ -371,10 +391,14 @@ def run(
     )
     spec = stack.prepare(settings, model_dir.resolve(), m.name, None)
     stack.launch_detached(spec)
-    monkey = None
+    monkey = replica = None
     try:
         if not stack.wait_healthy(settings.state_dir.resolve(), 180).healthy:
             raise RuntimeError(f"chaos stack not healthy; logs in {settings.state_dir}")
+        # two rollout replicas in both runs; one fault kills this one (it is not restarted)
+        replica = start_extra(spec, "rollout", "rollout-second")
+        if not _until(lambda: stack.service_health(replica[1]).ready, 180.0):
+            raise RuntimeError("the second rollout replica did not get ready")
         baseline_s = None
         if baseline:
             started = time.perf_counter()
@@ -382,7 +406,7 @@ def run(
             baseline_s = time.perf_counter() - started
             if code != 0:
                 raise RuntimeError(f"the baseline run failed; outputs in {tmp / 'runs'}")
-        monkey = ChaosMonkey(spec, settings, cfg.run_id, tmp)
+        monkey = ChaosMonkey(spec, settings, cfg.run_id, replica)
         injector = threading.Thread(target=monkey.run, name="chaos", daemon=True)
         started = time.perf_counter()
         injector.start()
@@ -397,6 +421,8 @@ def run(
     finally:
         if monkey is not None:
             monkey.close()
+        if replica is not None and replica[0].poll() is None:
+            terminate(replica[0].pid, timeout_s=30.0)
         stack.down(settings)
     restarts = {n: s.restarts for n, s in record.services.items()} if record else {}
     return {

@@ -190,6 +190,19 @@ class ServiceRuntime:
             return body.model_dump(mode="json")
 
     # -- background tasks --------------------------------------------------------------------
+    async def _on_nats_error(self, exc: Exception) -> None:
+        """nats-py's connection errors (a server restarting): one line, no traceback; the
+        client reconnects by itself and /readyz says NATS is down meanwhile."""
+        self._nats_error = f"{type(exc).__name__}: {exc}"
+        log.warning("nats error", error=self._nats_error)
+
+    async def _on_nats_disconnected(self) -> None:
+        self._nats_error = "disconnected; reconnecting"
+        log.warning("nats disconnected; reconnecting")
+
+    async def _on_nats_reconnected(self) -> None:
+        log.info("nats reconnected")
+
     async def _connect_nats(self) -> None:
         while not self.stop_event.is_set():
             try:
@@ -200,6 +213,9 @@ class ServiceRuntime:
                     max_reconnect_attempts=-1,
                     reconnect_time_wait=0.5,
                     allow_reconnect=True,
+                    error_cb=self._on_nats_error,
+                    disconnected_cb=self._on_nats_disconnected,
+                    reconnected_cb=self._on_nats_reconnected,
                 )
                 self._nats_connected.set()
                 return
