@@ -1,0 +1,108 @@
+"""redis-server and nats-server go away and come back under running services: `/readyz`
+turns 503 naming the dependency, then 200 again; reward serves again once NATS is back (its
+subscription is renewed); the trainer's run API answers again once Redis is back."""
+
+import json
+import time
+from pathlib import Path
+
+import httpx
+import nats
+import pytest
+
+from tests.conftest import InfraUrls, free_ports, start_service
+from treadle_cli.infra import Infra, terminate
+from treadle_common.clients.reward import RewardClient
+from treadle_common.proto.treadle.v1 import reward_pb2 as pb
+from treadle_common.settings import Settings
+
+pytestmark = [pytest.mark.integration, pytest.mark.chaos]
+
+
+@pytest.fixture
+def own_infra(tmp_path):
+    """A private redis-server (AOF) and nats-server (JetStream on disk) this test restarts."""
+    redis_port, nats_port = free_ports(2)
+    settings = Settings(
+        state_dir=tmp_path / "infra",
+        redis_url=f"redis://127.0.0.1:{redis_port}",
+        nats_url=f"nats://127.0.0.1:{nats_port}",
+    )
+    manager = Infra(settings)
+    manager.up()
+    yield manager, InfraUrls(settings.redis_url, settings.nats_url, tmp_path / "infra")
+    manager.down()
+
+
+def readiness(http: str) -> tuple[int, dict]:
+    try:
+        response = httpx.get(f"{http}/readyz", timeout=3)
+    except httpx.HTTPError as exc:
+        return 0, {"http": repr(exc)}
+    return response.status_code, response.json()["checks"]
+
+
+def wait_for(condition, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.1)
+
+
+def stop(manager: Infra, name: str) -> None:
+    record = manager._read_pidfile(name)
+    assert record is not None
+    terminate(record.pid)
+    manager._pidfile(name).unlink()
+
+
+async def score(nats_url: str) -> pb.ScoreResult:
+    nc = await nats.connect(nats_url)
+    try:
+        request = pb.ScoreRequest(
+            scorer="exact_match", task_json=json.dumps({"answer": "4"}), answer="4"
+        )
+        return await RewardClient(nc, timeout_s=10).score(request)
+    finally:
+        await nc.close()
+
+
+async def test_nats_restart_under_reward_and_trainer(own_infra, tmp_path: Path):
+    manager, urls = own_infra
+    (tmp_path / "r").mkdir()
+    (tmp_path / "t").mkdir()
+    reward = start_service("reward", urls, tmp_path / "r")
+    trainer = start_service("trainer", urls, tmp_path / "t")
+    try:
+        assert (await score(urls.nats_url)).status == pb.SCORE_STATUS_OK
+        stop(manager, "nats")
+        for svc in (reward, trainer):
+            wait_for(lambda s=svc: readiness(s.http)[0] == 503)
+            code, checks = readiness(svc.http)
+            assert checks["nats"] != "ok" and urls.nats_url in checks["nats"], checks
+        manager.up(("nats",))
+        for svc in (reward, trainer):
+            wait_for(lambda s=svc: readiness(s.http)[0] == 200)
+        assert readiness(reward.http)[1]["subscription"] == "ok"
+        result = await score(urls.nats_url)  # served: the replica subscribed again
+        assert result.status == pb.SCORE_STATUS_OK and result.reward == 1.0
+    finally:
+        reward.stop_checked()
+        trainer.stop_checked()
+
+
+async def test_redis_restart_under_the_trainer(own_infra, tmp_path: Path):
+    manager, urls = own_infra
+    trainer = start_service("trainer", urls, tmp_path)
+    try:
+        assert httpx.get(f"{trainer.http}/v1/backlog", timeout=5).status_code == 200
+        stop(manager, "redis")
+        wait_for(lambda: readiness(trainer.http)[0] == 503)
+        checks = readiness(trainer.http)[1]
+        assert checks["redis"] != "ok" and checks["nats"] == "ok", checks
+        assert httpx.get(f"{trainer.http}/healthz", timeout=5).status_code == 200  # alive
+        manager.up(("redis",))
+        wait_for(lambda: readiness(trainer.http)[0] == 200)
+        assert httpx.get(f"{trainer.http}/v1/backlog", timeout=5).status_code == 200
+    finally:
+        trainer.stop_checked()
