@@ -2,6 +2,7 @@
 turns 503 naming the dependency, then 200 again; reward serves again once NATS is back (its
 subscription is renewed); the trainer's run API answers again once Redis is back."""
 
+import asyncio
 import json
 import time
 from pathlib import Path
@@ -106,3 +107,39 @@ async def test_redis_restart_under_the_trainer(own_infra, tmp_path: Path):
         assert httpx.get(f"{trainer.http}/v1/backlog", timeout=5).status_code == 200
     finally:
         trainer.stop_checked()
+
+
+async def test_a_publish_while_nats_is_away_succeeds_and_is_announced_later(own_infra, tmp_path):
+    """The version is committed whatever NATS does; its announcement goes out once NATS is
+    back (rollout would also find it by polling the store meanwhile)."""
+    import torch
+
+    from treadle_common.clients.torch_weights import state_dict_to_raw
+    from treadle_common.clients.weights import WeightStoreClient, watch
+
+    manager, urls = own_infra
+    store = start_service("weight-store", urls, tmp_path)
+    client = WeightStoreClient(store.grpc_addr or "")
+    try:
+        await client.publish("m", state_dict_to_raw({"w": torch.zeros(10)}))
+        stop(manager, "nats")
+        wait_for(lambda: readiness(store.http)[0] == 503)
+        published = await client.publish("m", state_dict_to_raw({"w": torch.ones(10)}))
+        assert published.version == 2  # committed, not failed for want of NATS
+        manager.up(("nats",))
+        nc = await nats.connect(urls.nats_url)
+        seen: list[int] = []
+
+        async def on_announce(a) -> None:
+            seen.append(a.version)
+
+        await watch(nc.jetstream(), "m", on_announce)
+        for _ in range(200):
+            if 2 in seen:
+                break
+            await asyncio.sleep(0.1)
+        assert 2 in seen
+        await nc.close()
+    finally:
+        await client.close()
+        store.stop_checked()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -40,6 +41,8 @@ log = get_logger(__name__)
 SERVICE = "weight-store"
 READ_AHEAD = 4
 GC_MIN_INTERVAL_S = 2.0
+ANNOUNCE_RETRY_S = 300.0
+"""How long an announcement is retried while NATS is away (then rollout's poll finds it)."""
 SERVICE_NAME = "treadle.v1.WeightStore"
 
 _STATUS = {
@@ -112,6 +115,7 @@ class WeightStoreServicer(weights_pb2_grpc.WeightStoreServicer):
         self._collector: asyncio.Task | None = None
         self._collect_wanted = False
         self._announcing: set[asyncio.Task] = set()
+        self._announced: dict[str, int] = {}  # model -> newest version announced
 
     async def drain(self) -> None:
         """SIGTERM: versions written behind reach the backend, are announced, and the next
@@ -141,12 +145,27 @@ class WeightStoreServicer(weights_pb2_grpc.WeightStoreServicer):
             await asyncio.sleep(max(0.0, started + GC_MIN_INTERVAL_S - time.monotonic()))
 
     def _announce_when_durable(self, manifest: pb.WeightManifest) -> None:
+        """Announce once the version is durable; retried with backoff (NATS restarting) until
+        it is out, or a newer version of the model is (rollout wants the newest), for up to
+        `ANNOUNCE_RETRY_S`. Rollout also polls the store's latest version meanwhile."""
+        model, version = manifest.model, manifest.version
+
         async def announce() -> None:
-            try:
-                if await self.store.until_durable(manifest.model, manifest.version):
+            if not await self.store.until_durable(model, version):
+                return  # withdrawn: never announced
+            deadline, delay = time.monotonic() + ANNOUNCE_RETRY_S, 0.2
+            while self._announced.get(model, -1) < version:
+                try:
                     await self.announce(manifest)
-            except Exception as exc:  # rollout's poll for the latest version finds it
-                log.warning("announcing failed", version=manifest.version, error=repr(exc))
+                    self._announced[model] = max(self._announced.get(model, -1), version)
+                    return
+                except Exception as exc:
+                    if time.monotonic() > deadline:
+                        log.error("announcing failed", version=version, error=repr(exc))
+                        return
+                    log.warning("announcing failed; retrying", version=version, error=repr(exc))
+                    await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+                    delay = min(delay * 2, 5.0)
 
         task = asyncio.create_task(announce())
         self._announcing.add(task)
@@ -179,10 +198,9 @@ class WeightStoreServicer(weights_pb2_grpc.WeightStoreServicer):
                     new_chunks=len(received),
                     durable=self.store.durable(manifest.model, manifest.version),
                 )
-                if self.store.durable(manifest.model, manifest.version):
-                    await self.announce(manifest)
-                else:  # rollout hears of it once a crash of the store cannot lose it
-                    self._announce_when_durable(manifest)
+                # announced in the background once durable: NATS away (restarting) never
+                # fails a publish whose version is committed
+                self._announce_when_durable(manifest)
                 self._collect_soon()  # retire old versions and free their chunks, off this path
                 return pb.PublishResponse(
                     model=manifest.model,
