@@ -15,6 +15,7 @@ from treadle_common.clients import weights as weights_client
 from treadle_common.clients.torch_weights import (
     ChunkCache,
     TorchWeightClient,
+    byte_view,
     fetch_into,
     state_dict_to_raw,
 )
@@ -398,3 +399,38 @@ async def test_version_numbers_are_never_reused_after_a_crash(service, weight_st
     after_restart = await client.publish("m", state_dict_to_raw(state(8)))
     assert after_restart.version == after_crash.version + 1
     await client.close()
+
+
+async def test_a_fetch_survives_the_store_killed_mid_stream_on_the_version_it_resolved(
+    service, weight_store_env
+):
+    """The store is SIGKILLed after the first chunk of a fetch of `latest` (v1) and comes back
+    while a newer v2 is published: the fetch resumes (only the chunks it lacks) and completes
+    byte-exact on v1, not on the newer latest."""
+    ws = service("weight-store", **weight_store_env)
+    ports = {"TREADLE_HTTP_PORT": ws.http.rsplit(":", 1)[1]}
+    ports["TREADLE_GRPC_PORT"] = (ws.grpc_addr or "").rsplit(":", 1)[1]
+    weights = {"w": torch.randn(6 * MB)}  # 6 chunks of 4 MB
+    client = WeightStoreClient(ws.grpc_addr)
+    await client.publish("m", state_dict_to_raw(weights))
+    for _ in range(200):  # on disk before the kill (a version not yet durable would be lost)
+        if all(v.durable for v in await client.list_versions("m")):
+            break
+        await asyncio.sleep(0.05)
+    stream = client.fetch_stream("m")  # latest
+    manifest = await anext(stream)
+    first = await anext(stream)
+    chunks = {first.hash: bytes(first.data)}
+    os.killpg(ws.proc.pid, signal.SIGKILL)
+    ws.proc.wait(timeout=10)
+    ws = service("weight-store", **weight_store_env, **ports)
+    other = WeightStoreClient(ws.grpc_addr)
+    newer = await other.publish("m", state_dict_to_raw({"w": torch.zeros(6 * MB)}))
+    assert newer.version > 1  # the latest now
+    await other.close()
+    async for chunk in stream:  # the broken stream is resumed with what it has
+        chunks[chunk.hash] = bytes(chunk.data)
+    await client.close()
+    assert manifest.version == 1
+    payload = b"".join(chunks[c.hash] for c in manifest.tensors[0].chunks)
+    assert payload == byte_view(weights["w"]).tobytes()

@@ -22,6 +22,7 @@ from tenacity import (
     AsyncRetrying,
     retry_if_exception,
     stop_after_attempt,
+    stop_after_delay,
     wait_exponential_jitter,
 )
 
@@ -147,10 +148,19 @@ def _retryable(exc: BaseException) -> bool:
     return isinstance(exc, grpc.aio.AioRpcError) and exc.code() in _RETRYABLE
 
 
-def retrying(attempts: int) -> AsyncRetrying:
+RETRY_S = 60.0
+"""How long a call is retried while the store is unavailable (restarting takes seconds)."""
+
+
+def retrying(attempts: int | None = None, retry_s: float = RETRY_S) -> AsyncRetrying:
+    """Jittered backoff (0.2 s up to 2 s) on retryable errors, for up to `retry_s` seconds
+    (and at most `attempts` tries, when given)."""
+    stop = stop_after_delay(retry_s)
+    if attempts is not None:
+        stop = stop | stop_after_attempt(attempts)
     return AsyncRetrying(
         retry=retry_if_exception(_retryable),
-        stop=stop_after_attempt(attempts),
+        stop=stop,
         wait=wait_exponential_jitter(initial=0.2, max=2.0),
         reraise=True,
     )
@@ -159,7 +169,7 @@ def retrying(attempts: int) -> AsyncRetrying:
 class WeightStoreClient:
     """gRPC client for the weight-store (`treadle.v1.WeightStore`)."""
 
-    def __init__(self, address: str, attempts: int = 4):
+    def __init__(self, address: str, attempts: int | None = None):
         self.address = address
         self.attempts = attempts
         reuse_freed_memory()  # chunk-sized receive buffers reuse their pages (malloc.py)
