@@ -82,7 +82,7 @@ class ChaosMonkey:
     ):
         self.spec, self.settings, self.run_id = spec, settings, run_id
         self.state_dir = Path(spec.state_dir)
-        self.r = redis.Redis.from_url(spec.redis_url, socket_timeout=2)
+        self.r: Any = redis.Redis.from_url(spec.redis_url, socket_timeout=2)
         self.faults: list[Fault] = []
         self.errors: list[str] = []
         self.second: subprocess.Popen | None = None
@@ -300,7 +300,7 @@ def start_extra(spec: stack.StackSpec, service: str, instance: str) -> tuple[sub
     return proc, f"http://{spec.host}:{http_port}"
 
 
-def ledger_check(r: redis.Redis, run_id: str) -> dict[str, Any]:
+def ledger_check(r: Any, run_id: str) -> dict[str, Any]:
     """Every produced trajectory trained exactly once or dropped with a reason, from the
     run's ledger (a `rollback` entry undoes the training of the ids it drops)."""
     state = {k.decode(): v.decode() for k, v in r.hgetall(names.run_state(run_id)).items()}

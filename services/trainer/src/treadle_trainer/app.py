@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+from collections.abc import Awaitable, Callable
 
 import torch
 
@@ -43,7 +44,7 @@ async def build(settings: TrainerSettings) -> Service:
     runs.mount(runtime.app)
     training_api.mount(runtime.app, store, settings.state_dir)
     runtime.on_drain(runs.drain)
-    loops = [runs.resume_orphans]
+    loops: list[Callable[[], Awaitable[None]]] = [runs.resume_orphans]
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # rank 0 of a torchrun job
         loops.append(lambda: keep_followers(runtime, settings))
     return Service(runtime, loops=loops)

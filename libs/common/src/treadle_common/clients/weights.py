@@ -25,6 +25,7 @@ from tenacity import (
     stop_after_delay,
     wait_exponential_jitter,
 )
+from tenacity.stop import stop_base
 
 from treadle_common import names
 from treadle_common.clients import chunk_codec as codec
@@ -155,7 +156,7 @@ RETRY_S = 60.0
 def retrying(attempts: int | None = None, retry_s: float = RETRY_S) -> AsyncRetrying:
     """Jittered backoff (0.2 s up to 2 s) on retryable errors, for up to `retry_s` seconds
     (and at most `attempts` tries, when given)."""
-    stop = stop_after_delay(retry_s)
+    stop: stop_base = stop_after_delay(retry_s)
     if attempts is not None:
         stop = stop | stop_after_attempt(attempts)
     return AsyncRetrying(
