@@ -27,4 +27,5 @@ def test_a_run_survives_every_fault_losing_and_doubling_nothing():
     assert result["accounted_beyond_produced"] == result["unexplained_drops"] == 0
     assert result["trained"] + sum(result["dropped"].values()) == result["produced"]
     assert result["resumed"] >= 2  # the SIGKILLed trainer's restart, and the hand-off
+    assert result["reconnects"] >= 1  # `treadle run` lost its trainer and got back
     assert result["tracebacks_in_logs"] == {}, result["outputs"]
