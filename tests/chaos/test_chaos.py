@@ -13,6 +13,7 @@ from treadle_bench import chaos
 pytestmark = [pytest.mark.integration, pytest.mark.chaos, pytest.mark.slow]
 
 
+@pytest.mark.timeout(1500)
 def test_a_run_survives_every_fault_losing_and_doubling_nothing():
     result = chaos.run(steps=600, recipe=ROOT / "recipes" / "chaos.yaml", baseline=False)
     faults = {f["name"]: f for f in result["faults"]}

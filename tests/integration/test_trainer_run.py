@@ -430,7 +430,16 @@ async def test_a_run_rides_through_a_weight_store_restart(infra, tmp_path, tiny_
     store = WeightStoreClient(store_proc.grpc_addr or "")
     vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
     rollout = SyntheticRollout(r, store, run, recipe["model"]["name"], vocab, gated=True)
-    trainer = start_trainer(infra, tmp_path, store_proc)
+    # the store stays away longer than the trainer retries its calls (2 s here): the run
+    # itself must recover (retrying, then resumed from its checkpoint)
+    trainer = start_service(
+        "trainer",
+        infra,
+        tmp_path,
+        TREADLE_WEIGHT_STORE_ADDR=store_proc.grpc_addr or "",
+        TREADLE_TRAINER_LEASE_S="2",
+        TREADLE_WEIGHT_STORE_RETRY_S="2",
+    )
     producer = None
     try:
         async with httpx.AsyncClient(base_url=trainer.http) as client:

@@ -365,3 +365,38 @@ async def test_a_retried_publish_gets_its_version_back_not_a_new_one(tmp_path):
     restarted = WeightStore(LocalBackend(tmp_path), cache_bytes=0)
     await store.flush()
     assert (await restarted.commit(pb_copy(manifest))).version == 1  # known after a restart
+
+
+async def test_a_publish_cancelled_while_its_manifest_is_written_leaves_the_version_durable(
+    tmp_path,
+):
+    """The publisher goes away (its RPC is cancelled) while the store writes the version's
+    manifest: the write finishes with its bookkeeping. Before, the file was written but the
+    version stayed pending, the next pass found its own file and withdrew the version, and
+    the store then refused every publish as failing."""
+
+    class SlowManifests(LocalBackend):
+        gate = threading.Event()
+
+        def put_manifest(self, model, version, data):
+            assert self.gate.wait(10)
+            super().put_manifest(model, version, data)
+
+    backend = SlowManifests(tmp_path)
+    store = WeightStore(backend, cache_bytes=0)
+    manifest, chunks = two_tensors()
+    await hold(store, chunks)
+    await store.wait_written(list(chunks))
+    commit = asyncio.create_task(store.commit(manifest))
+    await asyncio.sleep(0.3)  # the manifest write has started (held at the gate)
+    commit.cancel()
+    backend.gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await commit
+    await asyncio.wait_for(store.flush(), 10)
+    assert (await store.info("m", 1)).durable and store.persist_error is None
+    second, chunks = two_tensors(2.0)
+    await hold(store, chunks)
+    assert (await store.commit(second)).version == 2
+    await asyncio.wait_for(store.flush(), 10)
+    assert await store.versions("m") == [1, 2] and store.persist_error is None

@@ -354,11 +354,22 @@ def run(
     overrides: list[str] | None = None,
     baseline: bool = True,
 ) -> dict[str, Any]:
-    tmp = Path(tempfile.mkdtemp(prefix="treadle-bench-chaos-"))
-    console = Console(file=sys.stderr)
+    saved = dict(os.environ)  # the stack's services inherit these; the caller gets its own back
     os.environ.setdefault("TREADLE_LOG_LEVEL", "WARNING")
     # a replica that dies is not heartbeating its tasks: another takes them after this
     os.environ.setdefault("TREADLE_ROLLOUT_RECLAIM_IDLE_MS", "10000")
+    try:
+        return _run(steps, recipe, overrides, baseline)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _run(
+    steps: int | None, recipe: Path, overrides: list[str] | None, baseline: bool
+) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix="treadle-bench-chaos-"))
+    console = Console(file=sys.stderr)
     settings = CliSettings(
         state_dir=tmp / "state",
         redis_url=f"redis://127.0.0.1:{free_port_range(1)}",

@@ -198,7 +198,8 @@ class ServiceRuntime:
 
     async def _on_nats_disconnected(self) -> None:
         self._nats_error = "disconnected; reconnecting"
-        log.warning("nats disconnected; reconnecting")
+        if not self.stop_event.is_set():  # not our own drain at shutdown
+            log.warning("nats disconnected; reconnecting")
 
     async def _on_nats_reconnected(self) -> None:
         log.info("nats reconnected")

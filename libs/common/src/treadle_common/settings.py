@@ -54,6 +54,12 @@ class Settings(BaseSettings):
     instance: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
 
     weight_store_addr: str = Field("127.0.0.1:50051", description="weight-store gRPC address")
+    weight_store_retry_s: float = Field(
+        60.0,
+        gt=0,
+        description="How long a call to the weight-store is retried while it is unavailable "
+        "(restarting); past it the caller's own recovery takes over (a run resumes later)",
+    )
     env_gateway_addr: str = Field("127.0.0.1:50052", description="env-gateway gRPC address")
     reward_timeout_s: float = Field(30.0, gt=0, description="Reward request-reply timeout")
     heartbeat_interval_s: float = Field(2.0, gt=0, description="Seconds between heartbeats")

@@ -74,7 +74,9 @@ class Rollout:
         self.settings, self.runtime, self.engine = settings, runtime, engine
         self.model_dir = Path(settings.rollout_model)
         self.model_name = settings.rollout_model_name or self.model_dir.name
-        self.store = WeightStoreClient(settings.weight_store_addr)
+        self.store = WeightStoreClient(
+            settings.weight_store_addr, retry_s=settings.weight_store_retry_s
+        )
         self.env = EnvClient(settings.env_gateway_addr, batch=True)  # a group's hops together
         self.sync = WeightSync(engine, self.store)
         self.frontend = openai_api.OpenAIFrontend(

@@ -33,7 +33,7 @@ async def build(settings: TrainerSettings) -> Service:
     runtime = ServiceRuntime(SERVICE, settings, uses_redis=True)
     if settings.torch_threads:  # before any torch work: every thread it starts follows
         torch.set_num_threads(settings.torch_threads)
-    store = WeightStoreClient(settings.weight_store_addr)
+    store = WeightStoreClient(settings.weight_store_addr, retry_s=settings.weight_store_retry_s)
     env = EnvClient(settings.env_gateway_addr)
     trajectories = runtime.progress.stage("trajectories")
     runs = Runs(

@@ -317,7 +317,23 @@ class WeightStore:
             metrics.DROPPED.labels("weight-store", "version", "backend_failed").inc()
 
     async def _write_manifests(self) -> None:
-        """Make durable every pending version whose chunks are all in the backend, in order."""
+        """Make durable every pending version whose chunks are all in the backend, in order.
+
+        Shielded: the caller (a publish whose client went away) may be cancelled, but a
+        manifest write, once started, finishes with its bookkeeping; else the file would
+        exist while the version stayed pending, and the next pass would find it taken."""
+        await asyncio.shield(self._write_pending())
+
+    def _put_manifest(self, key: tuple[str, int], data: bytes) -> None:
+        """Write a pending manifest; the same bytes already there (a write whose answer was
+        lost) are as good as written."""
+        try:
+            self.backend.put_manifest(*key, data)
+        except VersionConflict:
+            if self.backend.get_manifest(*key) != data:
+                raise
+
+    async def _write_pending(self) -> None:
         async with self._manifest_lock:
             for key in sorted(self._pending):
                 manifest = self._pending.get(key)
@@ -325,12 +341,14 @@ class WeightStore:
                     continue
                 try:
                     await _io(
-                        self.backend.put_manifest,
-                        *key,
+                        self._put_manifest,
+                        key,
                         manifest.SerializeToString(),
                         executor=self._writer,
                     )
-                except StoreError as exc:  # the backend failed, or another store wrote it
+                except VersionConflict as exc:  # another store wrote a different one
+                    self._withdraw(key, str(exc))
+                except StoreError as exc:  # the backend failed
                     self._fail(str(exc))
                     self._withdraw(key, str(exc))
                 else:

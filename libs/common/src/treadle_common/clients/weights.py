@@ -170,9 +170,10 @@ def retrying(attempts: int | None = None, retry_s: float = RETRY_S) -> AsyncRetr
 class WeightStoreClient:
     """gRPC client for the weight-store (`treadle.v1.WeightStore`)."""
 
-    def __init__(self, address: str, attempts: int | None = None):
+    def __init__(self, address: str, attempts: int | None = None, retry_s: float = RETRY_S):
         self.address = address
         self.attempts = attempts
+        self.retry_s = retry_s
         reuse_freed_memory()  # chunk-sized receive buffers reuse their pages (malloc.py)
         self.channel = grpc.aio.insecure_channel(address, options=grpc_options.CHANNEL_OPTIONS)
         self.stub = weights_pb2_grpc.WeightStoreStub(self.channel)
@@ -208,7 +209,7 @@ class WeightStoreClient:
         # publish that committed (its answer lost) with the same version, not a new one
         metadata = {"publish_id": uuid.uuid4().hex, **manifest_fields.pop("metadata", {})}
         pending = layout_manifest(model, tensors, metadata=metadata, **manifest_fields)
-        async for attempt in retrying(self.attempts):
+        async for attempt in retrying(self.attempts, self.retry_s):
             with attempt:
                 return await self.publish_pending(pending, durable=durable)
         raise AssertionError("unreachable")
@@ -279,7 +280,7 @@ class WeightStoreClient:
         have_set = set(have)
         resolved = version
         sent_manifest = False
-        async for attempt in retrying(self.attempts):
+        async for attempt in retrying(self.attempts, self.retry_s):
             with attempt:
                 request = pb.FetchRequest(
                     model=model, version=resolved, have=list(have_set), skip_assets=skip_assets
@@ -318,7 +319,7 @@ class WeightStoreClient:
     async def _unary(self, method, request, timeout_s: float = grpc_options.UNARY_DEADLINE_S):
         """A unary call with a deadline, retried (jittered backoff) while the store is
         unavailable or restarting."""
-        async for attempt in retrying(self.attempts):
+        async for attempt in retrying(self.attempts, self.retry_s):
             with attempt:
                 return await method(request, timeout=timeout_s)
         raise AssertionError("unreachable")
