@@ -427,7 +427,7 @@ async def test_a_run_rides_through_a_weight_store_restart(infra, tmp_path, tiny_
     ports = {"TREADLE_HTTP_PORT": str(http_port), "TREADLE_GRPC_PORT": str(grpc_port)}
     store_proc = start_service("weight-store", infra, tmp_path / "ws", **ports)
     r = aioredis.from_url(infra.redis_url)
-    store = WeightStoreClient(store_proc.grpc_addr or "")
+    store = WeightStoreClient(store_proc.grpc_addr or "", retry_s=1.0)  # rollout goes on
     vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
     rollout = SyntheticRollout(r, store, run, recipe["model"]["name"], vocab, gated=True)
     # the store stays away longer than the trainer retries its calls (2 s here): the run
