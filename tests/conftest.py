@@ -7,6 +7,7 @@ the fixture, on a free port, with its data in a temporary directory, and stopped
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -20,9 +21,37 @@ import httpx
 import pytest
 
 from treadle_cli.infra import Infra, free_port_range
+from treadle_common import auth
 from treadle_common.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
+
+TOKENS: dict[str, str] = auth.TokenTable.generate()
+"""The session's token table (a token per role): every service a test starts checks callers
+against it, and the test process presents the admin token (`TREADLE_TOKEN`), as a user of
+`treadle up` does. `ADMIN` is the header for raw HTTP calls."""
+ADMIN = auth.bearer(TOKENS["admin"])
+
+
+def api_get(url: str, **kwargs) -> httpx.Response:
+    """`httpx.get` presenting the admin token."""
+    return httpx.get(url, headers=ADMIN, **kwargs)
+
+
+def api_post(url: str, **kwargs) -> httpx.Response:
+    """`httpx.post` presenting the admin token."""
+    return httpx.post(url, headers=ADMIN, **kwargs)
+
+
+def pytest_configure(config) -> None:
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="treadle-tokens-")) / "tokens.json"
+    auth.write_private(path, json.dumps(TOKENS))
+    os.environ["TREADLE_AUTH_TOKENS_FILE"] = str(path)
+    os.environ["TREADLE_TOKEN"] = TOKENS["admin"]
+    for key in ("TREADLE_AUTH", "TREADLE_AUTH_TOKENS", "TREADLE_TOKEN_FILE"):
+        os.environ.pop(key, None)
 
 
 TRACEBACK = "Traceback (most recent call last)"
@@ -124,6 +153,7 @@ def start_service(name: str, infra: InfraUrls, tmp: Path, **env: str) -> Service
         "TREADLE_HTTP_PORT": str(http),
         "TREADLE_GRPC_PORT": str(grpc_port),
         "TREADLE_HEARTBEAT_INTERVAL_S": "0.5",
+        "TREADLE_TOKEN": TOKENS[auth.SERVICE_ROLES.get(name, auth.Role.read)],
         **env,
     }
     log = tmp / f"{name}.log"

@@ -11,7 +11,7 @@ import httpx
 import nats
 import pytest
 
-from tests.conftest import InfraUrls, free_ports, start_service
+from tests.conftest import InfraUrls, api_get, free_ports, start_service
 from treadle_cli.infra import Infra, terminate
 from treadle_common.clients.reward import RewardClient
 from treadle_common.proto.treadle.v1 import reward_pb2 as pb
@@ -96,7 +96,7 @@ async def test_redis_restart_under_the_trainer(own_infra, tmp_path: Path):
     manager, urls = own_infra
     trainer = start_service("trainer", urls, tmp_path)
     try:
-        assert httpx.get(f"{trainer.http}/v1/backlog", timeout=5).status_code == 200
+        assert api_get(f"{trainer.http}/v1/backlog", timeout=5).status_code == 200
         stop(manager, "redis")
         wait_for(lambda: readiness(trainer.http)[0] == 503)
         checks = readiness(trainer.http)[1]
@@ -104,7 +104,7 @@ async def test_redis_restart_under_the_trainer(own_infra, tmp_path: Path):
         assert httpx.get(f"{trainer.http}/healthz", timeout=5).status_code == 200  # alive
         manager.up(("redis",))
         wait_for(lambda: readiness(trainer.http)[0] == 200)
-        assert httpx.get(f"{trainer.http}/v1/backlog", timeout=5).status_code == 200
+        assert api_get(f"{trainer.http}/v1/backlog", timeout=5).status_code == 200
     finally:
         trainer.stop_checked()
 

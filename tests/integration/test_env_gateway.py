@@ -7,6 +7,7 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tests.conftest import api_get, api_post
 from treadle_common.clients.env import EnvClient
 
 pytestmark = pytest.mark.integration
@@ -44,16 +45,16 @@ async def test_sessions_over_grpc_and_http(service):
     assert bad_task.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     await client.close()
 
-    created = httpx.post(
+    created = api_post(
         f"{gw.http}/v1/sessions", json={"env": "arith", "task": {"a": 1, "b": 2, "op": "+"}}
     ).json()
-    stepped = httpx.post(
+    stepped = api_post(
         f"{gw.http}/v1/sessions/{created['session_id']}/step", json={"text": "3"}
     ).json()
     assert stepped["done"] and stepped["info"]["answer"] == "3"
-    assert httpx.post(f"{gw.http}/v1/sessions", json={"env": "nope", "task": {}}).status_code == 404
-    assert httpx.post(f"{gw.http}/v1/sessions/missing/step", json={"text": "1"}).status_code == 404
-    assert httpx.get(f"{gw.http}/openapi.json").json()["paths"]["/v1/sessions"]
+    assert api_post(f"{gw.http}/v1/sessions", json={"env": "nope", "task": {}}).status_code == 404
+    assert api_post(f"{gw.http}/v1/sessions/missing/step", json={"text": "1"}).status_code == 404
+    assert api_get(f"{gw.http}/openapi.json").json()["paths"]["/v1/sessions"]
     assert httpx.get(f"{gw.http}/readyz").status_code == 200
 
 
@@ -68,7 +69,7 @@ async def test_capacity_and_idle_expiry(service):
         and "limit is 1" in full.value.details()
     )
     task = {"env": "arith", "task": {"a": 1, "b": 1, "op": "+"}}
-    assert httpx.post(f"{gw.http}/v1/sessions", json=task).status_code == 429
+    assert api_post(f"{gw.http}/v1/sessions", json=task).status_code == 429
     await asyncio.sleep(2.5)  # idle past the TTL: the session is gone, its slot is free
     with pytest.raises(grpc.aio.AioRpcError) as expired:
         await client.step(first.session_id, "5")
@@ -87,7 +88,7 @@ async def test_stall_detector_names_the_stage_that_made_no_progress(service):
     step = asyncio.create_task(client.step(slow.session_id, "3"))
 
     def stage() -> dict:
-        return httpx.get(f"{gw.http}/v1/info").json()["progress"]["step"]
+        return api_get(f"{gw.http}/v1/info").json()["progress"]["step"]
 
     for _ in range(50):  # the slow step is pending; after 0.5 s without progress: stalled
         await asyncio.sleep(0.1)
@@ -96,7 +97,7 @@ async def test_stall_detector_names_the_stage_that_made_no_progress(service):
     assert stage()["stalled"] and stage()["pending"] == 1
     await asyncio.sleep(1.2)  # the detector's loop has seen it: gauge set
     gauge = 'treadle_stage_stalled{service="env-gateway",stage="step"} 1.0'
-    assert gauge in httpx.get(f"{gw.http}/metrics").text
+    assert gauge in api_get(f"{gw.http}/metrics").text
     assert (await step).done
     after = stage()
     assert not after["stalled"] and after["pending"] == 0 and after["done"] == 1
@@ -142,7 +143,7 @@ async def test_a_groups_hops_travel_together_and_a_slow_step_holds_up_only_its_o
     with pytest.raises(grpc.aio.AioRpcError) as bad:
         await client.create_many("arith", '{"a": "x"}', [0, 1], "{}")
     assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert httpx.get(f"{gw.http}/v1/info").json()["sessions"] == 0
+    assert api_get(f"{gw.http}/v1/info").json()["sessions"] == 0
     await client.close()
 
 

@@ -3,10 +3,10 @@
 import asyncio
 import json
 
-import httpx
 import nats
 import pytest
 
+from tests.conftest import api_get, api_post
 from treadle_common.clients.reward import RewardClient
 from treadle_common.proto.treadle.v1 import reward_pb2 as pb
 
@@ -43,16 +43,16 @@ async def test_scoring_over_nats_shared_by_two_replicas(service, infra):
     assert malformed.status == pb.SCORE_STATUS_ERROR and "malformed" in malformed.message
     await nc.close()
 
-    http = httpx.post(
+    http = api_post(
         f"{a.http}/v1/score", json={"scorer": "exact_match", "task": {"answer": "4"}, "answer": "4"}
     )
     assert http.json()["reward"] == 1.0 and http.json()["status"] == "SCORE_STATUS_OK"
-    assert httpx.post(f"{a.http}/v1/score", json={"scorer": "nope"}).status_code == 404
-    assert httpx.post(f"{a.http}/v1/score", json={"task": 3}).status_code == 422
+    assert api_post(f"{a.http}/v1/score", json={"scorer": "nope"}).status_code == 404
+    assert api_post(f"{a.http}/v1/score", json={"task": 3}).status_code == 422
 
 
 def _requests_ok(http: str) -> int:
-    for line in httpx.get(f"{http}/metrics").text.splitlines():
+    for line in api_get(f"{http}/metrics").text.splitlines():
         if line.startswith(
             'treadle_requests_total{method="exact_match",outcome="ok",service="reward"}'
         ):
@@ -94,7 +94,7 @@ async def test_batch_path_over_nats_and_http_and_cache(service, infra):
     again = await client.score(requests[0])  # deterministic scorer: served from the cache
     assert again.reward == 1.0
     await nc.close()
-    metrics_text = httpx.get(f"{replica.http}/metrics").text
+    metrics_text = api_get(f"{replica.http}/metrics").text
     assert (
         'treadle_requests_total{method="math_verify",outcome="cached",service="reward"} 1.0'
         in metrics_text
@@ -103,8 +103,6 @@ async def test_batch_path_over_nats_and_http_and_cache(service, infra):
         {"scorer": "exact_match", "task": {"answer": "4"}, "answer": "4"},
         {"scorer": "format_regex", "answer": "abc", "options": {"pattern": "^a"}},
     ]
-    http = httpx.post(f"{replica.http}/v1/score:batch", json=body).json()["results"]
+    http = api_post(f"{replica.http}/v1/score:batch", json=body).json()["results"]
     assert [r["reward"] for r in http] == [1.0, 1.0]
-    assert (
-        httpx.post(f"{replica.http}/v1/score:batch", json=[{"scorer": "nope"}]).status_code == 404
-    )
+    assert api_post(f"{replica.http}/v1/score:batch", json=[{"scorer": "nope"}]).status_code == 404

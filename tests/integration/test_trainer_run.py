@@ -16,7 +16,7 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from tests.conftest import ServiceProc, free_ports, start_service
+from tests.conftest import ADMIN, ServiceProc, free_ports, start_service
 from treadle_bench.synthetic_rollout import SyntheticRollout
 from treadle_common import names
 from treadle_common.clients import streams
@@ -47,7 +47,7 @@ def start_trainer(infra, tmp_path, weight_store: ServiceProc) -> ServiceProc:
 
 async def wait_run(http: str, run: str, until, timeout_s: float = 120, producer=None) -> dict:
     deadline = time.monotonic() + timeout_s
-    async with httpx.AsyncClient(base_url=http, timeout=5) as client:
+    async with httpx.AsyncClient(headers=ADMIN, base_url=http, timeout=5) as client:
         while True:
             response = await client.get(f"/v1/runs/{run}")
             if response.status_code == 200 and until(status := response.json()):
@@ -88,7 +88,7 @@ async def test_sigkill_between_step_and_checkpoint_trains_every_trajectory_once(
     trainer = start_trainer(infra, tmp_path, weight_store)
     producer = None
     try:
-        async with httpx.AsyncClient(base_url=trainer.http) as client:
+        async with httpx.AsyncClient(headers=ADMIN, base_url=trainer.http) as client:
             response = await client.post("/v1/runs", json=recipe)
             assert response.status_code == 202, response.text
         producer = asyncio.create_task(rollout.run_forever())
@@ -204,7 +204,7 @@ async def test_sigterm_hands_the_run_off_to_another_trainer(
     first = start_trainer(infra, tmp_path / "a", weight_store)
     second = producer = None
     try:
-        async with httpx.AsyncClient(base_url=first.http) as client:
+        async with httpx.AsyncClient(headers=ADMIN, base_url=first.http) as client:
             response = await client.post("/v1/runs", json=recipe)
             assert response.status_code == 202, response.text
         producer = asyncio.create_task(rollout.run_forever())
@@ -254,7 +254,7 @@ async def test_a_trainer_that_stalled_past_its_lease_cannot_commit(
     first = start_trainer(infra, tmp_path / "a", weight_store)
     second = producer = None
     try:
-        async with httpx.AsyncClient(base_url=first.http) as client:
+        async with httpx.AsyncClient(headers=ADMIN, base_url=first.http) as client:
             response = await client.post("/v1/runs", json=recipe)
             assert response.status_code == 202, response.text
         producer = asyncio.create_task(rollout.run_forever())
@@ -268,7 +268,7 @@ async def test_a_trainer_that_stalled_past_its_lease_cannot_commit(
         rollout.release(GROUPS_PER_STEP)  # step 3, read by the new owner
         await wait_run(second.http, run, lambda s: s["checkpoint_step"] == 3)
         os.kill(first.proc.pid, signal.SIGCONT)
-        async with httpx.AsyncClient(base_url=first.http, timeout=5) as client:
+        async with httpx.AsyncClient(headers=ADMIN, base_url=first.http, timeout=5) as client:
             for _ in range(600):  # the woken owner finds its lease taken and stops: `lost`
                 info = (await client.get("/v1/info")).json()
                 if info["runs"].get(run) == "lost":
@@ -300,7 +300,7 @@ async def test_a_trainer_that_stalled_past_its_lease_cannot_commit(
 async def test_training_api_sft_steps_lower_the_loss(infra, tmp_path, tiny_model, weight_store):
     trainer = start_trainer(infra, tmp_path, weight_store)
     try:
-        async with httpx.AsyncClient(base_url=trainer.http, timeout=60) as client:
+        async with httpx.AsyncClient(headers=ADMIN, base_url=trainer.http, timeout=60) as client:
             created = await client.post(
                 "/v1/training/sessions", json={"model_path": str(tiny_model), "model_name": "sft"}
             )
@@ -372,7 +372,7 @@ async def test_a_damaged_checkpoint_falls_back_to_the_one_before(
     trainer = start_trainer(infra, tmp_path, weight_store)
     producer = None
     try:
-        async with httpx.AsyncClient(base_url=trainer.http) as client:
+        async with httpx.AsyncClient(headers=ADMIN, base_url=trainer.http) as client:
             response = await client.post("/v1/runs", json=recipe)
             assert response.status_code == 202, response.text
         producer = asyncio.create_task(rollout.run_forever())
@@ -442,7 +442,7 @@ async def test_a_run_rides_through_a_weight_store_restart(infra, tmp_path, tiny_
     )
     producer = None
     try:
-        async with httpx.AsyncClient(base_url=trainer.http) as client:
+        async with httpx.AsyncClient(headers=ADMIN, base_url=trainer.http) as client:
             response = await client.post("/v1/runs", json=recipe)
             assert response.status_code == 202, response.text
         producer = asyncio.create_task(rollout.run_forever())

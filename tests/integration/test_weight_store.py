@@ -11,6 +11,7 @@ import pytest
 import torch
 from minio import Minio
 
+from tests.conftest import api_get
 from treadle_common.clients import weights as weights_client
 from treadle_common.clients.torch_weights import (
     ChunkCache,
@@ -94,15 +95,15 @@ async def test_publish_fetch_delta_and_announce_to_a_late_subscriber(
     assert await torch_client.latest("m") == 3
     assert await torch_client.latest("unknown-model") is None
 
-    listing = httpx.get(f"{ws.http}/v1/models/m/versions").json()["versions"]
+    listing = api_get(f"{ws.http}/v1/models/m/versions").json()["versions"]
     assert [(int(v["version"]), int(v["parent_version"])) for v in listing] == [
         (1, -1),
         (2, 1),
         (3, -1),
     ]
-    assert httpx.get(f"{ws.http}/v1/models").json() == {"models": ["m"]}
-    assert httpx.get(f"{ws.http}/v1/models/m/versions/7").status_code == 404
-    assert "'m' has no version 7" in httpx.get(f"{ws.http}/v1/models/m/versions/7").text
+    assert api_get(f"{ws.http}/v1/models").json() == {"models": ["m"]}
+    assert api_get(f"{ws.http}/v1/models/m/versions/7").status_code == 404
+    assert "'m' has no version 7" in api_get(f"{ws.http}/v1/models/m/versions/7").text
     await torch_client.close()
     await client.close()
 
@@ -298,7 +299,7 @@ async def test_retention_pins_and_gc_while_a_reader_is_active(service, weight_st
     stream = client.stub.Fetch(pb.FetchRequest(model="m", version=2))
     items = [await anext(aiter(stream)), await anext(aiter(stream))]
     # 64 MiB exceed gRPC's flow-control window: the server is still streaming, holding a lease
-    assert httpx.get(f"{ws.http}/v1/info").json()["readers"] == {"m@2": 1}
+    assert api_get(f"{ws.http}/v1/info").json()["readers"] == {"m@2": 1}
     for v in (3, 4, 5):  # durable: written now, not in a gap the open reader never leaves
         await client.publish("m", state_dict_to_raw(states[v]), durable=True)
     # retention follows the publishes (in the background): 3 goes; 2 is leased, 1 pinned,
@@ -347,7 +348,7 @@ async def test_retention_pins_and_gc_while_a_reader_is_active(service, weight_st
 
 def _cache_counts(http: str) -> dict[str, float]:
     counts = {}
-    for line in httpx.get(f"{http}/metrics").text.splitlines():
+    for line in api_get(f"{http}/metrics").text.splitlines():
         if line.startswith("treadle_weight_cache_total{"):
             counts[line.split('result="')[1].split('"')[0]] = float(line.split()[-1])
     return counts

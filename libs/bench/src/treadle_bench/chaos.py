@@ -126,7 +126,7 @@ class ChaosMonkey:
         url = self.spec.http_url(service)
 
         def busy() -> bool:
-            info = stack.service_info(url)
+            info = stack.service_info(url, token=stack.token_for(self.state_dir))
             progress = info.progress.get(stage) if info is not None else None
             return progress is not None and progress.pending > 0
 
@@ -220,7 +220,8 @@ class ChaosMonkey:
         config = self.r.get(names.run_config(self.run_id))
         assert config is not None
         body = json.loads(config)
-        answer = stack.http().post(f"{url}/v1/runs", json=body, timeout=10)
+        http = stack.http(stack.token_for(self.state_dir))
+        answer = http.post(f"{url}/v1/runs", json=body, timeout=10)
         if answer.status_code != 409:
             raise RuntimeError(f"the second trainer took the owned run: {answer.status_code}")
         return f"pid {self.second.pid}; POST /v1/runs for the run: 409"

@@ -123,9 +123,10 @@ def both_modes(
                 start = [f"model.init_version={warmed}", "sft.steps=0"] if warmed else []
                 cfg = config("async", *start)
             started = time.perf_counter()
-            busy_before = stack.http().get(rollout_info, timeout=10).json()["engine_busy_s"]
+            http = stack.http(settings.client_token())
+            busy_before = http.get(rollout_info, timeout=10).json()["engine_busy_s"]
             code = RunClient(cfg, settings, console).execute(health_timeout_s=180)
-            busy = stack.http().get(rollout_info, timeout=10).json()["engine_busy_s"] - busy_before
+            busy = http.get(rollout_info, timeout=10).json()["engine_busy_s"] - busy_before
             if code != 0:
                 raise RuntimeError(f"{mode} run failed; outputs in {tmp / 'runs'}")
             report = RunReport.load(cfg.output_dir / cfg.run_id)

@@ -4,6 +4,7 @@ real Treadle service processes, and identity (de)serializers for the raw-bytes b
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -16,6 +17,7 @@ import grpc
 import httpx
 
 from treadle_cli.infra import Infra, terminate
+from treadle_common.auth import Role, TokenTable
 from treadle_common.settings import Settings
 
 
@@ -88,6 +90,25 @@ def start_service(
 
 
 @contextlib.contextmanager
+def bench_auth() -> Iterator[None]:
+    """Auth on, as deployed: a fresh token table for the services this bench starts
+    (`TREADLE_AUTH_TOKENS`, inherited by children) and its admin token for the bench's own
+    clients (`TREADLE_TOKEN`); the caller's environment is restored after."""
+    table = TokenTable.generate()
+    saved = {k: os.environ.get(k) for k in ("TREADLE_AUTH_TOKENS", "TREADLE_TOKEN")}
+    os.environ["TREADLE_AUTH_TOKENS"] = json.dumps(table)
+    os.environ["TREADLE_TOKEN"] = table[Role.admin]
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@contextlib.contextmanager
 def infra_with_weight_store(tmp: Path) -> Iterator[tuple[Settings, dict[str, str], list]]:
     """Private redis + nats and a weight-store process; yields (settings, the TREADLE_* env
     every further service needs, the list of processes to add yours to: all stopped on exit)."""
@@ -99,6 +120,8 @@ def infra_with_weight_store(tmp: Path) -> Iterator[tuple[Settings, dict[str, str
     infra = Infra(settings)
     infra.up()
     procs: list[subprocess.Popen] = []
+    auth = contextlib.ExitStack()
+    auth.enter_context(bench_auth())
     try:
         ws_http, ws_grpc = free_port(), free_port()
         common = {
@@ -121,4 +144,5 @@ def infra_with_weight_store(tmp: Path) -> Iterator[tuple[Settings, dict[str, str
     finally:
         for proc in reversed(procs):
             terminate(proc.pid, timeout_s=20)
+        auth.close()
         infra.down()

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import nats
 
-from treadle_bench.harness import free_port, start_service
+from treadle_bench.harness import bench_auth, free_port, start_service
 from treadle_cli.infra import Infra, terminate
 from treadle_common.clients.reward import RewardClient
 from treadle_common.logs import configure_logging
@@ -69,7 +69,7 @@ async def load(
 
 def run(requests: int = 200, concurrency: int = 32, rounds: int = 100_000) -> dict:
     configure_logging("bench", level="WARNING")
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, bench_auth():
         settings = Settings(
             state_dir=Path(tmp),
             nats_url=f"nats://127.0.0.1:{free_port()}",

@@ -83,8 +83,8 @@ def log_errors(state_dir: Path) -> list[str]:
     return lines
 
 
-async def _export(address: str, model: str, version: int, out: Path) -> None:
-    client = WeightStoreClient(address)
+async def _export(address: str, token: str | None, model: str, version: int, out: Path) -> None:
+    client = WeightStoreClient(address, token=token)
     try:
         await export_hf(client, model, version, out)
     finally:
@@ -199,7 +199,8 @@ def run(steps: int = 100, recipe: Path = STEP_RECIPE, overrides: list[str] | Non
         if version is None:
             raise RuntimeError("the sync run left no warmed-up version to start from")
         address = spec.grpc_addr("weight-store")
-        asyncio.run(_export(address, sync_config.model.name, version, warm_dir))
+        token = stack.token_for(Path(spec.state_dir))
+        asyncio.run(_export(address, token, sync_config.model.name, version, warm_dir))
         errors.extend(log_errors(Path(spec.state_dir)))
 
     stack_dir = tmp / "stack"

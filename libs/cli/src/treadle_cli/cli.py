@@ -267,7 +267,8 @@ StoreOption = Annotated[str | None, typer.Option("--store", help="weight-store g
 def _store(address: str | None):
     from treadle_common.clients.weights import WeightStoreClient
 
-    return WeightStoreClient(address or get_settings().weight_store_addr)
+    settings = get_settings()
+    return WeightStoreClient(address or settings.weight_store_addr, token=settings.client_token())
 
 
 @weights_app.command("list")

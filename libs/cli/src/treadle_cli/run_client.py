@@ -210,8 +210,9 @@ class RunClient:
     def _follow(self) -> int:
         cfg = self.config
         urls = self._urls()
-        self.trainer = TrainerClient(urls.trainer, stack.http())
-        self.rollout = RolloutClient(urls.rollout, stack.http())
+        http = stack.http(self.settings.client_token())
+        self.trainer = TrainerClient(urls.trainer, http)
+        self.rollout = RolloutClient(urls.rollout, http)
         info = self.reconnect.call("rollout", self.rollout.info)
         if info.model != cfg.model.name or Path(info.model_dir) != cfg.model.path:
             self.console.print(
@@ -330,7 +331,7 @@ class RunClient:
         cfg = self.config
         if cfg.model.init_version is not None and cfg.sft.steps:
             raise ValueError("the SFT warm-up starts from model.path: drop model.init_version")
-        env = EnvClient(self._grpc("env-gateway"))
+        env = EnvClient(self._grpc("env-gateway"), token=self.settings.client_token())
         try:
             held_out = await held_out_tasks(env, cfg)
             data = await demonstrations(env, cfg, held_out) if cfg.sft.steps else []
@@ -375,7 +376,7 @@ class RunClient:
     async def _pin(self, version: int) -> None:
         """Keep the warm-up's version past the store's retention: the run's config.yaml names
         it as `model.init_version`, so another run can start from the same weights."""
-        store = WeightStoreClient(self._grpc("weight-store"))
+        store = WeightStoreClient(self._grpc("weight-store"), token=self.settings.client_token())
         try:
             await store.set_pin(self.config.model.name, version)
         finally:
@@ -419,7 +420,7 @@ class RunClient:
         return result
 
     async def _export(self, version: int, out_dir: Path) -> Path:
-        client = WeightStoreClient(self._grpc("weight-store"))
+        client = WeightStoreClient(self._grpc("weight-store"), token=self.settings.client_token())
         try:
             return await export_hf(client, self.config.model.name, version, out_dir / "final-model")
         finally:
@@ -499,7 +500,7 @@ class RunClient:
         )
 
     async def _stored_versions(self) -> list[int]:
-        store = WeightStoreClient(self._grpc("weight-store"))
+        store = WeightStoreClient(self._grpc("weight-store"), token=self.settings.client_token())
         try:
             return [v.version for v in await store.list_versions(self.config.model.name)]
         finally:

@@ -3,8 +3,11 @@ URLs of a deployed stack `treadle run` drives."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field
 
+from treadle_common import auth
 from treadle_common.settings import Settings
 
 
@@ -26,6 +29,19 @@ class CliSettings(Settings):
         "that does not answer (restarting, moved) before it gives up, writes the summary it "
         "has and exits 1",
     )
+
+    def client_token(self) -> str | None:
+        """`TREADLE_TOKEN` / `TREADLE_TOKEN_FILE`, else the admin token `treadle up` wrote
+        into the state directory (`{state_dir}/auth/admin.token`)."""
+        return super().client_token() or auth.read_token(None, admin_token_file(self.state_dir))
+
+
+def auth_dir(state_dir: Path) -> Path:
+    return state_dir / "auth"
+
+
+def admin_token_file(state_dir: Path) -> Path:
+    return auth_dir(state_dir) / "admin.token"
 
 
 def get_settings() -> CliSettings:

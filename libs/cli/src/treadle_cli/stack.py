@@ -28,8 +28,8 @@ import httpx
 from pydantic import BaseModel, Field
 
 from treadle_cli.infra import Infra, alive, port_free, probe, terminate
-from treadle_cli.settings import CliSettings
-from treadle_common import names
+from treadle_cli.settings import CliSettings, admin_token_file, auth_dir
+from treadle_common import auth, names
 from treadle_common.api.ops import Readiness, ServiceInfo, StageProgress
 from treadle_common.api.rollout import RolloutInfo
 from treadle_common.api.runs import RunStatus
@@ -53,6 +53,8 @@ class StackSpec:
     infra_started: list[str] = field(default_factory=list)
     max_restarts: int = 3
     host: str = "127.0.0.1"
+    auth_tokens_file: str | None = None
+    """The services' token table (None: auth off); each service presents its role's token."""
 
     @staticmethod
     def ports_from(base_port: int | None) -> dict[str, dict[str, int]]:
@@ -87,10 +89,23 @@ class StackSpec:
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         if service == "rollout":  # generation and training share the cores (async runs)
             env.setdefault("TREADLE_TORCH_THREADS", str(max(1, (os.cpu_count() or 2) // 2)))
+        env.update(self.auth_env(service))
         env.pop("TREADLE_GRPC_PORT", None)
         if "grpc" in ports[service]:
             env["TREADLE_GRPC_PORT"] = str(self.port(service, "grpc"))
         return env
+
+    def auth_env(self, service: str) -> dict[str, str]:
+        """The token table `service` checks callers against and the token it presents."""
+        if self.auth_tokens_file is None:
+            return {"TREADLE_AUTH": "off"}
+        path = Path(self.auth_tokens_file)
+        table = auth.TokenTable.parse(path.read_text(), str(path))
+        token = table.token_of(auth.SERVICE_ROLES[service])
+        return {
+            "TREADLE_AUTH_TOKENS_FILE": str(path),
+            **({"TREADLE_TOKEN": token} if token else {}),
+        }
 
     def http_url(self, service: str) -> str:
         return f"http://{self.host}:{self.port(service, 'http')}"
@@ -251,14 +266,17 @@ class Supervisor:
 
 # -- status ------------------------------------------------------------------------------
 @functools.cache
-def http() -> httpx.Client:
+def http(token: str | None = None) -> httpx.Client:
     """One client for every status poll: `httpx.get` builds a client (and an SSL context,
     ~20 ms of CPU) per call, which a 2-core machine running the stack feels.
 
     Pooled connections are dropped well before the services' keep-alive timeout: a request
     sent on a connection the server is closing at that moment fails with "connection reset"
     (seen: an SFT warm-up validating every ~5 s against uvicorn's 5 s timeout)."""
-    return httpx.Client(limits=httpx.Limits(keepalive_expiry=names.HTTP_KEEPALIVE_S / 2))
+    return httpx.Client(
+        limits=httpx.Limits(keepalive_expiry=names.HTTP_KEEPALIVE_S / 2),
+        headers=auth.bearer(token),
+    )
 
 
 class InfraHealth(BaseModel):
@@ -347,17 +365,27 @@ def service_health(url: str) -> Readiness:
         return Readiness(ready=False, checks={"http": f"unreachable: {exc}"})
 
 
-def service_info(url: str, model: type[ServiceInfo] = ServiceInfo) -> ServiceInfo | None:
+def token_for(state_dir: Path) -> str | None:
+    """The token to call the stack of `state_dir` with: `TREADLE_TOKEN[_FILE]`, else the admin
+    token its `treadle up` wrote there."""
+    return CliSettings(state_dir=state_dir).client_token()
+
+
+def service_info(
+    url: str, model: type[ServiceInfo] = ServiceInfo, token: str | None = None
+) -> ServiceInfo | None:
     try:
-        return info(http(), url, model)
+        return info(http(token), url, model)
     except (httpx.HTTPError, ValueError, ApiError):
         return None
 
 
-def time_breakdown(spec: StackSpec, rollout: RolloutInfo | None) -> TimeBreakdown:
+def time_breakdown(
+    spec: StackSpec, rollout: RolloutInfo | None, token: str | None
+) -> TimeBreakdown:
     """Where time goes: the trainer waiting for batches vs rollout generating or waiting."""
     try:
-        runs = TrainerClient(spec.http_url("trainer"), http(), timeout_s=2.0).list_runs()
+        runs = TrainerClient(spec.http_url("trainer"), http(token), timeout_s=2.0).list_runs()
     except (httpx.HTTPError, ValueError, ApiError):
         runs = []
     return TimeBreakdown(
@@ -379,10 +407,11 @@ def status(state_dir: Path, detail: bool = False) -> StackStatus:
         infra[name] = InfraHealth(url=url, healthy=why is None, detail=why or "ok")
     services: dict[str, ServiceHealth] = {}
     rollout_info: RolloutInfo | None = None
+    token = token_for(state_dir)
     for name, svc in record.services.items():
         url = spec.http_url(name)
         health = service_health(url)
-        service = service_info(url, RolloutInfo if name == "rollout" else ServiceInfo)
+        service = service_info(url, RolloutInfo if name == "rollout" else ServiceInfo, token)
         if isinstance(service, RolloutInfo):
             rollout_info = service
         progress = service.progress if service is not None else {}
@@ -407,7 +436,7 @@ def status(state_dir: Path, detail: bool = False) -> StackStatus:
         infra=infra,
         services=services,
         stalled={n: s.stalled for n, s in services.items() if s.stalled},
-        time=time_breakdown(spec, rollout_info) if detail else None,
+        time=time_breakdown(spec, rollout_info, token) if detail else None,
     )
 
 
@@ -440,6 +469,7 @@ def prepare(
         for kind, port in kinds.items():
             if not port_free(settings.host, port):
                 raise StackError(f"port {port} ({service} {kind}) is already in use")
+    tokens_file = ensure_tokens(settings, state_dir)
     infra = Infra(settings).up(("redis", "nats", "s3") if with_s3 else ("redis", "nats"))
     started = [s.name for s in infra if s.detail == "started"]
     if model_dir is None:
@@ -458,7 +488,27 @@ def prepare(
         ports=ports,
         infra_started=started,
         host=settings.host,
+        auth_tokens_file=str(tokens_file) if tokens_file else None,
     )
+
+
+def ensure_tokens(settings: CliSettings, state_dir: Path) -> Path | None:
+    """The stack's token table: the one the caller configured (TREADLE_AUTH_TOKENS[_FILE]),
+    else `{state_dir}/auth/tokens.json`, generated on the first `up` and kept (0600), with the
+    admin token beside it for the CLI (`admin.token`). None: TREADLE_AUTH=off."""
+    if settings.auth == "off":
+        return None
+    path = settings.auth_tokens_file or auth_dir(state_dir) / "tokens.json"
+    if settings.auth_tokens is not None:
+        path = auth_dir(state_dir) / "tokens.json"
+        auth.write_private(path, settings.auth_tokens.get_secret_value())
+    elif not path.exists():
+        auth.write_private(path, json.dumps(auth.TokenTable.generate(), indent=2))
+    table = auth.TokenTable.parse(path.read_text(), str(path))  # malformed: say so now
+    admin = table.token_of(auth.Role.admin)
+    if admin is not None and settings.auth_tokens_file is None:
+        auth.write_private(admin_token_file(state_dir), admin)
+    return path.resolve()
 
 
 def launch_detached(spec: StackSpec) -> int:

@@ -8,6 +8,10 @@
 Every service gets `/healthz` (process alive), `/readyz` (every dependency answers; 503 with
 the reason otherwise), `/metrics` (Prometheus) and `/v1/info`, a heartbeat every few seconds
 into the NATS KV bucket `treadle_heartbeats`, and `grpc.health.v1` on its gRPC server.
+
+Every other endpoint is checked against the caller's bearer token (`treadle_common.auth`):
+HTTP routes by one app-wide dependency that reads each route's declared roles, gRPC methods
+by one interceptor over the policy the service passes to `make_grpc_server`.
 """
 
 from __future__ import annotations
@@ -27,15 +31,17 @@ import grpc
 import nats
 import redis.asyncio as aioredis
 import uvicorn
-from fastapi import FastAPI, Response
+from fastapi import Depends, FastAPI, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from nats.aio.client import Client as NATS
 from nats.js.kv import KeyValue
 
-from treadle_common import __version__, metrics, names, tracing
+from treadle_common import __version__, auth, metrics, names, tracing
 from treadle_common.api.ops import Readiness, ServiceInfo
 from treadle_common.clients import grpc_options
+from treadle_common.grpc_auth import ServerAuth
 from treadle_common.logs import configure_logging, get_logger
 from treadle_common.progress import Progress
 from treadle_common.settings import Settings
@@ -60,6 +66,13 @@ def bind_socket(service: str, kind: str, host: str, port: int) -> socket.socket:
     return sock
 
 
+class AuthConfigError(ValueError):
+    """Auth is on and its token table is missing or malformed: the service does not start."""
+
+
+_BEARER = HTTPBearer(auto_error=False, description="A Treadle token (`TREADLE_TOKEN`)")
+
+
 class _Uvicorn(uvicorn.Server):
     """uvicorn without its own signal handling: the runtime owns SIGTERM/SIGINT."""
 
@@ -75,7 +88,18 @@ class ServiceRuntime:
         self.started_at = time.time()
         self.draining = False
         self.stop_event = asyncio.Event()
-        self.app = FastAPI(title=f"treadle {service}", version=__version__)
+        try:
+            self.authorizer = auth.Authorizer(settings.token_table())
+        except ValueError as exc:
+            raise AuthConfigError(f"{service}: {exc}") from None
+        self.app = FastAPI(
+            title=f"treadle {service}",
+            version=__version__,
+            dependencies=[Depends(self._authorize)],
+            openapi_url=None,  # served below, behind a token like every other route
+            docs_url=None,
+            redoc_url=None,
+        )
         self._redis: aioredis.Redis | None = (
             aioredis.from_url(settings.redis_url, socket_timeout=10) if uses_redis else None
         )
@@ -115,8 +139,12 @@ class ServiceRuntime:
         """The service's own `/v1/info` fields; `model` (a `ServiceInfo`) is their shape."""
         self._info, self._info_model = info, model
 
-    def make_grpc_server(self) -> grpc.aio.Server:
-        self.grpc_server = grpc.aio.server(options=grpc_options.SERVER_OPTIONS)
+    def make_grpc_server(self, policy: auth.GrpcPolicy) -> grpc.aio.Server:
+        """The service's gRPC server; `policy` names who may call each of its methods."""
+        interceptor = ServerAuth(self.service, self.authorizer, policy)
+        self.grpc_server = grpc.aio.server(
+            options=grpc_options.SERVER_OPTIONS, interceptors=[interceptor]
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.grpc_health, self.grpc_server)
         return self.grpc_server
 
@@ -152,10 +180,30 @@ class ServiceRuntime:
         return self.nats
 
     # -- HTTP routes -------------------------------------------------------------------------
+    async def _authorize(
+        self,
+        request: Request,
+        credentials: HTTPAuthorizationCredentials | None = Depends(_BEARER),
+    ) -> None:
+        """Every route: the caller's token must name a role the route declares (its
+        `openapi_extra` `x-treadle-roles`); a route that declares none is refused."""
+        route = request.scope.get("route")
+        declared = (getattr(route, "openapi_extra", None) or {}).get(auth.ROLES_KEY)
+        if declared == [auth.PUBLIC]:
+            return
+        path = getattr(route, "path", request.url.path)
+        header = f"Bearer {credentials.credentials}" if credentials else None
+        try:
+            self.authorizer.check(header, auth.parse_roles(declared), f"{request.method} {path}")
+        except auth.AuthError as error:
+            metrics.AUTH_REFUSED.labels(self.service, "http", str(error.status)).inc()
+            headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+            raise HTTPException(error.status, error.message, headers=headers) from None
+
     def _add_routes(self) -> None:
         app = self.app
 
-        @app.get("/healthz", tags=["ops"])
+        @app.get("/healthz", tags=["ops"], openapi_extra=auth.public())
         async def healthz() -> JSONResponse:
             """Alive and making progress: 503 naming the wedged stages otherwise."""
             wedged = self.progress.wedged(self.settings.liveness_stall_s)
@@ -164,7 +212,7 @@ class ServiceRuntime:
                 return JSONResponse(body, status_code=503)
             return JSONResponse({"status": "ok", "service": self.service})
 
-        @app.get("/readyz", tags=["ops"])
+        @app.get("/readyz", tags=["ops"], openapi_extra=auth.public())
         async def readyz() -> JSONResponse:
             checks = await self.readiness()
             ready = not self.draining and all(v == "ok" for v in checks.values())
@@ -172,12 +220,17 @@ class ServiceRuntime:
             body = Readiness(ready=ready, draining=self.draining, checks=checks)
             return JSONResponse(body.model_dump(), status_code=200 if ready else 503)
 
-        @app.get("/metrics", tags=["ops"])
+        @app.get("/openapi.json", include_in_schema=False, openapi_extra=auth.roles(auth.ANY))
+        async def openapi() -> JSONResponse:
+            """The service's OpenAPI document (each route's roles in `x-treadle-roles`)."""
+            return JSONResponse(app.openapi())
+
+        @app.get("/metrics", tags=["ops"], openapi_extra=auth.roles(auth.ANY))
         async def prometheus() -> Response:
             body, content_type = metrics.render()
             return Response(body, media_type=content_type)
 
-        @app.get("/v1/info", tags=["ops"])
+        @app.get("/v1/info", tags=["ops"], openapi_extra=auth.roles(auth.ANY))
         async def info() -> dict[str, Any]:
             body = self._info_model(
                 service=self.service,
@@ -355,5 +408,5 @@ def run_service(app_module: str, settings_class: type[Settings]) -> None:
 
     try:
         asyncio.run(main())
-    except PortInUseError as exc:
+    except (PortInUseError, AuthConfigError) as exc:
         raise SystemExit(f"error: {exc}") from exc

@@ -15,10 +15,10 @@ import socket
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from treadle_common import names
+from treadle_common import auth, names
 
 _LOCAL_SECRET = "treadle-local-secret"
 
@@ -43,6 +43,24 @@ class Settings(BaseSettings):
     )
     s3_access_key: str = Field(_LOCAL_SECRET, description="S3 access key")
     s3_secret_key: str = Field(_LOCAL_SECRET, description="S3 secret key")
+
+    auth: Literal["on", "off"] = Field(
+        "on",
+        description="`on`: every endpoint but /healthz and /readyz needs a bearer token of a "
+        "role allowed to call it (`treadle_common.auth`); `off` only with environment=local",
+    )
+    auth_tokens: SecretStr | None = Field(
+        None,
+        description='A server\'s token table: JSON `{"admin": "...", "trainer": ["...", ...]}` '
+        "(roles: admin, trainer, rollout, agent, read)",
+    )
+    auth_tokens_file: Path | None = Field(
+        None, description="... or a file holding that JSON (a mounted Secret)"
+    )
+    token: SecretStr | None = Field(
+        None, description="The bearer token this process presents to the services it calls"
+    )
+    token_file: Path | None = Field(None, description="... or a file holding it")
 
     host: str = Field("127.0.0.1", description="Interface this process's servers bind to")
     http_port: int | None = Field(
@@ -103,7 +121,29 @@ class Settings(BaseSettings):
             self.s3_secret_key,
         ):
             raise ValueError("TREADLE_S3_ACCESS_KEY/SECRET_KEY must be set in production")
+        if self.environment == "production" and self.auth == "off":
+            raise ValueError("TREADLE_AUTH=off is refused in production")
         return self
+
+    def token_table(self) -> auth.TokenTable | None:
+        """This server's token table; None only when auth is off. Auth on without a table is
+        an error that says how to give one."""
+        if self.auth == "off":
+            return None
+        tokens = self.auth_tokens.get_secret_value() if self.auth_tokens else None
+        table = auth.load_table(tokens, self.auth_tokens_file)
+        if table is None:
+            raise ValueError(
+                "auth is on but no tokens are configured: set TREADLE_AUTH_TOKENS or "
+                "TREADLE_AUTH_TOKENS_FILE (`treadle up` writes one under its state dir), or "
+                "TREADLE_AUTH=off for local development"
+            )
+        return table
+
+    def client_token(self) -> str | None:
+        """The bearer token this process presents (`TREADLE_TOKEN` / `TREADLE_TOKEN_FILE`)."""
+        token = self.token.get_secret_value() if self.token else None
+        return auth.read_token(token, self.token_file)
 
     def port(self, service: str, kind: Literal["http", "grpc"]) -> int:
         explicit = self.http_port if kind == "http" else self.grpc_port

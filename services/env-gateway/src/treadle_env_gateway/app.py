@@ -12,7 +12,7 @@ import asyncio
 from treadle_common.proto.treadle.v1 import env_pb2_grpc
 from treadle_common.service import Service, ServiceRuntime
 from treadle_env_gateway import http
-from treadle_env_gateway.grpc import EnvGatewayServicer
+from treadle_env_gateway.grpc import POLICY, EnvGatewayServicer
 from treadle_env_gateway.sessions import SERVICE, SessionManager
 from treadle_env_gateway.settings import EnvGatewaySettings
 
@@ -29,7 +29,7 @@ async def build(settings: EnvGatewaySettings) -> Service:
     )
     env_pb2_grpc.add_EnvGatewayServicer_to_server(
         EnvGatewayServicer(sessions, runtime.progress.stage("step", liveness=True)),
-        runtime.make_grpc_server(),
+        runtime.make_grpc_server(POLICY),
     )
     runtime.set_info(lambda: {"envs": sorted(sessions.envs), "sessions": len(sessions.sessions)})
     http.mount(runtime.app, sessions)

@@ -18,7 +18,8 @@ from asyncio import FIRST_COMPLETED
 import grpc
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from treadle_common import metrics, tracing
+from treadle_common import auth, metrics, tracing
+from treadle_common.auth import ANY, ROLLOUT, WORKERS
 from treadle_common.progress import Stage
 from treadle_common.proto.treadle.v1 import env_pb2 as pb
 from treadle_common.proto.treadle.v1 import env_pb2_grpc
@@ -30,6 +31,21 @@ from treadle_env_gateway.sessions import (
     SessionManager,
     UnknownSession,
 )
+
+POLICY = auth.grpc_policy(
+    pb,
+    "EnvGateway",
+    ListEnvs=ANY,
+    SampleTasks=WORKERS,
+    CreateSession=ROLLOUT,
+    Step=ROLLOUT,
+    CloseSession=ROLLOUT,
+    CreateSessions=ROLLOUT,
+    StepMany=ROLLOUT,
+    CloseSessions=ROLLOUT,
+)
+"""Sessions are rollout's (it plays the episodes; reward's code scorer runs tests through a
+session with rollout's token); the trainer samples tasks; anyone authenticated lists envs."""
 
 
 def parse_json(text: str, what: str) -> dict:

@@ -12,6 +12,7 @@ from dataclasses import asdict
 
 from fastapi import FastAPI, HTTPException
 
+from treadle_common import auth
 from treadle_common.api.envs import (
     Act,
     CreateSession,
@@ -32,11 +33,11 @@ def _http_errors(exc: Exception) -> HTTPException:
 
 def mount(app: FastAPI, sessions: SessionManager) -> None:
 
-    @app.get("/v1/envs", tags=["envs"])
+    @app.get("/v1/envs", tags=["envs"], openapi_extra=auth.roles(auth.ANY))
     async def list_envs() -> EnvList:
         return EnvList(envs=sorted(sessions.envs))
 
-    @app.post("/v1/sessions", tags=["sessions"])
+    @app.post("/v1/sessions", tags=["sessions"], openapi_extra=auth.roles(auth.ROLLOUT))
     async def create(body: CreateSession) -> SessionOpened:
         try:
             session, observation = await sessions.create(
@@ -46,7 +47,9 @@ def mount(app: FastAPI, sessions: SessionManager) -> None:
             raise _http_errors(exc) from exc
         return SessionOpened(session_id=session.session_id, observation=_messages(observation))
 
-    @app.post("/v1/sessions/{session_id}/step", tags=["sessions"])
+    @app.post(
+        "/v1/sessions/{session_id}/step", tags=["sessions"], openapi_extra=auth.roles(auth.ROLLOUT)
+    )
     async def step(session_id: str, body: Act) -> Stepped:
         try:
             result = await sessions.step(session_id, Action(text=body.text))
@@ -59,7 +62,9 @@ def mount(app: FastAPI, sessions: SessionManager) -> None:
             info=result.info,
         )
 
-    @app.delete("/v1/sessions/{session_id}", tags=["sessions"])
+    @app.delete(
+        "/v1/sessions/{session_id}", tags=["sessions"], openapi_extra=auth.roles(auth.ROLLOUT)
+    )
     async def close(session_id: str) -> SessionClosed:
         await sessions.close(session_id)
         return SessionClosed(closed=session_id)

@@ -10,6 +10,7 @@ import json
 
 from fastapi import FastAPI, HTTPException
 
+from treadle_common import auth
 from treadle_common.api.reward import ScoreBatchOut, ScoreBody, ScoreOut
 from treadle_common.proto.treadle.v1 import reward_pb2 as pb
 from treadle_reward.worker import ScoringService
@@ -29,11 +30,11 @@ def mount(app: FastAPI, scoring: ScoringService) -> None:
             options_json=json.dumps(body.options),
         )
 
-    @app.post("/v1/score", tags=["score"])
+    @app.post("/v1/score", tags=["score"], openapi_extra=auth.roles(auth.WORKERS))
     async def score(body: ScoreBody) -> ScoreOut:
         return ScoreOut.from_proto(await scoring.score(to_request(body)))
 
-    @app.post("/v1/score:batch", tags=["score"])
+    @app.post("/v1/score:batch", tags=["score"], openapi_extra=auth.roles(auth.WORKERS))
     async def score_batch(bodies: list[ScoreBody]) -> ScoreBatchOut:
         batch = pb.ScoreBatchRequest(requests=[to_request(b) for b in bodies])
         results = (await scoring.score_batch(batch)).results

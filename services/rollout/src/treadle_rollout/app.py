@@ -23,7 +23,7 @@ from treadle_rollout import http, openai_api
 from treadle_rollout.engines.base import Engine
 from treadle_rollout.engines.hf import HFEngine
 from treadle_rollout.episodes import EpisodeRunner
-from treadle_rollout.grpc import GenerationServicer
+from treadle_rollout.grpc import POLICY, GenerationServicer
 from treadle_rollout.settings import RolloutSettings
 from treadle_rollout.weight_sync import WeightSync
 from treadle_rollout.worker import SERVICE, TaskWorker
@@ -74,10 +74,12 @@ class Rollout:
         self.settings, self.runtime, self.engine = settings, runtime, engine
         self.model_dir = Path(settings.rollout_model)
         self.model_name = settings.rollout_model_name or self.model_dir.name
+        token = settings.client_token()
         self.store = WeightStoreClient(
-            settings.weight_store_addr, retry_s=settings.weight_store_retry_s
+            settings.weight_store_addr, retry_s=settings.weight_store_retry_s, token=token
         )
-        self.env = EnvClient(settings.env_gateway_addr, batch=True)  # a group's hops together
+        # a group's hops together
+        self.env = EnvClient(settings.env_gateway_addr, batch=True, token=token)
         self.sync = WeightSync(engine, self.store)
         self.frontend = openai_api.OpenAIFrontend(
             engine,
@@ -137,7 +139,7 @@ async def build(settings: RolloutSettings) -> Service:
     rollout = Rollout(settings, runtime, engine)
     runtime.progress.add(rollout.sync.stage)
     generation_pb2_grpc.add_GenerationServicer_to_server(
-        GenerationServicer(engine), runtime.make_grpc_server()
+        GenerationServicer(engine), runtime.make_grpc_server(POLICY)
     )
     runtime.add_check("env-gateway", rollout.env_check)
     runtime.add_check("weight-store", rollout.weights_check)

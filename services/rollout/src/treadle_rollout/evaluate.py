@@ -17,6 +17,7 @@ from typing import Any
 
 from fastapi import FastAPI, HTTPException
 
+from treadle_common import auth
 from treadle_common.api.rollout import EvaluateRequest, EvaluateResult
 from treadle_common.proto.treadle.v1 import common_pb2, task_pb2
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
@@ -24,7 +25,7 @@ from treadle_rollout.episodes import EpisodeRunner
 
 
 def mount(app: FastAPI, runner: Callable[[], EpisodeRunner | None]) -> None:
-    @app.post("/v1/evaluate", tags=["evaluate"])
+    @app.post("/v1/evaluate", tags=["evaluate"], openapi_extra=auth.roles(auth.WORKERS))
     async def evaluate(request: EvaluateRequest) -> EvaluateResult:
         episodes = runner()
         if episodes is None:

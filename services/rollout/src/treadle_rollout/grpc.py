@@ -5,9 +5,23 @@ from __future__ import annotations
 
 import grpc
 
+from treadle_common import auth
 from treadle_common.proto.treadle.v1 import generation_pb2 as gpb
 from treadle_common.proto.treadle.v1 import generation_pb2_grpc
 from treadle_rollout.engines.base import ContextOverflow, Engine, Sampling
+
+POLICY = auth.grpc_policy(gpb, "Generation", Generate=auth.WORKERS | {auth.Role.agent})
+"""Raw generation with the current policy: the loop's services and agents."""
+
+
+def bad_prompt(tokens: list[int], vocab_size: int) -> str | None:
+    """Why `tokens` cannot be a prompt (empty, or an id outside the vocabulary), or None."""
+    if not tokens:
+        return "prompt_tokens is empty"
+    bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        return f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})"
+    return None
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -15,6 +29,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.engine = engine
 
     async def Generate(self, request: gpb.GenerateRequest, context):
+        problem = bad_prompt(list(request.prompt_tokens), len(self.engine.tokenizer))
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         s = request.sampling
         sampling = Sampling(
             temperature=s.temperature,

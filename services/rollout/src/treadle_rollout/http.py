@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 
+from treadle_common import auth
 from treadle_common.api.rollout import RolloutInfo, Swap, Swaps
 from treadle_common.service import ServiceRuntime
 from treadle_rollout import evaluate, metrics, openai_api
@@ -23,7 +24,7 @@ def mount(runtime: ServiceRuntime, rollout: Rollout) -> None:
     evaluate.mount(app, lambda: rollout.worker.runner if rollout.worker else None)
     runtime.set_info(lambda: info(rollout), RolloutInfo)
 
-    @app.get("/v1/swaps", tags=["weights"])
+    @app.get("/v1/swaps", tags=["weights"], openapi_extra=auth.roles(auth.ANY))
     async def swaps() -> Swaps:
         return Swaps(swaps=[Swap(**asdict(s)) for s in rollout.sync.swaps])
 

@@ -28,7 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from treadle_common import names
+from treadle_common import auth, names
 from treadle_common.clients import streams
 from treadle_common.proto.treadle.v1 import reward_pb2
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
@@ -390,7 +390,7 @@ def mount(app: FastAPI, frontend: OpenAIFrontend) -> None:
             return await response if inspect.isawaitable(response) else response
         return JSONResponse({"detail": exc.errors()}, status_code=422)
 
-    @router.get("/v1/models")
+    @router.get("/v1/models", openapi_extra=auth.roles(auth.ANY))
     async def models() -> dict:
         return {
             "object": "list",
@@ -405,23 +405,23 @@ def mount(app: FastAPI, frontend: OpenAIFrontend) -> None:
             ],
         }
 
-    @router.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions", openapi_extra=auth.roles(auth.AGENT))
     async def chat(req: ChatRequest, request: Request) -> dict:
         return await frontend.chat(req, request.headers.get(SESSION_HEADER))
 
-    @router.post("/v1/completions")
+    @router.post("/v1/completions", openapi_extra=auth.roles(auth.AGENT))
     async def completions(req: CompletionRequest) -> dict:
         return await frontend.completions(req)
 
-    @router.get("/v1/sessions/{session_id}")
+    @router.get("/v1/sessions/{session_id}", openapi_extra=auth.roles(auth.AGENT))
     async def session_info(session_id: str) -> dict:
         return frontend.info(session_id)
 
-    @router.post("/v1/sessions/{session_id}/finish")
+    @router.post("/v1/sessions/{session_id}/finish", openapi_extra=auth.roles(auth.AGENT))
     async def finish(session_id: str, body: FinishSession) -> dict:
         return await frontend.finish(session_id, body)
 
-    @router.delete("/v1/sessions/{session_id}")
+    @router.delete("/v1/sessions/{session_id}", openapi_extra=auth.roles(auth.AGENT))
     async def discard(session_id: str) -> dict:
         frontend.recorder.get(session_id)
         del frontend.recorder.sessions[session_id]

@@ -33,8 +33,11 @@ async def build(settings: TrainerSettings) -> Service:
     runtime = ServiceRuntime(SERVICE, settings, uses_redis=True)
     if settings.torch_threads:  # before any torch work: every thread it starts follows
         torch.set_num_threads(settings.torch_threads)
-    store = WeightStoreClient(settings.weight_store_addr, retry_s=settings.weight_store_retry_s)
-    env = EnvClient(settings.env_gateway_addr)
+    token = settings.client_token()
+    store = WeightStoreClient(
+        settings.weight_store_addr, retry_s=settings.weight_store_retry_s, token=token
+    )
+    env = EnvClient(settings.env_gateway_addr, token=token)
     trajectories = runtime.progress.stage("trajectories")
     runs = Runs(
         runtime, settings, store, env, (trajectories, runtime.progress.stage("step", liveness=True))

@@ -23,7 +23,7 @@ import time
 
 from fastapi import FastAPI, HTTPException, Query
 
-from treadle_common import names
+from treadle_common import auth, names
 from treadle_common.api.runs import Backlog, EvaluationDone, RunState, RunStatus, StepRecord
 from treadle_common.clients import streams
 from treadle_common.clients.env import EnvClient
@@ -233,19 +233,21 @@ class Runs:
         )
 
     def mount(self, app: FastAPI) -> None:
-        app.post("/v1/runs", status_code=202, tags=["runs"])(self.start)
+        app.post(
+            "/v1/runs", status_code=202, tags=["runs"], openapi_extra=auth.roles(auth.TRAINER)
+        )(self.start)
 
-        @app.get("/v1/backlog", tags=["runs"])
+        @app.get("/v1/backlog", tags=["runs"], openapi_extra=auth.roles(auth.ANY))
         async def backlog() -> Backlog:
             """Work waiting in Redis for the active runs (KEDA scales rollout on
             `tasks_waiting`)."""
             return await self.backlog()
 
-        @app.get("/v1/runs", tags=["runs"])
+        @app.get("/v1/runs", tags=["runs"], openapi_extra=auth.roles(auth.ANY))
         async def list_runs() -> list[RunStatus]:
             return [o.status for o in self.owners.values()]
 
-        @app.get("/v1/runs/{run_id}", tags=["runs"])
+        @app.get("/v1/runs/{run_id}", tags=["runs"], openapi_extra=auth.roles(auth.ANY))
         async def get_run(
             run_id: str,
             steps_from: int = Query(
@@ -266,7 +268,9 @@ class Runs:
                 return status.model_copy(update={"steps": status.steps[steps_from:]})
             return await self.stored_status(run_id, steps_from)
 
-        @app.post("/v1/runs/{run_id}/evaluations", tags=["runs"])
+        @app.post(
+            "/v1/runs/{run_id}/evaluations", tags=["runs"], openapi_extra=auth.roles(auth.TRAINER)
+        )
         async def evaluated(run_id: str, report: EvaluationDone) -> RunStatus:
             """The client evaluated the weights of `step`: a sync run holding there goes on."""
             owner = self._owner(run_id)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from fastapi import FastAPI, HTTPException
 
+from treadle_common import auth
 from treadle_common.api.training import (
     AdamParams,
     CreateSession,
@@ -80,7 +81,12 @@ def mount(app: FastAPI, store: WeightStoreClient, state_dir: Path) -> None:
             raise HTTPException(404, f"no training session {sid}")
         return sessions[sid]
 
-    @app.post("/v1/training/sessions", status_code=201, tags=["training"])
+    @app.post(
+        "/v1/training/sessions",
+        status_code=201,
+        tags=["training"],
+        openapi_extra=auth.roles(auth.TRAINER),
+    )
     async def create(request: CreateSession) -> SessionCreated:
         if not (Path(request.model_path) / "config.json").exists():
             raise HTTPException(400, f"{request.model_path} is not an HF model directory")
@@ -92,7 +98,11 @@ def mount(app: FastAPI, store: WeightStoreClient, state_dir: Path) -> None:
         sessions[sid] = Session(sid, request, backend, state_dir / "training" / sid)
         return SessionCreated(session_id=sid, vocab_size=backend.vocab_size)
 
-    @app.post("/v1/training/sessions/{sid}/forward_backward", tags=["training"])
+    @app.post(
+        "/v1/training/sessions/{sid}/forward_backward",
+        tags=["training"],
+        openapi_extra=auth.roles(auth.TRAINER),
+    )
     async def forward_backward(sid: str, request: ForwardBackward) -> ForwardBackwardResult:
         session = get(sid)
         vocab = session.backend.vocab_size
@@ -113,7 +123,11 @@ def mount(app: FastAPI, store: WeightStoreClient, state_dir: Path) -> None:
             )
         return ForwardBackwardResult(**out)
 
-    @app.post("/v1/training/sessions/{sid}/optim_step", tags=["training"])
+    @app.post(
+        "/v1/training/sessions/{sid}/optim_step",
+        tags=["training"],
+        openapi_extra=auth.roles(auth.TRAINER),
+    )
     async def optim_step(sid: str, adam: AdamParams) -> OptimStepResult:
         session = get(sid)
         async with session.lock:
@@ -121,7 +135,11 @@ def mount(app: FastAPI, store: WeightStoreClient, state_dir: Path) -> None:
             session.steps += 1
         return OptimStepResult(grad_norm=out["grad_norm"], step=session.steps)
 
-    @app.post("/v1/training/sessions/{sid}/save_weights", tags=["training"])
+    @app.post(
+        "/v1/training/sessions/{sid}/save_weights",
+        tags=["training"],
+        openapi_extra=auth.roles(auth.TRAINER),
+    )
     async def save_weights(sid: str) -> SavedWeights:
         session = get(sid)
         async with session.lock:
@@ -137,7 +155,11 @@ def mount(app: FastAPI, store: WeightStoreClient, state_dir: Path) -> None:
         session.versions.append(response.version)
         return SavedWeights(version=response.version, bytes_sent=response.bytes_received)
 
-    @app.post("/v1/training/sessions/{sid}/save_state", tags=["training"])
+    @app.post(
+        "/v1/training/sessions/{sid}/save_state",
+        tags=["training"],
+        openapi_extra=auth.roles(auth.TRAINER),
+    )
     async def save_state(sid: str, request: SaveState) -> SavedState:
         session = get(sid)
         path = session.root / (request.name or f"step-{session.steps:06d}")
@@ -145,7 +167,11 @@ def mount(app: FastAPI, store: WeightStoreClient, state_dir: Path) -> None:
             await on_torch_thread(session.backend.save, path, {"step": session.steps})
         return SavedState(path=str(path.resolve()), step=session.steps)
 
-    @app.post("/v1/training/sessions/{sid}/load_state", tags=["training"])
+    @app.post(
+        "/v1/training/sessions/{sid}/load_state",
+        tags=["training"],
+        openapi_extra=auth.roles(auth.TRAINER),
+    )
     async def load_state(sid: str, request: LoadState) -> LoadedState:
         session = get(sid)
         path = Path(request.path)
@@ -162,7 +188,12 @@ def mount(app: FastAPI, store: WeightStoreClient, state_dir: Path) -> None:
             session.steps = int(meta.get("step", 0))
         return LoadedState(step=session.steps)
 
-    @app.delete("/v1/training/sessions/{sid}", status_code=204, tags=["training"])
+    @app.delete(
+        "/v1/training/sessions/{sid}",
+        status_code=204,
+        tags=["training"],
+        openapi_extra=auth.roles(auth.TRAINER),
+    )
     async def delete(sid: str) -> None:
         session = get(sid)
         async with session.lock:

@@ -20,7 +20,7 @@ from treadle_common.service import Service, ServiceRuntime
 from treadle_weight_store import http
 from treadle_weight_store.backends import make_backend
 from treadle_weight_store.errors import StoreError
-from treadle_weight_store.grpc import SERVICE, WeightStoreServicer, add_to_server
+from treadle_weight_store.grpc import POLICY, SERVICE, WeightStoreServicer, add_to_server
 from treadle_weight_store.settings import WeightStoreSettings
 from treadle_weight_store.store import WeightStore
 
@@ -68,7 +68,7 @@ async def build(settings: WeightStoreSettings) -> Service:
         await js.publish(names.weights_subject(manifest.model), message.SerializeToString())
 
     servicer = WeightStoreServicer(store, announce)
-    add_to_server(servicer, runtime.make_grpc_server())
+    add_to_server(servicer, runtime.make_grpc_server(POLICY))
     runtime.on_drain(servicer.drain)  # SIGTERM: versions written behind reach the backend
     runtime.set_info(
         lambda: {

@@ -19,7 +19,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from treadle_common import metrics
+from treadle_common import auth, metrics
+from treadle_common.auth import ANY, TRAINER, WORKERS
 from treadle_common.clients import chunk_codec as codec
 from treadle_common.clients.chunk_codec import ChunkView
 from treadle_common.logs import get_logger
@@ -38,6 +39,22 @@ from treadle_weight_store.errors import (
 from treadle_weight_store.store import WeightStore
 
 log = get_logger(__name__)
+
+POLICY = auth.grpc_policy(
+    pb,
+    "WeightStore",
+    MissingChunks=TRAINER,
+    Publish=TRAINER,
+    DeleteVersion=TRAINER,
+    SetPin=TRAINER,
+    GarbageCollect=TRAINER,
+    Fetch=WORKERS,
+    GetManifest=WORKERS,
+    ListVersions=ANY,
+    ListModels=ANY,
+)
+"""Only the trainer role writes (publish, pin, delete, collect); the loop's services read
+weights; anyone authenticated lists what exists."""
 SERVICE = "weight-store"
 READ_AHEAD = 4
 GC_MIN_INTERVAL_S = 2.0

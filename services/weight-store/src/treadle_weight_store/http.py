@@ -10,6 +10,7 @@ from __future__ import annotations
 from fastapi import FastAPI, HTTPException
 from google.protobuf.json_format import MessageToDict
 
+from treadle_common import auth
 from treadle_common.api.weights import Models, VersionInfo, Versions
 from treadle_weight_store.errors import BadRequest, NotFound, Precondition, StoreError
 from treadle_weight_store.store import WeightStore
@@ -32,16 +33,20 @@ def mount(app: FastAPI, store: WeightStore) -> None:
             message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
         )
 
-    @app.get("/v1/models", tags=["weights"])
+    @app.get("/v1/models", tags=["weights"], openapi_extra=auth.roles(auth.ANY))
     async def list_models() -> Models:
         return Models(models=await guard(store.models()))
 
-    @app.get("/v1/models/{model}/versions", tags=["weights"])
+    @app.get("/v1/models/{model}/versions", tags=["weights"], openapi_extra=auth.roles(auth.ANY))
     async def list_versions(model: str) -> Versions:
         infos = await guard(store.infos(model))
         return Versions(model=model, versions=[VersionInfo.from_proto(i) for i in infos])
 
-    @app.get("/v1/models/{model}/versions/{version}", tags=["weights"])
+    @app.get(
+        "/v1/models/{model}/versions/{version}",
+        tags=["weights"],
+        openapi_extra=auth.roles(auth.ANY),
+    )
     async def get_version(model: str, version: int) -> dict:
         """The manifest (tensors, dtypes, shapes, chunk hashes); -1 = latest."""
         return as_dict(await guard(store.get_manifest(model, version)))

@@ -14,8 +14,6 @@ import json
 from collections.abc import Hashable
 from typing import Any
 
-import grpc
-
 from treadle_common import tracing
 from treadle_common.clients import grpc_options
 from treadle_common.clients.coalesce import Coalescer, Pending
@@ -33,10 +31,12 @@ class EnvRequestError(RuntimeError):
 
 
 class EnvClient:
-    def __init__(self, address: str, batch: bool = False):
+    def __init__(self, address: str, batch: bool = False, token: str | None = None):
+        """`batch`: a group's hops go in one call each; `token`: the bearer token it presents
+        (default `TREADLE_TOKEN`)."""
         self.address = address
         self.batch = batch
-        self.channel = grpc.aio.insecure_channel(address, options=grpc_options.CHANNEL_OPTIONS)
+        self.channel = grpc_options.channel(address, token)
         self.stub = env_pb2_grpc.EnvGatewayStub(self.channel)
         self._creates: Coalescer[int, pb.Session] = Coalescer(self._send_creates)
         self._steps: Coalescer[pb.StepRequest, pb.StepResponse] = Coalescer(self._send_steps)

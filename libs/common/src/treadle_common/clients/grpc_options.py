@@ -10,6 +10,11 @@ legitimately takes long).
 
 from __future__ import annotations
 
+import grpc
+
+from treadle_common import auth
+from treadle_common.grpc_auth import client_interceptors
+
 MESSAGE_BYTES = 64 * 1024 * 1024
 KEEPALIVE_S = 20
 KEEPALIVE_TIMEOUT_S = 10
@@ -30,3 +35,12 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
     ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_S * 1000 // 2),
     ("grpc.http2.max_ping_strikes", 0),
 ]
+
+
+def channel(address: str, token: str | None = None) -> grpc.aio.Channel:
+    """A channel to a Treadle gRPC server that presents `token` on every call (default: the
+    caller's `TREADLE_TOKEN` / `TREADLE_TOKEN_FILE`)."""
+    token = token if token is not None else auth.token_from_env()
+    return grpc.aio.insecure_channel(
+        address, options=CHANNEL_OPTIONS, interceptors=client_interceptors(token)
+    )

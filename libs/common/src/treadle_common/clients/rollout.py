@@ -3,18 +3,18 @@ HTTP API (`/v1/info`, `/v1/evaluate`, `/v1/swaps`)."""
 
 from __future__ import annotations
 
-import grpc
 import httpx
 
 from treadle_common.api.rollout import EvaluateRequest, EvaluateResult, RolloutInfo, Swaps
+from treadle_common.auth import bearer, token_from_env
 from treadle_common.clients import grpc_options
 from treadle_common.clients.http import parse
 from treadle_common.proto.treadle.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 
 class GenerationClient:
-    def __init__(self, address: str):
-        self.channel = grpc.aio.insecure_channel(address, options=grpc_options.CHANNEL_OPTIONS)
+    def __init__(self, address: str, token: str | None = None):
+        self.channel = grpc_options.channel(address, token)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
 
     async def close(self) -> None:
@@ -40,8 +40,10 @@ class RolloutClient:
     models."""
 
     def __init__(self, base_url: str, http: httpx.Client | None = None, timeout_s: float = 10.0):
+        """`http`: a shared client (it carries the caller's token); without one, a client
+        presenting `TREADLE_TOKEN`."""
         self.base_url = base_url.rstrip("/")
-        self.http = http or httpx.Client(timeout=timeout_s)
+        self.http = http or httpx.Client(timeout=timeout_s, headers=bearer(token_from_env()))
         self.timeout_s = timeout_s
 
     def info(self) -> RolloutInfo:

@@ -20,14 +20,17 @@ from treadle_common.api.training import (
     SaveState,
     SessionCreated,
 )
+from treadle_common.auth import bearer, token_from_env
 from treadle_common.clients.http import parse, parse_list
 from treadle_common.config import RunConfig
 
 
 class TrainerClient:
     def __init__(self, base_url: str, http: httpx.Client | None = None, timeout_s: float = 30.0):
+        """`http`: a shared client (it carries the caller's token); without one, a client
+        presenting `TREADLE_TOKEN`."""
         self.base_url = base_url.rstrip("/")
-        self.http = http or httpx.Client(timeout=timeout_s)
+        self.http = http or httpx.Client(timeout=timeout_s, headers=bearer(token_from_env()))
         self.timeout_s = timeout_s
 
     def _url(self, path: str) -> str:
@@ -70,8 +73,10 @@ class TrainerClient:
 class TrainingClient:
     """One training session at a time is the common use; every call names its session."""
 
-    def __init__(self, base_url: str, timeout_s: float = 300.0):
-        self.http = httpx.AsyncClient(base_url=base_url, timeout=timeout_s)
+    def __init__(self, base_url: str, timeout_s: float = 300.0, token: str | None = None):
+        """`token`: the bearer token it presents (default `TREADLE_TOKEN`)."""
+        token = token if token is not None else token_from_env()
+        self.http = httpx.AsyncClient(base_url=base_url, timeout=timeout_s, headers=bearer(token))
 
     async def close(self) -> None:
         await self.http.aclose()

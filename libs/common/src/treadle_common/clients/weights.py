@@ -170,12 +170,19 @@ def retrying(attempts: int | None = None, retry_s: float = RETRY_S) -> AsyncRetr
 class WeightStoreClient:
     """gRPC client for the weight-store (`treadle.v1.WeightStore`)."""
 
-    def __init__(self, address: str, attempts: int | None = None, retry_s: float = RETRY_S):
+    def __init__(
+        self,
+        address: str,
+        attempts: int | None = None,
+        retry_s: float = RETRY_S,
+        token: str | None = None,
+    ):
+        """`token`: the bearer token it presents (default `TREADLE_TOKEN`)."""
         self.address = address
         self.attempts = attempts
         self.retry_s = retry_s
         reuse_freed_memory()  # chunk-sized receive buffers reuse their pages (malloc.py)
-        self.channel = grpc.aio.insecure_channel(address, options=grpc_options.CHANNEL_OPTIONS)
+        self.channel = grpc_options.channel(address, token)
         self.stub = weights_pb2_grpc.WeightStoreStub(self.channel)
         # the two chunk-carrying calls use the copy-free codec (same bytes on the wire).
         # Publish requests are encoded in the request generator, not by a request_serializer:

@@ -1,0 +1,238 @@
+"""Who may call what: bearer tokens, roles, and the policy every endpoint declares.
+
+A caller presents `Authorization: Bearer <token>` (an HTTP header, or the same key in gRPC
+metadata). The server's token table maps each token to one `Role`; each endpoint names the
+roles that may call it, and `admin` may call everything:
+
+    HTTP    @app.post("/v1/runs", openapi_extra=auth.roles(Role.trainer))
+            the runtime's one dependency reads the route's `x-treadle-roles` (also in the
+            OpenAPI document); a route that declares none is refused (fail closed)
+    gRPC    auth.grpc_policy(weights_pb2, "WeightStore", Publish=TRAINER, Fetch=...)
+            one server interceptor checks every call against that table; a method with no
+            entry is refused (fail closed); `grpc.health.v1` stays open for probes
+
+Outcomes: no or unknown token: HTTP 401 / `UNAUTHENTICATED`; a known token whose role may
+not call the endpoint: 403 / `PERMISSION_DENIED`; each with a message saying which.
+
+Where tokens come from (`Settings`): a server reads its table from `TREADLE_AUTH_TOKENS`
+(JSON `{"admin": "...", "trainer": ["...", "..."]}`: one or several tokens per role, so a
+token can be rotated) or the file `TREADLE_AUTH_TOKENS_FILE` (the same JSON; a k8s Secret or
+compose secret mounted as a file). A caller presents `TREADLE_TOKEN`, or the contents of
+`TREADLE_TOKEN_FILE`. `treadle up` generates a table into its state directory
+(`TokenTable.generate`) and hands each service its role's token, so local use stays one
+command. `TREADLE_AUTH=off` turns checking off; only `TREADLE_ENVIRONMENT=local` allows it.
+Tokens are compared in constant time (`hmac.compare_digest`, against every entry).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import secrets
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+ROLES_KEY = "x-treadle-roles"
+"""The OpenAPI extension on every route: the roles that may call it (or `public`)."""
+PUBLIC = "public"
+"""The pseudo-role of the routes anyone may call (`/healthz`, `/readyz`: probes)."""
+
+
+class Role(StrEnum):
+    admin = "admin"
+    """Everything: the operator, `treadle run`, the CLI's tools."""
+    trainer = "trainer"
+    """Trains: publishes, pins and deletes weights; starts runs; the training API."""
+    rollout = "rollout"
+    """Generates: fetches weights, drives environment sessions, asks for scores."""
+    agent = "agent"
+    """An agent under training: the OpenAI-compatible and recording API on rollout."""
+    read = "read"
+    """Status, listings and metrics only."""
+
+
+ANY = frozenset(Role)
+"""Any authenticated caller: status, info, metrics and listings."""
+TRAINER = frozenset({Role.admin, Role.trainer})
+ROLLOUT = frozenset({Role.admin, Role.rollout})
+AGENT = frozenset({Role.admin, Role.agent})
+WORKERS = frozenset({Role.admin, Role.trainer, Role.rollout})
+"""The services that run the loop (trainer and rollout), e.g. fetching weights, scoring."""
+
+
+def roles(*allowed: Role | frozenset[Role]) -> dict[str, Any]:
+    """A route's `openapi_extra`: the roles that may call it (admin always may)."""
+    names = {Role.admin}
+    for item in allowed:
+        names |= item if isinstance(item, frozenset) else {item}
+    return {ROLES_KEY: sorted(names)}
+
+
+def public() -> dict[str, Any]:
+    """A route's `openapi_extra`: anyone may call it (health probes only)."""
+    return {ROLES_KEY: [PUBLIC]}
+
+
+GrpcPolicy = dict[str, frozenset[Role]]
+"""Full method name (`/treadle.v1.WeightStore/Publish`) -> the roles that may call it."""
+
+
+def grpc_policy(pb2: ModuleType, service: str, **methods: frozenset[Role]) -> GrpcPolicy:
+    """`service`'s policy, one entry per method; a method of the service's descriptor left
+    out (or one named that it lacks) is an error here, at import, not a hole at run time."""
+    descriptor = pb2.DESCRIPTOR.services_by_name[service]
+    declared = {m.name for m in descriptor.methods}
+    if declared != set(methods):
+        raise ValueError(
+            f"{descriptor.full_name}: policy names {sorted(methods)}, service has "
+            f"{sorted(declared)}"
+        )
+    return {f"/{descriptor.full_name}/{name}": allowed for name, allowed in methods.items()}
+
+
+class AuthError(Exception):
+    """A refused call: `status` is 401 (who are you?) or 403 (not you)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class TokenTable:
+    """Tokens by role: who a presented token is."""
+
+    def __init__(self, tokens: dict[Role, list[str]]):
+        self.entries = [(role, tok.encode()) for role, toks in tokens.items() for tok in toks]
+        if not self.entries:
+            raise ValueError("the token table is empty")
+        if any(len(tok) < 16 for _, tok in self.entries):
+            raise ValueError("every token must be at least 16 characters")
+
+    @classmethod
+    def parse(cls, text: str, source: str) -> TokenTable:
+        """`{"role": "token" | ["token", ...]}`; an unknown role or a malformed table is an
+        error naming `source`."""
+        try:
+            raw = json.loads(text)
+            if not isinstance(raw, dict):
+                raise ValueError("expected a JSON object of role -> token(s)")
+            tokens = {
+                Role(role): [value] if isinstance(value, str) else list(value)
+                for role, value in raw.items()
+            }
+            if not all(isinstance(t, str) for toks in tokens.values() for t in toks):
+                raise ValueError("tokens must be strings")
+            return cls(tokens)
+        except ValueError as exc:
+            raise ValueError(f"auth tokens from {source}: {exc}") from None
+
+    @classmethod
+    def generate(cls) -> dict[str, str]:
+        """A fresh table (one random token per role), as the JSON object to write."""
+        return {role.value: secrets.token_urlsafe(32) for role in Role}
+
+    def token_of(self, role: Role) -> str | None:
+        """The first token of `role` (what a launcher hands the service it starts)."""
+        return next((tok.decode() for r, tok in self.entries if r is role), None)
+
+    def role_of(self, token: str) -> Role | None:
+        """The presented token's role; every entry is compared (constant time per entry), so
+        the time taken does not say which entry or how much of one matched."""
+        presented = token.encode()
+        found: Role | None = None
+        for role, known in self.entries:
+            if hmac.compare_digest(presented, known):
+                found = role
+        return found
+
+
+@dataclass(frozen=True)
+class Authorizer:
+    """The check both transports share. `table` None: auth is off (local development)."""
+
+    table: TokenTable | None
+
+    @property
+    def enabled(self) -> bool:
+        return self.table is not None
+
+    def check(self, authorization: str | None, allowed: frozenset[Role] | None, what: str) -> None:
+        """Raise `AuthError` unless `authorization` (`Bearer <token>`) names a role in
+        `allowed`. `allowed` None: `what` declared no policy, refused (fail closed)."""
+        if allowed is None:
+            raise AuthError(403, f"{what} has no access policy; refused")
+        if self.table is None:
+            return
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise AuthError(401, f"{what} needs a bearer token (Authorization: Bearer <token>)")
+        role = self.table.role_of(token.strip())
+        if role is None:
+            raise AuthError(401, f"{what}: the bearer token is not valid")
+        if role not in allowed and role is not Role.admin:
+            names = ", ".join(sorted(allowed))
+            raise AuthError(403, f"{what}: role {role.value!r} may not call it (allowed: {names})")
+
+
+def parse_roles(value: list[str] | None) -> frozenset[Role] | None:
+    """A route's declared `x-treadle-roles` as roles; None when it declares none."""
+    if value is None:
+        return None
+    return frozenset(Role(v) for v in value if v != PUBLIC)
+
+
+def load_table(tokens: str | None, tokens_file: Path | None) -> TokenTable | None:
+    """The server's table from `TREADLE_AUTH_TOKENS` or `TREADLE_AUTH_TOKENS_FILE`."""
+    if tokens:
+        return TokenTable.parse(tokens, "TREADLE_AUTH_TOKENS")
+    if tokens_file is not None:
+        return TokenTable.parse(tokens_file.read_text(), str(tokens_file))
+    return None
+
+
+def read_token(token: str | None, token_file: Path | None) -> str | None:
+    """A caller's token: `token` itself, else the stripped contents of `token_file`."""
+    if token:
+        return token
+    if token_file is not None and token_file.exists():
+        return token_file.read_text().strip() or None
+    return None
+
+
+def token_from_env() -> str | None:
+    """What a client built without a token presents: `TREADLE_TOKEN`, else the file named by
+    `TREADLE_TOKEN_FILE` (the SDK convention: `OPENAI_API_KEY`, `TINKER_API_KEY`)."""
+    path = os.environ.get("TREADLE_TOKEN_FILE")
+    return read_token(os.environ.get("TREADLE_TOKEN"), Path(path) if path else None)
+
+
+def bearer(token: str | None) -> dict[str, str]:
+    """HTTP headers that present `token` (none without one)."""
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+SERVICE_ROLES: dict[str, Role] = {
+    "trainer": Role.trainer,
+    "rollout": Role.rollout,
+    "reward": Role.rollout,
+    "env-gateway": Role.read,
+    "weight-store": Role.read,
+}
+"""The role whose token each service presents when it calls another (reward's code scorer
+runs tests in env-gateway sessions, as rollout does; the others call nobody that needs more
+than `read`)."""
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write a secret readable by its owner only (0600), replacing any older file whole."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+    tmp.replace(path)
