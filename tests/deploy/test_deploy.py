@@ -6,6 +6,7 @@ cross-checked against the settings class."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -18,6 +19,7 @@ import yaml
 
 from tests.conftest import ROOT
 from treadle_cli.settings import CliSettings
+from treadle_common import auth
 from treadle_common.settings import Settings
 from treadle_env_gateway.settings import EnvGatewaySettings
 from treadle_reward.settings import RewardSettings
@@ -121,16 +123,48 @@ def test_the_cli_image_installs_the_cli_and_no_service():
 
 
 # --- compose -------------------------------------------------------------------------------------
-def compose_config(*profiles: str) -> dict:
+COMPOSE_TOKENS = {
+    f"TREADLE_TOKEN_{role.upper()}": token for role, token in auth.TokenTable.generate().items()
+}
+"""What `treadle secrets >> .env` gives compose: a token per role."""
+
+
+def compose_config(*profiles: str, env: dict[str, str] | None = None) -> dict:
     args = [str(COMPOSE), "-f", str(ROOT / "compose.yaml")]
     for profile in profiles:
         args += ["--profile", profile]
-    checked = subprocess.run([*args, "config", "-q"], capture_output=True, text=True)
+    env = {**os.environ, **COMPOSE_TOKENS} if env is None else env
+    checked = subprocess.run([*args, "config", "-q"], capture_output=True, text=True, env=env)
     assert checked.returncode == 0, checked.stderr
     rendered = subprocess.run(
-        [*args, "config", "--format", "json"], capture_output=True, text=True, check=True
+        [*args, "config", "--format", "json"], capture_output=True, text=True, check=True, env=env
     )
     return json.loads(rendered.stdout)
+
+
+def test_compose_has_no_default_tokens_and_gives_each_service_its_role():
+    bare = {k: v for k, v in os.environ.items() if not k.startswith("TREADLE_TOKEN")}
+    refused = subprocess.run(
+        [str(COMPOSE), "-f", str(ROOT / "compose.yaml"), "config", "-q"],
+        capture_output=True,
+        text=True,
+        env=bare,
+    )
+    assert refused.returncode != 0 and "treadle secrets" in refused.stderr, refused.stderr
+    services = compose_config("cpu", "demo")["services"]
+    table = auth.TokenTable.parse(services["reward"]["environment"]["TREADLE_AUTH_TOKENS"], "c")
+    for name, svc in services.items():
+        environment = svc.get("environment") or {}
+        if "TREADLE_TOKEN" not in environment:
+            assert name in ("redis", "nats", "minio", "model-init"), name
+            continue
+        role = auth.Role.admin if name == "demo" else auth.SERVICE_ROLES[name]
+        assert table.role_of(environment["TREADLE_TOKEN"]) is role, name
+        if name != "demo":
+            assert (
+                environment["TREADLE_AUTH_TOKENS"]
+                == services["reward"]["environment"]["TREADLE_AUTH_TOKENS"]
+            )
 
 
 def test_compose_validates_with_the_real_compose_binary():
@@ -159,7 +193,11 @@ def test_compose_validates_with_the_real_compose_binary():
     )
     # the default profile (.env: COMPOSE_PROFILES=cpu) starts the CPU stack
     default = subprocess.run(
-        [str(COMPOSE), "config", "--services"], cwd=ROOT, capture_output=True, text=True
+        [str(COMPOSE), "config", "--services"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **COMPOSE_TOKENS},
     )
     assert set(default.stdout.split()) == {
         "redis", "nats", "minio", "model-init", *SERVICES,
@@ -186,7 +224,8 @@ def kinds(docs: list[dict], kind: str) -> dict[str, dict]:
 
 def test_overlays_pass_strict_schema_validation(rendered, tmp_path):
     text, docs = rendered
-    builtin = [d for d in docs if d["kind"] not in ("ScaledObject", "PyTorchJob")]
+    custom = ("ScaledObject", "TriggerAuthentication", "PyTorchJob")
+    builtin = [d for d in docs if d["kind"] not in custom]
     # the PyTorchJob's pod templates are built-in PodTemplates: validate them strictly too
     for job in kinds(docs, "PyTorchJob").values():
         for role, spec in job["spec"]["pytorchReplicaSpecs"].items():
@@ -261,6 +300,12 @@ def test_keda_scaled_objects_are_field_checked(rendered):
     assert "reward" in kinds(docs, "HorizontalPodAutoscaler")
     # rollout scales on the trainer's Redis backlog endpoint, which exists
     (metrics_api,) = scaled["rollout"]["spec"]["triggers"]
+    # ... and calls it with the read role's token (auth is on for every route but probes)
+    assert metrics_api["metadata"]["authMode"] == "bearer"
+    trigger_auth = kinds(docs, "TriggerAuthentication")[metrics_api["authenticationRef"]["name"]]
+    assert trigger_auth["spec"]["secretTargetRef"] == [
+        {"parameter": "token", "name": "treadle-auth", "key": "read"}
+    ]
     assert metrics_api["metadata"]["url"].endswith("/v1/backlog")
 
 
@@ -302,6 +347,26 @@ def test_probes_headless_sessions_pdbs_and_policies(rendered):
     redis = policies["redis-from-rollout-and-trainer"]["spec"]["ingress"][0]["from"][0]
     assert redis["podSelector"]["matchExpressions"][0]["values"] == ["rollout", "trainer"]
     assert kinds(docs, "PersistentVolumeClaim")["weight-store"]
+
+
+def test_every_service_pod_gets_the_token_table_and_its_role_token(rendered):
+    _, docs = rendered
+    pods = {
+        name: dep["spec"]["template"]["spec"]["containers"][0]
+        for name, dep in kinds(docs, "Deployment").items()
+    }
+    for job in kinds(docs, "PyTorchJob").values():
+        for role, spec in job["spec"]["pytorchReplicaSpecs"].items():
+            pods[f"trainer/{role}"] = spec["template"]["spec"]["containers"][0]
+    assert {name.split("/")[0] for name in pods} == set(SERVICES)
+    for pod, container in pods.items():
+        name = pod.split("/")[0]
+        env = {e["name"]: e.get("valueFrom", {}).get("secretKeyRef") for e in container["env"]}
+        assert env["TREADLE_AUTH_TOKENS"] == {"name": "treadle-auth", "key": "tokens.json"}, name
+        role = auth.SERVICE_ROLES[name].value
+        assert env["TREADLE_TOKEN"] == {"name": "treadle-auth", "key": role}, name
+    # no Secret in the manifests holds a token: the operator generates `treadle-auth`
+    assert "treadle-auth" not in kinds(docs, "Secret")
 
 
 def test_gpu_overlay_requests_gpus_on_gpu_nodes():

@@ -26,6 +26,7 @@ import torch
 
 from treadle_bench.harness import free_port, infra_with_weight_store, start_service
 from treadle_cli.tiny_model import init_tiny
+from treadle_common.auth import bearer, token_from_env
 from treadle_common.clients.rollout import GenerationClient
 from treadle_common.clients.torch_weights import TorchWeightClient
 from treadle_common.logs import configure_logging
@@ -74,7 +75,7 @@ async def swap_pauses(http: str, grpc_addr: str, store_addr: str, model_dir: Pat
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     client = TorchWeightClient(store_addr)
     load_prompts = [[5, 6, 7, 8] * 4] * 8
-    async with httpx.AsyncClient() as http_client:
+    async with httpx.AsyncClient(headers=bearer(token_from_env())) as http_client:
         for step in range(1, swaps + 1):
             with torch.no_grad():
                 model.model.norm.weight.mul_(1.01)

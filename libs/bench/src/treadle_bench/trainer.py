@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM
 from treadle_bench.harness import free_port, infra_with_weight_store, start_service
 from treadle_bench.synthetic_rollout import SyntheticRollout
 from treadle_cli.tiny_model import init_tiny
+from treadle_common.auth import bearer, token_from_env
 from treadle_common.clients.weights import WeightStoreClient
 from treadle_common.logs import configure_logging
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
@@ -125,7 +126,8 @@ async def _service(http, redis_url, store_addr, recipe, prompt_len, completion_l
         completion_len=completion_len,
         limit=total_groups,  # the trainer keeps feeding ahead; produce what the steps use
     )
-    async with httpx.AsyncClient(base_url=http, timeout=30) as client:
+    headers = bearer(token_from_env())
+    async with httpx.AsyncClient(base_url=http, timeout=30, headers=headers) as client:
         response = await client.post("/v1/runs", json=recipe)
         response.raise_for_status()
         producer = asyncio.create_task(rollout.run_forever())

@@ -156,6 +156,42 @@ def down() -> None:
 
 
 @app.command()
+def secrets(
+    output: Annotated[
+        str, typer.Option("--format", help="env (compose's .env) | k8s (a Secret manifest)")
+    ] = "env",
+    namespace: Annotated[str | None, typer.Option(help="k8s: the Secret's namespace")] = None,
+) -> None:
+    """Generate a fresh token per role for a deployment. `--format env` prints the
+    TREADLE_TOKEN_<ROLE>=... lines compose.yaml reads from `.env`; `--format k8s` prints the
+    `treadle-auth` Secret the manifests read (`kubectl apply -f -`). Nothing is stored."""
+    import json as json_lib
+
+    import yaml
+
+    from treadle_common.auth import TokenTable
+
+    table = TokenTable.generate()
+    if output == "env":
+        for role, token in table.items():
+            print(f"TREADLE_TOKEN_{role.upper()}={token}")
+    elif output == "k8s":
+        metadata: dict = {"name": "treadle-auth"}
+        if namespace:
+            metadata["namespace"] = namespace
+        secret = {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": metadata,
+            "type": "Opaque",
+            "stringData": {"tokens.json": json_lib.dumps(table), **table},
+        }
+        print(yaml.safe_dump(secret, sort_keys=False), end="")
+    else:
+        fail(f"--format must be env or k8s, not {output!r}", code=2)
+
+
+@app.command()
 def status(
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
 ) -> None:
