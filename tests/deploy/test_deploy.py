@@ -437,3 +437,37 @@ def test_each_service_is_given_only_settings_it_reads():
         assert given - variables(settings) == set(), name
     # and the common part is what every service reads
     assert all(variables(Settings) <= variables(s) for s in SERVICE_SETTINGS.values())
+
+
+def test_treadle_secrets_feeds_compose_and_kubernetes(tmp_path):
+    treadle = str(BIN / "treadle")
+    env_lines = subprocess.run(
+        [treadle, "secrets"], capture_output=True, text=True, check=True
+    ).stdout
+    (tmp_path / ".env").write_text(env_lines)
+    bare = {k: v for k, v in os.environ.items() if not k.startswith("TREADLE_TOKEN")}
+    rendered = subprocess.run(
+        [str(COMPOSE), "-f", str(ROOT / "compose.yaml"), "--env-file", str(tmp_path / ".env")]
+        + ["--profile", "cpu", "config", "--format", "json"],
+        capture_output=True,
+        text=True,
+        env=bare,
+    )
+    assert rendered.returncode == 0, rendered.stderr
+    trainer = json.loads(rendered.stdout)["services"]["trainer"]["environment"]
+    table = auth.TokenTable.parse(trainer["TREADLE_AUTH_TOKENS"], "compose")
+    assert table.role_of(trainer["TREADLE_TOKEN"]) is auth.Role.trainer
+    manifest = subprocess.run(
+        [treadle, "secrets", "--format", "k8s", "--namespace", "treadle-dev"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    secret = yaml.safe_load(manifest)
+    assert secret["metadata"] == {"name": "treadle-auth", "namespace": "treadle-dev"}
+    table = auth.TokenTable.parse(secret["stringData"]["tokens.json"], "k8s")
+    for role in auth.Role:
+        assert table.role_of(secret["stringData"][role.value]) is role
+    # two runs never give the same tokens
+    again = subprocess.run([treadle, "secrets"], capture_output=True, text=True, check=True)
+    assert set(again.stdout.splitlines()).isdisjoint(env_lines.splitlines())

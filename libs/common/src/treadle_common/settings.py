@@ -18,7 +18,8 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from treadle_common import auth, names
+from treadle_common import names
+from treadle_common.auth import TokenTable, load_table, read_token
 
 _LOCAL_SECRET = "treadle-local-secret"
 
@@ -125,13 +126,13 @@ class Settings(BaseSettings):
             raise ValueError("TREADLE_AUTH=off is refused in production")
         return self
 
-    def token_table(self) -> auth.TokenTable | None:
+    def token_table(self) -> TokenTable | None:
         """This server's token table; None only when auth is off. Auth on without a table is
         an error that says how to give one."""
         if self.auth == "off":
             return None
         tokens = self.auth_tokens.get_secret_value() if self.auth_tokens else None
-        table = auth.load_table(tokens, self.auth_tokens_file)
+        table = load_table(tokens, self.auth_tokens_file)
         if table is None:
             raise ValueError(
                 "auth is on but no tokens are configured: set TREADLE_AUTH_TOKENS or "
@@ -143,7 +144,7 @@ class Settings(BaseSettings):
     def client_token(self) -> str | None:
         """The bearer token this process presents (`TREADLE_TOKEN` / `TREADLE_TOKEN_FILE`)."""
         token = self.token.get_secret_value() if self.token else None
-        return auth.read_token(token, self.token_file)
+        return read_token(token, self.token_file)
 
     def port(self, service: str, kind: Literal["http", "grpc"]) -> int:
         explicit = self.http_port if kind == "http" else self.grpc_port
