@@ -201,3 +201,16 @@ def test_token_table_rejects_short_tokens_and_unknown_roles():
     table = auth.TokenTable.parse('{"admin": ["' + "a" * 20 + '", "' + "b" * 20 + '"]}', "t")
     assert table.role_of("b" * 20) is auth.Role.admin
     assert table.role_of("c" * 20) is None
+
+
+@pytest.mark.parametrize("run_id", ["a:b", "../etc", "UPPER", "x" * 64, "-dash", "a.b"])
+def test_a_hostile_run_id_is_refused_at_the_api_edge(stack, run_id):
+    trainer = stack["trainer"].http
+    body = {"run_id": run_id, "model": {"path": "/nonexistent", "name": "m"}}
+    answer = httpx.post(f"{trainer}/v1/runs", json=body, headers=ADMIN, timeout=10)
+    assert answer.status_code == 422, answer.text
+    assert "run_id" in answer.text
+    if "/" not in run_id:
+        got = httpx.get(f"{trainer}/v1/runs/{run_id}", headers=ADMIN, timeout=10)
+        assert got.status_code == 422, got.text
+    assert httpx.get(f"{trainer}/v1/runs", headers=ADMIN, timeout=10).json() == []

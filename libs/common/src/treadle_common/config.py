@@ -15,6 +15,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from treadle_common import names
+
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -208,7 +210,12 @@ class EvalConfig(Strict):
 class RunConfig(Strict):
     """A run: model, environment, scorer, rollout and trainer settings."""
 
-    run_id: str = Field(default_factory=lambda: f"run-{uuid.uuid4().hex[:8]}")
+    run_id: str = Field(
+        default_factory=lambda: f"run-{uuid.uuid4().hex[:8]}",
+        pattern=names.ID_PATTERN,
+        description="The run's id: lowercase letters, digits and inner dashes, at most 63 "
+        "(part of Redis keys, subjects and paths)",
+    )
     mode: Literal["sync", "async"] = Field("sync", description="sync = max_staleness 0 + barrier")
     model: ModelConfig
     env: EnvConfig = Field(default_factory=EnvConfig)

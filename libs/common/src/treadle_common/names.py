@@ -5,6 +5,11 @@ Producers and consumers import these functions instead of formatting strings the
 
 from __future__ import annotations
 
+ID_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
+"""What a run id may be (DNS-1123 label: lowercase letters, digits and inner dashes, at most
+63): it becomes part of Redis keys (`treadle:{run}:...`, split on `:`), NATS subjects and
+directory names, so nothing in it may be a separator (`:`, `.`, `/`) or `..`."""
+
 # --- Redis (durable work queues and small run state) -------------------------------------
 RUNS_KEY = "treadle:runs"
 """Set of active run ids. The trainer adds its run; rollout consumes tasks of every member."""

@@ -20,8 +20,9 @@ import asyncio
 import contextlib
 import random
 import time
+from typing import Annotated
 
-from fastapi import FastAPI, HTTPException, Query
+from fastapi import FastAPI, HTTPException, Path, Query
 
 from treadle_common import auth, names
 from treadle_common.api.runs import Backlog, EvaluationDone, RunState, RunStatus, StepRecord
@@ -37,6 +38,7 @@ from treadle_trainer.run.lease import Lease
 from treadle_trainer.settings import TrainerSettings
 
 log = get_logger(__name__)
+RunId = Annotated[str, Path(pattern=names.ID_PATTERN, description="A run id (names.ID_PATTERN)")]
 MOVED: tuple[RunState, ...] = ("handed_off", "lost")
 """A local owner in these states no longer runs the run: another trainer does."""
 
@@ -249,7 +251,7 @@ class Runs:
 
         @app.get("/v1/runs/{run_id}", tags=["runs"], openapi_extra=auth.roles(auth.ANY))
         async def get_run(
-            run_id: str,
+            run_id: RunId,
             steps_from: int = Query(
                 0,
                 ge=0,
@@ -271,7 +273,7 @@ class Runs:
         @app.post(
             "/v1/runs/{run_id}/evaluations", tags=["runs"], openapi_extra=auth.roles(auth.TRAINER)
         )
-        async def evaluated(run_id: str, report: EvaluationDone) -> RunStatus:
+        async def evaluated(run_id: RunId, report: EvaluationDone) -> RunStatus:
             """The client evaluated the weights of `step`: a sync run holding there goes on."""
             owner = self._owner(run_id)
             if owner.status.state in MOVED:
