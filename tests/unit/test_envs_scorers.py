@@ -207,3 +207,16 @@ async def test_timeouts_exceptions_and_concurrency_limits():
         *(service.score(reward_pb2.ScoreRequest(scorer="slow")) for _ in range(6))
     )
     assert all(r.status == reward_pb2.SCORE_STATUS_OK for r in results) and Slow.peak == 2
+
+
+def test_safe_math_refuses_a_tower_of_small_powers_before_computing_it():
+    from fractions import Fraction
+
+    from treadle_common.safe_math import MAX_POWER_BITS, ExpressionError, evaluate
+
+    with pytest.raises(ExpressionError, match=f"{MAX_POWER_BITS} bits"):
+        evaluate("((9**64)**64)**64", allow_pow=True)
+    with pytest.raises(ExpressionError, match="bits"):
+        evaluate("(1/(7**60))**64", allow_pow=True)  # a huge denominator too
+    assert evaluate("(2**8)**8", allow_pow=True)[0] == 2**64
+    assert evaluate("(1/2)**3", allow_pow=True)[0] == Fraction(1, 8)

@@ -13,6 +13,10 @@ from fractions import Fraction
 
 MAX_EXPRESSION_CHARS = 200
 MAX_EXPONENT = 64
+MAX_POWER_BITS = 4096
+"""A power whose numerator or denominator would pass this many bits is refused before it is
+computed: `((9**64)**64)**64` has small exponents and an astronomically large value (the
+parse is synchronous: it would hold the process far past any timeout)."""
 _OPS = {
     ast.Add: lambda a, b: a + b,
     ast.Sub: lambda a, b: a - b,
@@ -73,6 +77,9 @@ def _eval(node: ast.AST, literals: list[int], rules: _Rules) -> Fraction:
             or (base == 0 and exponent < 0)
         ):
             raise ExpressionError(f"exponent must be an integer up to {MAX_EXPONENT}")
+        bits = max(base.numerator.bit_length(), base.denominator.bit_length())
+        if bits * abs(exponent.numerator) > MAX_POWER_BITS:
+            raise ExpressionError(f"the power would pass {MAX_POWER_BITS} bits")
         return base**exponent.numerator
     if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
         left, right = _eval(node.left, literals, rules), _eval(node.right, literals, rules)
