@@ -76,10 +76,10 @@ class InfraUrls:
     state_dir: Path
 
 
-@pytest.fixture(scope="session")
-def infra(tmp_path_factory) -> Iterator[InfraUrls]:
-    """A private redis-server and nats-server (JetStream) for the whole session."""
-    state = tmp_path_factory.mktemp("infra")
+@contextlib.contextmanager
+def private_infra(state: Path) -> Iterator[tuple[Infra, InfraUrls]]:
+    """A redis-server (AOF) and a nats-server (JetStream on disk) of our own, on free ports,
+    with their data under `state`; stopped on exit."""
     redis_port, nats_port = free_ports(2)
     settings = Settings(
         state_dir=state,
@@ -88,8 +88,17 @@ def infra(tmp_path_factory) -> Iterator[InfraUrls]:
     )
     manager = Infra(settings)
     manager.up()
-    yield InfraUrls(settings.redis_url, settings.nats_url, state)
-    manager.down()
+    try:
+        yield manager, InfraUrls(settings.redis_url, settings.nats_url, state)
+    finally:
+        manager.down()
+
+
+@pytest.fixture(scope="session")
+def infra(tmp_path_factory) -> Iterator[InfraUrls]:
+    """A private redis-server and nats-server (JetStream) for the whole session."""
+    with private_infra(tmp_path_factory.mktemp("infra")) as (_, urls):
+        yield urls
 
 
 @pytest.fixture(scope="session")

@@ -11,11 +11,10 @@ import httpx
 import nats
 import pytest
 
-from tests.conftest import InfraUrls, api_get, free_ports, start_service
+from tests.conftest import api_get, private_infra, start_service
 from treadle_cli.infra import Infra, terminate
 from treadle_common.clients.reward import RewardClient
 from treadle_common.proto.treadle.v1 import reward_pb2 as pb
-from treadle_common.settings import Settings
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
@@ -23,16 +22,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 @pytest.fixture
 def own_infra(tmp_path):
     """A private redis-server (AOF) and nats-server (JetStream on disk) this test restarts."""
-    redis_port, nats_port = free_ports(2)
-    settings = Settings(
-        state_dir=tmp_path / "infra",
-        redis_url=f"redis://127.0.0.1:{redis_port}",
-        nats_url=f"nats://127.0.0.1:{nats_port}",
-    )
-    manager = Infra(settings)
-    manager.up()
-    yield manager, InfraUrls(settings.redis_url, settings.nats_url, tmp_path / "infra")
-    manager.down()
+    with private_infra(tmp_path / "infra") as infra:
+        yield infra
 
 
 def readiness(http: str) -> tuple[int, dict]:

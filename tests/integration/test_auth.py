@@ -8,7 +8,6 @@ descriptors of every `treadle.v1` proto, so a new route or method without a poli
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import pkgutil
 import re
@@ -16,6 +15,7 @@ import re
 import grpc
 import httpx
 import pytest
+from grpc_health.v1 import health_pb2
 
 from tests.conftest import ADMIN, TOKENS, start_service
 from treadle_common import auth
@@ -64,10 +64,6 @@ def operations(base_url: str) -> list[tuple[str, str, list[str] | None]]:
     return found
 
 
-def bearer(token: str | None) -> dict[str, str]:
-    return auth.bearer(token)
-
-
 @pytest.mark.parametrize("service", ["weight-store", "env-gateway", "reward", "rollout", "trainer"])
 def test_every_http_route_checks_token_and_role(stack, service):
     base = stack[service].http
@@ -85,11 +81,11 @@ def test_every_http_route_checks_token_and_role(stack, service):
             allowed = auth.parse_roles(declared)
             assert allowed is not None
             for token in (None, WRONG):
-                answer = http.request(method, url, headers=bearer(token))
+                answer = http.request(method, url, headers=auth.bearer(token))
                 assert answer.status_code == 401, (what, token, answer.text)
                 assert answer.headers["www-authenticate"] == "Bearer"
             for role in auth.Role:
-                answer = http.request(method, url, headers=bearer(TOKENS[role]), json={})
+                answer = http.request(method, url, headers=auth.bearer(TOKENS[role]), json={})
                 if role in allowed:
                     assert answer.status_code not in (401, 403), (what, role, answer.text)
                 else:
@@ -165,14 +161,13 @@ async def test_every_grpc_method_checks_token_and_role(stack, service):
                     assert code not in denied, (method.name, role, code)
                 else:
                     assert code == grpc.StatusCode.PERMISSION_DENIED, (method.name, role, code)
-        # probes stay open
+        # probes stay open: no token, and the answer is SERVING
         health = await channel.unary_unary(
             "/grpc.health.v1.Health/Check",
-            request_serializer=lambda b: b,
-            response_deserializer=lambda b: b,
-        )(b"", timeout=5)
-        assert health is not None
-    await asyncio.sleep(0)
+            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+            response_deserializer=health_pb2.HealthCheckResponse.FromString,
+        )(health_pb2.HealthCheckRequest(), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def test_a_service_without_tokens_refuses_to_start(infra, tmp_path, monkeypatch):

@@ -47,11 +47,12 @@ from typing import Any
 import redis
 from rich.console import Console
 
+from treadle_bench.harness import private_stack
 from treadle_cli import stack
 from treadle_cli.infra import Infra, free_port_range, terminate
 from treadle_cli.run_client import RunClient
 from treadle_cli.settings import CliSettings
-from treadle_cli.tiny_model import init_tiny
+from treadle_cli.tiny_model import init_for
 from treadle_common import names
 from treadle_common.api.runs import RunStatus
 from treadle_common.config import RunConfig, load_recipe
@@ -371,12 +372,7 @@ def _run(
 ) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="treadle-bench-chaos-"))
     console = Console(file=sys.stderr)
-    settings = CliSettings(
-        state_dir=tmp / "state",
-        redis_url=f"redis://127.0.0.1:{free_port_range(1)}",
-        nats_url=f"nats://127.0.0.1:{free_port_range(1)}",
-        base_port=free_port_range(8),
-    )
+    settings = private_stack(tmp)
     model_dir = tmp / "models" / "tiny"
 
     def config(run_id: str) -> RunConfig:
@@ -394,13 +390,7 @@ def _run(
 
     cfg = config("chaos")
     m = cfg.model
-    init_tiny(
-        model_dir,
-        hidden_size=m.tiny_hidden_size,
-        num_layers=m.tiny_layers,
-        num_heads=m.tiny_hidden_size // 64,
-        seed=cfg.trainer.seed,
-    )
+    init_for(model_dir, m, cfg.trainer.seed)
     spec = stack.prepare(settings, model_dir.resolve(), m.name, None)
     stack.launch_detached(spec)
     monkey = replica = None

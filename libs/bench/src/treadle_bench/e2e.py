@@ -35,12 +35,11 @@ from typing import Any
 
 from rich.console import Console
 
+from treadle_bench.harness import private_stack
 from treadle_cli import stack
-from treadle_cli.infra import free_port_range
 from treadle_cli.report import RunReport, StepRow
 from treadle_cli.run_client import RunClient
-from treadle_cli.settings import CliSettings
-from treadle_cli.tiny_model import init_tiny
+from treadle_cli.tiny_model import init_for
 from treadle_common.config import RunConfig, load_recipe
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -75,14 +74,7 @@ def both_modes(
     A recipe with an SFT warm-up warms up once, in the sync run: the async run starts from
     the warm-up's weight-store version, so both modes train from the same weights.
     `before_down(spec, sync_config)` runs once both did, while the stack is still up."""
-    base = free_port_range(8)
-    redis_port, nats_port = free_port_range(1), free_port_range(1)
-    settings = CliSettings(
-        state_dir=tmp / "state",
-        redis_url=f"redis://127.0.0.1:{redis_port}",
-        nats_url=f"nats://127.0.0.1:{nats_port}",
-        base_port=base,
-    )
+    settings = private_stack(tmp)
     model_dir = tmp / "models" / "tiny"
 
     def config(mode: str, *extra: str) -> RunConfig:
@@ -102,13 +94,7 @@ def both_modes(
 
     sync_config = config("sync")
     m = sync_config.model
-    init_tiny(
-        model_dir,
-        hidden_size=m.tiny_hidden_size,
-        num_layers=m.tiny_layers,
-        num_heads=m.tiny_hidden_size // 64,
-        seed=sync_config.trainer.seed,
-    )
+    init_for(model_dir, m, sync_config.trainer.seed)
     results: dict[str, dict[str, Any]] = {}
     spec = stack.prepare(settings, model_dir.resolve(), m.name, None)
     stack.launch_detached(spec)

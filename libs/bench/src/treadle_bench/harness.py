@@ -16,7 +16,8 @@ from pathlib import Path
 import grpc
 import httpx
 
-from treadle_cli.infra import Infra, terminate
+from treadle_cli.infra import Infra, free_port_range, terminate
+from treadle_cli.settings import CliSettings
 from treadle_common.auth import Role, TokenTable
 from treadle_common.settings import Settings
 
@@ -89,6 +90,17 @@ def start_service(
     raise RuntimeError(f"{module} did not answer {ready_path} in {timeout_s}s")
 
 
+def private_stack(tmp: Path) -> CliSettings:
+    """Settings of a `treadle up` stack of the bench's own under `tmp`: its own state dir, a
+    redis and a nats of its own and free service ports (never a stack the user runs)."""
+    return CliSettings(
+        state_dir=tmp / "state",
+        redis_url=f"redis://127.0.0.1:{free_port_range(1)}",
+        nats_url=f"nats://127.0.0.1:{free_port_range(1)}",
+        base_port=free_port_range(8),
+    )
+
+
 @contextlib.contextmanager
 def bench_auth() -> Iterator[None]:
     """Auth on, as deployed: a fresh token table for the services this bench starts
@@ -120,29 +132,27 @@ def infra_with_weight_store(tmp: Path) -> Iterator[tuple[Settings, dict[str, str
     infra = Infra(settings)
     infra.up()
     procs: list[subprocess.Popen] = []
-    auth = contextlib.ExitStack()
-    auth.enter_context(bench_auth())
-    try:
-        ws_http, ws_grpc = free_port(), free_port()
-        common = {
-            "TREADLE_REDIS_URL": settings.redis_url,
-            "TREADLE_NATS_URL": settings.nats_url,
-            "TREADLE_STATE_DIR": str(tmp / "state"),
-            "TREADLE_LOG_LEVEL": "WARNING",
-            "TREADLE_WEIGHT_STORE_ADDR": f"127.0.0.1:{ws_grpc}",
-        }
-        procs.append(
-            start_service(
-                "treadle_weight_store",
-                {**common, "TREADLE_GRPC_PORT": str(ws_grpc)},
-                ws_http,
-                log=tmp / "weight-store.log",
-                ready_path="/healthz",
+    with bench_auth():
+        try:
+            ws_http, ws_grpc = free_port(), free_port()
+            common = {
+                "TREADLE_REDIS_URL": settings.redis_url,
+                "TREADLE_NATS_URL": settings.nats_url,
+                "TREADLE_STATE_DIR": str(tmp / "state"),
+                "TREADLE_LOG_LEVEL": "WARNING",
+                "TREADLE_WEIGHT_STORE_ADDR": f"127.0.0.1:{ws_grpc}",
+            }
+            procs.append(
+                start_service(
+                    "treadle_weight_store",
+                    {**common, "TREADLE_GRPC_PORT": str(ws_grpc)},
+                    ws_http,
+                    log=tmp / "weight-store.log",
+                    ready_path="/healthz",
+                )
             )
-        )
-        yield settings, common, procs
-    finally:
-        for proc in reversed(procs):
-            terminate(proc.pid, timeout_s=20)
-        auth.close()
-        infra.down()
+            yield settings, common, procs
+        finally:
+            for proc in reversed(procs):
+                terminate(proc.pid, timeout_s=20)
+            infra.down()

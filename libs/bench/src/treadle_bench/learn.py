@@ -22,12 +22,11 @@ from typing import Any
 
 from rich.console import Console
 
+from treadle_bench.harness import private_stack
 from treadle_cli import stack
-from treadle_cli.infra import free_port_range
 from treadle_cli.report import RunReport
 from treadle_cli.run_client import RunClient
-from treadle_cli.settings import CliSettings
-from treadle_cli.tiny_model import init_tiny
+from treadle_cli.tiny_model import init_for
 from treadle_common.config import load_recipe
 
 DEMO_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "demo.yaml"
@@ -38,12 +37,7 @@ def run(
 ) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="treadle-bench-learn-"))
     console = Console(file=sys.stderr)
-    settings = CliSettings(
-        state_dir=tmp / "state",
-        redis_url=f"redis://127.0.0.1:{free_port_range(1)}",
-        nats_url=f"nats://127.0.0.1:{free_port_range(1)}",
-        base_port=free_port_range(8),
-    )
+    settings = private_stack(tmp)
     model_dir = (tmp / "models" / "tiny").resolve()
     configs = [
         load_recipe(
@@ -60,13 +54,7 @@ def run(
     ]
     m = configs[0].model
     # one model (the first seed's init) on one stack: seeds vary data, warm-up and sampling
-    init_tiny(
-        model_dir,
-        hidden_size=m.tiny_hidden_size,
-        num_layers=m.tiny_layers,
-        num_heads=m.tiny_hidden_size // 64,
-        seed=configs[0].trainer.seed,
-    )
+    init_for(model_dir, m, configs[0].trainer.seed)
     spec = stack.prepare(settings, model_dir, m.name, None)
     stack.launch_detached(spec)
     per_seed: list[dict[str, Any]] = []

@@ -141,15 +141,9 @@ class RunClient:
         cfg = self.config
         cfg.model.path = cfg.model.path.resolve()
         if cfg.model.init_tiny and not (cfg.model.path / "config.json").exists():
-            from treadle_cli.tiny_model import init_tiny
+            from treadle_cli.tiny_model import init_for
 
-            init_tiny(
-                cfg.model.path,
-                hidden_size=cfg.model.tiny_hidden_size,
-                num_layers=cfg.model.tiny_layers,
-                num_heads=cfg.model.tiny_hidden_size // 64,
-                seed=cfg.trainer.seed,
-            )
+            init_for(cfg.model.path, cfg.model, cfg.trainer.seed)
         own_stack = False
         current = None if self.remote else stack.status(self.state_dir)
         if current is not None and not current.healthy:

@@ -494,19 +494,20 @@ def prepare(
 
 def ensure_tokens(settings: CliSettings, state_dir: Path) -> Path | None:
     """The stack's token table: the one the caller configured (TREADLE_AUTH_TOKENS[_FILE]),
-    else `{state_dir}/auth/tokens.json`, generated on the first `up` and kept (0600), with the
-    admin token beside it for the CLI (`admin.token`). None: TREADLE_AUTH=off."""
+    else `{state_dir}/auth/tokens.json`, generated on the first `up` and kept (0600); the
+    admin token goes beside it for the CLI (`admin.token`). None: TREADLE_AUTH=off."""
     if settings.auth == "off":
         return None
-    path = settings.auth_tokens_file or auth_dir(state_dir) / "tokens.json"
+    path = auth_dir(state_dir) / "tokens.json"
     if settings.auth_tokens is not None:
-        path = auth_dir(state_dir) / "tokens.json"
         auth.write_private(path, settings.auth_tokens.get_secret_value())
+    elif settings.auth_tokens_file is not None:
+        path = settings.auth_tokens_file  # the caller's: read, never written
     elif not path.exists():
         auth.write_private(path, json.dumps(auth.TokenTable.generate(), indent=2))
     table = auth.TokenTable.parse(path.read_text(), str(path))  # malformed: say so now
     admin = table.token_of(auth.Role.admin)
-    if admin is not None and settings.auth_tokens_file is None:
+    if admin is not None:
         auth.write_private(admin_token_file(state_dir), admin)
     return path.resolve()
 

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from treadle_common.config import ModelConfig
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -128,3 +132,15 @@ def init_tiny(
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+def init_for(out_dir: Path | str, model: ModelConfig, seed: int) -> Path:
+    """The tiny model a recipe's `model` section describes (`tiny_hidden_size`,
+    `tiny_layers`; head size 64), initialised from `seed`."""
+    return init_tiny(
+        out_dir,
+        hidden_size=model.tiny_hidden_size,
+        num_layers=model.tiny_layers,
+        num_heads=model.tiny_hidden_size // 64,
+        seed=seed,
+    )

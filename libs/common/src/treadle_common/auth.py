@@ -161,22 +161,27 @@ class Authorizer:
     def enabled(self) -> bool:
         return self.table is not None
 
-    def check(self, authorization: str | None, allowed: frozenset[Role] | None, what: str) -> None:
-        """Raise `AuthError` unless `authorization` (`Bearer <token>`) names a role in
-        `allowed`. `allowed` None: `what` declared no policy, refused (fail closed)."""
+    def check(self, token: str | None, allowed: frozenset[Role] | None, what: str) -> None:
+        """Raise `AuthError` unless the bearer `token` names a role in `allowed`. `allowed`
+        None: `what` declared no policy, refused (fail closed)."""
         if allowed is None:
             raise AuthError(403, f"{what} has no access policy; refused")
         if self.table is None:
             return
-        scheme, _, token = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
+        if not token:
             raise AuthError(401, f"{what} needs a bearer token (Authorization: Bearer <token>)")
-        role = self.table.role_of(token.strip())
+        role = self.table.role_of(token)
         if role is None:
             raise AuthError(401, f"{what}: the bearer token is not valid")
         if role not in allowed and role is not Role.admin:
             names = ", ".join(sorted(allowed))
             raise AuthError(403, f"{what}: role {role.value!r} may not call it (allowed: {names})")
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of an `Authorization: Bearer <token>` value (None for any other)."""
+    scheme, _, token = (authorization or "").partition(" ")
+    return (token.strip() or None) if scheme.lower() == "bearer" else None
 
 
 def parse_roles(value: list[str] | None) -> frozenset[Role] | None:

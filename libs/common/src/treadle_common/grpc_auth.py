@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 
 from treadle_common import metrics
-from treadle_common.auth import AuthError, Authorizer, GrpcPolicy
+from treadle_common.auth import AuthError, Authorizer, GrpcPolicy, bearer_token
 
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 _CODES = {401: grpc.StatusCode.UNAUTHENTICATED, 403: grpc.StatusCode.PERMISSION_DENIED}
@@ -60,7 +60,8 @@ class ServerAuth(grpc.aio.ServerInterceptor):
             return handler
         metadata = dict(details.invocation_metadata or ())
         try:
-            self.authorizer.check(metadata.get("authorization"), self.policy.get(method), method)
+            token = bearer_token(metadata.get("authorization"))
+            self.authorizer.check(token, self.policy.get(method), method)
         except AuthError as error:
             metrics.AUTH_REFUSED.labels(self.service, "grpc", str(error.status)).inc()
             return _refusing(handler, error)

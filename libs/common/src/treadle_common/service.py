@@ -192,9 +192,9 @@ class ServiceRuntime:
         if declared == [auth.PUBLIC]:
             return
         path = getattr(route, "path", request.url.path)
-        header = f"Bearer {credentials.credentials}" if credentials else None
+        token = credentials.credentials if credentials else None
         try:
-            self.authorizer.check(header, auth.parse_roles(declared), f"{request.method} {path}")
+            self.authorizer.check(token, auth.parse_roles(declared), f"{request.method} {path}")
         except auth.AuthError as error:
             metrics.AUTH_REFUSED.labels(self.service, "http", str(error.status)).inc()
             headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None

@@ -156,16 +156,10 @@ class TaskWorker:
         """Tasks still pending for this consumer name when the process starts were left by
         its previous life (a replica restarted under the same `TREADLE_INSTANCE`): taken
         back at once instead of after `reclaim_idle_ms`."""
-        out = []
-        for entry in await streams.pending_own(
+        pending = await streams.pending_own(
             self.r, stream, names.ROLLOUT_GROUP, self.consumer, task_pb2.Task
-        ):
-            _, entry_id, task = entry
-            count = await streams.deliveries(self.r, stream, names.ROLLOUT_GROUP, entry_id)
-            if count > self.max_deliveries:
-                await self._dead_letter(stream, entry_id, task, "max_deliveries", count)
-            else:
-                out.append(entry)
+        )
+        out = await self._within_deliveries(stream, pending)
         if out:
             log.info("resuming this replica's unfinished tasks", stream=stream, tasks=len(out))
         return out
@@ -173,15 +167,21 @@ class TaskWorker:
     async def _reclaim(self, stream: str) -> list:
         """Tasks whose replica stopped heartbeating them; those delivered more than
         `max_deliveries` times go to the dead letters instead."""
-        out = []
-        for entry in await streams.reclaim(
+        claimed = await streams.reclaim(
             self.r,
             stream,
             names.ROLLOUT_GROUP,
             self.consumer,
             task_pb2.Task,
             min_idle_ms=self.reclaim_idle_ms,
-        ):
+        )
+        return await self._within_deliveries(stream, claimed)
+
+    async def _within_deliveries(self, stream: str, entries: list) -> list:
+        """`entries` delivered at most `max_deliveries` times; the others go to the dead
+        letters (a task that keeps failing its replica)."""
+        out = []
+        for entry in entries:
             _, entry_id, task = entry
             count = await streams.deliveries(self.r, stream, names.ROLLOUT_GROUP, entry_id)
             if count > self.max_deliveries:
