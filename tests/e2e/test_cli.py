@@ -10,10 +10,12 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.conftest import ROOT, free_port_range, free_ports
 from treadle_cli.infra import alive
+from treadle_common import auth
 from treadle_common.clients.rollout import GenerationClient
 from treadle_common.clients.trainer import TrainerClient
 
@@ -23,9 +25,17 @@ TREADLE = str(Path(sys.executable).parent / "treadle")
 
 @pytest.fixture
 def cli_env(tmp_path) -> dict[str, str]:
+    """A new user's environment: no token and no token table (`treadle up` makes them under
+    the state dir and the CLI finds its admin token there)."""
     redis_port, nats_port = free_ports(2)
+    user = (
+        "TREADLE_TOKEN",
+        "TREADLE_TOKEN_FILE",
+        "TREADLE_AUTH_TOKENS",
+        "TREADLE_AUTH_TOKENS_FILE",
+    )
     return {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if k not in user},
         "TREADLE_STATE_DIR": str(tmp_path / ".treadle"),
         "TREADLE_REDIS_URL": f"redis://127.0.0.1:{redis_port}",
         "TREADLE_NATS_URL": f"nats://127.0.0.1:{nats_port}",
@@ -155,12 +165,17 @@ def test_up_status_down_without_orphans(cli_env, tmp_path):
         assert len(infra_pids) == 2 and all(alive(p) for p in pids)
         # the thin clients reach the running services
         spec = json.loads((tmp_path / ".treadle" / "stack.json").read_text())["spec"]
-        assert asyncio.run(_generate_and_list(spec["ports"])) == []  # no runs submitted yet
+        # the admin token `up` wrote (0600) is what a client of this stack presents
+        token_file = tmp_path / ".treadle" / "auth" / "admin.token"
+        assert token_file.stat().st_mode & 0o777 == 0o600
+        token = token_file.read_text()
+        assert asyncio.run(_generate_and_list(spec["ports"], token)) == []  # no runs yet
         # `treadle run` against a deployed stack (compose, k8s): endpoints from TREADLE_*_URL
         ports = spec["ports"]
         remote_env = {
             **cli_env,
             "TREADLE_STATE_DIR": str(tmp_path / "elsewhere"),  # no stack record to find
+            "TREADLE_TOKEN_FILE": str(tmp_path / ".treadle" / "auth" / "admin.token"),
             "TREADLE_TRAINER_URL": f"http://127.0.0.1:{ports['trainer']['http']}",
             "TREADLE_ROLLOUT_URL": f"http://127.0.0.1:{ports['rollout']['http']}",
             "TREADLE_WEIGHT_STORE_URL": f"http://127.0.0.1:{ports['weight-store']['http']}",
@@ -211,14 +226,15 @@ def test_up_status_down_without_orphans(cli_env, tmp_path):
     assert after.returncode == 1 and json.loads(after.stdout)["running"] is False
 
 
-async def _generate_and_list(ports: dict) -> list:
-    rollout = GenerationClient(f"127.0.0.1:{ports['rollout']['grpc']}")
+async def _generate_and_list(ports: dict, token: str) -> list:
+    rollout = GenerationClient(f"127.0.0.1:{ports['rollout']['grpc']}", token=token)
     result = await rollout.generate([1, 2, 3], max_new_tokens=5, temperature=0.0)
     await rollout.close()
     assert 1 <= len(result.tokens) <= 5
     assert len(result.logprobs) == len(result.token_versions) == len(result.tokens)
     assert all(lp <= 0 for lp in result.logprobs) and set(result.token_versions) == {0}
-    trainer = TrainerClient(f"http://127.0.0.1:{ports['trainer']['http']}")
+    http = httpx.Client(headers=auth.bearer(token))
+    trainer = TrainerClient(f"http://127.0.0.1:{ports['trainer']['http']}", http)
     return trainer.list_runs()  # typed: RunStatus models
 
 

@@ -336,7 +336,8 @@ class RunClient:
             return held_out
         if cfg.model.init_version is not None:  # rollout holds it only once the run starts
             return held_out
-        async with TrainingSession(self.trainer.base_url, cfg) as session:
+        token = self.settings.client_token()
+        async with TrainingSession(self.trainer.base_url, cfg, token) as session:
             cfg.model.init_version = await session.save_weights()
             if held_out:
                 self._evaluate(held_out, "start", cfg.model.init_version, report)

@@ -92,9 +92,10 @@ class WarmUp(BaseModel):
 class TrainingSession:
     """A session on the trainer's training API, opened on the recipe's model."""
 
-    def __init__(self, trainer_url: str, config: RunConfig):
+    def __init__(self, trainer_url: str, config: RunConfig, token: str | None = None):
+        """`token`: the bearer token it presents (default `TREADLE_TOKEN`)."""
         self.config = config
-        self.client = TrainingClient(trainer_url)
+        self.client = TrainingClient(trainer_url, token=token)
         self.sid = ""
         self.losses: list[float] = []
 
