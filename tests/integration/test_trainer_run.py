@@ -462,7 +462,7 @@ async def test_a_run_rides_through_a_weight_store_restart(infra, tmp_path, tiny_
             producer.cancel()
         trainer.stop()
         store_proc.stop()
-    assert final["state"] == "succeeded", final["error"]
+    assert final["state"] == "succeeded", (final["error"], trainer.log.read_text()[-4000:])
     assert final["resumed"] >= 1  # resumed from its checkpoint after the store came back
     assert final["step"] == steps and final["pending_after_run"] == 0
     assert "run interrupted; resuming" in trainer.log.read_text()

@@ -259,22 +259,36 @@ class WeightStoreClient:
                 )
                 planned.append(asyncio.ensure_future(ask(batches[i], hashing[-1])))
 
+        failed: list[Exception] = []
+
         async def requests() -> AsyncIterator[bytes]:
             sent: set[str] = set()
-            for i, batch in enumerate(batches):
-                missing = await planned.popleft()
-                plan(i + PUBLISH_LOOKAHEAD)
-                data = {ref.hash: piece for ref, piece in batch}
-                for digest in missing:
-                    if digest not in sent:  # identical chunks within one version
-                        sent.add(digest)
-                        yield codec.serialize_publish_request(ChunkView(digest, data[digest]))
+            try:
+                for i, batch in enumerate(batches):
+                    missing = await planned.popleft()
+                    plan(i + PUBLISH_LOOKAHEAD)
+                    data = {ref.hash: piece for ref, piece in batch}
+                    for digest in missing:
+                        if digest not in sent:  # identical chunks within one version
+                            sent.add(digest)
+                            yield codec.serialize_publish_request(ChunkView(digest, data[digest]))
+            except Exception as exc:  # grpc.aio cancels the call: keep the cause
+                failed.append(exc)
+                raise
             yield pb.PublishRequest(manifest=pending.manifest, durable=durable).SerializeToString()
 
         for i in range(PUBLISH_LOOKAHEAD):  # while the stream opens
             plan(i)
         try:
             return await self.publish_call(requests())
+        except asyncio.CancelledError:
+            # a request iterator that raises (MissingChunks found the store away) makes
+            # grpc.aio cancel the call locally, which reaches us as CancelledError: raise the
+            # cause (retryable UNAVAILABLE) unless this task itself is being cancelled
+            task = asyncio.current_task()
+            if failed and task is not None and not task.cancelling():
+                raise failed[0] from None
+            raise
         finally:  # a broken stream: stop hashing and asking ahead
             for task in (*hashing, *planned):
                 if not task.cancel() and not task.cancelled():

@@ -87,6 +87,12 @@ def retryable(exc: BaseException) -> bool:
     return isinstance(exc, transient)
 
 
+def _being_cancelled() -> bool:
+    """This task was asked to stop (not: an awaited call ended in CancelledError)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 def intact_checkpoint(candidates: list[Path]) -> tuple[Path, dict]:
     """The first intact checkpoint of `candidates` (committed ones, newest first)."""
     errors = []
@@ -183,10 +189,16 @@ class RunOwner:
             finished = self.status.step >= self.config.trainer.num_steps
             outcome = "succeeded" if finished else "handed_off"
         except (Fenced, asyncio.CancelledError) as exc:
-            if not (isinstance(exc, Fenced) or self.lost):
+            stray = isinstance(exc, asyncio.CancelledError) and not self.lost
+            if stray and _being_cancelled():
                 raise
-            outcome, self.status.error = "lost", str(exc) or "the run's lease was taken over"
-            log.warning("run lost to another trainer", run=self.config.run_id, error=str(exc))
+            if stray:  # a library cancelled a call under us: an interruption, not a verdict
+                self.status.error = "CancelledError: a call was cancelled under the run"
+                outcome = "failed" if last_attempt else "retrying"
+                log.warning("run interrupted; resuming", run=self.config.run_id, error=repr(exc))
+            else:
+                outcome, self.status.error = "lost", str(exc) or "the run's lease was taken over"
+                log.warning("run lost to another trainer", run=self.config.run_id, error=str(exc))
         except Exception as exc:
             self.status.error = f"{type(exc).__name__}: {exc}"
             if retryable(exc) and not last_attempt:
@@ -201,6 +213,7 @@ class RunOwner:
                     outcome = await self._end(outcome)
                 except Exception as exc:  # Redis away at the very end: resume, then end
                     log.warning("ending the run failed", run=self.config.run_id, error=repr(exc))
+                    self.status.error = self.status.error or f"ending the run failed: {exc!r}"
                     outcome = "failed" if last_attempt else "retrying"
             self.status.state = outcome
             if self.backend is not None:
