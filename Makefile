@@ -4,6 +4,7 @@
 #   make test    setup + lint + proto check + the whole test suite, vLLM included (CI)
 #   make lint    ruff lint + format check + mypy on every library and service
 #   make bench   the `treadle bench` workloads (JSON)
+#   make nats-conf  rewrite deploy/nats/nats.conf and k8s/base/nats.conf (NATS users)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
@@ -15,7 +16,7 @@ LIBS := common cli bench
 STAMP := $(VENV)/.treadle-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-vllm lint bench protos clean
+.PHONY: setup demo test test-vllm lint bench protos nats-conf clean
 
 setup: $(STAMP)
 
@@ -38,6 +39,9 @@ lint: setup
 
 protos: setup
 	$(PY) scripts/gen_protos.py
+
+nats-conf: setup
+	$(PY) scripts/gen_nats_conf.py
 
 test: lint
 	$(PY) scripts/gen_protos.py --check

@@ -14,14 +14,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import pytest
 
 from treadle_cli.infra import Infra, free_port_range
-from treadle_common import auth
+from treadle_common import auth, names
 from treadle_common.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,15 +71,22 @@ def free_ports(n: int) -> list[int]:
 
 @dataclass
 class InfraUrls:
+    """The private servers' URLs with the admin's credentials (what the test process uses),
+    and each service's NATS URL (its own user and permissions, as deployed)."""
+
     redis_url: str
     nats_url: str
     state_dir: Path
+    nats_urls: dict[str, str] = field(default_factory=dict)
+
+    def nats_for(self, service: str) -> str:
+        return self.nats_urls.get(service, self.nats_url)
 
 
 @contextlib.contextmanager
 def private_infra(state: Path) -> Iterator[tuple[Infra, InfraUrls]]:
-    """A redis-server (AOF) and a nats-server (JetStream on disk) of our own, on free ports,
-    with their data under `state`; stopped on exit."""
+    """A redis-server (AOF, a password) and a nats-server (JetStream on disk, a user per
+    service) of our own, on free ports, with their data under `state`; stopped on exit."""
     redis_port, nats_port = free_ports(2)
     settings = Settings(
         state_dir=state,
@@ -89,7 +96,13 @@ def private_infra(state: Path) -> Iterator[tuple[Infra, InfraUrls]]:
     manager = Infra(settings)
     manager.up()
     try:
-        yield manager, InfraUrls(settings.redis_url, settings.nats_url, state)
+        urls = InfraUrls(
+            manager.url_for("redis"),
+            manager.url_for("nats"),
+            state,
+            {service: manager.url_for("nats", service) for service in names.SERVICES},
+        )
+        yield manager, urls
     finally:
         manager.down()
 
@@ -157,7 +170,7 @@ def start_service(name: str, infra: InfraUrls, tmp: Path, **env: str) -> Service
     full_env = {
         **os.environ,
         "TREADLE_REDIS_URL": infra.redis_url,
-        "TREADLE_NATS_URL": infra.nats_url,
+        "TREADLE_NATS_URL": infra.nats_for(name),
         "TREADLE_STATE_DIR": str(tmp),
         "TREADLE_HTTP_PORT": str(http),
         "TREADLE_GRPC_PORT": str(grpc_port),

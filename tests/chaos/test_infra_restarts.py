@@ -67,11 +67,13 @@ async def test_nats_restart_under_reward_and_trainer(own_infra, tmp_path: Path):
     trainer = start_service("trainer", urls, tmp_path / "t")
     try:
         assert (await score(urls.nats_url)).status == pb.SCORE_STATUS_OK
+        host, password = urls.nats_url.rsplit("@", 1)[1], manager.secrets().nats["reward"]
         stop(manager, "nats")
         for svc in (reward, trainer):
             wait_for(lambda s=svc: readiness(s.http)[0] == 503)
             code, checks = readiness(svc.http)
-            assert checks["nats"] != "ok" and urls.nats_url in checks["nats"], checks
+            assert checks["nats"] != "ok" and host in checks["nats"], checks
+            assert ":***@" in checks["nats"] and password not in checks["nats"]  # redacted
         manager.up(("nats",))
         for svc in (reward, trainer):
             wait_for(lambda s=svc: readiness(s.http)[0] == 200)

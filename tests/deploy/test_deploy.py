@@ -19,7 +19,8 @@ import yaml
 
 from tests.conftest import ROOT
 from treadle_cli.settings import CliSettings
-from treadle_common import auth
+from treadle_common import auth, infra_auth
+from treadle_common.infra_auth import InfraSecrets
 from treadle_common.settings import Settings
 from treadle_env_gateway.settings import EnvGatewaySettings
 from treadle_reward.settings import RewardSettings
@@ -124,9 +125,16 @@ def test_the_cli_image_installs_the_cli_and_no_service():
 
 # --- compose -------------------------------------------------------------------------------------
 COMPOSE_TOKENS = {
-    f"TREADLE_TOKEN_{role.upper()}": token for role, token in auth.TokenTable.generate().items()
+    **{
+        f"TREADLE_TOKEN_{role.upper()}": token for role, token in auth.TokenTable.generate().items()
+    },
+    **InfraSecrets.generate().env(),
+    "TREADLE_S3_ACCESS_KEY": "test-access",
+    "TREADLE_S3_SECRET_KEY": "test-secret",
 }
-"""What `treadle secrets >> .env` gives compose: a token per role."""
+"""What `treadle secrets >> .env` gives compose: a token per role, the infra passwords, S3
+keys."""
+SECRET_VARS = ("TREADLE_TOKEN", "REDIS_PASSWORD", "NATS_PASSWORD", "TREADLE_S3_")
 
 
 def compose_config(*profiles: str, env: dict[str, str] | None = None) -> dict:
@@ -142,16 +150,32 @@ def compose_config(*profiles: str, env: dict[str, str] | None = None) -> dict:
     return json.loads(rendered.stdout)
 
 
-def test_compose_has_no_default_tokens_and_gives_each_service_its_role():
-    bare = {k: v for k, v in os.environ.items() if not k.startswith("TREADLE_TOKEN")}
-    refused = subprocess.run(
-        [str(COMPOSE), "-f", str(ROOT / "compose.yaml"), "config", "-q"],
-        capture_output=True,
-        text=True,
-        env=bare,
-    )
-    assert refused.returncode != 0 and "treadle secrets" in refused.stderr, refused.stderr
+def test_compose_has_no_default_secrets_and_gives_each_service_its_role():
+    bare = {k: v for k, v in os.environ.items() if not k.startswith(SECRET_VARS)}
+    for name in COMPOSE_TOKENS:  # each secret is required on its own: no defaults
+        refused = subprocess.run(
+            [str(COMPOSE), "-f", str(ROOT / "compose.yaml"), "config", "-q"],
+            capture_output=True,
+            text=True,
+            env={**bare, **{k: v for k, v in COMPOSE_TOKENS.items() if k != name}},
+        )
+        assert refused.returncode != 0 and "treadle secrets" in refused.stderr, name
     services = compose_config("cpu", "demo")["services"]
+    # redis needs the password; nats runs the committed users file, each service its own user
+    redis_password = COMPOSE_TOKENS[infra_auth.REDIS_PASSWORD_ENV]
+    assert services["redis"]["command"][1:3] == ["--requirepass", redis_password]
+    assert services["nats"]["command"][:2] == ["--config", "/etc/nats/nats.conf"]
+    [conf] = [v for v in services["nats"]["volumes"] if v["target"] == "/etc/nats/nats.conf"]
+    assert Path(conf["source"]) == ROOT / "deploy/nats/nats.conf" and conf["read_only"]
+    for user in infra_auth.NATS_USERS:
+        env = infra_auth.password_env(user)
+        assert services["nats"]["environment"][env] == COMPOSE_TOKENS[env]
+    for name in [*SERVICES, "demo"]:
+        environment = services[name]["environment"]
+        user = "admin" if name == "demo" else name
+        password = COMPOSE_TOKENS[infra_auth.password_env(user)]
+        assert environment["TREADLE_NATS_URL"] == f"nats://{user}:{password}@nats:4222", name
+        assert environment["TREADLE_REDIS_URL"] == f"redis://:{redis_password}@redis:6379"
     table = auth.TokenTable.parse(services["reward"]["environment"]["TREADLE_AUTH_TOKENS"], "c")
     for name, svc in services.items():
         environment = svc.get("environment") or {}
@@ -207,15 +231,30 @@ def test_compose_validates_with_the_real_compose_binary():
 # --- kubernetes ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module", params=OVERLAYS)
 def rendered(request) -> tuple[str, list[dict]]:
+    return render(request.param)
+
+
+def render(overlay: str) -> tuple[str, list[dict]]:
     kubectl = BIN / "kubectl"
     assert kubectl.exists(), "make setup installs kubectl (scripts/install_kubectl.py)"
     out = subprocess.run(
-        [str(kubectl), "kustomize", str(ROOT / "k8s" / "overlays" / request.param)],
+        [str(kubectl), "kustomize", str(ROOT / "k8s" / "overlays" / overlay)],
         capture_output=True,
         text=True,
     )
     assert out.returncode == 0, out.stderr
     return out.stdout, [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def secret_keys(node, secret: str) -> set[str]:
+    """The keys of `secret` that anything in `node` (the rendered manifests) reads."""
+    if isinstance(node, list):
+        return set().union(*(secret_keys(n, secret) for n in node))
+    if not isinstance(node, dict):
+        return set()
+    ref = node.get("secretKeyRef")
+    found = {ref["key"]} if isinstance(ref, dict) and ref.get("name") == secret else set()
+    return found.union(*(secret_keys(v, secret) for v in node.values()))
 
 
 def kinds(docs: list[dict], kind: str) -> dict[str, dict]:
@@ -350,7 +389,7 @@ def test_probes_headless_sessions_pdbs_and_policies(rendered):
 
 
 def test_every_service_pod_gets_the_token_table_and_its_role_token(rendered):
-    _, docs = rendered
+    text, docs = rendered
     pods = {
         name: dep["spec"]["template"]["spec"]["containers"][0]
         for name, dep in kinds(docs, "Deployment").items()
@@ -365,8 +404,35 @@ def test_every_service_pod_gets_the_token_table_and_its_role_token(rendered):
         assert env["TREADLE_AUTH_TOKENS"] == {"name": "treadle-auth", "key": "tokens.json"}, name
         role = auth.SERVICE_ROLES[name].value
         assert env["TREADLE_TOKEN"] == {"name": "treadle-auth", "key": role}, name
-    # no Secret in the manifests holds a token: the operator generates `treadle-auth`
-    assert "treadle-auth" not in kinds(docs, "Secret")
+        # Redis and NATS credentials: its own NATS user, built into the URLs it reads
+        assert env["REDIS_PASSWORD"] == {"name": "treadle-auth", "key": "redis-password"}
+        assert env["NATS_PASSWORD"] == {"name": "treadle-auth", "key": f"nats-password-{name}"}
+        values = {e["name"]: e.get("value") for e in container["env"]}
+        assert values["TREADLE_REDIS_URL"] == "redis://:$(REDIS_PASSWORD)@redis:6379"
+        assert values["TREADLE_NATS_URL"] == f"nats://{name}:$(NATS_PASSWORD)@nats:4222"
+        order = [e["name"] for e in container["env"]]  # k8s expands $(VAR) of earlier ones
+        assert order.index("NATS_PASSWORD") < order.index("TREADLE_NATS_URL")
+    # no Secret in the manifests: the operator generates `treadle-auth` (no default keys)
+    assert kinds(docs, "Secret") == {}
+    assert "treadle-local-secret" not in text
+
+
+def test_redis_and_nats_pods_require_the_credentials(rendered):
+    _, docs = rendered
+    sets = kinds(docs, "StatefulSet")
+    redis = sets["redis"]["spec"]["template"]["spec"]["containers"][0]
+    assert redis["args"][1:3] == ["--requirepass", "$(REDIS_PASSWORD)"]
+    nats = sets["nats"]["spec"]["template"]["spec"]
+    container = nats["containers"][0]
+    assert container["args"][:2] == ["--config", "/etc/nats/nats.conf"]
+    env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"]}
+    assert env == {
+        infra_auth.password_env(u): {"name": "treadle-auth", "key": f"nats-password-{u}"}
+        for u in infra_auth.NATS_USERS
+    }
+    [volume] = [v for v in nats["volumes"] if v["name"] == "config"]
+    maps = kinds(docs, "ConfigMap")
+    assert maps[volume["configMap"]["name"]]["data"]["nats.conf"] == infra_auth.render_nats_conf()
 
 
 def test_gpu_overlay_requests_gpus_on_gpu_nodes():
@@ -445,7 +511,7 @@ def test_treadle_secrets_feeds_compose_and_kubernetes(tmp_path):
         [treadle, "secrets"], capture_output=True, text=True, check=True
     ).stdout
     (tmp_path / ".env").write_text(env_lines)
-    bare = {k: v for k, v in os.environ.items() if not k.startswith("TREADLE_TOKEN")}
+    bare = {k: v for k, v in os.environ.items() if not k.startswith(SECRET_VARS)}
     rendered = subprocess.run(
         [str(COMPOSE), "-f", str(ROOT / "compose.yaml"), "--env-file", str(tmp_path / ".env")]
         + ["--profile", "cpu", "config", "--format", "json"],
@@ -468,6 +534,11 @@ def test_treadle_secrets_feeds_compose_and_kubernetes(tmp_path):
     table = auth.TokenTable.parse(secret["stringData"]["tokens.json"], "k8s")
     for role in auth.Role:
         assert table.role_of(secret["stringData"][role.value]) is role
+    # every key the manifests read from it is there
+    for overlay in OVERLAYS:
+        wanted = secret_keys(render(overlay)[1], "treadle-auth")
+        assert "redis-password" in wanted and "nats-password-reward" in wanted
+        assert wanted <= set(secret["stringData"]), wanted - set(secret["stringData"])
     # two runs never give the same tokens
     again = subprocess.run([treadle, "secrets"], capture_output=True, text=True, check=True)
     assert set(again.stdout.splitlines()).isdisjoint(env_lines.splitlines())

@@ -176,16 +176,21 @@ def test_a_service_without_tokens_refuses_to_start(infra, tmp_path, monkeypatch)
         start_service("reward", infra, tmp_path)
 
 
-def test_production_refuses_auth_off():
+def test_production_refuses_auth_off_and_default_secrets():
     from treadle_common.settings import Settings
+    from treadle_weight_store.settings import WeightStoreSettings
 
+    creds = {"redis_url": "redis://:pw@redis:6379", "nats_url": "nats://u:pw@nats:4222"}
     with pytest.raises(ValueError, match="TREADLE_AUTH=off is refused in production"):
-        Settings(
-            environment="production",
-            auth="off",
-            s3_access_key="k" * 20,
-            s3_secret_key="s" * 20,
-        )
+        Settings(environment="production", auth="off", **creds)
+    with pytest.raises(ValueError, match="TREADLE_REDIS_URL must carry credentials"):
+        Settings(environment="production", **{**creds, "redis_url": "redis://redis:6379"})
+    with pytest.raises(ValueError, match="TREADLE_NATS_URL must carry credentials"):
+        Settings(environment="production", **{**creds, "nats_url": "nats://nats:4222"})
+    with pytest.raises(ValueError, match="TREADLE_S3_ACCESS_KEY/SECRET_KEY must be set"):
+        WeightStoreSettings(environment="production", weight_store_backend="s3", **creds)
+    assert Settings(environment="production", **creds).auth == "on"
+    assert WeightStoreSettings(environment="production", **creds)  # local backend: no S3
 
 
 def test_token_table_rejects_short_tokens_and_unknown_roles():

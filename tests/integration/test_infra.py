@@ -1,12 +1,17 @@
-"""Embedded infrastructure: real redis-server / nats-server processes on free ports."""
+"""Embedded infrastructure: real redis-server / nats-server processes on free ports, which
+refuse clients without credentials and hold each NATS user to its subjects."""
 
+import asyncio
 import socket
+from pathlib import Path
 
+import nats
 import pytest
 import redis
 
 from tests.conftest import free_ports
 from treadle_cli.infra import Infra, InfraError, alive
+from treadle_common import infra_auth, names
 from treadle_common.settings import Settings
 
 pytestmark = pytest.mark.integration
@@ -29,7 +34,7 @@ def test_up_status_down_leaves_no_process(tmp_path):
             ("redis", True, "started"),
             ("nats", True, "started"),
         ]
-        assert redis.Redis.from_url(infra.url("redis")).ping()
+        assert redis.Redis.from_url(infra.url_for("redis")).ping()
         assert (tmp_path / "logs" / "nats.log").exists() and (tmp_path / "redis").is_dir()
         assert all(s.healthy and s.managed for s in infra.status())
     finally:
@@ -75,3 +80,81 @@ def test_s3_server_answers_s3(tmp_path):
         assert listing.status_code == 200 and "ListAllMyBucketsResult" in listing.text
     finally:
         assert infra.down() == ["s3"]
+
+
+def raw_reply(url: str, command: bytes) -> bytes:
+    host, port = url.removeprefix("redis://").rsplit("@", 1)[-1].split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(command)
+        return sock.recv(256)
+
+
+def test_redis_without_the_password_gets_noauth(infra):
+    plain = "redis://" + infra.redis_url.rsplit("@", 1)[1]
+    assert raw_reply(plain, b"PING\r\n").startswith(b"-NOAUTH")
+    assert raw_reply(plain, b"GET treadle:runs\r\n").startswith(b"-NOAUTH")
+    with pytest.raises(redis.exceptions.RedisError):
+        redis.Redis.from_url(plain, protocol=2).get("treadle:runs")
+    with pytest.raises(redis.exceptions.AuthenticationError):
+        redis.Redis.from_url(infra_auth.with_credentials(plain, "", "wrong")).ping()
+    assert redis.Redis.from_url(infra.redis_url).ping()
+
+
+async def nats_errors(url: str, act) -> list[str]:
+    """What the server refused while `act(nc)` ran (permission errors arrive asynchronously)."""
+    errors: list[str] = []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(str(exc))
+
+    nc = await nats.connect(url, error_cb=on_error, allow_reconnect=False)
+    try:
+        await act(nc)
+        await nc.flush()
+        await asyncio.sleep(0.3)
+    finally:
+        await nc.close()
+    return errors
+
+
+async def test_nats_holds_each_user_to_its_subjects(infra):
+    anonymous = "nats://" + infra.nats_url.rsplit("@", 1)[1]
+    with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+        await nats.connect(anonymous, allow_reconnect=False, max_reconnect_attempts=0)
+    wrong = infra_auth.with_credentials(anonymous, "rollout", "not-the-password")
+    with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+        await nats.connect(wrong, allow_reconnect=False, max_reconnect_attempts=0)
+
+    async def announce(nc) -> None:
+        await nc.publish(names.weights_subject("served"), b"forged")
+
+    async def join_reward(nc) -> None:
+        await nc.subscribe(names.REWARD_WILDCARD, queue=names.REWARD_QUEUE)
+
+    async def delete_stream(nc) -> None:
+        await nc.publish(f"$JS.API.STREAM.DELETE.{names.WEIGHTS_STREAM}", b"")
+
+    for service in ("rollout", "trainer", "env-gateway", "reward"):
+        refused = await nats_errors(infra.nats_for(service), announce)
+        assert any("permissions violation for publish" in e for e in refused), service
+        refused = await nats_errors(infra.nats_for(service), delete_stream)
+        assert any("permissions violation for publish" in e for e in refused), service
+    for service in ("rollout", "trainer", "env-gateway", "weight-store"):
+        refused = await nats_errors(infra.nats_for(service), join_reward)
+        assert any("permissions violation for subscription" in e for e in refused), service
+    assert await nats_errors(infra.nats_for("weight-store"), announce) == []
+    assert await nats_errors(infra.nats_for("reward"), join_reward) == []
+
+    async def own_heartbeat_only(nc) -> None:
+        await nc.publish(f"$KV.{names.HEARTBEAT_BUCKET}.trainer.forged", b"{}")
+
+    refused = await nats_errors(infra.nats_for("rollout"), own_heartbeat_only)
+    assert any("permissions violation for publish" in e for e in refused)
+
+
+def test_the_committed_nats_configs_are_the_rendered_one():
+    """compose and k8s run the same users and permissions as `treadle up`."""
+    root = Path(__file__).resolve().parents[2]
+    rendered = infra_auth.render_nats_conf()
+    for path in ("deploy/nats/nats.conf", "k8s/base/nats.conf"):
+        assert (root / path).read_text() == rendered, f"{path}: run `make nats-conf`"

@@ -83,7 +83,7 @@ class ChaosMonkey:
     ):
         self.spec, self.settings, self.run_id = spec, settings, run_id
         self.state_dir = Path(spec.state_dir)
-        self.r: Any = redis.Redis.from_url(spec.redis_url, socket_timeout=2)
+        self.r: Any = redis.Redis.from_url(spec.client_url("redis"), socket_timeout=2)
         self.faults: list[Fault] = []
         self.errors: list[str] = []
         self.second: subprocess.Popen | None = None

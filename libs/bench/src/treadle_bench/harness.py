@@ -121,9 +121,10 @@ def bench_auth() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def infra_with_weight_store(tmp: Path) -> Iterator[tuple[Settings, dict[str, str], list]]:
-    """Private redis + nats and a weight-store process; yields (settings, the TREADLE_* env
-    every further service needs, the list of processes to add yours to: all stopped on exit)."""
+def infra_with_weight_store(tmp: Path) -> Iterator[tuple[Infra, dict[str, str], list]]:
+    """Private redis + nats and a weight-store process; yields (the infra, whose `url_for`
+    gives a service its own NATS user; the TREADLE_* env every further service needs, with
+    the admin's NATS user; the list of processes to add yours to: all stopped on exit)."""
     settings = Settings(
         state_dir=tmp / "infra",
         redis_url=f"redis://127.0.0.1:{free_port()}",
@@ -136,8 +137,8 @@ def infra_with_weight_store(tmp: Path) -> Iterator[tuple[Settings, dict[str, str
         try:
             ws_http, ws_grpc = free_port(), free_port()
             common = {
-                "TREADLE_REDIS_URL": settings.redis_url,
-                "TREADLE_NATS_URL": settings.nats_url,
+                "TREADLE_REDIS_URL": infra.url_for("redis"),
+                "TREADLE_NATS_URL": infra.url_for("nats"),
                 "TREADLE_STATE_DIR": str(tmp / "state"),
                 "TREADLE_LOG_LEVEL": "WARNING",
                 "TREADLE_WEIGHT_STORE_ADDR": f"127.0.0.1:{ws_grpc}",
@@ -145,13 +146,17 @@ def infra_with_weight_store(tmp: Path) -> Iterator[tuple[Settings, dict[str, str
             procs.append(
                 start_service(
                     "treadle_weight_store",
-                    {**common, "TREADLE_GRPC_PORT": str(ws_grpc)},
+                    {
+                        **common,
+                        "TREADLE_GRPC_PORT": str(ws_grpc),
+                        "TREADLE_NATS_URL": infra.url_for("nats", "weight-store"),
+                    },
                     ws_http,
                     log=tmp / "weight-store.log",
                     ready_path="/healthz",
                 )
             )
-            yield settings, common, procs
+            yield infra, common, procs
         finally:
             for proc in reversed(procs):
                 terminate(proc.pid, timeout_s=20)

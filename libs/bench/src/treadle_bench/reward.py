@@ -79,12 +79,13 @@ def run(requests: int = 200, concurrency: int = 32, rounds: int = 100_000) -> di
         infra.up(("nats",))
         replicas: list[subprocess.Popen] = []
         try:
-            replicas.append(start_replica(settings.nats_url, tmp))
-            asyncio.run(load(settings.nats_url, concurrency, concurrency, rounds))  # warm-up
-            one, _ = asyncio.run(load(settings.nats_url, requests, concurrency, rounds))
-            replicas.append(start_replica(settings.nats_url, tmp))
-            asyncio.run(load(settings.nats_url, concurrency, concurrency, rounds))
-            two, latencies = asyncio.run(load(settings.nats_url, requests, concurrency, rounds))
+            scorer, caller = infra.url_for("nats", "reward"), infra.url_for("nats", "rollout")
+            replicas.append(start_replica(scorer, tmp))
+            asyncio.run(load(caller, concurrency, concurrency, rounds))  # warm-up
+            one, _ = asyncio.run(load(caller, requests, concurrency, rounds))
+            replicas.append(start_replica(scorer, tmp))
+            asyncio.run(load(caller, concurrency, concurrency, rounds))
+            two, latencies = asyncio.run(load(caller, requests, concurrency, rounds))
         finally:
             for proc in replicas:
                 terminate(proc.pid)

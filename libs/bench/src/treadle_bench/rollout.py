@@ -97,13 +97,14 @@ def run(prompts: int = 32, max_new_tokens: int = 32, rounds: int = 3, swaps: int
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
         model_dir = init_tiny(tmp / "bench-tiny")
-        with infra_with_weight_store(tmp) as (settings, common, procs):
+        with infra_with_weight_store(tmp) as (infra, common, procs):
             ports = {k: free_port() for k in ("ro_http", "ro_grpc")}
             procs.append(  # healthy is enough: the bench needs no env-gateway
                 start_service(
                     "treadle_rollout",
                     {
                         **common,
+                        "TREADLE_NATS_URL": infra.url_for("nats", "rollout"),
                         "TREADLE_GRPC_PORT": str(ports["ro_grpc"]),
                         "TREADLE_ROLLOUT_MODEL": str(model_dir),
                         "TREADLE_ROLLOUT_MODEL_NAME": "bench-tiny",

@@ -54,10 +54,15 @@ def run(
         model_dir = init_tiny(tmp / "tiny")
         dataset = tmp / "tasks.jsonl"
         dataset.write_text("".join(json.dumps({"i": i}) + "\n" for i in range(groups * steps)))
-        with infra_with_weight_store(tmp) as (settings, common, procs):
+        with infra_with_weight_store(tmp) as (infra, common, procs):
             http_port = free_port()
             procs.append(
-                start_service("treadle_trainer", common, http_port, log=tmp / "trainer.log")
+                start_service(
+                    "treadle_trainer",
+                    {**common, "TREADLE_NATS_URL": infra.url_for("nats", "trainer")},
+                    http_port,
+                    log=tmp / "trainer.log",
+                )
             )
             recipe = {
                 "run_id": "bench",
@@ -78,7 +83,7 @@ def run(
             status, batch, quiet_from = asyncio.run(
                 _service(
                     f"http://127.0.0.1:{http_port}",
-                    settings.redis_url,
+                    infra.url_for("redis"),
                     common["TREADLE_WEIGHT_STORE_ADDR"],
                     recipe,
                     prompt_len,

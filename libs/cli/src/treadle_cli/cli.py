@@ -162,29 +162,42 @@ def secrets(
     ] = "env",
     namespace: Annotated[str | None, typer.Option(help="k8s: the Secret's namespace")] = None,
 ) -> None:
-    """Generate a fresh token per role for a deployment. `--format env` prints the
-    TREADLE_TOKEN_<ROLE>=... lines compose.yaml reads from `.env`; `--format k8s` prints the
-    `treadle-auth` Secret the manifests read (`kubectl apply -f -`). Nothing is stored."""
+    """Generate a deployment's secrets: a token per role, the Redis password, a password per
+    NATS user and the S3 keys. `--format env` prints the lines compose.yaml reads from
+    `.env`; `--format k8s` prints the `treadle-auth` Secret the manifests read
+    (`kubectl apply -f -`). Nothing is stored."""
     import json as json_lib
+    import secrets as secrets_lib
 
     import yaml
 
     from treadle_common.auth import TokenTable
+    from treadle_common.infra_auth import InfraSecrets
 
     table = TokenTable.generate()
+    infra = InfraSecrets.generate()
+    s3 = {
+        "TREADLE_S3_ACCESS_KEY": secrets_lib.token_hex(10),
+        "TREADLE_S3_SECRET_KEY": secrets_lib.token_urlsafe(30),
+    }
     if output == "env":
         for role, token in table.items():
             print(f"TREADLE_TOKEN_{role.upper()}={token}")
+        for key, value in {**infra.env(), **s3}.items():
+            print(f"{key}={value}")
     elif output == "k8s":
         metadata: dict = {"name": "treadle-auth"}
         if namespace:
             metadata["namespace"] = namespace
+        # keys as k8s spells them: redis-password, nats-password-rollout, s3-access-key, ...
+        keys = {k.lower().replace("_", "-").removeprefix("treadle-"): v for k, v in s3.items()}
+        keys |= {k.lower().replace("_", "-"): v for k, v in infra.env().items()}
         secret = {
             "apiVersion": "v1",
             "kind": "Secret",
             "metadata": metadata,
             "type": "Opaque",
-            "stringData": {"tokens.json": json_lib.dumps(table), **table},
+            "stringData": {"tokens.json": json_lib.dumps(table), **table, **keys},
         }
         print(yaml.safe_dump(secret, sort_keys=False), end="")
     else:
@@ -280,7 +293,7 @@ def runs_gc(
     from treadle_common import retention
 
     async def go() -> tuple[list[str], int]:
-        r = aioredis.from_url(redis_url or get_settings().redis_url)
+        r = aioredis.from_url(redis_url or Infra(get_settings()).url_for("redis"))
         try:
             runs = await retention.finished_runs(r, older_than)
             return runs, 0 if dry_run else await retention.delete_runs(r, runs)

