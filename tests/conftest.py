@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -44,8 +45,6 @@ def api_post(url: str, **kwargs) -> httpx.Response:
 
 
 def pytest_configure(config) -> None:
-    import tempfile
-
     path = Path(tempfile.mkdtemp(prefix="treadle-tokens-")) / "tokens.json"
     auth.write_private(path, json.dumps(TOKENS))
     os.environ["TREADLE_AUTH_TOKENS_FILE"] = str(path)
@@ -175,6 +174,8 @@ def start_service(name: str, infra: InfraUrls, tmp: Path, **env: str) -> Service
         "TREADLE_HTTP_PORT": str(http),
         "TREADLE_GRPC_PORT": str(grpc_port),
         "TREADLE_HEARTBEAT_INTERVAL_S": "0.5",
+        # the tests' models, data and outputs live in pytest's temporary directories
+        "TREADLE_TRAINER_PATH_ROOTS": json.dumps([tempfile.gettempdir()]),
         "TREADLE_TOKEN": TOKENS[auth.SERVICE_ROLES.get(name, auth.Role.read)],
         **env,
     }

@@ -391,7 +391,7 @@ def _run(
     cfg = config("chaos")
     m = cfg.model
     init_for(model_dir, m, cfg.trainer.seed)
-    spec = stack.prepare(settings, model_dir.resolve(), m.name, None)
+    spec = stack.prepare(settings, model_dir.resolve(), m.name, None, path_roots=[tmp])
     stack.launch_detached(spec)
     monkey = replica = None
     try:

@@ -96,7 +96,7 @@ def both_modes(
     m = sync_config.model
     init_for(model_dir, m, sync_config.trainer.seed)
     results: dict[str, dict[str, Any]] = {}
-    spec = stack.prepare(settings, model_dir.resolve(), m.name, None)
+    spec = stack.prepare(settings, model_dir.resolve(), m.name, None, path_roots=[tmp])
     stack.launch_detached(spec)
     try:
         if not stack.wait_healthy(settings.state_dir.resolve(), 180).healthy:

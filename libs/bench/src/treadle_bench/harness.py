@@ -142,6 +142,7 @@ def infra_with_weight_store(tmp: Path) -> Iterator[tuple[Infra, dict[str, str], 
                 "TREADLE_STATE_DIR": str(tmp / "state"),
                 "TREADLE_LOG_LEVEL": "WARNING",
                 "TREADLE_WEIGHT_STORE_ADDR": f"127.0.0.1:{ws_grpc}",
+                "TREADLE_TRAINER_PATH_ROOTS": json.dumps([str(tmp.resolve())]),
             }
             procs.append(
                 start_service(

@@ -55,7 +55,7 @@ def run(
     m = configs[0].model
     # one model (the first seed's init) on one stack: seeds vary data, warm-up and sampling
     init_for(model_dir, m, configs[0].trainer.seed)
-    spec = stack.prepare(settings, model_dir, m.name, None)
+    spec = stack.prepare(settings, model_dir, m.name, None, path_roots=[tmp])
     stack.launch_detached(spec)
     per_seed: list[dict[str, Any]] = []
     try:

@@ -152,7 +152,13 @@ class RunClient:
                     "[red]a stack is running but unhealthy[/red]; treadle status says why"
                 )
                 return 1
-            spec = stack.prepare(self.settings, cfg.model.path, cfg.model.name, None)
+            # the stack is this run's: its trainer may use the recipe's paths
+            mine = [cfg.model.path, cfg.output_dir]
+            if cfg.data.path is not None:
+                mine.append(cfg.data.path.parent)
+            spec = stack.prepare(
+                self.settings, cfg.model.path, cfg.model.name, None, path_roots=mine
+            )
             stack.launch_detached(spec)
             own_stack = True
             current = stack.wait_healthy(self.state_dir, health_timeout_s)

@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -60,6 +61,8 @@ class StackSpec:
     """The passwords of the redis/nats this stack started (`Infra.secrets`)."""
     secured_infra: list[str] = field(default_factory=list)
     """Which of redis/nats need those passwords (the ones this state directory started)."""
+    path_roots: list[str] = field(default_factory=list)
+    """Where the trainer lets clients name paths, beside the state dir and `cwd`."""
 
     def client_url(self, name: str, user: str = infra_auth.ADMIN) -> str:
         """The URL of `name` (redis | nats) with `user`'s credentials where they are needed."""
@@ -100,6 +103,9 @@ class StackSpec:
         # the services share this machine's cores: OpenMP workers that spin while idle would
         # take them from the other services (override by setting it yourself)
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        if service == "trainer":  # where recipes may name models, data and outputs
+            roots = [self.state_dir, self.cwd, *self.path_roots]
+            env.setdefault("TREADLE_TRAINER_PATH_ROOTS", json.dumps(roots))
         if service == "rollout":  # generation and training share the cores (async runs)
             env.setdefault("TREADLE_TORCH_THREADS", str(max(1, (os.cpu_count() or 2) // 2)))
         env.update(self.auth_env(service))
@@ -469,8 +475,10 @@ def prepare(
     model_name: str | None,
     base_port: int | None,
     with_s3: bool = False,
+    path_roots: Sequence[Path] = (),
 ) -> StackSpec:
-    """Start infrastructure, make sure the model exists and every service port is free."""
+    """Start infrastructure, make sure the model exists and every service port is free.
+    `path_roots`: more directories the trainer lets runs name paths under."""
     state_dir = settings.state_dir.resolve()
     record = read_stack(state_dir)
     if record is not None:
@@ -505,6 +513,7 @@ def prepare(
         auth_tokens_file=str(tokens_file) if tokens_file else None,
         infra_secrets_file=str(servers.secrets_path),
         secured_infra=[s.name for s in infra if s.managed and s.name in ("redis", "nats")],
+        path_roots=[str(Path(p).resolve()) for p in path_roots],
     )
 
 

@@ -161,13 +161,14 @@ class Authorizer:
     def enabled(self) -> bool:
         return self.table is not None
 
-    def check(self, token: str | None, allowed: frozenset[Role] | None, what: str) -> None:
-        """Raise `AuthError` unless the bearer `token` names a role in `allowed`. `allowed`
-        None: `what` declared no policy, refused (fail closed)."""
+    def check(self, token: str | None, allowed: frozenset[Role] | None, what: str) -> Role | None:
+        """The caller's role; raise `AuthError` unless the bearer `token` names a role in
+        `allowed`. `allowed` None: `what` declared no policy, refused (fail closed). None
+        when auth is off (anyone may call anything)."""
         if allowed is None:
             raise AuthError(403, f"{what} has no access policy; refused")
         if self.table is None:
-            return
+            return None
         if not token:
             raise AuthError(401, f"{what} needs a bearer token (Authorization: Bearer <token>)")
         role = self.table.role_of(token)
@@ -176,6 +177,7 @@ class Authorizer:
         if role not in allowed and role is not Role.admin:
             names = ", ".join(sorted(allowed))
             raise AuthError(403, f"{what}: role {role.value!r} may not call it (allowed: {names})")
+        return role
 
 
 def bearer_token(authorization: str | None) -> str | None:

@@ -24,7 +24,12 @@ class Strict(BaseModel):
 
 class ModelConfig(Strict):
     path: Path = Field(description="HF model directory (config, tokenizer, weights)")
-    name: str = Field("tiny", description="Weight-store model name; rollout listens on it")
+    name: str = Field(
+        "tiny",
+        pattern=names.NAME_PATTERN,
+        max_length=names.NAME_MAX,
+        description="Weight-store model name; rollout listens on it (names.NAME_PATTERN)",
+    )
     init_tiny: bool = Field(
         False, description="Build a tiny random model at `path` if it does not exist"
     )

@@ -5,10 +5,35 @@ Producers and consumers import these functions instead of formatting strings the
 
 from __future__ import annotations
 
+import re
+
 ID_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
 """What a run id may be (DNS-1123 label: lowercase letters, digits and inner dashes, at most
 63): it becomes part of Redis keys (`treadle:{run}:...`, split on `:`), NATS subjects and
 directory names, so nothing in it may be a separator (`:`, `.`, `/`) or `..`."""
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]*(\.[A-Za-z0-9_-]+)*$"
+"""What a model name, session id or saved-state name may be (at most `NAME_MAX`): letters,
+digits, `_`, `-` and single inner dots (`Qwen2.5-0.5B`): one path component that is never
+`..`, one run of NATS subject tokens with none empty, no `:`, `/`, space or wildcard."""
+NAME_MAX = 128
+_NAME = re.compile(NAME_PATTERN)
+
+
+def valid_name(value: str) -> bool:
+    """`value` is a valid model name, session id or state name (`NAME_PATTERN`)."""
+    return len(value) <= NAME_MAX and _NAME.fullmatch(value) is not None
+
+
+def valid_file_name(value: str) -> bool:
+    """`value` is one plain file name (an asset of a model directory): no separator, not
+    `.` or `..`, no NUL, at most 255 bytes."""
+    return (
+        0 < len(value.encode()) <= 255
+        and value not in (".", "..")
+        and not any(c in value for c in "/\\\0")
+    )
+
 
 # --- Redis (durable work queues and small run state) -------------------------------------
 RUNS_KEY = "treadle:runs"

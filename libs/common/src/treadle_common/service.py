@@ -190,12 +190,15 @@ class ServiceRuntime:
         `openapi_extra` `x-treadle-roles`); a route that declares none is refused."""
         route = request.scope.get("route")
         declared = (getattr(route, "openapi_extra", None) or {}).get(auth.ROLES_KEY)
+        request.state.role = None
         if declared == [auth.PUBLIC]:
             return
         path = getattr(route, "path", request.url.path)
         token = credentials.credentials if credentials else None
         try:
-            self.authorizer.check(token, auth.parse_roles(declared), f"{request.method} {path}")
+            request.state.role = self.authorizer.check(
+                token, auth.parse_roles(declared), f"{request.method} {path}"
+            )
         except auth.AuthError as error:
             metrics.AUTH_REFUSED.labels(self.service, "http", str(error.status)).inc()
             headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None

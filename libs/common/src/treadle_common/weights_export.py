@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from treadle_common import names
 from treadle_common.clients.weights import FetchResult, WeightStoreClient
 
 TORCH_DTYPES = {
@@ -28,6 +29,9 @@ def write_hf(fetched: FetchResult, out_dir: Path) -> Path:
 
     manifest = fetched.manifest
     out_dir.mkdir(parents=True, exist_ok=True)
+    for asset in manifest.assets:  # a store of another origin may hold any name: refuse it
+        if not names.valid_file_name(asset.name):
+            raise ValueError(f"version holds an asset named {asset.name!r}: not a file name")
     for asset in manifest.assets:
         (out_dir / asset.name).write_bytes(b"".join(fetched.chunks[c.hash] for c in asset.chunks))
     tensors = {}

@@ -21,9 +21,9 @@ import inspect
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Path, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -36,6 +36,9 @@ from treadle_rollout.engines.base import ContextOverflow, Engine, Generation, Sa
 from treadle_rollout.transcript import TemplateNotPrefixStable, Transcript
 
 SESSION_HEADER = "X-Treadle-Session"
+SessionId = Annotated[
+    str, Path(pattern=names.NAME_PATTERN, max_length=names.NAME_MAX, description="A session id")
+]
 OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 DEFAULT_MAX_TOKENS = 1024
 
@@ -103,8 +106,16 @@ class CompletionRequest(SamplingFields):
 
 class FinishSession(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    run_id: str = Field(min_length=1, description="Run whose trajectory stream receives it")
-    reward: float | None = Field(None, description="The reward, if the caller computed it")
+    run_id: str = Field(
+        pattern=names.ID_PATTERN,
+        description="Active run whose trajectory stream receives it (names.ID_PATTERN)",
+    )
+    reward: float | None = Field(
+        None,
+        allow_inf_nan=False,
+        description="The reward, if the caller computed it (not the `agent` role: an agent "
+        "does not grade itself; it names a scorer)",
+    )
     scorer: str | None = Field(None, description="Or: a reward-service scorer to ask")
     task_json: str = Field("{}", description="Task payload passed to the scorer")
     group_id: str | None = Field(None, description="GRPO group (defaults to the session id)")
@@ -222,6 +233,13 @@ class OpenAIFrontend:
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         max_tokens = req.max_completion_tokens or req.max_tokens
         if session_id:
+            if not names.valid_name(session_id):
+                raise OpenAIError(
+                    400,
+                    f"{SESSION_HEADER} must be letters, digits, '_', '-' and single inner dots "
+                    f"(at most {names.NAME_MAX})",
+                    param=SESSION_HEADER,
+                )
             if req.n != 1:
                 raise OpenAIError(400, "recorded sessions need n=1", param="n")
             session = self.recorder.get(session_id, create=True)
@@ -298,12 +316,21 @@ class OpenAIFrontend:
             choices.append(entry)
         return self._envelope("text_completion", choices, len(prompt), gens)
 
-    async def finish(self, session_id: str, body: FinishSession) -> dict:
-        """Turn a recorded session into a trajectory in `treadle:{run}:trajectories`."""
+    async def finish(
+        self, session_id: str, body: FinishSession, role: auth.Role | None = None
+    ) -> dict:
+        """Turn a recorded session into a trajectory in `treadle:{run}:trajectories` of an
+        active run. `role`: the caller's; an `agent` must name a scorer, not a reward."""
         if body.reward is None and not body.scorer:
             raise OpenAIError(400, "give a reward or a scorer", param="reward")
+        if body.reward is not None and role is auth.Role.agent:
+            raise OpenAIError(
+                403, "the agent role may not set its own reward: name a scorer", param="reward"
+            )
         if self.redis is None:
             raise OpenAIError(503, "this replica has no Redis connection", type_="server_error")
+        if not await self.redis.sismember(names.RUNS_KEY, body.run_id):
+            raise OpenAIError(404, f"no active run {body.run_id!r}", param="run_id")
         session = self.recorder.get(session_id)
         async with session.lock:
             t = session.transcript
@@ -414,15 +441,17 @@ def mount(app: FastAPI, frontend: OpenAIFrontend) -> None:
         return await frontend.completions(req)
 
     @router.get("/v1/sessions/{session_id}", openapi_extra=auth.roles(auth.AGENT))
-    async def session_info(session_id: str) -> dict:
+    async def session_info(session_id: SessionId) -> dict:
         return frontend.info(session_id)
 
-    @router.post("/v1/sessions/{session_id}/finish", openapi_extra=auth.roles(auth.AGENT))
-    async def finish(session_id: str, body: FinishSession) -> dict:
-        return await frontend.finish(session_id, body)
+    @router.post(
+        "/v1/sessions/{session_id}/finish", openapi_extra=auth.roles(auth.AGENT | auth.WORKERS)
+    )
+    async def finish(session_id: SessionId, body: FinishSession, request: Request) -> dict:
+        return await frontend.finish(session_id, body, request.state.role)
 
     @router.delete("/v1/sessions/{session_id}", openapi_extra=auth.roles(auth.AGENT))
-    async def discard(session_id: str) -> dict:
+    async def discard(session_id: SessionId) -> dict:
         frontend.recorder.get(session_id)
         del frontend.recorder.sessions[session_id]
         return {"deleted": session_id}

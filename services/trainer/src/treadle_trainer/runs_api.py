@@ -33,6 +33,7 @@ from treadle_common.config import RunConfig
 from treadle_common.logs import get_logger
 from treadle_common.progress import Stage
 from treadle_common.service import ServiceRuntime
+from treadle_trainer.paths import confine
 from treadle_trainer.run import RunOwner
 from treadle_trainer.run.lease import Lease
 from treadle_trainer.settings import TrainerSettings
@@ -184,6 +185,12 @@ class Runs:
     async def start(self, config: RunConfig) -> RunStatus:
         if self.runtime.draining:
             raise HTTPException(503, "trainer is draining")
+        roots = self.settings.path_roots()
+        if config.model.path is not None:
+            confine(config.model.path, roots, "model.path")
+        if config.data.path is not None:
+            confine(config.data.path, roots, "data.path")
+        confine(config.output_dir, roots, "output_dir")
         if config.run_id in self.owners:
             raise HTTPException(409, f"run {config.run_id} already exists")
         redis = self.runtime.redis

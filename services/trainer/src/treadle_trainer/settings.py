@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field
 
 from treadle_common.settings import Settings
@@ -32,3 +34,13 @@ class TrainerSettings(Settings):
     trainer_lease_s: float = Field(
         15.0, gt=0, description="trainer: run-ownership lease; a dead owner's run resumes after"
     )
+    trainer_path_roots: list[Path] = Field(
+        default_factory=list,
+        description="trainer: the directories a client may name server paths under (a "
+        "recipe's model.path, data.path and output_dir; the training API's model_path and "
+        "load_state path), as a JSON list; empty: the state dir and the working directory",
+    )
+
+    def path_roots(self) -> list[Path]:
+        """Where client-named paths must resolve to (symlinks followed)."""
+        return [p.resolve() for p in self.trainer_path_roots or [self.state_dir, Path.cwd()]]

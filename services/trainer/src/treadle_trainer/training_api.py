@@ -51,6 +51,7 @@ from treadle_trainer.backends.single import (
     verify_checkpoint,
 )
 from treadle_trainer.batches import Datum, pack
+from treadle_trainer.paths import confine
 
 
 def _datum(d: DatumIn) -> Datum:
@@ -73,7 +74,8 @@ class Session:
         self.versions: list[int] = []
 
 
-def mount(app: FastAPI, store: WeightStoreClient, state_dir: Path) -> None:
+def mount(app: FastAPI, store: WeightStoreClient, state_dir: Path, roots: list[Path]) -> None:
+    """The training API; clients name server paths only inside `roots` (`paths.confine`)."""
     sessions: dict[str, Session] = {}
 
     def get(sid: str) -> Session:
@@ -88,6 +90,7 @@ def mount(app: FastAPI, store: WeightStoreClient, state_dir: Path) -> None:
         openapi_extra=auth.roles(auth.TRAINER),
     )
     async def create(request: CreateSession) -> SessionCreated:
+        confine(request.model_path, roots, "model_path")
         if not (Path(request.model_path) / "config.json").exists():
             raise HTTPException(400, f"{request.model_path} is not an HF model directory")
         spec = BackendSpec(
@@ -174,7 +177,7 @@ def mount(app: FastAPI, store: WeightStoreClient, state_dir: Path) -> None:
     )
     async def load_state(sid: str, request: LoadState) -> LoadedState:
         session = get(sid)
-        path = Path(request.path)
+        path = confine(request.path, roots, "path")
         if not (path / "meta.json").exists():
             raise HTTPException(404, f"no checkpoint at {path}")
         async with session.lock:

@@ -48,7 +48,7 @@ from typing import Any
 
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from treadle_common import metrics
+from treadle_common import metrics, names
 from treadle_common.clients.chunk_codec import frame_header, frame_payload
 from treadle_common.clients.weights import chunk_hash
 from treadle_common.logs import get_logger
@@ -69,7 +69,6 @@ from treadle_weight_store.errors import (
 
 log = get_logger(__name__)
 HASH_RE = re.compile(r"^[0-9a-f]{32}$")
-MODEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MAX_CHUNK_BYTES = 16 * 2**20
 PROMISE_S = 300.0  # chunks reported present to a publisher survive GC this long
 MANIFEST_CACHE = 256
@@ -80,8 +79,11 @@ VERSION_BLOCK = 64
 
 
 def check_model(model: str) -> None:
-    if not MODEL_RE.match(model):
-        raise BadRequest(f"invalid model name {model!r}: use letters, digits, '.', '_' or '-'")
+    if not names.valid_name(model):
+        raise BadRequest(
+            f"invalid model name {model!r}: use letters, digits, '_', '-' and single inner "
+            f"dots, at most {names.NAME_MAX}"
+        )
 
 
 def check_hash(digest: str) -> None:
@@ -513,6 +515,9 @@ class WeightStore:
             raise BadRequest(
                 "version 0 is reserved for a model's base weights; publish with -1 or >= 1"
             )
+        for asset in manifest.assets:
+            if not names.valid_file_name(asset.name):
+                raise BadRequest(f"invalid asset name {asset.name!r}: one plain file name")
         for ref in (c for t in [*manifest.tensors, *manifest.assets] for c in t.chunks):
             if ref.size > MAX_CHUNK_BYTES:
                 raise BadRequest(

@@ -9,6 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 
+from treadle_common import names
 from treadle_common.config import LossName
 
 
@@ -41,7 +42,12 @@ class AdamParams(BaseModel):
 
 class CreateSession(BaseModel):
     model_path: str = Field(description="HF model directory to train")
-    model_name: str = Field("tiny", description="Weight-store model name for save_weights")
+    model_name: str = Field(
+        "tiny",
+        pattern=names.NAME_PATTERN,
+        max_length=names.NAME_MAX,
+        description="Weight-store model name for save_weights",
+    )
     seed: int = 0
     kl_reference: bool = Field(False, description="Keep a frozen reference for kl_coef > 0")
 
@@ -99,7 +105,12 @@ class SavedWeights(BaseModel):
 
 
 class SaveState(BaseModel):
-    name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$")
+    name: str | None = Field(
+        None,
+        pattern=names.NAME_PATTERN,
+        max_length=names.NAME_MAX,
+        description="The state's name in the session's directory (names.NAME_PATTERN)",
+    )
 
 
 class SavedState(BaseModel):

@@ -1,0 +1,206 @@
+"""Hostile input at every edge gets its clear 4xx / INVALID_ARGUMENT, and leaves other runs,
+sessions and files untouched (checked on disk and in Redis).
+
+The trainer here allows client-named paths only under `allowed/` (TREADLE_TRAINER_PATH_ROOTS);
+`outside/` holds files a hostile request names and must never change.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import uuid
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+import redis
+
+from tests.conftest import ADMIN, TOKENS, start_service
+from treadle_common import auth, names
+from treadle_common.clients.weights import RawTensor, WeightStoreClient, layout_manifest
+from treadle_common.weights_export import write_hf
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def hostile(infra, tiny_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hostile")
+    allowed, outside = tmp / "allowed", tmp / "outside"
+    shutil.copytree(tiny_model, allowed / "model")
+    (allowed / "tasks.jsonl").write_text('{"q": 1}\n')
+    outside.mkdir()
+    (outside / "secret.jsonl").write_text('{"q": "do not read"}\n')
+    shutil.copytree(tiny_model, outside / "model")
+    (tmp / "allowed-link").symlink_to(outside)  # a link out of nowhere allowed
+    (allowed / "escape").symlink_to(outside)  # a link inside that leads out
+    store = start_service("weight-store", infra, tmp, TREADLE_WEIGHT_STORE_DIR=str(tmp / "ws"))
+    gateway = start_service("env-gateway", infra, tmp)
+    addr = {
+        "TREADLE_WEIGHT_STORE_ADDR": store.grpc_addr or "",
+        "TREADLE_ENV_GATEWAY_ADDR": gateway.grpc_addr or "",
+    }
+    trainer = start_service(
+        "trainer", infra, tmp, TREADLE_TRAINER_PATH_ROOTS=json.dumps([str(allowed)]), **addr
+    )
+    rollout = start_service("rollout", infra, tmp, TREADLE_ROLLOUT_MODEL=str(tiny_model), **addr)
+    yield {"tmp": tmp, "store": store, "trainer": trainer, "rollout": rollout}
+    for proc in (rollout, trainer, gateway, store):
+        proc.stop_checked()
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def recipe(run: str, allowed: Path, **changes) -> dict:
+    body = {
+        "run_id": run,
+        "model": {"path": str(allowed / "model"), "name": "hostile"},
+        "data": {"path": str(allowed / "tasks.jsonl")},
+        "trainer": {"num_steps": 1},
+        "output_dir": str(allowed / "runs"),
+    }
+    for key, value in changes.items():
+        section, _, field = key.partition("__")
+        if field:
+            body[section] = {**body[section], field: value}
+        else:
+            body[section] = value
+    return body
+
+
+def outside_paths(tmp: Path) -> dict[str, dict]:
+    allowed, outside = tmp / "allowed", tmp / "outside"
+    return {
+        "model outside": {"model__path": str(outside / "model")},
+        "model via ..": {"model__path": str(allowed / ".." / "outside" / "model")},
+        "model via a link": {"model__path": str(allowed / "escape" / "model")},
+        "data outside": {"data__path": str(outside / "secret.jsonl")},
+        "data /etc/passwd": {"data__path": "/etc/passwd"},
+        "output_dir /": {"output_dir": "/"},
+        "output_dir outside": {"output_dir": str(outside)},
+        "output_dir via a link": {"output_dir": str(tmp / "allowed-link")},
+    }
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "model outside",
+        "model via ..",
+        "model via a link",
+        "data outside",
+        "data /etc/passwd",
+        "output_dir /",
+        "output_dir outside",
+        "output_dir via a link",
+    ],
+)
+def test_a_recipe_naming_a_path_outside_the_roots_is_refused(hostile, infra, case):
+    tmp = hostile["tmp"]
+    before = snapshot(tmp / "outside")
+    run = f"hostile-{uuid.uuid4().hex[:6]}"
+    body = recipe(run, tmp / "allowed", **outside_paths(tmp)[case])
+    answer = httpx.post(f"{hostile['trainer'].http}/v1/runs", json=body, headers=ADMIN, timeout=30)
+    assert answer.status_code == 400, (case, answer.text)
+    field = next(iter(outside_paths(tmp)[case])).replace("__", ".")
+    detail = answer.json()["detail"]
+    assert field in detail and "TREADLE_TRAINER_PATH_ROOTS" in detail, detail
+    r = redis.Redis.from_url(infra.redis_url)
+    assert r.keys(f"treadle:{run}:*") == [] and not r.sismember(names.RUNS_KEY, run)
+    assert snapshot(tmp / "outside") == before
+    assert not (tmp / "allowed" / "runs" / run).exists()
+
+
+def test_the_training_api_confines_paths_and_names(hostile):
+    tmp, http = hostile["tmp"], hostile["trainer"].http
+    before = snapshot(tmp / "outside")
+    with httpx.Client(base_url=http, headers=ADMIN, timeout=60) as client:
+        for path in (tmp / "outside" / "model", "/etc", tmp / "allowed" / "escape" / "model"):
+            answer = client.post("/v1/training/sessions", json={"model_path": str(path)})
+            assert answer.status_code == 400 and "model_path" in answer.text, answer.text
+        bad_name = {"model_path": str(tmp / "allowed" / "model"), "model_name": "a..b"}
+        assert client.post("/v1/training/sessions", json=bad_name).status_code == 422
+        created = client.post(
+            "/v1/training/sessions", json={"model_path": str(tmp / "allowed" / "model")}
+        )
+        assert created.status_code == 201, created.text
+        sid = created.json()["session_id"]
+        for name in ("..", "../../outside", "a/b", ".hidden", "x" * 200):
+            answer = client.post(f"/v1/training/sessions/{sid}/save_state", json={"name": name})
+            assert answer.status_code == 422, (name, answer.text)
+        saved = client.post(f"/v1/training/sessions/{sid}/save_state", json={"name": "ok.1"})
+        assert saved.status_code == 200, saved.text
+        for path in (tmp / "outside", "/etc", tmp / "allowed" / "escape"):
+            answer = client.post(
+                f"/v1/training/sessions/{sid}/load_state", json={"path": str(path)}
+            )
+            assert answer.status_code == 400 and "path" in answer.text, answer.text
+        assert client.delete(f"/v1/training/sessions/{sid}").status_code == 204
+    assert snapshot(tmp / "outside") == before
+
+
+async def test_the_weight_store_refuses_bad_model_and_asset_names(hostile):
+    client = WeightStoreClient(
+        hostile["store"].grpc_addr or "", attempts=1, token=TOKENS["trainer"]
+    )
+    tensors = {"w": RawTensor("F32", (4,), memoryview(bytes(16)))}
+    try:
+        for model in ("a..b", "../x", "a/b", "a b", "x" * 200, "treadle.weights.>"):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await client.publish(model, tensors)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, model
+            assert "invalid model name" in (refused.value.details() or "")
+        for asset in ("../evil", "a/b", "..", "."):
+            pending = layout_manifest("good", tensors, assets={asset: b"x"})
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await client.publish_pending(pending)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, asset
+            assert "invalid asset name" in (refused.value.details() or "")
+        assert await client.list_versions("good") == []  # nothing was committed
+    finally:
+        await client.close()
+
+
+def test_an_export_never_writes_outside_its_directory(tmp_path):
+    """A store of another origin may hold any asset name: the export refuses it whole."""
+    from treadle_common.clients.weights import FetchResult, hash_pieces
+
+    tensors = {"w": RawTensor("F32", (4,), memoryview(bytes(16)))}
+    pending = layout_manifest("m", tensors, assets={"../escaped.json": b"{}"})
+    hash_pieces(pending.pieces)
+    chunks = {ref.hash: bytes(data) for ref, data in pending.pieces}
+    fetched = FetchResult(pending.manifest, chunks, 0)
+    with pytest.raises(ValueError, match="not a file name"):
+        write_hf(fetched, tmp_path / "out")
+    assert not (tmp_path / "escaped.json").exists()
+
+
+def test_a_recorded_session_finishes_only_into_an_active_run_and_never_self_graded(hostile):
+    http = hostile["rollout"].http
+    agent = auth.bearer(TOKENS["agent"])
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with httpx.Client(base_url=http, timeout=60) as client:
+        bad = client.post(
+            "/v1/chat/completions",
+            json=chat,
+            headers={**agent, "X-Treadle-Session": "../../x"},
+        )
+        assert bad.status_code == 400 and "X-Treadle-Session" in bad.text, bad.text
+        made = client.post(
+            "/v1/chat/completions", json=chat, headers={**agent, "X-Treadle-Session": "s1"}
+        )
+        assert made.status_code == 200, made.text
+        finish = "/v1/sessions/s1/finish"
+        self_graded = client.post(finish, json={"run_id": "somerun", "reward": 1.0}, headers=agent)
+        assert self_graded.status_code == 403 and "scorer" in self_graded.text
+        for run in ("a:b", "../x", "UPPER"):
+            answer = client.post(finish, json={"run_id": run, "reward": 1.0}, headers=ADMIN)
+            assert answer.status_code in (400, 422) and "run_id" in answer.text, answer.text
+        inactive = client.post(finish, json={"run_id": "no-such-run", "reward": 1.0}, headers=ADMIN)
+        assert inactive.status_code == 404 and "no active run" in inactive.text
+        assert client.get("/v1/sessions/s1", headers=agent).status_code == 200  # still there
+        assert client.get("/v1/sessions/a..b", headers=agent).status_code == 422
