@@ -382,7 +382,8 @@ def test_probes_headless_sessions_pdbs_and_policies(rendered):
         "trainer",
     }
     policies = kinds(docs, "NetworkPolicy")
-    assert policies["default-deny-ingress"]["spec"]["podSelector"] == {}
+    assert policies["default-deny"]["spec"]["podSelector"] == {}
+    assert policies["default-deny"]["spec"]["policyTypes"] == ["Ingress", "Egress"]
     redis = policies["redis-from-rollout-and-trainer"]["spec"]["ingress"][0]["from"][0]
     assert redis["podSelector"]["matchExpressions"][0]["values"] == ["rollout", "trainer"]
     assert kinds(docs, "PersistentVolumeClaim")["weight-store"]
@@ -415,6 +416,63 @@ def test_every_service_pod_gets_the_token_table_and_its_role_token(rendered):
     # no Secret in the manifests: the operator generates `treadle-auth` (no default keys)
     assert kinds(docs, "Secret") == {}
     assert "treadle-local-secret" not in text
+
+
+def pod_specs(docs: list[dict]) -> dict[str, dict]:
+    """Every pod template of the manifests, by workload (and PyTorchJob replica)."""
+    pods = {}
+    for kind in ("Deployment", "StatefulSet"):
+        for name, workload in kinds(docs, kind).items():
+            pods[name] = workload["spec"]["template"]["spec"]
+    for name, job in kinds(docs, "PyTorchJob").items():
+        for role, spec in job["spec"]["pytorchReplicaSpecs"].items():
+            pods[f"{name}/{role}"] = spec["template"]["spec"]
+    return pods
+
+
+def test_every_pod_is_hardened(rendered):
+    _, docs = rendered
+    pods = pod_specs(docs)
+    assert {"redis", "nats", "weight-store", "env-gateway", "reward", "rollout"} <= set(pods)
+    for name, pod in pods.items():
+        context = pod["securityContext"]
+        assert context["runAsNonRoot"] is True, name
+        assert context["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        for container in [*pod.get("initContainers", []), *pod["containers"]]:
+            what = f"{name}/{container['name']}"
+            sec = container["securityContext"]
+            assert sec["allowPrivilegeEscalation"] is False, what
+            assert sec["capabilities"] == {"drop": ["ALL"]}, what
+            assert sec["readOnlyRootFilesystem"] is True, what
+            if not name.startswith(("redis", "nats")):  # python: a writable /tmp
+                mounts = {m["mountPath"] for m in container.get("volumeMounts", [])}
+                assert "/tmp" in mounts, what
+
+
+def test_every_network_path_names_its_peers(rendered):
+    _, docs = rendered
+    policies = kinds(docs, "NetworkPolicy")
+    for name, policy in policies.items():
+        spec = policy["spec"]
+        for rule in spec.get("ingress", []):
+            assert rule.get("from"), f"{name}: an ingress rule without from:"
+        for rule in spec.get("egress", []):
+            # only the weight-store's S3 (outside the cluster) is open by port alone
+            assert rule.get("to") or name == "weight-store-egress-to-s3", name
+    public = policies["public-apis"]["spec"]["ingress"]
+    assert all(peer for rule in public for peer in rule["from"])
+    # env-gateway runs untrusted code: it may reach NATS and DNS only
+    gateway_egress = [
+        n
+        for n, p in policies.items()
+        if "Egress" in p["spec"]["policyTypes"]
+        and p["spec"].get("egress")
+        and (
+            p["spec"]["podSelector"] == {}
+            or "env-gateway" in json.dumps(p["spec"]["podSelector"])
+        )
+    ]
+    assert sorted(gateway_egress) == ["dns-egress", "services-egress-to-nats"]
 
 
 def test_redis_and_nats_pods_require_the_credentials(rendered):
