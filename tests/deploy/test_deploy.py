@@ -468,8 +468,7 @@ def test_every_network_path_names_its_peers(rendered):
         if "Egress" in p["spec"]["policyTypes"]
         and p["spec"].get("egress")
         and (
-            p["spec"]["podSelector"] == {}
-            or "env-gateway" in json.dumps(p["spec"]["podSelector"])
+            p["spec"]["podSelector"] == {} or "env-gateway" in json.dumps(p["spec"]["podSelector"])
         )
     ]
     assert sorted(gateway_egress) == ["dns-egress", "services-egress-to-nats"]
