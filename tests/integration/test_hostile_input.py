@@ -36,19 +36,26 @@ def hostile(infra, tiny_model, tmp_path_factory):
     shutil.copytree(tiny_model, outside / "model")
     (tmp / "allowed-link").symlink_to(outside)  # a link out of nowhere allowed
     (allowed / "escape").symlink_to(outside)  # a link inside that leads out
-    store = start_service("weight-store", infra, tmp, TREADLE_WEIGHT_STORE_DIR=str(tmp / "ws"))
-    gateway = start_service("env-gateway", infra, tmp)
-    addr = {
-        "TREADLE_WEIGHT_STORE_ADDR": store.grpc_addr or "",
-        "TREADLE_ENV_GATEWAY_ADDR": gateway.grpc_addr or "",
-    }
-    trainer = start_service(
-        "trainer", infra, tmp, TREADLE_TRAINER_PATH_ROOTS=json.dumps([str(allowed)]), **addr
-    )
-    rollout = start_service("rollout", infra, tmp, TREADLE_ROLLOUT_MODEL=str(tiny_model), **addr)
-    yield {"tmp": tmp, "store": store, "trainer": trainer, "rollout": rollout}
-    for proc in (rollout, trainer, gateway, store):
-        proc.stop_checked()
+    started = []
+    try:
+        store = start_service("weight-store", infra, tmp, TREADLE_WEIGHT_STORE_DIR=str(tmp / "ws"))
+        started.append(store)
+        gateway = start_service("env-gateway", infra, tmp)
+        started.append(gateway)
+        addr = {
+            "TREADLE_WEIGHT_STORE_ADDR": store.grpc_addr or "",
+            "TREADLE_ENV_GATEWAY_ADDR": gateway.grpc_addr or "",
+        }
+        roots = json.dumps([str(allowed)])
+        trainer = start_service("trainer", infra, tmp, TREADLE_TRAINER_PATH_ROOTS=roots, **addr)
+        started.append(trainer)
+        model = str(tiny_model)
+        rollout = start_service("rollout", infra, tmp, TREADLE_ROLLOUT_MODEL=model, **addr)
+        started.append(rollout)
+        yield {"tmp": tmp, "store": store, "trainer": trainer, "rollout": rollout}
+    finally:  # a service that failed to start stops the ones before it
+        for proc in reversed(started):
+            proc.stop_checked()
 
 
 def snapshot(root: Path) -> dict[str, bytes]:

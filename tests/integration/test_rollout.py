@@ -99,6 +99,11 @@ async def test_recorded_session_becomes_a_token_exact_trajectory(openai_server, 
         messages.append({"role": "assistant", "content": reply.choices[0].message.content})
         if follow_up:
             messages.append({"role": "user", "content": follow_up})
+    with pytest.raises(openai.NotFoundError, match="no active run"):  # only into a live run
+        await client.post(
+            f"/sessions/{session}/finish", body={"run_id": run, "reward": 0.5}, cast_to=dict
+        )
+    await redis_client.sadd(names.RUNS_KEY, run)
     done = await client.post(
         f"/sessions/{session}/finish", body={"run_id": run, "reward": 0.5}, cast_to=dict
     )

@@ -448,7 +448,8 @@ def mount(app: FastAPI, frontend: OpenAIFrontend) -> None:
         "/v1/sessions/{session_id}/finish", openapi_extra=auth.roles(auth.AGENT | auth.WORKERS)
     )
     async def finish(session_id: SessionId, body: FinishSession, request: Request) -> dict:
-        return await frontend.finish(session_id, body, request.state.role)
+        # the caller's role, as the service runtime's auth found it (none without auth)
+        return await frontend.finish(session_id, body, getattr(request.state, "role", None))
 
     @router.delete("/v1/sessions/{session_id}", openapi_extra=auth.roles(auth.AGENT))
     async def discard(session_id: SessionId) -> dict:
