@@ -23,6 +23,8 @@ from treadle_common.clients.weights import RawTensor, WeightStoreClient, layout_
 from treadle_common.weights_export import write_hf
 
 pytestmark = pytest.mark.integration
+JSON = {"content-type": "application/json"}
+TOKENS_ROLLOUT = auth.bearer(TOKENS["rollout"])
 
 
 @pytest.fixture(scope="module")
@@ -40,19 +42,45 @@ def hostile(infra, tiny_model, tmp_path_factory):
     try:
         store = start_service("weight-store", infra, tmp, TREADLE_WEIGHT_STORE_DIR=str(tmp / "ws"))
         started.append(store)
-        gateway = start_service("env-gateway", infra, tmp)
+        limits = {"TREADLE_MAX_BODY_MB": "2"}
+        gateway = start_service("env-gateway", infra, tmp, **limits)
         started.append(gateway)
+        reward = start_service(
+            "reward", infra, tmp, TREADLE_REWARD_TIMEOUT_S="1", TREADLE_REWARD_CPU_WORKERS="1"
+        )
+        started.append(reward)
         addr = {
             "TREADLE_WEIGHT_STORE_ADDR": store.grpc_addr or "",
             "TREADLE_ENV_GATEWAY_ADDR": gateway.grpc_addr or "",
         }
         roots = json.dumps([str(allowed)])
-        trainer = start_service("trainer", infra, tmp, TREADLE_TRAINER_PATH_ROOTS=roots, **addr)
+        trainer = start_service(
+            "trainer",
+            infra,
+            tmp,
+            TREADLE_TRAINER_PATH_ROOTS=roots,
+            TREADLE_TRAINER_MAX_TRAINING_SESSIONS="1",
+            **addr,
+        )
         started.append(trainer)
         model = str(tiny_model)
-        rollout = start_service("rollout", infra, tmp, TREADLE_ROLLOUT_MODEL=model, **addr)
+        rollout = start_service(
+            "rollout",
+            infra,
+            tmp,
+            TREADLE_ROLLOUT_MODEL=model,
+            TREADLE_ROLLOUT_MAX_QUEUED="1",
+            **addr,
+        )
         started.append(rollout)
-        yield {"tmp": tmp, "store": store, "trainer": trainer, "rollout": rollout}
+        yield {
+            "tmp": tmp,
+            "store": store,
+            "trainer": trainer,
+            "rollout": rollout,
+            "gateway": gateway,
+            "reward": reward,
+        }
     finally:  # a service that failed to start stops the ones before it
         for proc in reversed(started):
             proc.stop_checked()
@@ -139,6 +167,20 @@ def test_the_training_api_confines_paths_and_names(hostile):
         for name in ("..", "../../outside", "a/b", ".hidden", "x" * 200):
             answer = client.post(f"/v1/training/sessions/{sid}/save_state", json={"name": name})
             assert answer.status_code == 422, (name, answer.text)
+        second = client.post(
+            "/v1/training/sessions", json={"model_path": str(tmp / "allowed" / "model")}
+        )
+        assert second.status_code == 429 and "MAX_TRAINING_SESSIONS" in second.text, second.text
+        fb = f"/v1/training/sessions/{sid}/forward_backward"
+        datum = {"model_input": [1, 2], "target_tokens": [2, 3]}
+        for bad in (
+            {"data": [{**datum, "advantages": [float("nan"), 1.0]}]},  # would poison the weights
+            {"data": [datum], "loss_params": {"clip_high": float("inf")}},
+            {"data": [datum] * 4097},
+            {"data": [{"model_input": [1] * 131_073, "target_tokens": [1] * 131_073}]},
+        ):
+            answer = client.post(fb, content=json.dumps(bad), headers=JSON)
+            assert answer.status_code == 422, answer.text[:300]
         saved = client.post(f"/v1/training/sessions/{sid}/save_state", json={"name": "ok.1"})
         assert saved.status_code == 200, saved.text
         for path in (tmp / "outside", "/etc", tmp / "allowed" / "escape"):
@@ -211,3 +253,113 @@ def test_a_recorded_session_finishes_only_into_an_active_run_and_never_self_grad
         assert inactive.status_code == 404 and "no active run" in inactive.text
         assert client.get("/v1/sessions/s1", headers=agent).status_code == 200  # still there
         assert client.get("/v1/sessions/a..b", headers=agent).status_code == 422
+
+
+def test_bodies_past_the_cap_are_refused_before_parsing(hostile):
+    """413 whether the body declares its length or streams it (chunked), and the service
+    counts the drop and stays up."""
+    http = hostile["gateway"].http
+    big = b'{"env": "arith", "task": {"pad": "' + b"x" * (3 * 1024 * 1024) + b'"}}'
+
+    def chunks():
+        for i in range(0, len(big), 65536):
+            yield big[i : i + 65536]
+
+    with httpx.Client(base_url=http, headers={**TOKENS_ROLLOUT, **JSON}, timeout=60) as client:
+        declared = client.post("/v1/sessions", content=big)
+        assert declared.status_code == 413 and "TREADLE_MAX_BODY_MB" in declared.text
+        streamed = client.post("/v1/sessions", content=chunks())
+        assert streamed.status_code == 413, streamed.text[:200]
+        metrics = client.get("/metrics").text
+        assert 'reason="body_too_large"' in metrics
+        assert client.get("/v1/envs").status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("env", "options", "named"),
+    [
+        ("python_tests", {"timeout_s": 1e9}, "timeout_s"),
+        ("python_tests", {"timeout_s": "10"}, "timeout_s"),
+        ("arith", {"latency": {"fixed_ms": 1e12}}, "fixed_ms"),
+        ("arith", {"latency": {"sigma": float("nan")}}, "sigma"),
+        ("calculator", {"max_turns": 10**6}, "max_turns"),
+    ],
+)
+def test_session_options_out_of_bounds_are_refused(hostile, env, options, named):
+    tasks = {
+        "python_tests": {"prompt": "p", "tests": "assert True", "entry_point": "f"},
+        "arith": {"a": 1, "b": 2, "op": "+", "answer": "3"},
+        "calculator": {"expression": "(1+2)*3", "answer": "9"},
+    }
+    body = json.dumps({"env": env, "task": tasks[env], "options": options})
+    with httpx.Client(base_url=hostile["gateway"].http, headers=TOKENS_ROLLOUT) as client:
+        answer = client.post("/v1/sessions", content=body, headers=JSON)
+    assert answer.status_code == 400 and named in answer.text, answer.text
+
+
+@pytest.mark.parametrize(
+    ("env", "options", "named"),
+    [
+        ("countdown", {"num_numbers": 0}, "num_numbers"),
+        ("countdown", {"max_number": 10**9}, "max_number"),
+        ("frozenlake", {"size": 10_000}, "size"),
+        ("frozenlake", {"hole_prob": 0.99}, "hole_prob"),
+        ("arith", {"max_operand": 10**9}, "max_operand"),
+        ("guess_number", {"low": 5, "high": 1}, "high"),
+    ],
+)
+async def test_dataset_options_out_of_bounds_are_refused(hostile, env, options, named):
+    from treadle_common.clients.env import EnvClient
+
+    client = EnvClient(hostile["gateway"].grpc_addr or "", token=TOKENS["rollout"])
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await client.sample_tasks(env, 4, seed=0, split="train", options=options)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert named in (refused.value.details() or "")
+        assert len(await client.sample_tasks(env, 2, seed=0, split="train", options={})) == 2
+    finally:
+        await client.close()
+
+
+def test_scoring_limits_and_a_runaway_scorer_is_killed(hostile):
+    """Batch length and answer size are bounded; a regex that backtracks past the service's
+    timeout has its worker process killed, is answered TIMEOUT, and the next score works."""
+    workers = auth.bearer(TOKENS["rollout"])
+    with httpx.Client(base_url=hostile["reward"].http, headers=workers, timeout=60) as client:
+        one = {"scorer": "exact_match", "task": {"answer": "1"}, "answer": "1"}
+        assert client.post("/v1/score:batch", json=[one] * 1025).status_code == 422
+        assert client.post("/v1/score:batch", json=[one] * 3).status_code == 200
+        long = {**one, "answer": "1" * 1_000_001}
+        assert client.post("/v1/score", json=long).status_code == 422
+        runaway = {
+            "scorer": "format_regex",
+            "answer": "a" * 60 + "b",
+            "options": {"pattern": "(a|aa)+$", "full_match": True},
+        }
+        answer = client.post("/v1/score", json=runaway).json()
+        assert answer["status"] == "SCORE_STATUS_TIMEOUT", answer
+        assert "worker was killed" in answer["message"]
+        killed = 'treadle_reward_workers_killed_total{reason="timeout",scorer="format_regex"} 1.0'
+        assert killed in client.get("/metrics").text
+        math = {"scorer": "math_verify", "task": {"answer": "3"}, "answer": "\\boxed{6/2}"}
+        assert client.post("/v1/score", json=math).json()["reward"] == 1.0
+
+
+async def test_client_generation_past_the_queue_bound_gets_429(hostile):
+    """The rollout admits TREADLE_ROLLOUT_MAX_QUEUED=1 client request at a time: of several
+    at once, the first generates and the others are refused at once with 429."""
+    import asyncio
+
+    agent = auth.bearer(TOKENS["agent"])
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 48}
+    async with httpx.AsyncClient(
+        base_url=hostile["rollout"].http, headers=agent, timeout=120
+    ) as client:
+        answers = await asyncio.gather(
+            *(client.post("/v1/chat/completions", json=chat) for _ in range(6))
+        )
+    codes = sorted(a.status_code for a in answers)
+    assert codes.count(200) >= 1 and codes.count(429) >= 1, codes
+    refused = next(a for a in answers if a.status_code == 429)
+    assert "TREADLE_ROLLOUT_MAX_QUEUED" in refused.json()["error"]["message"]

@@ -32,6 +32,7 @@ import nats
 import redis.asyncio as aioredis
 import uvicorn
 from fastapi import Depends, FastAPI, HTTPException, Request, Response
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -40,6 +41,7 @@ from nats.js.kv import KeyValue
 
 from treadle_common import __version__, auth, metrics, names, tracing
 from treadle_common.api.ops import Readiness, ServiceInfo
+from treadle_common.body_limit import BodyLimit
 from treadle_common.clients import grpc_options
 from treadle_common.grpc_auth import ServerAuth
 from treadle_common.infra_auth import redact
@@ -74,6 +76,14 @@ class AuthConfigError(ValueError):
 _BEARER = HTTPBearer(auto_error=False, description="A Treadle token (`TREADLE_TOKEN`)")
 
 
+async def _invalid_request(_request: Request, exc: Exception) -> JSONResponse:
+    """422 naming each invalid field: where, what and why, without echoing the input back
+    (it may be large, or hold values JSON cannot carry, such as NaN)."""
+    errors = exc.errors() if isinstance(exc, RequestValidationError) else []
+    detail = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in errors]
+    return JSONResponse({"detail": detail}, status_code=422)
+
+
 class _Uvicorn(uvicorn.Server):
     """uvicorn without its own signal handling: the runtime owns SIGTERM/SIGINT."""
 
@@ -100,6 +110,12 @@ class ServiceRuntime:
             openapi_url=None,  # served below, behind a token like every other route
             docs_url=None,
             redoc_url=None,
+        )
+        self.app.add_exception_handler(RequestValidationError, _invalid_request)
+        self.app.add_middleware(
+            BodyLimit,
+            max_bytes=int(settings.max_body_mb * 1024 * 1024),
+            on_refuse=metrics.DROPPED.labels(service, "request", "body_too_large").inc,
         )
         self._redis: aioredis.Redis | None = (
             aioredis.from_url(settings.redis_url, socket_timeout=10) if uses_redis else None

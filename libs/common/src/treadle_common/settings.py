@@ -66,6 +66,9 @@ class Settings(BaseSettings):
     token_file: Path | None = Field(None, description="... or a file holding it")
 
     host: str = Field("127.0.0.1", description="Interface this process's servers bind to")
+    max_body_mb: float = Field(
+        64.0, gt=0, description="HTTP request bodies larger than this are refused (413)"
+    )
     http_port: int | None = Field(
         None, description="HTTP port of this service (default per service)"
     )

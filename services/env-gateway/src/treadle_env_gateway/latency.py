@@ -14,21 +14,24 @@ import math
 import random
 from typing import Any
 
-from treadle_env_gateway.envs.base import EnvError
+from treadle_env_gateway.envs.base import EnvError, option
+
+MAX_DELAY_MS = 60_000.0
+"""The longest one injected delay may be."""
 
 
 class Latency:
     def __init__(self, spec: dict[str, Any], seed: int | str):
         self.rng = random.Random(seed)
-        self.fixed_ms = float(spec.get("fixed_ms", 0.0))
+        self.fixed_ms = option(spec, "fixed_ms", 0.0, 0.0, MAX_DELAY_MS)
         self.distribution = spec.get("distribution")
         if self.distribution not in (None, "lognormal"):
             raise EnvError(
                 f"latency distribution {self.distribution!r} is not one of ['lognormal']"
             )
-        self.median_ms = float(spec.get("median_ms", 0.0))
-        self.sigma = float(spec.get("sigma", 1.0))
-        self.max_ms = float(spec.get("max_ms", 60_000.0))
+        self.median_ms = option(spec, "median_ms", 0.0, 0.0, MAX_DELAY_MS)
+        self.sigma = option(spec, "sigma", 1.0, 0.0, 4.0)
+        self.max_ms = option(spec, "max_ms", MAX_DELAY_MS, 0.0, MAX_DELAY_MS)
 
     def sample_ms(self) -> float:
         delay = self.fixed_ms

@@ -6,10 +6,14 @@ people  --POST /v1/score--------------------------> ScoringService.score
 
 from __future__ import annotations
 
+import asyncio
+
 from treadle_common import names
 from treadle_common.service import Service, ServiceRuntime
 from treadle_reward import http
+from treadle_reward.pool import ScorerPool
 from treadle_reward.scorers import registry
+from treadle_reward.scorers.base import CpuScorer
 from treadle_reward.settings import RewardSettings
 from treadle_reward.worker import SERVICE, ScoringService
 
@@ -17,8 +21,15 @@ from treadle_reward.worker import SERVICE, ScoringService
 async def build(settings: RewardSettings) -> Service:
     runtime = ServiceRuntime(SERVICE, settings)
     modules = tuple(m.strip() for m in settings.scorer_modules.split(",") if m.strip())
+    scorers = registry(settings, modules)
+    pool = None
+    if settings.reward_cpu_workers > 0:
+        pool = ScorerPool(settings.reward_cpu_workers, settings.reward_timeout_s)
+        for scorer in scorers.values():
+            if isinstance(scorer, CpuScorer):
+                scorer.pool = pool
     scoring = ScoringService(
-        registry(settings, modules),
+        scorers,
         timeout_s=settings.reward_timeout_s,
         max_concurrency=settings.reward_max_concurrency,
         cache_size=settings.reward_cache_size,
@@ -41,4 +52,9 @@ async def build(settings: RewardSettings) -> Service:
         await runtime.nats.request(ping, b"", timeout=1.0)
 
     runtime.add_check("subscription", serving)
-    return Service(runtime, loops=[subscribe])
+
+    async def close_pool() -> None:
+        if pool is not None:
+            await asyncio.to_thread(pool.close)
+
+    return Service(runtime, loops=[subscribe], on_close=[close_pool])

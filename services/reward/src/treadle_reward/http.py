@@ -7,11 +7,12 @@ POST /v1/score:batch  several -> their results, in order
 from __future__ import annotations
 
 import json
+from typing import Annotated
 
-from fastapi import FastAPI, HTTPException
+from fastapi import Body, FastAPI, HTTPException
 
 from treadle_common import auth
-from treadle_common.api.reward import ScoreBatchOut, ScoreBody, ScoreOut
+from treadle_common.api.reward import MAX_BATCH, ScoreBatchOut, ScoreBody, ScoreOut
 from treadle_common.proto.treadle.v1 import reward_pb2 as pb
 from treadle_reward.worker import ScoringService
 
@@ -35,7 +36,9 @@ def mount(app: FastAPI, scoring: ScoringService) -> None:
         return ScoreOut.from_proto(await scoring.score(to_request(body)))
 
     @app.post("/v1/score:batch", tags=["score"], openapi_extra=auth.roles(auth.WORKERS))
-    async def score_batch(bodies: list[ScoreBody]) -> ScoreBatchOut:
+    async def score_batch(
+        bodies: Annotated[list[ScoreBody], Body(max_length=MAX_BATCH)],
+    ) -> ScoreBatchOut:
         batch = pb.ScoreBatchRequest(requests=[to_request(b) for b in bodies])
         results = (await scoring.score_batch(batch)).results
         return ScoreBatchOut(results=[ScoreOut.from_proto(r) for r in results])

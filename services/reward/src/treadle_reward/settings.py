@@ -11,6 +11,12 @@ class RewardSettings(Settings):
     """Concurrency, the score cache, extra scorer modules and the scorers that call out."""
 
     reward_max_concurrency: int = Field(64, ge=1, description="reward: requests per scorer at once")
+    reward_cpu_workers: int = Field(
+        2,
+        ge=0,
+        description="reward: worker processes for compute-only scorers (math_verify, "
+        "format_regex), killed past reward_timeout_s; 0 computes in the service's process",
+    )
     reward_cache_size: int = Field(10_000, ge=0, description="reward: cached deterministic scores")
     judge_base_url: str = Field(
         "", description="reward llm_judge: OpenAI-compatible base URL (…/v1)"

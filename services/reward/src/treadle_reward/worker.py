@@ -24,7 +24,7 @@ from treadle_common import metrics, names, tracing
 from treadle_common.logs import get_logger
 from treadle_common.progress import Stage
 from treadle_common.proto.treadle.v1 import reward_pb2 as pb
-from treadle_reward.scorers.base import ScoreInput, Scorer
+from treadle_reward.scorers.base import CpuScorer, ScoreInput, Scorer
 
 log = get_logger(__name__)
 SERVICE = "reward"
@@ -130,14 +130,18 @@ class ScoringService:
                 info=_json(request.info_json, "info_json", {}),
                 options=_json(request.options_json, "options_json", {}),
             )
-            async with asyncio.timeout(self.timeout_s):  # no task per request (wait_for's)
+            # a pooled scorer's pool keeps the deadline itself, and kills a worker past it
+            pooled = isinstance(scorer, CpuScorer) and scorer.pool is not None
+            async with asyncio.timeout(None if pooled else self.timeout_s):
                 score = await scorer.score(score_input)
             result.reward, result.status = score.reward, pb.SCORE_STATUS_OK
             result.breakdown.update(score.breakdown)
             outcome = "ok"
-        except TimeoutError:
+        except TimeoutError as exc:
             result.status, outcome = pb.SCORE_STATUS_TIMEOUT, "timeout"
-            result.message = f"scorer {request.scorer} took longer than {self.timeout_s}s"
+            result.message = (
+                str(exc) or f"scorer {request.scorer} took longer than {self.timeout_s}s"
+            )
         except Exception as exc:  # a scorer's failure is reported, never a silent 0
             result.status, outcome = pb.SCORE_STATUS_ERROR, "error"
             result.message = f"{type(exc).__name__}: {exc}"

@@ -23,6 +23,7 @@ from treadle_rollout import http, openai_api
 from treadle_rollout.engines.base import Engine
 from treadle_rollout.engines.hf import HFEngine
 from treadle_rollout.episodes import EpisodeRunner
+from treadle_rollout.gate import RequestGate
 from treadle_rollout.grpc import POLICY, GenerationServicer
 from treadle_rollout.settings import RolloutSettings
 from treadle_rollout.weight_sync import WeightSync
@@ -81,9 +82,11 @@ class Rollout:
         # a group's hops together
         self.env = EnvClient(settings.env_gateway_addr, batch=True, token=token)
         self.sync = WeightSync(engine, self.store)
+        self.gate = RequestGate(settings.rollout_max_queued)
         self.frontend = openai_api.OpenAIFrontend(
             engine,
             openai_api.SessionRecorder(engine.tokenizer, ttl_s=settings.rollout_session_ttl_s),
+            gate=self.gate,
         )
         self.worker: TaskWorker | None = None
 
@@ -139,7 +142,7 @@ async def build(settings: RolloutSettings) -> Service:
     rollout = Rollout(settings, runtime, engine)
     runtime.progress.add(rollout.sync.stage)
     generation_pb2_grpc.add_GenerationServicer_to_server(
-        GenerationServicer(engine), runtime.make_grpc_server(POLICY)
+        GenerationServicer(engine, rollout.gate), runtime.make_grpc_server(POLICY)
     )
     runtime.add_check("env-gateway", rollout.env_check)
     runtime.add_check("weight-store", rollout.weights_check)

@@ -9,6 +9,7 @@ from treadle_common import auth
 from treadle_common.proto.treadle.v1 import generation_pb2 as gpb
 from treadle_common.proto.treadle.v1 import generation_pb2_grpc
 from treadle_rollout.engines.base import ContextOverflow, Engine, Sampling
+from treadle_rollout.gate import Busy, RequestGate
 
 POLICY = auth.grpc_policy(gpb, "Generation", Generate=auth.WORKERS | {auth.Role.agent})
 """Raw generation with the current policy: the loop's services and agents."""
@@ -25,8 +26,9 @@ def bad_prompt(tokens: list[int], vocab_size: int) -> str | None:
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, gate: RequestGate | None = None):
         self.engine = engine
+        self.gate = gate or RequestGate(1 << 30)
 
     async def Generate(self, request: gpb.GenerateRequest, context):
         problem = bad_prompt(list(request.prompt_tokens), len(self.engine.tokenizer))
@@ -40,9 +42,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             seed=s.seed or None,  # proto3: 0 = unseeded
         )
         try:
-            gen = await self.engine.generate(list(request.prompt_tokens), sampling)
+            with self.gate.admit():
+                gen = await self.engine.generate(list(request.prompt_tokens), sampling)
         except ContextOverflow as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Busy as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         return gpb.GenerateResult(
             request_id=request.request_id,
             tokens=gen.tokens,

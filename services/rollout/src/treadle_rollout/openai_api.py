@@ -33,9 +33,14 @@ from treadle_common.clients import streams
 from treadle_common.proto.treadle.v1 import reward_pb2
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
 from treadle_rollout.engines.base import ContextOverflow, Engine, Generation, Sampling
+from treadle_rollout.gate import Busy, RequestGate
 from treadle_rollout.transcript import TemplateNotPrefixStable, Transcript
 
 SESSION_HEADER = "X-Treadle-Session"
+MAX_MESSAGES = 1024
+MAX_PROMPT_CHARS = 1_000_000
+"""Text a request may bring (a prompt, one message's content): far past any context, and
+short enough that tokenizing it cannot stall the server."""
 SessionId = Annotated[
     str, Path(pattern=names.NAME_PATTERN, max_length=names.NAME_MAX, description="A session id")
 ]
@@ -70,7 +75,11 @@ class OpenAIError(Exception):
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: (
+        Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
+        | Annotated[list[dict[str, Any]], Field(max_length=MAX_MESSAGES)]
+        | None
+    ) = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -90,13 +99,16 @@ class SamplingFields(BaseModel):
 
 
 class ChatRequest(SamplingFields):
-    messages: list[Message] = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int]
+    prompt: (
+        Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
+        | Annotated[list[int], Field(max_length=MAX_PROMPT_CHARS)]
+    )
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=5)
     return_tokens_as_token_ids: bool = Field(
@@ -164,8 +176,16 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
 
 
 class OpenAIFrontend:
-    def __init__(self, engine: Engine, recorder: SessionRecorder, redis=None, reward=None):
+    def __init__(
+        self,
+        engine: Engine,
+        recorder: SessionRecorder,
+        redis=None,
+        reward=None,
+        gate: RequestGate | None = None,
+    ):
         self.engine = engine
+        self.gate = gate or RequestGate(1 << 30)
         self.tokenizer = recorder.tokenizer
         self.recorder = recorder
         self.redis = redis
@@ -190,7 +210,10 @@ class OpenAIFrontend:
 
     async def _generate(self, prompt: list[int], sampling: Sampling) -> Generation:
         try:
-            return await self.engine.generate(prompt, sampling)
+            with self.gate.admit():
+                return await self.engine.generate(prompt, sampling)
+        except Busy as exc:
+            raise OpenAIError(429, str(exc), code="rate_limit_exceeded") from exc
         except ContextOverflow as exc:
             raise OpenAIError(
                 400, str(exc), param="messages", code="context_length_exceeded"

@@ -38,6 +38,12 @@ class RolloutSettings(Settings):
         description="In-flight sequences at a weight swap: continue with new weights, or abort "
         "and regenerate the turn",
     )
+    rollout_max_queued: int = Field(
+        256,
+        ge=1,
+        description="rollout: client generation requests (OpenAI API, gRPC Generate) in "
+        "flight at once; more are refused with 429 / RESOURCE_EXHAUSTED",
+    )
     rollout_max_batch: int = Field(64, ge=1, description="rollout hf: sequences per decode step")
     rollout_prefix_cache_mb: int = Field(
         256, ge=0, description="rollout hf: KV of finished turns kept for reuse by prefix (0: off)"

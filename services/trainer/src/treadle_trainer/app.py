@@ -45,7 +45,13 @@ async def build(settings: TrainerSettings) -> Service:
     trajectories.pending = lambda: runs.collecting
     runtime.set_info(lambda: {"runs": runs.states()}, TrainerInfo)
     runs.mount(runtime.app)
-    training_api.mount(runtime.app, store, settings.state_dir, settings.path_roots())
+    training_api.mount(
+        runtime.app,
+        store,
+        settings.state_dir,
+        settings.path_roots(),
+        max_sessions=settings.trainer_max_training_sessions,
+    )
     runtime.on_drain(runs.drain)
     loops: list[Callable[[], Awaitable[None]]] = [runs.resume_orphans]
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # rank 0 of a torchrun job

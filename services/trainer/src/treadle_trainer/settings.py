@@ -34,6 +34,12 @@ class TrainerSettings(Settings):
     trainer_lease_s: float = Field(
         15.0, gt=0, description="trainer: run-ownership lease; a dead owner's run resumes after"
     )
+    trainer_max_training_sessions: int = Field(
+        4,
+        ge=0,
+        description="trainer: training-API sessions open at once (each holds a model and its "
+        "optimizer); one more is refused with 429",
+    )
     trainer_path_roots: list[Path] = Field(
         default_factory=list,
         description="trainer: the directories a client may name server paths under (a "

@@ -74,9 +74,18 @@ class Session:
         self.versions: list[int] = []
 
 
-def mount(app: FastAPI, store: WeightStoreClient, state_dir: Path, roots: list[Path]) -> None:
-    """The training API; clients name server paths only inside `roots` (`paths.confine`)."""
+def mount(
+    app: FastAPI,
+    store: WeightStoreClient,
+    state_dir: Path,
+    roots: list[Path],
+    *,
+    max_sessions: int = 4,
+) -> None:
+    """The training API; clients name server paths only inside `roots` (`paths.confine`);
+    at most `max_sessions` sessions (each a model and its optimizer) are open at once."""
     sessions: dict[str, Session] = {}
+    opening = 0  # sessions being built (a model load takes a while): they count too
 
     def get(sid: str) -> Session:
         if sid not in sessions:
@@ -93,10 +102,21 @@ def mount(app: FastAPI, store: WeightStoreClient, state_dir: Path, roots: list[P
         confine(request.model_path, roots, "model_path")
         if not (Path(request.model_path) / "config.json").exists():
             raise HTTPException(400, f"{request.model_path} is not an HF model directory")
+        nonlocal opening
+        if len(sessions) + opening >= max_sessions:
+            raise HTTPException(
+                429,
+                f"{len(sessions) + opening} training sessions are open, the most this trainer "
+                f"holds (TREADLE_TRAINER_MAX_TRAINING_SESSIONS={max_sessions}); delete one",
+            )
         spec = BackendSpec(
             model_dir=request.model_path, seed=request.seed, reference=request.kl_reference
         )
-        backend = await on_torch_thread(build_backend, spec)
+        opening += 1
+        try:
+            backend = await on_torch_thread(build_backend, spec)
+        finally:
+            opening -= 1
         sid = uuid.uuid4().hex[:12]
         sessions[sid] = Session(sid, request, backend, state_dir / "training" / sid)
         return SessionCreated(session_id=sid, vocab_size=backend.vocab_size)

@@ -6,13 +6,19 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+MAX_BATCH = 1024
+"""Requests in one `POST /v1/score:batch`."""
+MAX_ANSWER_CHARS = 1_000_000
+
 
 class ScoreBody(BaseModel):
     """`POST /v1/score` (and each item of `POST /v1/score:batch`)."""
 
     scorer: str = Field(description="Scorer name")
     task: dict[str, Any] = Field(default_factory=dict, description="Task, with its reference")
-    answer: str = Field("", description="The trajectory's final answer")
+    answer: str = Field(
+        "", max_length=MAX_ANSWER_CHARS, description="The trajectory's final answer"
+    )
     info: dict[str, Any] = Field(default_factory=dict)
     options: dict[str, Any] = Field(default_factory=dict)
 

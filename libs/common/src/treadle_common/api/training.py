@@ -7,14 +7,22 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from treadle_common import names
 from treadle_common.config import LossName
 
+MAX_DATA = 4096
+"""Sequences in one `forward_backward`."""
+MAX_SEQUENCE = 131_072
+"""Tokens in one sequence."""
+_FINITE = ConfigDict(allow_inf_nan=False)  # a NaN from a client would poison the weights
+
 
 class LossParams(BaseModel):
     """Hyper-parameters shared by the losses (recipe `trainer.*` or a training-API request)."""
+
+    model_config = _FINITE
 
     clip_low: float = Field(0.2, ge=0, description="PPO/CISPO lower clip: ratio >= 1 - clip_low")
     clip_high: float = Field(0.28, ge=0, description="Upper clip (clip-higher when > clip_low)")
@@ -31,6 +39,8 @@ class LossParams(BaseModel):
 
 class AdamParams(BaseModel):
     """`optim_step`'s body: AdamW's settings for this step."""
+
+    model_config = _FINITE
 
     learning_rate: float = Field(1e-4, gt=0)
     beta1: float = Field(0.9, ge=0, lt=1)
@@ -58,7 +68,8 @@ class SessionCreated(BaseModel):
 
 
 class DatumIn(BaseModel):
-    model_input: list[int] = Field(min_length=1)
+    model_config = _FINITE
+    model_input: list[int] = Field(min_length=1, max_length=MAX_SEQUENCE)
     target_tokens: list[int]
     weights: list[float] | None = None
     advantages: list[float] | None = None
@@ -78,8 +89,8 @@ class ForwardBackward(BaseModel):
     loss_fn: LossName = "cross_entropy"
     loss_params: LossParams = Field(default_factory=LossParams)
     aggregation: Literal["token", "sequence", "group", "sum"] = "sum"
-    micro_batch_tokens: int = Field(8192, ge=1)
-    data: list[DatumIn] = Field(min_length=1)
+    micro_batch_tokens: int = Field(8192, ge=1, le=MAX_SEQUENCE)
+    data: list[DatumIn] = Field(min_length=1, max_length=MAX_DATA)
 
 
 class ForwardBackwardResult(BaseModel):

@@ -14,7 +14,7 @@ import random
 from typing import Any
 
 from treadle_env_gateway.envs import register
-from treadle_env_gateway.envs.base import Action, Env, EnvError, Message, StepResult
+from treadle_env_gateway.envs.base import Action, Env, EnvError, Message, StepResult, option
 
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 EVAL_SPLIT = "eval"
@@ -34,9 +34,12 @@ class Arith(Env):
     def sample_tasks(
         cls, num_tasks: int, seed: int, split: str, options: dict[str, Any]
     ) -> list[dict[str, Any]]:
-        lo, hi = int(options.get("min_operand", 0)), int(options.get("max_operand", 9))
-        ops = list(options.get("ops", ["+"]))
-        eval_fraction = float(options.get("eval_fraction", 0.2))
+        lo = option(options, "min_operand", 0, 0, MAX_PROBLEMS)
+        hi = option(options, "max_operand", 9, 0, MAX_PROBLEMS)
+        ops = options.get("ops", ["+"])
+        if not isinstance(ops, list):
+            raise EnvError(f"arith option 'ops' must be a list of {sorted(OPS)}")
+        eval_fraction = option(options, "eval_fraction", 0.2, 0.0, 1.0)
         if not 0 <= lo <= hi or (hi - lo + 1) ** 2 * len(ops) > MAX_PROBLEMS:
             raise EnvError(
                 f"arith needs 0 <= min_operand <= max_operand and at most {MAX_PROBLEMS} "

@@ -9,8 +9,9 @@ Third-party packages add environments through the `treadle.envs` entry point gro
 from __future__ import annotations
 
 import abc
+import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from treadle_env_gateway.settings import EnvGatewaySettings
 
@@ -86,3 +87,25 @@ class EnvError(ValueError):
 
 class UnknownEnv(EnvError):
     """No environment of that name is registered; answered as NOT_FOUND."""
+
+
+_Number = TypeVar("_Number", int, float)
+
+
+def option(
+    options: dict[str, Any], name: str, default: _Number, low: _Number, high: _Number
+) -> _Number:
+    """`options[name]` (else `default`) as the type of `default`, within `[low, high]`; a
+    client's value that is not a number or is out of bounds is an `EnvError` naming it."""
+    value = options.get(name, default)
+    kind = type(default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise EnvError(f"option {name!r} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise EnvError(f"option {name!r} must be finite, got {value!r}")
+    if kind is int and value != int(value):
+        raise EnvError(f"option {name!r} must be an integer, got {value!r}")
+    number = kind(value)
+    if not low <= number <= high:
+        raise EnvError(f"option {name!r} must be in [{low}, {high}], got {value!r}")
+    return number

@@ -9,7 +9,7 @@ from typing import Any
 
 from treadle_common.safe_math import ExpressionError, evaluate, format_number
 from treadle_env_gateway.envs import register
-from treadle_env_gateway.envs.base import Action, Env, EnvError, Message, StepResult
+from treadle_env_gateway.envs.base import Action, Env, EnvError, Message, StepResult, option
 
 CALCULATOR = {
     "type": "function",
@@ -34,7 +34,7 @@ class Calculator(Env):
         cls, num_tasks: int, seed: int, split: str, options: dict[str, Any]
     ) -> list[dict[str, Any]]:
         rng = random.Random(f"calculator-{split}-{seed}")
-        top = int(options.get("max_number", 99))
+        top = option(options, "max_number", 99, 2, 10**6)
         tasks = []
         for _ in range(num_tasks):
             a, b, c = (rng.randint(2, top) for _ in range(3))
@@ -48,7 +48,7 @@ class Calculator(Env):
         if not isinstance(task.get("expression"), str) or "answer" not in task:
             raise EnvError("calculator task needs an 'expression' string and an 'answer'")
         self.task = task
-        self.max_turns = int(self.options.get("max_turns", 4))
+        self.max_turns = option(self.options, "max_turns", 4, 1, 64)
         self.turns = 0
         return [
             Message(

@@ -8,7 +8,7 @@ from typing import Any
 
 from treadle_common.safe_math import ExpressionError, evaluate
 from treadle_env_gateway.envs import register
-from treadle_env_gateway.envs.base import Action, Env, EnvError, Message, StepResult
+from treadle_env_gateway.envs.base import Action, Env, EnvError, Message, StepResult, option
 
 
 def _answer_expression(text: str) -> str:
@@ -24,7 +24,8 @@ class Countdown(Env):
         cls, num_tasks: int, seed: int, split: str, options: dict[str, Any]
     ) -> list[dict[str, Any]]:
         rng = random.Random(f"countdown-{split}-{seed}")
-        count, top = int(options.get("num_numbers", 3)), int(options.get("max_number", 10))
+        count = option(options, "num_numbers", 3, 2, 6)
+        top = option(options, "max_number", 10, 1, 1000)
         tasks: list[dict] = []
         while len(tasks) < num_tasks:
             numbers = [rng.randint(1, top) for _ in range(count)]

@@ -8,8 +8,11 @@ from collections import deque
 from typing import Any
 
 from treadle_env_gateway.envs import register
-from treadle_env_gateway.envs.base import Action, Env, EnvError, Message, StepResult
+from treadle_env_gateway.envs.base import Action, Env, EnvError, Message, StepResult, option
 
+MAX_SIZE = 12
+MAX_TRIES = 1000
+"""Boards drawn per task wanted before giving up (unsolvable draws are redrawn)."""
 MOVES = {"left": (0, -1), "right": (0, 1), "up": (-1, 0), "down": (1, 0)}
 _MOVE = re.compile(r"\b(left|right|up|down)\b", re.IGNORECASE)
 
@@ -36,9 +39,12 @@ class FrozenLake(Env):
         cls, num_tasks: int, seed: int, split: str, options: dict[str, Any]
     ) -> list[dict[str, Any]]:
         rng = random.Random(f"frozenlake-{split}-{seed}")
-        size, holes = int(options.get("size", 4)), float(options.get("hole_prob", 0.2))
+        size = option(options, "size", 4, 2, MAX_SIZE)
+        holes = option(options, "hole_prob", 0.2, 0.0, 0.5)
         tasks: list[dict] = []
-        while len(tasks) < num_tasks:
+        for _ in range(num_tasks * MAX_TRIES):
+            if len(tasks) == num_tasks:
+                break
             cells = [
                 ["H" if rng.random() < holes else "F" for _ in range(size)] for _ in range(size)
             ]
@@ -46,6 +52,8 @@ class FrozenLake(Env):
             grid = ["".join(row) for row in cells]
             if _solvable(grid):
                 tasks.append({"grid": grid, "max_steps": 4 * size})
+        if len(tasks) < num_tasks:
+            raise EnvError(f"frozenlake: too few solvable boards with hole_prob {holes}")
         return tasks
 
     async def reset(self, task: dict[str, Any], seed: int) -> list[Message]:

@@ -7,7 +7,7 @@ import re
 from typing import Any
 
 from treadle_env_gateway.envs import register
-from treadle_env_gateway.envs.base import Action, Env, EnvError, Message, StepResult
+from treadle_env_gateway.envs.base import Action, Env, EnvError, Message, StepResult, option
 
 _INT = re.compile(r"-?\d+")
 
@@ -19,7 +19,8 @@ class GuessNumber(Env):
         cls, num_tasks: int, seed: int, split: str, options: dict[str, Any]
     ) -> list[dict[str, Any]]:
         rng = random.Random(f"guess-{split}-{seed}")
-        low, high = int(options.get("low", 1)), int(options.get("high", 100))
+        low = option(options, "low", 1, -(10**9), 10**9)
+        high = option(options, "high", 100, low, 10**9)
         targets = [rng.randint(low, high) for _ in range(num_tasks)]
         # `answer` lets `exact_match` score the final guess
         return [{"low": low, "high": high, "target": t, "answer": str(t)} for t in targets]
@@ -35,7 +36,7 @@ class GuessNumber(Env):
             raise EnvError(
                 f"guess_number task needs integer 'low', 'high', 'target': {exc}"
             ) from exc
-        self.max_guesses = int(self.options.get("max_guesses", 8))
+        self.max_guesses = option(self.options, "max_guesses", 8, 1, 64)
         self.guesses: list[int] = []
         return [
             Message(

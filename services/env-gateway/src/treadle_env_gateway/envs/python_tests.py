@@ -13,10 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from treadle_env_gateway.envs import register
-from treadle_env_gateway.envs.base import Action, Env, EnvError, Message, StepResult
+from treadle_env_gateway.envs.base import Action, Env, EnvError, Message, StepResult, option
 from treadle_env_gateway.sandbox.runner import Limits, Sandbox
 from treadle_env_gateway.settings import EnvGatewaySettings
 
+MAX_TIMEOUT_S = 60.0
+"""The longest a client may let its tests run (`timeout_s`)."""
 PROBLEMS = [
     (
         "add",
@@ -99,7 +101,8 @@ class PythonTests(Env):
         if not all(isinstance(task.get(k), str) for k in ("prompt", "tests")):
             raise EnvError("python_tests task needs 'prompt' and 'tests' strings")
         self.task = task
-        self.limits = Limits(wall_seconds=float(self.options.get("timeout_s", 10.0)))
+        timeout_s = option(self.options, "timeout_s", 10.0, 0.1, MAX_TIMEOUT_S)
+        self.limits = Limits(wall_seconds=timeout_s)
         return [Message("user", task["prompt"] + " Reply with the code in a ```python block.")]
 
     async def step(self, action: Action) -> StepResult:

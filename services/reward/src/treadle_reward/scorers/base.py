@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from treadle_reward.settings import RewardSettings
+
+if TYPE_CHECKING:
+    from treadle_reward.pool import ScorerPool
 
 
 @dataclass
@@ -53,3 +56,22 @@ class Scorer(abc.ABC):
 
     async def score_batch(self, requests: list[ScoreInput]) -> list[Score]:
         return [await self.score(r) for r in requests]
+
+
+class CpuScorer(Scorer):
+    """A scorer that only computes (parsing, arithmetic, regular expressions): `compute` is a
+    pure function of the request, run in a worker process that a timeout kills
+    (`treadle_reward.pool`) once the service gives the scorer its `pool`."""
+
+    deterministic = True
+    pool: ScorerPool | None = None
+
+    @classmethod
+    @abc.abstractmethod
+    def compute(cls, request: ScoreInput) -> Score:
+        """Score one request, synchronously; raise to report an error."""
+
+    async def score(self, request: ScoreInput) -> Score:
+        if self.pool is None:
+            return self.compute(request)
+        return await self.pool.compute(self, request)

@@ -5,18 +5,17 @@ from __future__ import annotations
 import regex
 
 from treadle_reward.scorers import register
-from treadle_reward.scorers.base import Score, ScoreInput, Scorer
+from treadle_reward.scorers.base import CpuScorer, Score, ScoreInput
 
 TIMEOUT_S = 1.0  # patterns come from requests: a catastrophic one must not stall the replica
 
 
 @register("format_regex")
-class FormatRegex(Scorer):
+class FormatRegex(CpuScorer):
     """Options: `pattern` (required), `full_match` (default false: search anywhere)."""
 
-    deterministic = True
-
-    async def score(self, request: ScoreInput) -> Score:
+    @classmethod
+    def compute(cls, request: ScoreInput) -> Score:
         pattern = request.options.get("pattern")
         if not isinstance(pattern, str):
             raise ValueError("format_regex needs option 'pattern' (a regular expression)")

@@ -14,7 +14,7 @@ from fractions import Fraction
 
 from treadle_common.safe_math import ExpressionError, evaluate
 from treadle_reward.scorers import register
-from treadle_reward.scorers.base import Score, ScoreInput, Scorer, reference
+from treadle_reward.scorers.base import CpuScorer, Score, ScoreInput, reference
 
 _ANSWER_IS = re.compile(r"answer is[:\s]*\$?([^\n$]+)", re.IGNORECASE)
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?%?")
@@ -77,12 +77,11 @@ def equivalent(answer: str, reference: str, trials: int = 5) -> bool:
 
 
 @register("math_verify")
-class MathVerify(Scorer):
+class MathVerify(CpuScorer):
     """Options: `field` (task key of the reference, default `answer`)."""
 
-    deterministic = True
-
-    async def score(self, request: ScoreInput) -> Score:
+    @classmethod
+    def compute(cls, request: ScoreInput) -> Score:
         target = reference(request)
         answer = extract_answer(request.answer)
         try:
