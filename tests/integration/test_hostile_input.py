@@ -363,3 +363,14 @@ async def test_client_generation_past_the_queue_bound_gets_429(hostile):
     assert codes.count(200) >= 1 and codes.count(429) >= 1, codes
     refused = next(a for a in answers if a.status_code == 429)
     assert "TREADLE_ROLLOUT_MAX_QUEUED" in refused.json()["error"]["message"]
+
+
+def test_an_unknown_env_fails_its_episode_at_once(hostile):
+    """NOT_FOUND from a session create names a missing env, not a restarted gateway: the
+    episode fails as env_error without being played again."""
+    body = {"env": "no-such-env", "tasks": [{}], "max_new_tokens": 2}
+    with httpx.Client(base_url=hostile["rollout"].http, headers=ADMIN, timeout=30) as client:
+        answer = client.post("/v1/evaluate", json=body)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["statuses"] == {"TRAJECTORY_STATUS_ENV_ERROR": 1}
+        assert "treadle_rollout_episode_retries_total 0.0" in client.get("/metrics").text

@@ -155,12 +155,17 @@ class EpisodeRunner:
         gate: asyncio.Future | None,
     ) -> dict:
         env_start = time.time()
-        session = await self.env.create(
-            task.env,
-            json.loads(task.payload_json or "{}"),
-            seed=sample_index,
-            options=json.loads(task.env_options_json or "{}"),
-        )
+        try:
+            session = await self.env.create(
+                task.env,
+                json.loads(task.payload_json or "{}"),
+                seed=sample_index,
+                options=json.loads(task.env_options_json or "{}"),
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:  # no such env: playing again won't help
+                raise _EnvFailure(f"env-gateway: NOT_FOUND: {exc.details()}") from exc
+            raise
         traj.timings.env_s += time.time() - env_start
         sampling = Sampling(
             temperature=task.sampling.temperature,
