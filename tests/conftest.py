@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -189,12 +190,16 @@ def start_service(name: str, infra: InfraUrls, tmp: Path, **env: str) -> Service
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    svc = ServiceProc(name, proc, f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc_port}", log)
-    wait_ready(svc)
+    scheme = "https" if full_env.get("TREADLE_TLS_CERT_FILE") else "http"
+    svc = ServiceProc(name, proc, f"{scheme}://127.0.0.1:{http}", f"127.0.0.1:{grpc_port}", log)
+    ca = full_env.get("TREADLE_TLS_CA_FILE")
+    wait_ready(svc, verify=ssl.create_default_context(cafile=ca) if ca else True)
     return svc
 
 
-def wait_ready(svc: ServiceProc, timeout_s: float = 90.0) -> None:
+def wait_ready(
+    svc: ServiceProc, timeout_s: float = 90.0, verify: ssl.SSLContext | bool = True
+) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if svc.proc.poll() is not None:
@@ -202,7 +207,7 @@ def wait_ready(svc: ServiceProc, timeout_s: float = 90.0) -> None:
                 f"{svc.name} exited {svc.proc.returncode}:\n{svc.log.read_text()[-3000:]}"
             )
         try:
-            if httpx.get(f"{svc.http}/readyz", timeout=1).status_code == 200:
+            if httpx.get(f"{svc.http}/readyz", timeout=1, verify=verify).status_code == 200:
                 return
         except httpx.HTTPError:
             pass

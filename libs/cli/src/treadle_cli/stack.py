@@ -30,7 +30,7 @@ from pydantic import BaseModel, Field
 
 from treadle_cli.infra import Infra, alive, port_free, probe, terminate
 from treadle_cli.settings import CliSettings, admin_token_file, auth_dir
-from treadle_common import auth, infra_auth, names
+from treadle_common import auth, infra_auth, names, tls
 from treadle_common.api.ops import Readiness, ServiceInfo, StageProgress
 from treadle_common.api.rollout import RolloutInfo
 from treadle_common.api.runs import RunStatus
@@ -295,6 +295,7 @@ def http(token: str | None = None) -> httpx.Client:
     return httpx.Client(
         limits=httpx.Limits(keepalive_expiry=names.HTTP_KEEPALIVE_S / 2),
         headers=auth.bearer(token),
+        verify=tls.httpx_verify(),
     )
 
 

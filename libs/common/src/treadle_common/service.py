@@ -39,7 +39,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from nats.aio.client import Client as NATS
 from nats.js.kv import KeyValue
 
-from treadle_common import __version__, auth, metrics, names, tracing
+from treadle_common import __version__, auth, metrics, names, tls, tracing
 from treadle_common.api.ops import Readiness, ServiceInfo
 from treadle_common.body_limit import BodyLimit
 from treadle_common.clients import grpc_options
@@ -101,6 +101,10 @@ class ServiceRuntime:
         self.stop_event = asyncio.Event()
         try:
             self.authorizer = auth.Authorizer(settings.token_table())
+        except ValueError as exc:
+            raise AuthConfigError(f"{service}: {exc}") from None
+        try:
+            self.tls = tls.server_tls(settings.tls_cert_file, settings.tls_key_file)
         except ValueError as exc:
             raise AuthConfigError(f"{service}: {exc}") from None
         self.app = FastAPI(
@@ -290,6 +294,7 @@ class ServiceRuntime:
                     error_cb=self._on_nats_error,
                     disconnected_cb=self._on_nats_disconnected,
                     reconnected_cb=self._on_nats_reconnected,
+                    tls=tls.client_context(),
                 )
                 self._nats_connected.set()
                 return
@@ -328,7 +333,13 @@ class ServiceRuntime:
         http_sock = bind_socket(self.service, "http", host, http_port)
         if self.grpc_server is not None:
             grpc_port = self.settings.port(self.service, "grpc")
-            if self.grpc_server.add_insecure_port(f"{host}:{grpc_port}") == 0:
+            address = f"{host}:{grpc_port}"
+            bound = (
+                self.grpc_server.add_secure_port(address, self.tls.grpc_credentials())
+                if self.tls is not None
+                else self.grpc_server.add_insecure_port(address)
+            )
+            if bound == 0:
                 raise PortInUseError(self.service, "grpc", host, grpc_port)
             await self.grpc_server.start()
             await self.grpc_health.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -344,6 +355,8 @@ class ServiceRuntime:
                 log_level="warning",
                 lifespan="off",
                 timeout_keep_alive=names.HTTP_KEEPALIVE_S,
+                ssl_certfile=self.tls.cert_file if self.tls is not None else None,
+                ssl_keyfile=self.tls.key_file if self.tls is not None else None,
             )
         )
         tasks = [
@@ -353,7 +366,12 @@ class ServiceRuntime:
             asyncio.create_task(self.progress.watch(self.stop_event), name="stall-detector"),
             *(asyncio.create_task(self._run_main(m), name="main") for m in mains),
         ]
-        log.info("service started", http=http_port, grpc=self.settings.grpc_port)
+        log.info(
+            "service started",
+            http=http_port,
+            grpc=self.settings.grpc_port,
+            tls=self.tls is not None,
+        )
         stopper = asyncio.create_task(self.stop_event.wait())
         mains_tasks = [t for t in tasks if t.get_name() == "main"]
         done, _ = await asyncio.wait([stopper, *mains_tasks], return_when=asyncio.FIRST_COMPLETED)

@@ -66,6 +66,13 @@ class Settings(BaseSettings):
     token_file: Path | None = Field(None, description="... or a file holding it")
 
     host: str = Field("127.0.0.1", description="Interface this process's servers bind to")
+    tls_cert_file: Path | None = Field(
+        None, description="This process's servers speak TLS with this certificate (PEM chain)"
+    )
+    tls_key_file: Path | None = Field(None, description="... and this key (PEM)")
+    tls_ca_file: Path | None = Field(
+        None, description="The CA bundle this process's clients verify peers with (TLS on)"
+    )
     max_body_mb: float = Field(
         64.0, gt=0, description="HTTP request bodies larger than this are refused (413)"
     )

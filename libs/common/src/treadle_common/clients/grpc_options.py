@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import grpc
 
-from treadle_common import auth
+from treadle_common import auth, tls
 from treadle_common.grpc_auth import client_interceptors
 
 MESSAGE_BYTES = 64 * 1024 * 1024
@@ -39,8 +39,14 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
 
 def channel(address: str, token: str | None = None) -> grpc.aio.Channel:
     """A channel to a Treadle gRPC server that presents `token` on every call (default: the
-    caller's `TREADLE_TOKEN` / `TREADLE_TOKEN_FILE`)."""
+    caller's `TREADLE_TOKEN` / `TREADLE_TOKEN_FILE`); over TLS when `TREADLE_TLS_CA_FILE` is
+    set (`treadle_common.tls`)."""
     token = token if token is not None else auth.token_from_env()
+    credentials = tls.channel_credentials()
+    if credentials is not None:  # TREADLE_TLS_CA_FILE: the server must prove itself
+        return grpc.aio.secure_channel(
+            address, credentials, options=CHANNEL_OPTIONS, interceptors=client_interceptors(token)
+        )
     return grpc.aio.insecure_channel(
         address, options=CHANNEL_OPTIONS, interceptors=client_interceptors(token)
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import httpx
 
+from treadle_common import tls
 from treadle_common.api.rollout import EvaluateRequest, EvaluateResult, RolloutInfo, Swaps
 from treadle_common.auth import bearer, token_from_env
 from treadle_common.clients import grpc_options
@@ -43,7 +44,9 @@ class RolloutClient:
         """`http`: a shared client (it carries the caller's token); without one, a client
         presenting `TREADLE_TOKEN`."""
         self.base_url = base_url.rstrip("/")
-        self.http = http or httpx.Client(timeout=timeout_s, headers=bearer(token_from_env()))
+        self.http = http or httpx.Client(
+            timeout=timeout_s, headers=bearer(token_from_env()), verify=tls.httpx_verify()
+        )
         self.timeout_s = timeout_s
 
     def info(self) -> RolloutInfo:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import httpx
 
+from treadle_common import tls
 from treadle_common.api.runs import Backlog, EvaluationDone, RunStatus, TrainerInfo
 from treadle_common.api.training import (
     AdamParams,
@@ -30,7 +31,9 @@ class TrainerClient:
         """`http`: a shared client (it carries the caller's token); without one, a client
         presenting `TREADLE_TOKEN`."""
         self.base_url = base_url.rstrip("/")
-        self.http = http or httpx.Client(timeout=timeout_s, headers=bearer(token_from_env()))
+        self.http = http or httpx.Client(
+            timeout=timeout_s, headers=bearer(token_from_env()), verify=tls.httpx_verify()
+        )
         self.timeout_s = timeout_s
 
     def _url(self, path: str) -> str:
@@ -76,7 +79,9 @@ class TrainingClient:
     def __init__(self, base_url: str, timeout_s: float = 300.0, token: str | None = None):
         """`token`: the bearer token it presents (default `TREADLE_TOKEN`)."""
         token = token if token is not None else token_from_env()
-        self.http = httpx.AsyncClient(base_url=base_url, timeout=timeout_s, headers=bearer(token))
+        self.http = httpx.AsyncClient(
+            base_url=base_url, timeout=timeout_s, headers=bearer(token), verify=tls.httpx_verify()
+        )
 
     async def close(self) -> None:
         await self.http.aclose()
