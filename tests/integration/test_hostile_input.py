@@ -374,3 +374,31 @@ def test_an_unknown_env_fails_its_episode_at_once(hostile):
         assert answer.status_code == 200, answer.text
         assert answer.json()["statuses"] == {"TRAJECTORY_STATUS_ENV_ERROR": 1}
         assert "treadle_rollout_episode_retries_total 0.0" in client.get("/metrics").text
+
+
+async def test_grpc_generation_past_the_queue_bound_gets_resource_exhausted(hostile):
+    import asyncio
+
+    from treadle_common.clients import grpc_options
+    from treadle_common.proto.treadle.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+    sampling = common_pb2.SamplingParams(temperature=1.0, max_new_tokens=48)
+    request = generation_pb2.GenerateRequest(prompt_tokens=[1, 2, 3], sampling=sampling)
+    channel = grpc_options.channel(hostile["rollout"].grpc_addr or "", TOKENS["agent"])
+    stub = generation_pb2_grpc.GenerationStub(channel)
+
+    async def one() -> grpc.StatusCode:
+        try:
+            await stub.Generate(request, timeout=120)
+            return grpc.StatusCode.OK
+        except grpc.aio.AioRpcError as exc:
+            assert exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or (
+                "TREADLE_ROLLOUT_MAX_QUEUED" in (exc.details() or "")
+            )
+            return exc.code()
+
+    try:
+        codes = await asyncio.gather(*(one() for _ in range(6)))
+    finally:
+        await channel.close()
+    assert grpc.StatusCode.OK in codes and grpc.StatusCode.RESOURCE_EXHAUSTED in codes, codes
