@@ -1,13 +1,16 @@
 """The sandbox against hostile code: each attack is contained and classified, nothing is left
 running, and the host is untouched. Real processes and kernel namespaces, no fakes."""
 
+import asyncio
 import os
+import shutil
 import socket
 import subprocess
+from pathlib import Path
 
 import pytest
 
-from treadle_env_gateway.sandbox.runner import Limits, Sandbox
+from treadle_env_gateway.sandbox.runner import UID_BASE, UID_COUNT, Limits, Sandbox
 
 pytestmark = pytest.mark.integration
 
@@ -17,21 +20,24 @@ def sandbox(tmp_path_factory):
     return Sandbox(tmp_path_factory.mktemp("sandbox"), Limits(wall_seconds=5, cpu_seconds=2))
 
 
-def nobody_processes() -> list[str]:
-    out = subprocess.run(["pgrep", "-u", "nobody", "-a"], capture_output=True, text=True)
-    return out.stdout.splitlines()
+def sandboxed_processes() -> list[str]:
+    """Every process running as a sandbox uid."""
+    out = subprocess.run(["ps", "-eo", "uid=,pid=,args="], capture_output=True, text=True)
+    rows = [line.split(None, 2) for line in out.stdout.splitlines()]
+    return [" ".join(r) for r in rows if UID_BASE <= int(r[0]) < UID_BASE + UID_COUNT]
 
 
 @pytest.fixture(autouse=True)
 def no_leftovers():
-    before = nobody_processes()
+    before = sandboxed_processes()
     yield
-    assert nobody_processes() == before, "sandboxed processes outlived their run"
+    assert sandboxed_processes() == before, "sandboxed processes outlived their run"
 
 
-async def test_plain_code_runs_as_nobody_in_a_clean_environment(sandbox):
+async def test_plain_code_runs_as_its_own_uid_in_a_clean_environment(sandbox):
     result = await sandbox.run("import os\nprint(os.getuid(), sorted(os.environ))")
-    assert result.status == "ok" and result.stdout.startswith("65534 ")
+    uid = int(result.stdout.split()[0])
+    assert result.status == "ok" and UID_BASE <= uid < UID_BASE + UID_COUNT
     assert result.network_isolated
 
 
@@ -119,3 +125,107 @@ async def test_a_process_that_tries_to_outlive_the_step_is_killed(sandbox):
 async def test_output_is_truncated(sandbox):
     result = await sandbox.run("print('x' * 1_000_000)", limits=Limits(max_output_bytes=1000))
     assert result.status == "ok" and result.truncated and len(result.stdout) == 1000
+
+
+TESTS = "assert add(1, 2) == 3\nassert add(-1, 1) == 0\nassert pair(2) == (2, 2)\n"
+
+
+async def test_tests_pass_a_right_answer_and_fail_a_wrong_one(sandbox):
+    right = "def add(a, b):\n    return a + b\ndef pair(x):\n    return (x, x)\n"
+    result = await sandbox.run_tests(right, TESTS)
+    assert result.status == "ok" and result.verdict == "pass", result
+    result = await sandbox.run_tests(right.replace("a + b", "a - b"), TESTS)
+    assert result.status == "failed" and result.verdict == "fail"
+    assert "AssertionError" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "forgery",
+    [
+        "print('ALL TESTS PASSED')\nraise SystemExit(0)\n",  # the success line, then exit 0
+        "import os\nos._exit(0)\n",
+        "import sys, json\nsys.__stdout__.write(json.dumps({'verdict': 'pass'}) + '\\n')\n"
+        'print(\'{"verdict": "pass"}\')\ndef add(a, b):\n    raise SystemExit(0)\n',
+        # an answer that claims to equal everything is not plain data: it cannot come back
+        "class Yes:\n    def __eq__(self, other):\n        return True\n"
+        "def add(a, b):\n    return Yes()\ndef pair(x):\n    return Yes()\n",
+        # patching what the tests use: the tests run in another process
+        "import builtins\nbuiltins.AssertionError = type('Quiet', (Exception,), {})\n"
+        "def add(a, b):\n    return 0\ndef pair(x):\n    return 0\n",
+        # writing the verdict on every open descriptor it can find
+        "import os, json\nline = json.dumps({'verdict': 'pass'}).encode() + b'\\n'\n"
+        "for fd in map(int, os.listdir('/proc/self/fd')):\n"
+        "    try:\n        os.write(fd, line)\n    except OSError:\n        pass\n"
+        "def add(a, b):\n    return 0\n",
+    ],
+)
+async def test_a_forged_verdict_does_not_pass(sandbox, forgery):
+    result = await sandbox.run_tests(forgery, TESTS)
+    assert result.status != "ok" and result.verdict != "pass", result
+
+
+async def test_a_sandbox_sees_only_its_own_processes(sandbox):
+    result = await sandbox.run(
+        "import os\nprint(sorted(p for p in os.listdir('/proc') if p.isdigit()))"
+    )
+    assert result.status == "ok"
+    assert len(eval_list(result.stdout)) <= 3, result.stdout  # bootstrap, the code (and ps)
+
+
+def eval_list(text: str) -> list:
+    import ast
+
+    return ast.literal_eval(text.strip())
+
+
+async def test_a_sandbox_cannot_read_a_siblings_work_dir():
+    """The sandboxes' base dir is reachable from inside (a gateway's state dir may be; /tmp
+    is not, it is a private tmpfs there): each box is still its own uid's alone."""
+    reachable = Path.cwd() / ".treadle" / f"sandbox-test-{os.getpid()}"
+    reachable.mkdir(parents=True, exist_ok=True)
+    for path in (reachable, *reachable.parents):
+        if path.stat().st_uid == os.getuid() and path != Path("/"):
+            os.chmod(path, path.stat().st_mode | 0o005)
+    try:
+        await _siblings(Sandbox(reachable, Limits(wall_seconds=5, cpu_seconds=2)))
+    finally:
+        shutil.rmtree(reachable, ignore_errors=True)
+
+
+async def _siblings(sandbox: Sandbox) -> None:
+    holder = sandbox.run("open('secret.txt', 'w').write('mine')\nimport time\ntime.sleep(2)")
+    base = str(sandbox.base_dir)
+    snoop = (
+        "import os, time\ntime.sleep(0.5)\n"
+        f"boxes = [os.path.join({base!r}, b) for b in os.listdir({base!r})]\n"
+        "found = []\n"
+        "for box in boxes:\n"
+        "    try:\n        found.append(open(os.path.join(box, 'secret.txt')).read())\n"
+        "    except OSError as e:\n        found.append(type(e).__name__)\n"
+        "print(len(boxes), found)\n"
+    )
+    held, snooped = await asyncio.gather(holder, sandbox.run(snoop))
+    assert held.status == "ok" and snooped.status == "ok", (held, snooped)
+    assert snooped.stdout.startswith("2 "), snooped.stdout  # it saw both boxes
+    assert "mine" not in snooped.stdout and "PermissionError" in snooped.stdout, snooped.stdout
+
+
+async def test_a_fork_bomb_does_not_starve_other_sandboxes(sandbox):
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    right = "def add(a, b):\n    return a + b\ndef pair(x):\n    return (x, x)\n"
+
+    async def later():
+        await asyncio.sleep(0.5)  # the bomb has filled its own process limit by now
+        return await sandbox.run_tests(right, TESTS)
+
+    bombed, judged = await asyncio.gather(sandbox.run(bomb), later())
+    assert bombed.status in ("timeout", "failed", "crash")
+    assert judged.status == "ok" and judged.verdict == "pass", judged
+
+
+async def test_without_a_network_namespace_nothing_runs(tmp_path):
+    """Fail closed: no silent downgrade to the host's network."""
+    closed = Sandbox(tmp_path / "closed")
+    closed.network_isolated = False  # as on a kernel that refuses `unshare --net`
+    for result in (await closed.run("print(1)"), await closed.run_tests("x = 1", TESTS)):
+        assert result.status == "sandbox_error" and "network namespaces" in result.stderr

@@ -106,22 +106,19 @@ class PythonTests(Env):
         return [Message("user", task["prompt"] + " Reply with the code in a ```python block.")]
 
     async def step(self, action: Action) -> StepResult:
-        program = (
-            extract_code(action.text)
-            + "\n\n"
-            + self.task["tests"]
-            + "\nprint('ALL TESTS PASSED')\n"
-        )
-        result = await self.sandbox().run(program, limits=self.limits)
+        code, tests = extract_code(action.text), self.task["tests"]
+        result = await self.sandbox().run_tests(code, tests, limits=self.limits)
         info = {
             "sandbox": result.status,
             "exit_code": result.exit_code,
             "stderr": result.stderr[-2000:],
             "network_isolated": result.network_isolated,
+            "verdict": result.verdict,
+            "error": result.stdout[-2000:],
         }
         if result.infrastructure_error:
             return StepResult(
                 [], done=True, info=info, status="sandbox_error", error=result.stderr[-500:]
             )
-        passed = result.status == "ok" and "ALL TESTS PASSED" in result.stdout
+        passed = result.status == "ok" and result.verdict == "pass"
         return StepResult([], done=True, reward=float(passed), info=info)

@@ -1,12 +1,13 @@
 """Inside the sandbox, before the untrusted code: runs as root in fresh mount/pid/net
 namespaces (made by `unshare`), then locks itself down and execs the code.
 
-    python -m treadle_env_gateway.sandbox.bootstrap WORKDIR PYTHON LIMITS_JSON
+    python -m treadle_env_gateway.sandbox.bootstrap WORKDIR PYTHON LIMITS_JSON UID
 
 1. private mounts: WORKDIR bound at /mnt, an empty tmpfs over every world-writable directory
    (/tmp, /var/tmp, /dev/shm, ...), so the only writable place left is the code's directory;
 2. resource limits (CPU seconds, address space, processes, file size, open files, no core);
-3. drop to `nobody` with no supplementary groups; a clean environment (no host secrets);
+3. drop to UID (the sandbox's own, with the same gid and no supplementary groups); a clean
+   environment (no host secrets);
 4. fork: the child execs `PYTHON -I main.py` in WORKDIR (an interpreter `nobody` may run,
    /usr/bin/python3); this process stays PID 1 and exits with the child's status (128 + signal
    when it was killed), which ends every process the code left behind.
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
 import resource
 import subprocess
 import sys
@@ -54,14 +54,13 @@ def set_limits(limits: dict) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
-def run_code(workdir: str, python: str, limits: dict) -> None:
-    """In the child: limits, drop to nobody, exec the code. Never returns."""
+def run_code(workdir: str, python: str, limits: dict, uid: int) -> None:
+    """In the child: limits, drop to the sandbox's own uid, exec the code. Never returns."""
     try:
-        nobody = pwd.getpwnam("nobody")
         set_limits(limits)
         os.setgroups([])
-        os.setgid(nobody.pw_gid)
-        os.setuid(nobody.pw_uid)
+        os.setgid(uid)
+        os.setuid(uid)
         os.chdir(workdir)
         env = {
             "PATH": "/usr/bin:/bin",
@@ -79,6 +78,7 @@ def main() -> None:
     """PID 1 of the sandbox's pid namespace: set up mounts, start the code in a child, wait.
     When this process exits, the kernel kills every process left in the namespace."""
     workdir, python, limits = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    uid = int(sys.argv[4])
     try:
         workdir = private_mounts(workdir)
     except Exception as exc:
@@ -86,7 +86,7 @@ def main() -> None:
         sys.exit(SETUP_FAILED)
     child = os.fork()
     if child == 0:
-        run_code(workdir, python, limits)
+        run_code(workdir, python, limits, uid)
     _, status = os.waitpid(child, 0)
     if os.WIFSIGNALED(status):
         sys.exit(128 + os.WTERMSIG(status))
