@@ -46,7 +46,7 @@ def hostile(infra, tiny_model, tmp_path_factory):
         gateway = start_service("env-gateway", infra, tmp, **limits)
         started.append(gateway)
         reward = start_service(
-            "reward", infra, tmp, TREADLE_REWARD_TIMEOUT_S="1", TREADLE_REWARD_CPU_WORKERS="1"
+            "reward", infra, tmp, TREADLE_REWARD_TIMEOUT_S="0.5", TREADLE_REWARD_CPU_WORKERS="1"
         )
         started.append(reward)
         addr = {
@@ -324,7 +324,9 @@ async def test_dataset_options_out_of_bounds_are_refused(hostile, env, options, 
 
 def test_scoring_limits_and_a_runaway_scorer_is_killed(hostile):
     """Batch length and answer size are bounded; a regex that backtracks past the service's
-    timeout has its worker process killed, is answered TIMEOUT, and the next score works."""
+    timeout has its worker process killed, is answered TIMEOUT, and the next score works.
+    (The service's timeout here, 0.5 s, is below format_regex's own 1 s match timeout, so it
+    is the kill that ends the match.)"""
     workers = auth.bearer(TOKENS["rollout"])
     with httpx.Client(base_url=hostile["reward"].http, headers=workers, timeout=60) as client:
         one = {"scorer": "exact_match", "task": {"answer": "1"}, "answer": "1"}
