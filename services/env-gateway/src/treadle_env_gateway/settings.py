@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from treadle_common.settings import Settings
@@ -16,4 +18,16 @@ class EnvGatewaySettings(Settings):
     )
     env_modules: str = Field(
         "", description="env-gateway: comma-separated modules to import that register extra envs"
+    )
+    env_sandbox: Literal["unshare", "bwrap", "docker"] = Field(
+        "unshare",
+        description=(
+            "env-gateway: where untrusted code runs: `unshare` (root gateway), `bwrap` "
+            "(bubblewrap, no root needed) or `docker` (a container per run, via the engine's "
+            "socket); an unavailable one fails every run as sandbox_error, never downgrades"
+        ),
+    )
+    env_sandbox_image: str = Field(
+        "python:3.11-slim-bookworm",
+        description="env-gateway: the `docker` sandbox's image (any image with python3)",
     )

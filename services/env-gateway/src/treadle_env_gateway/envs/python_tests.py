@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import random
 import re
-from pathlib import Path
 from typing import Any
 
 from treadle_env_gateway.envs import register
@@ -72,18 +71,23 @@ def extract_code(text: str) -> str:
 
 @register("python_tests")
 class PythonTests(Env):
-    _sandbox_dir = Path(".treadle") / "sandbox"
+    _settings: EnvGatewaySettings | None = None
     _sandbox: Sandbox | None = None  # one runner per gateway process, made on first use
 
     @classmethod
     def configure(cls, settings: EnvGatewaySettings) -> None:
-        """Sandboxes live under the gateway's state dir."""
-        cls._sandbox_dir, cls._sandbox = settings.state_dir / "sandbox", None
+        """The sandbox backend of the settings; work dirs under the gateway's state dir."""
+        cls._settings, cls._sandbox = settings, None
 
     @classmethod
     def sandbox(cls) -> Sandbox:
         if cls._sandbox is None:
-            cls._sandbox = Sandbox(cls._sandbox_dir)
+            settings = cls._settings or EnvGatewaySettings()
+            cls._sandbox = Sandbox(
+                settings.state_dir / "sandbox",
+                backend=settings.env_sandbox,
+                image=settings.env_sandbox_image,
+            )
         return cls._sandbox
 
     @classmethod
@@ -113,6 +117,7 @@ class PythonTests(Env):
             "exit_code": result.exit_code,
             "stderr": result.stderr[-2000:],
             "network_isolated": result.network_isolated,
+            "backend": result.backend,
             "verdict": result.verdict,
             "error": result.stdout[-2000:],
         }

@@ -1,47 +1,107 @@
-"""Inside the sandbox, before the untrusted code: runs as root in fresh mount/pid/net
-namespaces (made by `unshare`), then locks itself down and execs the code.
+"""Inside the `unshare` sandbox, before the untrusted code: runs as root in fresh
+mount/pid/net namespaces (made by `unshare`), then locks itself down and execs the code.
 
     python -m treadle_env_gateway.sandbox.bootstrap WORKDIR PYTHON LIMITS_JSON UID
 
-1. private mounts: WORKDIR bound at /mnt, an empty tmpfs over every world-writable directory
-   (/tmp, /var/tmp, /dev/shm, ...), so the only writable place left is the code's directory;
-2. resource limits (CPU seconds, address space, processes, file size, open files, no core);
-3. drop to UID (the sandbox's own, with the same gid and no supplementary groups); a clean
-   environment (no host secrets);
-4. fork: the child execs `PYTHON -I main.py` in WORKDIR (an interpreter `nobody` may run,
-   /usr/bin/python3); this process stays PID 1 and exits with the child's status (128 + signal
-   when it was killed), which ends every process the code left behind.
+1. a minimal root (`minimal_root`): an empty read-only tmpfs holding only `/usr` (read-only,
+   nosuid) with the merged-/usr links, a fresh `/proc` of this pid namespace, the few harmless
+   devices, an unwritable `/tmp`, and WORKDIR at `/work`, the only writable place. The host's
+   other files (the repo, models, the state dir, `/etc`) are not there at all;
+2. fork; the child chroots into it, sets resource limits (CPU seconds, address space,
+   processes, file size, open files, no core) and no_new_privs (a setuid binary gains
+   nothing), drops to UID (the sandbox's own, with the same gid and no supplementary
+   groups) with a clean environment, and execs `PYTHON -I main.py` in `/work`;
+3. this process stays PID 1 and exits with the child's status (128 + signal when it was
+   killed), which ends every process the code left behind.
 Any failure before the exec exits with code 125 and a line on stderr (a sandbox error, not
 the code's).
+
+`LIMIT_AND_RUN` is the same last step for backends that make the namespaces and drop
+privileges themselves (bubblewrap): set the limits, exec the code.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import resource
-import subprocess
 import sys
+from pathlib import Path
 
 SETUP_FAILED = 125
-WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/var/lock")
-MOUNT_POINTS = ("/mnt", "/srv", "/media", "/opt")  # where the code's directory appears
+ROOT_CANDIDATES = ("/mnt", "/srv", "/media", "/opt")  # where the minimal root is assembled
+DEVICES = ("null", "zero", "full", "random", "urandom")
+ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "HOME": "/work",
+    "TMPDIR": "/work",
+    "LANG": "C.UTF-8",
+    "PYTHONDONTWRITEBYTECODE": "1",
+}
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+PR_SET_NO_NEW_PRIVS = 38
+
+LIMIT_AND_RUN = """\
+import json, os, resource, sys
+limits = json.loads(sys.argv[1])
+for name, value in (
+    ("RLIMIT_CPU", (limits["cpu_seconds"], limits["cpu_seconds"] + 1)),
+    ("RLIMIT_AS", (limits["memory_bytes"],) * 2),
+    ("RLIMIT_NPROC", (limits["max_processes"],) * 2),
+    ("RLIMIT_FSIZE", (limits["max_file_bytes"],) * 2),
+    ("RLIMIT_NOFILE", (limits["max_open_files"],) * 2),
+    ("RLIMIT_CORE", (0, 0)),
+):
+    resource.setrlimit(getattr(resource, name), value)
+if len(sys.argv) > 2:  # tell the runner the sandbox is up: what fails from here is the code's
+    os.write(int(sys.argv[2]), b"1")
+    os.close(int(sys.argv[2]))
+os.execv(sys.executable, [sys.executable, "-I", "main.py"])
+"""
+
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
-def private_mounts(workdir: str) -> str:
-    """Bind WORKDIR to a fixed mount point, then hide every world-writable directory under
-    an empty tmpfs. Returns where the code's directory is inside the sandbox."""
-    subprocess.run(["mount", "--make-rprivate", "/"], check=True, capture_output=True)
-    inside = next(p for p in MOUNT_POINTS if os.path.isdir(p))
-    subprocess.run(["mount", "--bind", workdir, inside], check=True, capture_output=True)
-    for path in WORLD_WRITABLE:
-        if os.path.isdir(path):
-            subprocess.run(
-                ["mount", "-t", "tmpfs", "-o", "size=1m,mode=755", "tmpfs", path],
-                check=True,
-                capture_output=True,
-            )
-    return inside
+def _mount(source: str, target: str, fstype: str | None, flags: int, data: str = "") -> None:
+    if _libc.mount(source.encode(), target.encode(), fstype and fstype.encode(), flags,
+                   data.encode() or None) != 0:  # fmt: skip
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"mount {source} on {target}: {os.strerror(errno)}")
+
+
+def _bind_readonly(source: str, target: str) -> None:
+    _mount(source, target, None, MS_BIND | MS_REC)
+    _mount("none", target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+
+def minimal_root(workdir: str) -> str:
+    """Assemble the sandbox's root (see the module docstring); returns its path."""
+    _mount("none", "/", None, MS_REC | MS_PRIVATE)
+    root = next(p for p in ROOT_CANDIDATES if os.path.isdir(p) and not workdir.startswith(p))
+    _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+    top = Path(root)
+    (top / "usr").mkdir()
+    _bind_readonly("/usr", str(top / "usr"))
+    for name in ("bin", "lib", "lib64", "sbin"):
+        host = Path("/") / name
+        if host.is_symlink():
+            (top / name).symlink_to(os.readlink(host))
+        elif host.is_dir():
+            (top / name).mkdir()
+            _bind_readonly(str(host), str(top / name))
+    (top / "proc").mkdir()
+    _mount("proc", str(top / "proc"), "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    (top / "dev").mkdir()
+    for device in DEVICES:
+        (top / "dev" / device).touch()
+        _mount(f"/dev/{device}", str(top / "dev" / device), None, MS_BIND)
+    (top / "tmp").mkdir(mode=0o755)
+    (top / "work").mkdir()
+    _mount(workdir, str(top / "work"), None, MS_BIND | MS_NOSUID | MS_NODEV)
+    _mount("none", root, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    return root
 
 
 def set_limits(limits: dict) -> None:
@@ -54,39 +114,37 @@ def set_limits(limits: dict) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
-def run_code(workdir: str, python: str, limits: dict, uid: int) -> None:
-    """In the child: limits, drop to the sandbox's own uid, exec the code. Never returns."""
+def run_code(root: str, python: str, limits: dict, uid: int) -> None:
+    """In the child: into the minimal root, limits, drop to the sandbox's own uid, exec the
+    code. Never returns."""
     try:
+        os.chroot(root)
+        os.chdir("/work")
         set_limits(limits)
+        if _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
-        os.chdir(workdir)
-        env = {
-            "PATH": "/usr/bin:/bin",
-            "HOME": workdir,
-            "LANG": "C.UTF-8",
-            "PYTHONDONTWRITEBYTECODE": "1",
-        }
-        os.execve(python, [python, "-I", "main.py"], env)
+        os.execve(python, [python, "-I", "main.py"], ENV)
     except Exception as exc:  # the sandbox itself failed: report it as such
         print(f"sandbox setup failed: {type(exc).__name__}: {exc}", file=sys.stderr)
     os._exit(SETUP_FAILED)
 
 
 def main() -> None:
-    """PID 1 of the sandbox's pid namespace: set up mounts, start the code in a child, wait.
+    """PID 1 of the sandbox's pid namespace: build the root, start the code in a child, wait.
     When this process exits, the kernel kills every process left in the namespace."""
     workdir, python, limits = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     uid = int(sys.argv[4])
     try:
-        workdir = private_mounts(workdir)
+        root = minimal_root(workdir)
     except Exception as exc:
         print(f"sandbox setup failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         sys.exit(SETUP_FAILED)
     child = os.fork()
     if child == 0:
-        run_code(workdir, python, limits, uid)
+        run_code(root, python, limits, uid)
     _, status = os.waitpid(child, 0)
     if os.WIFSIGNALED(status):
         sys.exit(128 + os.WTERMSIG(status))

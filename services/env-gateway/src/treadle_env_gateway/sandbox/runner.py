@@ -4,17 +4,15 @@
 
     result = await Sandbox(base_dir).run_tests(code, tests)   # the verdict is the harness's
 
-`unshare --net --mount --pid --fork --kill-child --mount-proc` gives the code its own mounts,
-process tree (and a `/proc` that shows only it) and an empty network (loopback only);
-`bootstrap.py` then mounts tmpfs over world-writable dirs, sets rlimits and drops to a uid of
-its own: every sandbox runs as a different uid (from `UID_BASE`), in a work dir only that uid
-may read, so a sandbox cannot read a sibling's files and a fork bomb's process limit (per uid)
-starves only itself. The wall-clock timeout kills the whole process group; because the code
-is in its own pid namespace, killing it kills every process it started, including ones that
+Where the code runs is a backend (`backends.py`: `unshare`, `bwrap` or `docker`), each
+giving it no network, a fresh `/proc`, none of the host's files but the read-only runtime, a
+work dir of its own (no sandbox can read another's), rlimits, no_new_privs and a uid of its
+own. The wall-clock timeout kills everything the code started, including processes that
 tried to outlive the step.
 
-Fail closed: where the kernel refuses a network namespace, nothing runs; every run is a
-`sandbox_error` saying why, never code with the host's network.
+Fail closed: where the chosen backend cannot run (no namespaces, no bubblewrap, no Docker
+engine or image), nothing runs; every run is a `sandbox_error` saying why, never code with
+less isolation and never a `failed` the model did not earn.
 
 `run_tests` runs the task's tests and the model's code in two sandboxes: the code behind a
 small server (`server.py`) that answers calls to its functions, the tests in a harness
@@ -31,37 +29,20 @@ import builtins
 import collections
 import contextlib
 import json
-import os
-import shutil
 import signal
-import subprocess
-import sys
-import tempfile
 import time
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
+
+from treadle_env_gateway.sandbox.backends import Backend, Proc, find_python, make_backend
+from treadle_env_gateway.sandbox.limits import Limits
+
+__all__ = ["Limits", "Sandbox", "SandboxResult", "find_python"]
 
 SETUP_FAILED = 125  # bootstrap's exit code when the sandbox itself could not be set up
 UID_BASE = 200_000
 UID_COUNT = 50_000
 """Sandboxes run as uids UID_BASE.. (no passwd entry), one per concurrent sandbox."""
-LINE_LIMIT = 4 * 2**20  # one protocol line (a call's arguments or value) at most
-NO_NETNS = (
-    "network namespaces are unavailable here (unshare --net failed): the sandbox does not run "
-    "code with the host's network"
-)
-
-
-@dataclass
-class Limits:
-    wall_seconds: float = 10.0
-    cpu_seconds: int = 5
-    memory_bytes: int = 512 * 2**20
-    max_processes: int = 32
-    max_file_bytes: int = 16 * 2**20
-    max_open_files: int = 64
-    max_output_bytes: int = 64 * 1024
 
 
 @dataclass
@@ -76,82 +57,80 @@ class SandboxResult:
     truncated: bool = False
     verdict: str | None = None
     """`run_tests`: the harness's `pass` / `fail` (None when it gave none)."""
+    backend: str = ""
 
     @property
     def infrastructure_error(self) -> bool:
         return self.status == "sandbox_error"
 
 
-def find_python() -> str:
-    """A Python 3 interpreter that `nobody` can execute (the code's stdlib interpreter)."""
-    for candidate in ("/usr/bin/python3", "/usr/local/bin/python3", shutil.which("python3") or ""):
-        if (
-            candidate
-            and os.path.exists(candidate)
-            and os.stat(os.path.realpath(candidate)).st_mode & 0o001
-        ):
-            return candidate
-    raise RuntimeError("no world-executable python3 for the sandbox (install python3)")
-
-
-def network_namespaces_work() -> bool:
-    probe = subprocess.run(["unshare", "--net", "--fork", "true"], capture_output=True)
-    return probe.returncode == 0
-
-
 class Sandbox:
-    def __init__(self, base_dir: Path, limits: Limits | None = None, python: str | None = None):
+    """Runs code in a `backend` (`unshare`, `bwrap` or `docker`: see `backends`); where the
+    backend cannot run here, every run is a `sandbox_error` saying why."""
+
+    def __init__(
+        self,
+        base_dir: Path,
+        limits: Limits | None = None,
+        python: str | None = None,
+        backend: str | Backend = "unshare",
+        image: str = "python:3.11-slim-bookworm",
+    ):
         self.base_dir = Path(base_dir)
-        self.base_dir.mkdir(parents=True, exist_ok=True)
-        self.base_dir.chmod(0o755)
         self.limits = limits or Limits()
-        self.network_isolated = network_namespaces_work()
-        self.python = python or find_python()
+        self.backend = (
+            make_backend(backend, self.base_dir, image, python)
+            if isinstance(backend, str)
+            else backend
+        )
         self._free_uids = collections.deque(range(UID_BASE, UID_BASE + UID_COUNT))
 
-    def _command(self, workdir: str, limits: Limits, uid: int) -> list[str]:
-        namespaces = ["--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc"]
-        bootstrap = [
-            sys.executable,
-            "-m",
-            "treadle_env_gateway.sandbox.bootstrap",
-            workdir,
-            self.python,
-            json.dumps(asdict(limits)),
-            str(uid),
-        ]
-        return ["unshare", *namespaces, *bootstrap]
+    @property
+    def network_isolated(self) -> bool:
+        return self.backend.unavailable() is None
 
     @contextlib.contextmanager
-    def _box(self, files: dict[str, str]) -> Iterator[tuple[str, int]]:
-        """A work dir holding `files`, readable only by a uid of its own; removed after."""
+    def _box(self, files: dict[str, str]):  # type: ignore[no-untyped-def]
+        """A work dir holding `files`, for a uid of its own; removed after."""
         uid = self._free_uids.popleft()
-        workdir = tempfile.mkdtemp(prefix="box-", dir=self.base_dir)
         try:
-            for name, text in files.items():
-                (Path(workdir) / name).write_text(text)
-                os.chown(Path(workdir) / name, uid, uid)
-            os.chown(workdir, uid, uid)
-            os.chmod(workdir, 0o700)
-            yield workdir, uid
+            with self.backend.box(files, uid) as box:
+                yield box
         finally:
-            shutil.rmtree(workdir, ignore_errors=True)
             self._free_uids.append(uid)
 
-    def _refused(self, started: float) -> SandboxResult:
-        return SandboxResult("sandbox_error", None, "", NO_NETNS, time.monotonic() - started, False)
-
-    async def _spawn(
-        self, workdir: str, limits: Limits, uid: int, stdin: int
-    ) -> asyncio.subprocess.Process:
-        return await asyncio.create_subprocess_exec(
-            *self._command(workdir, limits, uid),
-            stdin=stdin,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            start_new_session=True,
-            limit=LINE_LIMIT,
+    def _result(
+        self,
+        status: str,
+        stderr: str,
+        started: float,
+        *,
+        exit_code: int | None = None,
+        stdout: str = "",
+        truncated: bool = False,
+        verdict: str | None = None,
+    ) -> SandboxResult:
+        return SandboxResult(
+            status,
+            exit_code,
+            stdout,
+            stderr,
+            time.monotonic() - started,
+            self.backend.unavailable() is None,
+            truncated=truncated,
+            verdict=verdict,
+            backend=self.backend.name,
         )
+
+    def _refusal(self, started: float) -> SandboxResult | None:
+        reason = self.backend.unavailable()
+        if reason is None:
+            return None
+        return self._result("sandbox_error", f"sandbox ({self.backend.name}): {reason}", started)
+
+    def _error(self, exc: Exception, started: float) -> SandboxResult:
+        detail = f"sandbox ({self.backend.name}): {type(exc).__name__}: {exc}"
+        return self._result("sandbox_error", detail, started)
 
     async def run(
         self, code: str, files: dict[str, str] | None = None, limits: Limits | None = None
@@ -159,27 +138,16 @@ class Sandbox:
         """Run `code` as `main.py` (beside `files`); its exit status is the result."""
         limits = limits or self.limits
         started = time.monotonic()
-        if not self.network_isolated:
-            return self._refused(started)
+        if refused := self._refusal(started):
+            return refused
         try:
-            with self._box({**(files or {}), "main.py": code}) as (workdir, uid):
-                return await self._run(workdir, uid, limits, started)
-        except OSError as exc:
+            with self._box({**(files or {}), "main.py": code}) as box:
+                proc = await self.backend.spawn(box, limits, interactive=False)
+                return await self._run(proc, limits, started)
+        except Exception as exc:  # the backend failed (engine gone, fork failed): not the code
             return self._error(exc, started)
 
-    def _error(self, exc: Exception, started: float) -> SandboxResult:
-        return SandboxResult(
-            "sandbox_error",
-            None,
-            "",
-            f"{type(exc).__name__}: {exc}",
-            time.monotonic() - started,
-            self.network_isolated,
-        )
-
-    async def _run(self, workdir: str, uid: int, limits: Limits, started: float) -> SandboxResult:
-        proc = await self._spawn(workdir, limits, uid, asyncio.subprocess.DEVNULL)
-        assert proc.stdout is not None and proc.stderr is not None
+    async def _run(self, proc: Proc, limits: Limits, started: float) -> SandboxResult:
         reads = asyncio.gather(
             _read_capped(proc.stdout, limits.max_output_bytes),
             _read_capped(proc.stderr, limits.max_output_bytes),
@@ -190,17 +158,18 @@ class Sandbox:
         except TimeoutError:
             timed_out = True
         finally:
-            _kill_group(proc.pid)
+            await proc.kill()
         await proc.wait()
         (stdout, cut_out), (stderr, cut_err) = await reads
-        status = classify(proc.returncode, stderr, timed_out)
-        return SandboxResult(
+        status = classify(proc.returncode, stderr, timed_out, proc.oom_killed)
+        if proc.setup_failed:
+            status = "sandbox_error"
+        return self._result(
             status,
-            proc.returncode,
-            stdout,
             stderr,
-            time.monotonic() - started,
-            self.network_isolated,
+            started,
+            exit_code=proc.returncode,
+            stdout=stdout,
             truncated=cut_out or cut_err,
         )
 
@@ -209,14 +178,12 @@ class Sandbox:
         only when the harness's verdict is `pass` (see the module's docstring)."""
         limits = limits or self.limits
         started = time.monotonic()
-        if not self.network_isolated:
-            return self._refused(started)
+        if refused := self._refusal(started):
+            return refused
         try:
             names = free_names(tests)
         except SyntaxError as exc:
-            return SandboxResult(
-                "failed", None, "", f"tests do not parse: {exc}", 0.0, self.network_isolated
-            )
+            return self._result("failed", f"tests do not parse: {exc}", started)
         here = Path(__file__).parent
         solution_files = {"main.py": (here / "server.py").read_text(), "solution.py": code}
         harness_files = {
@@ -225,25 +192,24 @@ class Sandbox:
             "entry_points.json": json.dumps(names),
         }
         try:
-            with (
-                self._box(solution_files) as (solution_dir, solution_uid),
-                self._box(harness_files) as (harness_dir, harness_uid),
-            ):
-                pipe = asyncio.subprocess.PIPE
-                solution = await self._spawn(solution_dir, limits, solution_uid, pipe)
-                harness = await self._spawn(harness_dir, limits, harness_uid, pipe)
-                return await self._judge(solution, harness, limits, started)
-        except OSError as exc:
+            with self._box(solution_files) as solution_box, self._box(harness_files) as harness_box:
+                solution, harness = await asyncio.gather(
+                    self.backend.spawn(solution_box, limits, interactive=True),
+                    self.backend.spawn(harness_box, limits, interactive=True),
+                    return_exceptions=True,
+                )
+                spawned = [p for p in (solution, harness) if not isinstance(p, BaseException)]
+                if len(spawned) < 2:
+                    for proc in spawned:
+                        await proc.kill()
+                    raise next(p for p in (solution, harness) if isinstance(p, BaseException))
+                return await self._judge(solution, harness, limits, started)  # type: ignore[arg-type]
+        except Exception as exc:
             return self._error(exc, started)
 
     async def _judge(
-        self,
-        solution: asyncio.subprocess.Process,
-        harness: asyncio.subprocess.Process,
-        limits: Limits,
-        started: float,
+        self, solution: Proc, harness: Proc, limits: Limits, started: float
     ) -> SandboxResult:
-        assert solution.stderr is not None and harness.stderr is not None
         errors = asyncio.gather(
             _read_capped(solution.stderr, limits.max_output_bytes),
             _read_capped(harness.stderr, limits.max_output_bytes),
@@ -255,8 +221,7 @@ class Sandbox:
         except TimeoutError:
             timed_out = True
         finally:
-            _kill_group(solution.pid)
-            _kill_group(harness.pid)
+            await asyncio.gather(solution.kill(), harness.kill())
         await asyncio.gather(solution.wait(), harness.wait())
         (solution_err, cut_solution), (harness_err, cut_harness) = await errors
         passed = verdict.get("verdict") == "pass"
@@ -264,7 +229,8 @@ class Sandbox:
         setup = [
             err
             for proc, err in ((solution, solution_err), (harness, harness_err))
-            if proc.returncode == SETUP_FAILED and "sandbox setup failed" in err
+            if proc.setup_failed
+            or (proc.returncode == SETUP_FAILED and "sandbox setup failed" in err)
         ]
         if setup:
             status = "sandbox_error"
@@ -272,17 +238,16 @@ class Sandbox:
             status = "timeout"
         elif passed:
             status = "ok"
-        elif "MemoryError" in solution_err + detail:
+        elif "MemoryError" in solution_err + detail or solution.oom_killed:
             status = "memory"
         else:
             status = "failed"
-        return SandboxResult(
+        return self._result(
             status,
-            solution.returncode,
-            detail,
             "\n".join(setup) or solution_err + ("\n" + harness_err if harness_err else ""),
-            time.monotonic() - started,
-            self.network_isolated,
+            started,
+            exit_code=solution.returncode,
+            stdout=detail,
             truncated=cut_solution or cut_harness,
             verdict=verdict.get("verdict"),
         )
@@ -312,12 +277,11 @@ def free_names(tests: str) -> list[str]:
     return sorted(used - bound - set(dir(builtins)) - {"SolutionError"})
 
 
-async def _relay(solution: asyncio.subprocess.Process, harness: asyncio.subprocess.Process) -> dict:
+async def _relay(solution: Proc, harness: Proc) -> dict:
     """Carry the harness's calls to the solution and the answers back, until the verdict.
     A solution that fails to load, stops answering or garbles a line fails its calls; a
     harness that ends without a verdict fails the run."""
-    assert solution.stdout is not None and solution.stdin is not None
-    assert harness.stdout is not None and harness.stdin is not None
+    assert solution.stdin is not None and harness.stdin is not None
     loaded = _parse(await solution.stdout.readline())
     if not loaded.get("ready"):
         error = loaded.get("load_error") or "the solution exited before it loaded"
@@ -349,7 +313,9 @@ def _parse(line: bytes) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def classify(returncode: int | None, stderr: str, timed_out: bool) -> str:
+def classify(returncode: int | None, stderr: str, timed_out: bool, oom: bool = False) -> str:
+    if oom:
+        return "memory"
     if timed_out or returncode in (-signal.SIGXCPU, 128 + signal.SIGXCPU):
         return "timeout"
     if returncode == SETUP_FAILED and "sandbox setup failed" in stderr:
@@ -372,10 +338,3 @@ async def _read_capped(stream: asyncio.StreamReader, cap: int) -> tuple[str, boo
         kept += chunk[:room]
         truncated |= len(chunk) > room
     return kept.decode(errors="replace"), truncated
-
-
-def _kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
