@@ -19,9 +19,19 @@ from treadle_env_gateway.sandbox.runner import UID_BASE, UID_COUNT, Limits, Sand
 pytestmark = pytest.mark.integration
 
 BACKENDS = ["unshare", "bwrap", "docker"]
-IMAGE = os.environ.get("TREADLE_TEST_SANDBOX_IMAGE", "treadle/base:bookworm")
-"""The docker backend's image here (`scripts/docker_base.sh` builds it where registries
-cannot be reached)."""
+LOCAL_BASE = "treadle/base:bookworm"
+"""`scripts/docker_base.sh`'s image, built where registries cannot be reached (`.ci/run`)."""
+
+
+def _image() -> str:
+    if image := os.environ.get("TREADLE_TEST_SANDBOX_IMAGE"):
+        return image
+    docker = shutil.which("docker")
+    local = docker and subprocess.run([docker, "image", "inspect", LOCAL_BASE], capture_output=True)
+    return LOCAL_BASE if local and local.returncode == 0 else "python:3.11-slim-bookworm"
+
+
+IMAGE = _image()
 LIMITS = Limits(wall_seconds=5, cpu_seconds=2)
 TESTS = "assert add(1, 2) == 3\nassert add(-1, 1) == 0\nassert pair(2) == (2, 2)\n"
 RIGHT = "def add(a, b):\n    return a + b\ndef pair(x):\n    return (x, x)\n"

@@ -36,11 +36,24 @@ def bench_env(
     sessions: Annotated[int, typer.Option(help="Concurrent sessions")] = 256,
     seconds: Annotated[float, typer.Option(help="Measurement time per side")] = 10.0,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
+    sandbox: Annotated[
+        bool, typer.Option(help="Also python_tests runs per second on each sandbox backend")
+    ] = True,
+    sandbox_sessions: Annotated[int, typer.Option(help="Concurrent python_tests sessions")] = 64,
+    sandbox_seconds: Annotated[float, typer.Option(help="Measurement time per backend")] = 10.0,
+    backend: Annotated[
+        list[str] | None, typer.Option(help="Sandbox backends to measure (default: all)")
+    ] = None,
 ) -> None:
-    """Env-gateway episodes (arith) vs a plain gRPC echo at the same concurrency."""
+    """Env-gateway episodes (arith) vs a plain gRPC echo at the same concurrency; then
+    `sandbox_runs_per_s` of python_tests on each sandbox backend (unshare, bwrap, docker;
+    the docker backend's image is TREADLE_ENV_SANDBOX_IMAGE)."""
     from treadle_bench import env
 
-    print(json.dumps(env.run(sessions, seconds), indent=None if as_json else 2))
+    result = env.run(sessions, seconds)
+    if sandbox:
+        result["sandbox"] = env.sandbox_run(sandbox_sessions, sandbox_seconds, tuple(backend or ()))
+    print(json.dumps(result, indent=None if as_json else 2))
 
 
 @app.command("reward")

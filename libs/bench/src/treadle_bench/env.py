@@ -93,3 +93,89 @@ def run(sessions: int = 256, seconds: float = 10.0) -> dict:
         "raw_grpc_rps": round(raw_loops * 3 / seconds, 1),
         "ratio": round(steps / raw_loops, 3),
     }
+
+
+# --- the code sandbox, per backend ---------------------------------------------------------
+
+SANDBOX_CODE = "```python\ndef add(a, b):\n    return a + b\n```"
+SANDBOX_TESTS = "assert add(2, 3) == 5\nassert add(0, 1) == 1"
+SANDBOX_TASK = {"prompt": "Write add(a, b).", "tests": SANDBOX_TESTS}
+"""`sandbox_run`'s episode: a right answer, so every run goes the whole way (two sandboxes,
+the calls relayed, the verdict)."""
+
+
+async def _sandboxed(address: str, sessions: int, seconds: float) -> dict:
+    """`python_tests` episodes (tests in one sandbox, the code in another) at `sessions`
+    concurrency: how many judged runs per second, and how each ended."""
+    client = EnvClient(address)
+    outcomes: dict[str, int] = {}
+    latencies: list[float] = []
+    deadline = time.perf_counter() + seconds
+
+    async def worker() -> None:
+        while time.perf_counter() < deadline:
+            session = await client.create("python_tests", SANDBOX_TASK)
+            start = time.perf_counter()
+            step = await client.step(session.session_id, SANDBOX_CODE)
+            latencies.append(time.perf_counter() - start)
+            info = json.loads(step.info_json or "{}")
+            outcome = step.status or info.get("sandbox", "?")
+            if step.status in ("", "ok") and step.reward == 1.0:
+                outcome = "passed"
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+            await client.close_session(session.session_id)
+
+    await asyncio.gather(*(worker() for _ in range(sessions)))
+    await client.close()
+    return {"outcomes": outcomes, "latencies": latencies}
+
+
+def sandbox_run(sessions: int = 64, seconds: float = 10.0, backends: tuple[str, ...] = ()) -> dict:
+    """`sandbox_runs_per_s` per backend: a gateway per backend (TREADLE_ENV_SANDBOX), the same
+    `python_tests` load on each; a backend that cannot run here is reported with its reason."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from treadle_env_gateway.sandbox.runner import Sandbox
+
+    configure_logging("bench", level="WARNING")
+    backends = backends or ("unshare", "bwrap", "docker")
+    image = os.environ.get("TREADLE_ENV_SANDBOX_IMAGE", "python:3.11-slim-bookworm")
+    results: dict[str, dict] = {}
+    state = Path(".treadle") / "bench-sandbox"  # others must reach it (a root bwrap's uids)
+    state.mkdir(parents=True, exist_ok=True)
+    for backend in backends:
+        probe = Sandbox(Path(tempfile.mkdtemp()), backend=backend, image=image).backend
+        if why := probe.unavailable():
+            results[backend] = {"available": False, "reason": why}
+            continue
+        port = free_port()
+        env = {
+            "TREADLE_ENV_SANDBOX": backend,
+            "TREADLE_ENV_SANDBOX_IMAGE": image,
+            "TREADLE_STATE_DIR": str(state.resolve()),
+        }
+        with server_process("treadle_bench.env_server", str(port), env=env):
+            address = f"127.0.0.1:{port}"
+            asyncio.run(_sandboxed(address, 4, 1.0))  # warm-up
+            measured = asyncio.run(_sandboxed(address, sessions, seconds))
+        runs, lat = sum(measured["outcomes"].values()), measured["latencies"]
+        results[backend] = {
+            "available": True,
+            "sandbox_runs_per_s": round(runs / seconds, 2),
+            "p50_ms": round(statistics.median(lat) * 1e3, 1) if lat else None,
+            "outcomes": measured["outcomes"],
+        }
+    base = results.get("unshare", {}).get("sandbox_runs_per_s")
+    for result in results.values():
+        if base and result.get("sandbox_runs_per_s") is not None:
+            result["vs_unshare"] = round(result["sandbox_runs_per_s"] / base, 3)
+    return {
+        "bench": "env-sandbox",
+        "env": "python_tests",
+        "sessions": sessions,
+        "seconds": seconds,
+        "image": image,
+        "backends": results,
+    }

@@ -33,10 +33,16 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def server_process(module: str, *args: str) -> Iterator[subprocess.Popen]:
-    """`python -m module args...`, once it printed `ready`; terminated on exit."""
+def server_process(
+    module: str, *args: str, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen]:
+    """`python -m module args...` (with `env` added to this environment), once it printed
+    `ready`; terminated on exit."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", module, *args], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-m", module, *args],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
     )
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready", (

@@ -125,10 +125,13 @@ class InfraSecrets(BaseModel):
 
     @classmethod
     def generate(cls) -> InfraSecrets:
-        # hex: safe unquoted in a URL, a shell, a command line and a config file
+        # hex: safe unquoted in a URL, a shell, a command line and a config file. NATS
+        # passwords lead with a letter: nats-server parses an environment variable the
+        # config references as a config value, and before 2.10 one starting with a digit
+        # ("4e1...") is a number or a parse error, not a string
         return cls(
             redis_password=secrets.token_hex(20),
-            nats={user: secrets.token_hex(20) for user in NATS_USERS},
+            nats={user: "n" + secrets.token_hex(20) for user in NATS_USERS},
         )
 
     @classmethod

@@ -249,8 +249,9 @@ class BwrapBackend(_LocalBackend):
     def _check(self) -> str | None:
         if shutil.which("bwrap") is None:
             return "bubblewrap (bwrap) is not installed"
-        probe = subprocess.run(
-            ["bwrap", "--unshare-all", "--ro-bind", "/usr", "/usr", *_runtime_links(), "true"],
+        probe = subprocess.run(  # the namespaces and a fresh /proc, as every run makes them
+            ["bwrap", "--unshare-all", "--ro-bind", "/usr", "/usr", *_runtime_links()]
+            + ["--proc", "/proc", "true"],
             capture_output=True,
             text=True,
         )
@@ -262,8 +263,9 @@ class BwrapBackend(_LocalBackend):
             )
         if probe.returncode != 0:
             return (
-                "bubblewrap cannot make its namespaces here (unprivileged user namespaces "
-                f"disabled?): {probe.stderr.strip()[-300:]}"
+                "bubblewrap cannot make its namespaces or mount a /proc here (in a container: "
+                "it needs a seccomp profile allowing user namespaces and an unmasked /proc): "
+                f"{probe.stderr.strip()[-300:]}"
             )
         return None
 
@@ -441,6 +443,7 @@ class DockerBackend:
     def __init__(self, image: str, python: str = "python3", cpus: float = 1.0):
         self.image, self.python, self.cpus = image, python, cpus
         self._api: Any = None
+        self._pulled = False
         self._pool = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="docker")
 
     def unavailable(self) -> str | None:
@@ -458,7 +461,16 @@ class DockerBackend:
         try:
             self._api.inspect_image(self.image)
         except docker.errors.ImageNotFound:
-            return f"the sandbox image {self.image!r} is not on the Docker engine (build or pull)"
+            if self._pulled:
+                return f"the sandbox image {self.image!r} is not on the Docker engine"
+            self._pulled = True  # one try: a registry that refuses once will again
+            try:
+                self._api.pull(self.image)
+            except Exception as exc:
+                return (
+                    f"the sandbox image {self.image!r} is not on the Docker engine and "
+                    f"pulling it failed ({type(exc).__name__}: {str(exc)[:200]})"
+                )
         return None
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:

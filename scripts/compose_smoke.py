@@ -1,0 +1,388 @@
+#!/usr/bin/env python3
+"""`docker compose` end to end, for real: build every image, bring the stack up, run a short
+recipe through the `demo` service while a service process is SIGKILLed and redis restarts,
+check the run's summary, then tear everything down and check nothing is left. Prints one
+JSON report; exits 0 only when every check held.
+
+    python scripts/compose_smoke.py [--keep]     (needs a Docker engine; run as root in CI)
+
+Where registries cannot be reached (CI here) it builds a local Python base
+(`scripts/docker_base.sh`) and uses `deploy/compose/local-infra.yaml` (redis, nats and S3
+from Debian packages and PyPI). Package sources come from the environment, defaulting to
+the public ones: TREADLE_PIP_INDEX_URL, TREADLE_TORCH_INDEX_URL, and pip's own
+PIP_FIND_LINKS (a local wheel directory is served to the builds over loopback); a CA bundle
+for a TLS-inspecting proxy (TREADLE_BUILD_CA_FILE, else pip's PIP_CERT) goes in as a build
+secret. Exit code 77: no Docker engine here (the pytest wrapper skips).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import http.server
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROJECT = "treadle-smoke"
+SERVICES = ["redis", "nats", "minio", "weight-store", "env-gateway", "reward", "rollout", "trainer"]
+TREADLE_SERVICES = ["weight-store", "env-gateway", "reward", "rollout", "trainer"]
+IMAGES = ["cli", "weight-store", "env-gateway", "reward", "rollout", "trainer"]
+PUBLIC_BASE = "python:3.11-slim-bookworm"
+RECIPE_STEPS = 120  # recipes/compose_smoke.yaml's trainer.num_steps
+SKIP = 77
+SANDBOX_CHECK = """
+import asyncio, pathlib
+from treadle_env_gateway.sandbox.runner import Sandbox
+from treadle_env_gateway.settings import EnvGatewaySettings
+s = EnvGatewaySettings()
+base = pathlib.Path('/var/lib/treadle/sandbox')
+box = Sandbox(base, backend=s.env_sandbox, image=s.env_sandbox_image)
+r = asyncio.run(box.run_tests('def add(a, b):\\n    return a + b\\n', 'assert add(2, 3) == 5'))
+print(r.backend, r.status, r.verdict, r.stderr[-300:].replace('\\n', ' '))
+"""
+
+
+def log(message: str) -> None:
+    print(f"[compose-smoke {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def sh(*args: str, check: bool = True, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
+    result = subprocess.run(args, capture_output=True, text=True, timeout=timeout, **kw)
+    if check and result.returncode != 0:
+        raise RuntimeError(f"{' '.join(args[:6])} -> {result.returncode}: {result.stderr[-3000:]}")
+    return result
+
+
+def compose_binary() -> list[str]:
+    here = Path(sys.executable).parent / "docker-compose"
+    if here.exists():
+        return [str(here)]
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    return ["docker", "compose"]
+
+
+class Stack:
+    def __init__(self, files: list[Path], env_files: list[Path], env: dict[str, str]):
+        self.base = [*compose_binary(), "-p", PROJECT]
+        for f in files:
+            self.base += ["-f", str(f)]
+        for f in env_files:
+            self.base += ["--env-file", str(f)]
+        self.env = {**os.environ, **env, "COMPOSE_PROFILES": "cpu"}
+
+    def __call__(self, *args: str, check: bool = True, timeout: float = 900):
+        return sh(*self.base, *args, check=check, timeout=timeout, env=self.env, cwd=ROOT)
+
+    def popen(self, *args: str, out) -> subprocess.Popen:
+        return subprocess.Popen(
+            [*self.base, *args], stdout=out, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT
+        )
+
+    def container(self, service: str) -> str:
+        return self("ps", "-q", service).stdout.strip()
+
+
+def engine_available() -> str | None:
+    if shutil.which("docker") is None:
+        return "no docker CLI"
+    probe = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"],
+                           capture_output=True, text=True)  # fmt: skip
+    return None if probe.returncode == 0 else f"no Docker engine: {probe.stderr.strip()[-200:]}"
+
+
+def can_pull(image: str) -> bool:
+    if sh("docker", "image", "inspect", image, check=False).returncode == 0:
+        return True
+    return sh("docker", "pull", image, check=False, timeout=300).returncode == 0
+
+
+def reachable(url: str) -> bool:
+    try:
+        urllib.request.urlopen(url, timeout=10)
+        return True
+    except Exception:
+        return False
+
+
+@contextlib.contextmanager
+def wheel_server(directory: str):
+    """Serve a local wheel directory to the builds (host network) on a loopback port."""
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, format, *args):  # noqa: A002
+            pass
+
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(Quiet, directory=directory)
+    )
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+
+
+def build_env(report: dict) -> tuple[dict[str, str], list[Path], contextlib.ExitStack]:
+    """Images' base, package sources and the compose files for this machine."""
+    env: dict[str, str] = {}
+    files = [ROOT / "compose.yaml"]
+    stack = contextlib.ExitStack()
+    local = not can_pull(PUBLIC_BASE)
+    if local:  # no registry: a base from Debian packages, and infra images built here
+        env["TREADLE_PYTHON_IMAGE"] = sh(str(ROOT / "scripts" / "docker_base.sh"),
+                                         timeout=900).stdout.strip()  # fmt: skip
+        files.append(ROOT / "deploy" / "compose" / "local-infra.yaml")
+    torch_index = os.environ.get("TREADLE_TORCH_INDEX_URL", "https://download.pytorch.org/whl/cpu")
+    pip_index = os.environ.get("TREADLE_PIP_INDEX_URL", "https://pypi.org/simple")
+    if not reachable(torch_index.rstrip("/") + "/torch/"):
+        log(f"torch index {torch_index} unreachable: torch from {pip_index} and local wheels")
+        torch_index = pip_index
+    env["TREADLE_TORCH_INDEX_URL"], env["TREADLE_PIP_INDEX_URL"] = torch_index, pip_index
+    wheels = os.environ.get("TREADLE_WHEELS_URL") or os.environ.get("PIP_FIND_LINKS", "")
+    if wheels and os.path.isdir(wheels):
+        wheels = stack.enter_context(wheel_server(wheels))
+    if wheels:
+        env["TREADLE_WHEELS_URL"] = wheels
+    ca = os.environ.get("TREADLE_BUILD_CA_FILE") or os.environ.get("PIP_CERT", "")
+    if ca and os.path.isfile(ca):
+        env["TREADLE_BUILD_CA_FILE"] = ca
+    socket_path = "/var/run/docker.sock"
+    if os.path.exists(socket_path):
+        env["DOCKER_GID"] = str(os.stat(socket_path).st_gid)
+    report["base_image"] = env.get("TREADLE_PYTHON_IMAGE", PUBLIC_BASE)
+    report["local_infra"] = local
+    return env, files, stack
+
+
+def secrets_file(directory: Path) -> tuple[Path, dict[str, str]]:
+    path = directory / "secrets.env"
+    treadle = Path(sys.executable).parent / "treadle"
+    out = sh(str(treadle) if treadle.exists() else "treadle", "secrets", "--format", "env")
+    path.write_text(out.stdout)
+    pairs = (line.split("=", 1) for line in out.stdout.splitlines() if "=" in line)
+    return path, {k.strip(): v.strip() for k, v in pairs}
+
+
+def health(stack: Stack) -> dict[str, str]:
+    rows = stack("ps", "--format", "json", "--all").stdout
+    parsed = [json.loads(line) for line in rows.splitlines() if line.strip().startswith("{")]
+    if len(parsed) == 1 and isinstance(parsed[0], list):
+        parsed = parsed[0]
+    return {r["Service"]: r.get("Health") or r.get("State", "") for r in parsed}
+
+
+def trainer_step(token: str) -> int | None:
+    """The running run's step, from the trainer's published API (None: no answer)."""
+    request = urllib.request.Request(
+        "http://127.0.0.1:8005/v1/runs", headers={"Authorization": f"Bearer {token}"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=5) as answer:
+            runs = json.load(answer)
+    except Exception:
+        return None
+    return max((r.get("step", 0) for r in runs), default=None)
+
+
+def wait_for_step(token: str, step: int, demo: subprocess.Popen, timeout_s: float = 600) -> int:
+    """Until the run reaches `step`; fails if the demo ends first (a fault must land mid-run)."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        if demo.poll() is not None:
+            raise RuntimeError(f"the demo ended (rc {demo.returncode}) before step {step}")
+        now = trainer_step(token)
+        if now is not None and now >= step:
+            return now
+        time.sleep(0.5)
+    raise RuntimeError(f"the run did not reach step {step} in {timeout_s}s")
+
+
+def kill_process(stack: Stack, service: str) -> int:
+    """SIGKILL the service's main process from the host (a crash, not `docker kill`, so the
+    restart policy brings it back)."""
+    cid = stack.container(service)
+    pid = int(sh("docker", "inspect", "-f", "{{.State.Pid}}", cid).stdout.strip())
+    os.kill(pid, 9)
+    return pid
+
+
+def wait_healthy(stack: Stack, services: list[str], timeout_s: float) -> float:
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        states = health(stack)
+        if all(states.get(s) == "healthy" for s in services):
+            return time.monotonic() - started
+        time.sleep(2)
+    raise RuntimeError(f"not healthy after {timeout_s}s: {health(stack)}")
+
+
+def smoke(report: dict, keep: bool) -> None:
+    checks: dict[str, bool] = report.setdefault("checks", {})
+    env, files, sources = build_env(report)
+    with sources, tempfile.TemporaryDirectory() as tmp:
+        secrets_path, secrets = secrets_file(Path(tmp))
+        stack = Stack(files, [ROOT / ".env", secrets_path], env)
+        stack("config", "-q")
+        try:
+            t = time.monotonic()
+            log("building every image")
+            stack("build", timeout=3600)
+            report["build_s"] = round(time.monotonic() - t, 1)
+            sizes = sh("docker", "image", "ls", "--format", "{{.Repository}}:{{.Tag}} {{.Size}}")
+            report["image_sizes"] = {
+                name: size
+                for name, size in (line.split() for line in sizes.stdout.splitlines())
+                if name.split(":")[0] in {f"treadle/{i}" for i in IMAGES} | {"treadle/infra"}
+            }
+            cli = sh("docker", "run", "--rm", "treadle/cli:latest", "--help", check=False)
+            checks["cli_image_runs_treadle"] = cli.returncode == 0 and "run" in cli.stdout
+
+            t = time.monotonic()
+            log("docker compose up -d --wait")
+            stack("up", "-d", "--wait", "--wait-timeout", "600", timeout=900)
+            wait_healthy(stack, SERVICES, 300)
+            report["up_s"] = round(time.monotonic() - t, 1)
+            states = health(stack)
+            report["health"] = states
+            checks["every_service_healthy"] = all(states.get(s) == "healthy" for s in SERVICES)
+            users = {
+                s: stack("exec", "-T", s, "id", "-u", check=False).stdout.strip()
+                for s in TREADLE_SERVICES
+            }
+            report["service_uids"] = users
+            checks["services_run_as_non_root"] = all(u not in ("", "0") for u in users.values())
+            sandbox = stack("exec", "-T", "env-gateway", "python", "-c", SANDBOX_CHECK, check=False)
+            report["env_gateway_sandbox"] = (sandbox.stdout + sandbox.stderr).strip()[-500:]
+            checks["env_gateway_sandbox_judges_in_a_container"] = sandbox.stdout.startswith(
+                "docker ok pass"
+            )
+            # the image as Kubernetes runs it (k8s/base/env-gateway.yaml): non-root, read-only
+            # root, no capabilities, bwrap; with what its pod grants, and without
+            pod = ["docker", "run", "--rm", "--read-only", "--tmpfs", "/tmp",
+                   "--tmpfs", "/var/lib/treadle:uid=10001", "--cap-drop", "ALL",
+                   "--security-opt", "no-new-privileges"]  # fmt: skip
+            granted = ["--security-opt", "seccomp=unconfined", "--security-opt",
+                       "systempaths=unconfined"]  # fmt: skip
+            image = ["treadle/env-gateway:latest", "python", "-c", SANDBOX_CHECK]
+            k8s = sh(*pod, *granted, *image, check=False)
+            bare = sh(*pod, *image, check=False)
+            report["env_gateway_bwrap"] = {
+                "granted": k8s.stdout.strip()[-300:] or k8s.stderr[-300:],
+                "default_docker_profile": bare.stdout.strip()[-300:] or bare.stderr[-300:],
+            }
+            checks["env_gateway_image_bwrap_non_root"] = k8s.stdout.startswith("bwrap ok pass")
+            checks["bwrap_fails_closed_where_not_granted"] = bare.stdout.startswith(
+                "bwrap sandbox_error"
+            )
+
+            log("the demo service runs recipes/compose_smoke.yaml; faults under it")
+            demo_log = Path(tmp) / "demo.log"
+            token = secrets["TREADLE_TOKEN_ADMIN"]
+            with demo_log.open("w") as out:
+                t = time.monotonic()
+                demo = stack.popen(
+                    "run", "--rm", "-T", "demo", "run",
+                    "/opt/treadle/recipes/compose_smoke.yaml", out=out,
+                )  # fmt: skip
+                faults = []
+                step = wait_for_step(token, 10, demo)
+                faults.append({"killed": "rollout", "pid": kill_process(stack, "rollout"),
+                               "at_step": step})  # fmt: skip
+                step = wait_for_step(token, step + 15, demo)  # it went on after the kill
+                stack("restart", "redis")
+                faults.append({"restarted": "redis", "at_step": step})
+                rc = demo.wait(timeout=1500)
+                faults.append({"after_redis_restart_steps": trainer_step(token)})
+            report["demo_s"] = round(time.monotonic() - t, 1)
+            report["faults"] = faults
+            text = demo_log.read_text()
+            report["demo_tail"] = text[-1500:]
+            checks["demo_exit_0"] = rc == 0
+            summary = read_summary(stack)
+            report["summary"] = {
+                k: summary.get(k)
+                for k in ("state", "steps", "exactly_once", "versions_published",
+                          "rollout_policy_version", "rollout_swaps", "dropped", "reconnects",
+                          "trajectories_produced", "trajectories_trained", "error")
+            }  # fmt: skip
+            checks["run_succeeded"] = summary.get("state") == "succeeded"
+            checks["exactly_once"] = summary.get("exactly_once") is True
+            checks["versions_published"] = len(summary.get("versions_published") or []) > 0
+            checks["rollout_swapped"] = (summary.get("rollout_swaps") or 0) > 0
+            restarts = sh("docker", "inspect", "-f", "{{.RestartCount}}",
+                          stack.container("rollout")).stdout.strip()  # fmt: skip
+            report["rollout_restarts"] = int(restarts or 0)
+            checks["killed_service_came_back"] = int(restarts or 0) >= 1
+            checks["faults_landed_mid_run"] = (
+                all(f.get("at_step", 0) < RECIPE_STEPS for f in faults[:2]) and len(faults) == 3
+            )
+        finally:
+            if not keep:
+                log("docker compose down -v")
+                profiles = ("--profile", "cpu", "--profile", "demo")  # the demo's volume too
+                stack(*profiles, "down", "-v", "--remove-orphans", "--timeout", "20", check=False)
+                left = sh(
+                    "docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={PROJECT}"
+                )
+                volumes = sh(
+                    "docker",
+                    "volume",
+                    "ls",
+                    "-q",
+                    "--filter",
+                    f"label=com.docker.compose.project={PROJECT}",
+                )
+                sandboxes = sh("docker", "ps", "-aq", "--filter", "label=treadle.sandbox")
+                report["left_behind"] = {
+                    "containers": left.stdout.split(),
+                    "volumes": volumes.stdout.split(),
+                    "sandbox_containers": sandboxes.stdout.split(),
+                }
+                checks["nothing_left_behind"] = not any(report["left_behind"].values())
+
+
+def read_summary(stack: Stack) -> dict:
+    """summary.json of the demo's run, from the demo's volume."""
+    found = stack(
+        "run", "--rm", "-T", "--no-deps", "--entrypoint", "sh", "demo", "-c",
+        "cat $(ls -t /var/lib/treadle/.treadle/runs/*/summary.json | head -1)",
+        check=False,
+    )  # fmt: skip
+    try:
+        return json.loads(found.stdout)
+    except ValueError:
+        return {"error": f"no summary.json: {found.stdout[-500:]} {found.stderr[-500:]}"}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--keep", action="store_true", help="leave the stack up afterwards")
+    args = parser.parse_args()
+    if reason := engine_available():
+        print(json.dumps({"skipped": reason}))
+        return SKIP
+    report: dict = {}
+    started = time.monotonic()
+    try:
+        smoke(report, args.keep)
+    except Exception as exc:
+        report["error"] = f"{type(exc).__name__}: {exc}"
+    report["total_s"] = round(time.monotonic() - started, 1)
+    report["ok"] = "error" not in report and all(report.get("checks", {}).values())
+    print(json.dumps(report, indent=2))
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
