@@ -38,6 +38,7 @@ SERVICES = ["redis", "nats", "minio", "weight-store", "env-gateway", "reward", "
 TREADLE_SERVICES = ["weight-store", "env-gateway", "reward", "rollout", "trainer"]
 IMAGES = ["cli", "weight-store", "env-gateway", "reward", "rollout", "trainer"]
 PUBLIC_BASE = "python:3.11-slim-bookworm"
+WHEELS_PORT = 38471
 RECIPE_STEPS = 120  # recipes/compose_smoke.yaml's trainer.num_steps
 SKIP = 77
 SANDBOX_CHECK = """
@@ -123,9 +124,11 @@ def wheel_server(directory: str):
         def log_message(self, format, *args):  # noqa: A002
             pass
 
-    server = http.server.ThreadingHTTPServer(
-        ("127.0.0.1", 0), functools.partial(Quiet, directory=directory)
-    )
+    handler = functools.partial(Quiet, directory=directory)
+    try:  # a fixed port when free: the URL is a build argument, so it keeps the layer cache
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", WHEELS_PORT), handler)
+    except OSError:
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}/"

@@ -303,6 +303,7 @@ async def test_a_wholly_stale_group_does_not_take_a_batch_slot():
             self.buffer = GroupBuffer(2)
             self.arrivals = arrivals
             self.stopping = False
+            self.replayed: set[str] = set()
             self.r = Counts()  # type: ignore[assignment]
 
         async def read(self, block_ms):
@@ -334,6 +335,16 @@ async def test_a_wholly_stale_group_does_not_take_a_batch_slot():
     assert storm.r.counts == {"groups_unusable": 8} and len(refills) == 4  # 2 x 2 groups
     with pytest.raises(TimeoutError, match="only 1/2"):
         await Scripted([group("x", 0), group("d", 5)]).collect(2, version=5, max_staleness=1)
+    # a resume replays what the last owner read past its checkpoint: all stale at the version
+    # the run goes back to, and every one is replaced, however many (not an env failing;
+    # found by the compose smoke: a sync run stalled after a redis restart)
+    refills.clear()
+    replayed = [group(f"r{i}", 0) for i in range(6)]
+    resumed = Scripted([*replayed, group("n1", 5), group("n2", 5)])
+    resumed.replayed = {e.entry_id for g in replayed for e in g}
+    taken = await resumed.collect(2, version=5, max_staleness=1, refill=refill)
+    assert [g.group_id for g in taken] == [*(f"r{i}" for i in range(6)), "n1", "n2"]
+    assert resumed.r.counts == {"groups_unusable": 6} and len(refills) == 6
 
 
 def test_a_malformed_member_completes_its_group_and_its_step_drops_it():

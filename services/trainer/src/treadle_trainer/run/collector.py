@@ -65,6 +65,10 @@ class Collector:
         self.stream = names.trajectories_stream(config.run_id)
         self.buffer = GroupBuffer(config.rollout.group_size)
         self.seen: set[str] = set()
+        self.replayed: set[str] = set()
+        """Entries the last owner read (replayed at a resume): groups generated for steps
+        past the checkpoint, stale once the run goes back to it. Their replacements do not
+        count against `MAX_REPLACED` (that bound is for groups that keep coming back bad)."""
         self.vocab_size = 0
         self.collecting = False
         self.stopping = False
@@ -74,6 +78,7 @@ class Collector:
         for _, entry_id, traj in await streams.pending_own(
             self.r, self.stream, names.TRAINER_GROUP, self.consumer, tpb.Trajectory, 1_000_000
         ):
+            self.replayed.add(entry_id)
             self.accept(entry_id, traj)
 
     def accept(self, entry_id: str, traj: tpb.Trajectory | streams.InvalidEntry) -> None:
@@ -123,9 +128,10 @@ class Collector:
                         fresh += 1
                     else:  # the feeder feeds a task in its place (a step would lack it)
                         unusable += 1
+                        replayed = all(e.entry_id in self.replayed for e in group.entries)
+                        wasted += 0 if replayed else 1
                 if unusable:
                     await self.r.hincrby(names.run_state(self.config.run_id), UNUSABLE, unusable)
-                    wasted += unusable
                     # replaced at once, but not without end: a step whose groups keep coming
                     # back unusable (an env failing every episode) waits for its timeout
                     # instead of burning the dataset
