@@ -109,6 +109,7 @@ async def _sandboxed(address: str, sessions: int, seconds: float) -> dict:
     concurrency: how many judged runs per second, and how each ended."""
     client = EnvClient(address)
     outcomes: dict[str, int] = {}
+    errors: dict[str, str] = {}
     latencies: list[float] = []
     deadline = time.perf_counter() + seconds
 
@@ -122,12 +123,14 @@ async def _sandboxed(address: str, sessions: int, seconds: float) -> dict:
             outcome = step.status or info.get("sandbox", "?")
             if step.status in ("", "ok") and step.reward == 1.0:
                 outcome = "passed"
+            elif outcome not in errors:
+                errors[outcome] = (step.error or info.get("stderr", ""))[-300:]
             outcomes[outcome] = outcomes.get(outcome, 0) + 1
             await client.close_session(session.session_id)
 
     await asyncio.gather(*(worker() for _ in range(sessions)))
     await client.close()
-    return {"outcomes": outcomes, "latencies": latencies}
+    return {"outcomes": outcomes, "errors": errors, "latencies": latencies}
 
 
 def sandbox_run(sessions: int = 64, seconds: float = 10.0, backends: tuple[str, ...] = ()) -> dict:
@@ -166,6 +169,7 @@ def sandbox_run(sessions: int = 64, seconds: float = 10.0, backends: tuple[str, 
             "sandbox_runs_per_s": round(runs / seconds, 2),
             "p50_ms": round(statistics.median(lat) * 1e3, 1) if lat else None,
             "outcomes": measured["outcomes"],
+            "first_error": measured["errors"],
         }
     base = results.get("unshare", {}).get("sandbox_runs_per_s")
     for result in results.values():

@@ -249,6 +249,8 @@ class BwrapBackend(_LocalBackend):
     def _check(self) -> str | None:
         if shutil.which("bwrap") is None:
             return "bubblewrap (bwrap) is not installed"
+        if self.root and shutil.which("setpriv") is None:
+            return "a root gateway starts bwrap as each sandbox's uid with setpriv (util-linux)"
         probe = subprocess.run(  # the namespaces and a fresh /proc, as every run makes them
             ["bwrap", "--unshare-all", "--ro-bind", "/usr", "/usr", *_runtime_links()]
             + ["--proc", "/proc", "true"],
@@ -314,11 +316,18 @@ class BwrapBackend(_LocalBackend):
         ]
 
     async def spawn(self, box: Box, limits: Limits, interactive: bool) -> Proc:
-        owner = {"user": box.uid, "group": box.uid, "extra_groups": []} if self.root else {}
+        # a root gateway drops to the box's uid with setpriv, after the exec: Popen's own
+        # user=/group= would make it fork() rather than vfork(), and a fork runs gRPC's
+        # atfork handlers in the child (seen: a poller thread there, then no sandbox)
+        owner = (
+            ["setpriv", f"--reuid={box.uid}", f"--regid={box.uid}", "--clear-groups", "--"]
+            if self.root
+            else []
+        )
         ready, ready_w = os.pipe()
         try:
-            argv = self.argv(box, limits, ready_w)
-            proc = await self._exec(argv, interactive, pass_fds=(ready_w,), **owner)
+            argv = [*owner, *self.argv(box, limits, ready_w)]
+            proc = await self._exec(argv, interactive, pass_fds=(ready_w,))
         except BaseException:
             os.close(ready)
             raise
@@ -453,7 +462,9 @@ class DockerBackend:
             return "the docker backend needs the Docker SDK (pip install docker)"
         try:
             if self._api is None:
-                self._api = docker.APIClient(**docker.utils.kwargs_from_env(), version="auto")
+                self._api = docker.APIClient(
+                    **docker.utils.kwargs_from_env(), version="auto", max_pool_size=32
+                )
             self._api.ping()
         except Exception as exc:
             self._api = None
