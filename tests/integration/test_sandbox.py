@@ -6,6 +6,7 @@ this machine skips with the reason its own probe gives."""
 import ast
 import asyncio
 import os
+import platform
 import shutil
 import socket
 import subprocess
@@ -198,6 +199,19 @@ async def test_setuid_gains_nothing(sandbox):
     lines = result.stdout.split("\n")
     assert result.status == "ok" and lines[:2] == ["1", "refused"], result
     assert "ROOT" not in result.stdout and "su 0" not in result.stdout, result.stdout
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86_64 system call numbers")
+async def test_kernel_attack_surface_is_refused(sandbox):
+    """Keyrings and new user namespaces (what many kernel exploits start from) fail: our
+    seccomp filter under unshare and bwrap, the engine's default profile under docker."""
+    code = (
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "print('add_key', libc.syscall(248, b'user', b'k', b'v', 1, -2))\n"
+        "print('unshare', libc.unshare(0x10000000))\n"
+    )
+    result = await sandbox.run(code)
+    assert result.status == "ok" and result.stdout.split() == ["add_key", "-1", "unshare", "-1"]
 
 
 async def test_a_process_that_tries_to_outlive_the_step_is_killed(sandbox):

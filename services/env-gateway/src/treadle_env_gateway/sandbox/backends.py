@@ -43,7 +43,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
-from treadle_env_gateway.sandbox import bootstrap
+from treadle_env_gateway.sandbox import bootstrap, seccomp
 from treadle_env_gateway.sandbox.limits import Limits
 
 LINE_LIMIT = 4 * 2**20  # one protocol line (a call's arguments or value) at most
@@ -214,6 +214,8 @@ class UnshareBackend(_LocalBackend):
             return "the unshare sandbox needs a root gateway (use bwrap or docker otherwise)"
         if shutil.which("unshare") is None:
             return "unshare (util-linux) is not installed"
+        if reason := seccomp.unavailable():
+            return reason
         probe = subprocess.run(["unshare", "--net", "--mount", "--pid", "--fork", "true"])
         if probe.returncode != 0:
             return (
@@ -249,6 +251,9 @@ class BwrapBackend(_LocalBackend):
     def _check(self) -> str | None:
         if shutil.which("bwrap") is None:
             return "bubblewrap (bwrap) is not installed"
+        if reason := seccomp.unavailable():
+            return reason
+        self._filter = seccomp.bpf()
         if self.root and shutil.which("setpriv") is None:
             return "a root gateway starts bwrap as each sandbox's uid with setpriv (util-linux)"
         probe = subprocess.run(  # the namespaces and a fresh /proc, as every run makes them
@@ -271,7 +276,10 @@ class BwrapBackend(_LocalBackend):
             )
         return None
 
-    def argv(self, box: Box, limits: Limits, ready_fd: int) -> list[str]:
+    _filter = b""
+    """The seccomp filter as BPF (built once, by `_check`)."""
+
+    def argv(self, box: Box, limits: Limits, ready_fd: int, filter_fd: int) -> list[str]:
         assert box.workdir is not None
         env = [arg for key, value in SANDBOX_ENV.items() for arg in ("--setenv", key, value)]
         return [
@@ -302,6 +310,8 @@ class BwrapBackend(_LocalBackend):
             INSIDE_WORKDIR,
             "--remount-ro",  # the root (and /tmp) read-only: the work dir is the one to write
             "/",
+            "--seccomp",  # seccomp.py's filter, applied just before the code runs
+            str(filter_fd),
             "--chdir",
             INSIDE_WORKDIR,
             "--clearenv",
@@ -325,14 +335,18 @@ class BwrapBackend(_LocalBackend):
             else []
         )
         ready, ready_w = os.pipe()
+        filter_fd = os.memfd_create("treadle-seccomp")  # bwrap reads it once, from its start
         try:
-            argv = [*owner, *self.argv(box, limits, ready_w)]
-            proc = await self._exec(argv, interactive, pass_fds=(ready_w,))
+            os.write(filter_fd, self._filter)
+            os.lseek(filter_fd, 0, os.SEEK_SET)
+            argv = [*owner, *self.argv(box, limits, ready_w, filter_fd)]
+            proc = await self._exec(argv, interactive, pass_fds=(ready_w, filter_fd))
         except BaseException:
             os.close(ready)
             raise
         finally:
             os.close(ready_w)
+            os.close(filter_fd)
         assert isinstance(proc, _Local)
         proc.ready_fd = ready
         return proc

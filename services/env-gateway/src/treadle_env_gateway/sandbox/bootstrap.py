@@ -8,9 +8,10 @@ mount/pid/net namespaces (made by `unshare`), then locks itself down and execs t
    devices, an unwritable `/tmp`, and WORKDIR at `/work`, the only writable place. The host's
    other files (the repo, models, the state dir, `/etc`) are not there at all;
 2. fork; the child chroots into it, sets resource limits (CPU seconds, address space,
-   processes, file size, open files, no core) and no_new_privs (a setuid binary gains
-   nothing), drops to UID (the sandbox's own, with the same gid and no supplementary
-   groups) with a clean environment, and execs `PYTHON -I main.py` in `/work`;
+   processes, file size, open files, no core), no_new_privs (a setuid binary gains
+   nothing) and the seccomp filter (`seccomp.py`), drops to UID (the sandbox's own, with
+   the same gid and no supplementary groups) with a clean environment, and execs
+   `PYTHON -I main.py` in `/work`;
 3. this process stays PID 1 and exits with the child's status (128 + signal when it was
    killed), which ends every process the code left behind.
 Any failure before the exec exits with code 125 and a line on stderr (a sandbox error, not
@@ -28,6 +29,8 @@ import os
 import resource
 import sys
 from pathlib import Path
+
+from treadle_env_gateway.sandbox import seccomp
 
 SETUP_FAILED = 125
 ROOT_CANDIDATES = ("/mnt", "/srv", "/media", "/opt")  # where the minimal root is assembled
@@ -123,6 +126,7 @@ def run_code(root: str, python: str, limits: dict, uid: int) -> None:
         set_limits(limits)
         if _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+        seccomp.load()  # the calls the code has no use for (seccomp.py): EPERM
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
