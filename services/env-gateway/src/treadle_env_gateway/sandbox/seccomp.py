@@ -12,7 +12,6 @@ fails closed.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import os
 
@@ -51,8 +50,12 @@ class _ArgCmp(ctypes.Structure):  # struct scmp_arg_cmp
 
 
 def _library() -> ctypes.CDLL:
-    name = ctypes.util.find_library("seccomp") or "libseccomp.so.2"
-    lib = ctypes.CDLL(name, use_errno=True)
+    try:  # the soname first: find_library runs ldconfig (milliseconds, in every sandbox)
+        lib = ctypes.CDLL("libseccomp.so.2", use_errno=True)
+    except OSError:
+        from ctypes.util import find_library  # noqa: PLC0415 (slow to import: rarely needed)
+
+        lib = ctypes.CDLL(find_library("seccomp") or "libseccomp.so", use_errno=True)
     lib.seccomp_init.restype = ctypes.c_void_p
     lib.seccomp_init.argtypes = [ctypes.c_uint32]
     lib.seccomp_release.argtypes = [ctypes.c_void_p]
