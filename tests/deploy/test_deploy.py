@@ -113,6 +113,35 @@ def test_each_service_image_installs_only_its_distribution_and_common(service):
             assert any(k == "COPY" and a.startswith("--from=build") for k, a in steps), path
 
 
+DOCKERFILES = sorted(
+    [
+        *ROOT.glob("services/*/Dockerfile*"),
+        ROOT / "libs/cli/Dockerfile",
+        *ROOT.glob("deploy/*/Dockerfile*"),
+    ]
+)
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_dockerfiles_take_their_package_sources_as_build_arguments(path):
+    """Buildable behind a mirror: no `# syntax=` line (BuildKit would pull a frontend image),
+    no index URL or host in a command, pip's sources from build arguments, and a CA bundle
+    only as the `pip_ca` build secret, in the build stage."""
+    text = path.read_text()
+    assert not re.search(r"^#\s*syntax=", text, re.M), path
+    steps = instructions(path)
+    runs = [args for k, args in steps if k == "RUN"]
+    assert not any(re.search(r"https?://", run) for run in runs), path
+    args = {a.split("=")[0] for k, a in steps if k == "ARG"}
+    for run in runs:
+        if "pip install" in run and "gpu" not in path.name:
+            assert run.startswith("--mount=type=secret,id=pip_ca"), (path, run)
+            assert "PIP_INDEX_URL" in args, path
+        if "torch==" in run and "gpu" not in path.name:
+            assert '--index-url "$TORCH_INDEX_URL"' in run and "TORCH_INDEX_URL" in args, path
+    assert not any("pip_ca" in a for k, a in steps if k in ("COPY", "ADD", "ENV")), path
+
+
 def test_the_cli_image_installs_the_cli_and_no_service():
     steps = instructions(ROOT / "libs" / "cli" / "Dockerfile")
     packages = [p for p in installed(steps) if not p.startswith("torch==")]
