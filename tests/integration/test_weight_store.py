@@ -108,6 +108,36 @@ async def test_publish_fetch_delta_and_announce_to_a_late_subscriber(
     await client.close()
 
 
+async def test_a_waiting_reader_gets_a_version_as_soon_as_it_commits(service, weight_store_env):
+    """`WaitForVersion`: a reader that needs a version the store does not have yet waits in
+    the store and is answered by that version's commit, durable or not; a wait that runs out
+    answers with the latest; bad input is INVALID_ARGUMENT."""
+    ws = service("weight-store", **weight_store_env)
+    client = WeightStoreClient(ws.grpc_addr)
+    assert await client.wait_for_version("w", 1, timeout_s=0.2) is None  # nothing yet
+    await client.publish("w", state_dict_to_raw(state(0)), trainer_step=1)
+    assert await client.wait_for_version("w", 1, timeout_s=0) == 1  # held: at once
+    waiting = asyncio.create_task(client.wait_for_version("w", 2, timeout_s=60))
+    await asyncio.sleep(0.5)
+    assert not waiting.done()  # version 2 does not exist: the reader waits in the store
+    await client.publish("w", state_dict_to_raw(state(1)), trainer_step=2)
+    # answered by the commit, long before its 60 s (the test's own 30 s bound is only there
+    # so that a broken wait fails instead of hanging)
+    assert await asyncio.wait_for(waiting, 30) == 2
+    fetched = await client.fetch("w", 2)  # and served at once
+    assert fetched.manifest.version == 2
+    assert await client.wait_for_version("w", 9, timeout_s=0.2) == 2  # ran out: the latest
+    for bad, message in [
+        (pb.WaitForVersionRequest(model="../x", version=1), "invalid model name"),
+        (pb.WaitForVersionRequest(model="w", version=1, timeout_s=-1), "timeout_s"),
+    ]:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await client.stub.WaitForVersion(bad)
+        assert code_of(refused) == grpc.StatusCode.INVALID_ARGUMENT
+        assert message in refused.value.details()
+    await client.close()
+
+
 async def test_pipelined_publish_over_many_batches(service, weight_store_env, monkeypatch):
     """One chunk per MissingChunks batch, more batches than the lookahead: batches are hashed
     and asked about ahead while earlier ones stream; a chunk repeated in a later batch

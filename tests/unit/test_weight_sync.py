@@ -1,5 +1,6 @@
 """WeightSync against scripted fakes: a demanded version is waited for, never fetched before
-the store has it; a lost announcement is made up for by polling the store."""
+the store has it, and fetched as soon as the store commits it, before its announcement (which
+waits for durability); a lost announcement is made up for by asking the store."""
 
 import asyncio
 
@@ -36,6 +37,15 @@ class ScriptedStore:
         self.polls += 1
         return max(self.versions)
 
+    async def wait_for_version(self, model, version, timeout_s):
+        """The store's long poll: answers once it holds `version`, or after `timeout_s`."""
+        self.polls += 1
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while max(self.versions) < version and loop.time() < deadline:
+            await asyncio.sleep(0.005)
+        return max(self.versions)
+
 
 class NoNats:
     """`WeightSync.run` watches JetStream first; announcements are delivered by the test."""
@@ -64,6 +74,26 @@ async def test_a_demanded_version_is_fetched_once_announced_and_not_before(sync)
     await weights.on_announcement(pb.WeightAnnouncement(model="m", version=2))
     await asyncio.wait_for(waiter, 2)
     assert engine.fetched == [2] and weights.last_error is None
+    runner.cancel()
+
+
+async def test_a_demanded_version_is_fetched_as_soon_as_the_store_commits_it(monkeypatch):
+    async def no_watch(js, model, callback):
+        return None
+
+    monkeypatch.setattr("treadle_rollout.weight_sync.watch", no_watch)
+    engine, store = ScriptedEngine(), ScriptedStore()
+    weights = WeightSync(engine, store, poll_s=3600)  # one call waits for the whole test
+    runner = asyncio.create_task(weights.run(NoNats()))
+    waiter = asyncio.create_task(weights.ensure_version(2))  # fed while the trainer publishes
+    await asyncio.sleep(0.05)
+    assert not waiter.done() and engine.fetched == []
+    store.versions.add(2)  # committed, not yet announced (durable)
+    await asyncio.wait_for(waiter, 2)
+    assert engine.fetched == [2] and store.polls == 1
+    store.versions.add(3)  # not announced, and no task demands it: nothing asks
+    await asyncio.sleep(0.05)
+    assert engine.fetched == [2] and store.polls == 1
     runner.cancel()
 
 

@@ -101,8 +101,14 @@ class StackSpec:
             "TREADLE_INSTANCE": f"{service}-local",
         }
         # the services share this machine's cores: OpenMP workers that spin while idle would
-        # take them from the other services (override by setting it yourself)
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        # take them from the other services (override by setting it yourself). The trainer's
+        # spin briefly (about 0.1 ms): a small model's training step is thousands of short
+        # kernels, and waking a sleeping team for each cost a sync step 10 to 15 ms
+        # (`treadle bench step`); libgomp's default spin is 100 times longer
+        if service == "trainer":
+            env.setdefault("GOMP_SPINCOUNT", "2000")
+        else:
+            env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         if service == "trainer":  # where recipes may name models, data and outputs
             roots = [self.state_dir, self.cwd, *self.path_roots]
             env.setdefault("TREADLE_TRAINER_PATH_ROOTS", json.dumps(roots))

@@ -133,10 +133,11 @@ class TrainerConfig(Strict):
     )
     feed_ahead: bool = Field(
         False,
-        description="Sync mode: feed step s + 1's tasks before training step s; rollout opens "
-        "their sessions and renders their prompts meanwhile, and generates once step s's "
-        "weights arrive. Pays off when rollout and trainer have their own machines; on the "
-        "2-core dev VM that preparation slowed training about as much as it saved waiting "
+        description="Sync mode: feed step s + 1's tasks before training step s (by default "
+        "they are fed after it, while its weights are published); rollout opens their "
+        "sessions and renders their prompts meanwhile, and generates once step s's weights "
+        "arrive. Pays off when rollout and trainer have their own machines; on the 2-core "
+        "dev VM that preparation slowed training about as much as it saved waiting "
         "(`treadle bench step`)",
     )
     batch_timeout_s: float = Field(300.0, gt=0, description="Give up waiting for a batch after")

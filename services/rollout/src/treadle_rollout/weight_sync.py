@@ -5,10 +5,13 @@ point (between decode steps); every swap's pause is recorded. When the weight-st
 be reached the engine keeps serving the version it has; `last_error` says why (and the
 service's `/readyz` reports it).
 
-Only announced versions are fetched. A task may demand a version that is not published yet
-(a sync run feeds the next step's tasks while it trains the step that publishes it): it
-waits for the announcement, and while it waits the store is asked for its latest version
-every `poll_s`, in case an announcement was lost.
+A version is announced once it is durable (on the store's disk or S3), which on a small
+disk takes longer than the publish itself. A task that demands a version the engine lacks
+does not wait for that: rollout asks the store to answer as soon as that version is
+committed (`WaitForVersion`, at most `poll_s` per call; a committed version is served before
+it is durable, from the store's memory). A sync run feeds a step's tasks while it publishes
+the version they demand, so rollout has read them and waits in the store when the publish
+commits. The same call makes up for a lost announcement.
 
 An announcement is a claim, not a fact: when fetching the newest announced version fails and
 the store's latest version is older, the announcement was forged, or named a version the
@@ -95,19 +98,25 @@ class WeightSync:
 
     async def _next_wake(self) -> None:
         """Until an announcement (or a failed update's retry) wakes us; while a task waits for
-        a version the engine lacks, at most `poll_s`, then ask the store for its latest."""
-        waiting = self._wanted > self.engine.version
-        try:
-            await asyncio.wait_for(self._wake.wait(), self.poll_s if waiting else None)
-        except TimeoutError:
-            try:
-                latest = await self.store.latest(self.engine.model_name)
-            except Exception as exc:  # the store is away: the next poll asks again
-                self.last_error = f"asking the store for the latest version failed: {exc!r}"
-                return
-            if latest is not None:
-                self._announce(latest)
+        a version nothing announced, until the store commits it (or `poll_s` passes)."""
+        if self._latest_announced > self.engine.version:
+            self._wake.clear()  # fetch what was announced first
+            return
+        if self._wanted <= self.engine.version:
+            await self._wake.wait()
+            self._wake.clear()
+            return
         self._wake.clear()
+        try:
+            latest = await self.store.wait_for_version(
+                self.engine.model_name, self._wanted, self.poll_s
+            )
+        except Exception as exc:  # the store is away: the next round asks again
+            self.last_error = f"asking the store for version {self._wanted} failed: {exc!r}"
+            await asyncio.sleep(self.poll_s)
+            return
+        if latest is not None:
+            self._announce(latest)  # committed: the store serves it
 
     async def _bogus(self, version: int) -> bool:
         """After a failed fetch of `version`: True (and it is forgotten) when the store has
@@ -164,6 +173,7 @@ class WeightSync:
             "weights swapped",
             version=stats.version,
             pause_ms=round(stats.pause_s * 1e3, 2),
+            fetch_ms=round(stats.fetch_s * 1e3, 2),
             fetched_mb=round(stats.bytes_fetched / 2**20, 3),
         )
         return record

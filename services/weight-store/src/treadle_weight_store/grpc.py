@@ -50,6 +50,7 @@ POLICY = auth.grpc_policy(
     GarbageCollect=TRAINER,
     Fetch=WORKERS,
     GetManifest=WORKERS,
+    WaitForVersion=WORKERS,
     ListVersions=ANY,
     ListModels=ANY,
 )
@@ -58,6 +59,8 @@ weights; anyone authenticated lists what exists."""
 SERVICE = "weight-store"
 READ_AHEAD = 4
 GC_MIN_INTERVAL_S = 2.0
+MAX_WAIT_S = 20.0
+"""The longest a `WaitForVersion` waits (below the clients' 30 s unary deadline)."""
 ANNOUNCE_RETRY_S = 300.0
 """How long an announcement is retried while NATS is away (then rollout's poll finds it)."""
 SERVICE_NAME = "treadle.v1.WeightStore"
@@ -256,6 +259,15 @@ class WeightStoreServicer(weights_pb2_grpc.WeightStoreServicer):
     async def GetManifest(self, request: pb.VersionRef, context):
         async with _as_status(context, "GetManifest"):
             return await self.store.get_manifest(request.model, request.version)
+
+    async def WaitForVersion(self, request: pb.WaitForVersionRequest, context):
+        async with _as_status(context, "WaitForVersion"):
+            if not 0 <= request.timeout_s:
+                raise BadRequest(f"timeout_s must be >= 0, not {request.timeout_s}")
+            latest = await self.store.wait_for_version(
+                request.model, request.version, min(request.timeout_s, MAX_WAIT_S)
+            )
+            return pb.WaitForVersionResponse(latest=latest)
 
     async def ListVersions(self, request: pb.ListVersionsRequest, context):
         async with _as_status(context, "ListVersions"):

@@ -163,6 +163,7 @@ class WeightStore:
         self._gc_lock = asyncio.Lock()
         self._manifests: dict[tuple[str, int], pb.WeightManifest] = {}  # parsed, newest last
         self._committed_while_collecting: set[str] | None = None  # None: no GC running
+        self._newest: dict[str, int] = {}  # model -> the newest version committed here
 
     # -- chunks ---------------------------------------------------------------------------------
     async def missing(self, hashes: list[str], promise: bool = True) -> list[str]:
@@ -466,6 +467,19 @@ class WeightStore:
         pending = {v for m, v in self._pending if m == model}
         return sorted(pending.union(await _io(self.backend.list_versions, model)))
 
+    async def wait_for_version(self, model: str, version: int, timeout_s: float) -> int:
+        """Until `model` has a committed version >= `version` (visible, durable or not), at
+        most `timeout_s`; the newest version then (-1: none). A version committed by another
+        store on the same backend is seen at the end of the wait."""
+        versions = await self.versions(model)
+        if versions and versions[-1] >= version:
+            return versions[-1]
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s), self._changed:
+                await self._changed.wait_for(lambda: self._newest.get(model, -1) >= version)
+        versions = await self.versions(model)
+        return versions[-1] if versions else -1
+
     async def models(self) -> list[str]:
         """Models with a version, durable or not yet."""
         pending = {model for model, _ in self._pending}
@@ -562,6 +576,10 @@ class WeightStore:
             self._remember(manifest)
             if self._committed_while_collecting is not None:  # a GC listed versions before
                 self._committed_while_collecting |= refs
+            model = manifest.model
+            self._newest[model] = max(self._newest.get(model, -1), manifest.version)
+        async with self._changed:  # `wait_for_version` callers
+            self._changed.notify_all()
         if not durable:
             await self._write_manifests()  # at once if its chunks are all in the backend
         return manifest

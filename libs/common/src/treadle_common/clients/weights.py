@@ -345,6 +345,16 @@ class WeightStoreClient:
                 return await method(request, timeout=timeout_s)
         raise AssertionError("unreachable")
 
+    async def wait_for_version(self, model: str, version: int, timeout_s: float) -> int | None:
+        """Until the store has committed `version` of `model` or a newer one (it serves a
+        committed version before it is durable, hence before it is announced), at most
+        `timeout_s` (the store caps it); the newest version then, None when there is none."""
+        request = pb.WaitForVersionRequest(model=model, version=version, timeout_s=timeout_s)
+        response = await self._unary(
+            self.stub.WaitForVersion, request, timeout_s=timeout_s + grpc_options.UNARY_DEADLINE_S
+        )
+        return response.latest if response.latest >= 0 else None
+
     async def list_versions(self, model: str) -> list[pb.VersionInfo]:
         response = await self._unary(self.stub.ListVersions, pb.ListVersionsRequest(model=model))
         return list(response.versions)

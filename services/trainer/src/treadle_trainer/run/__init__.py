@@ -10,8 +10,9 @@
 
     dataset / env generator --cursor--> fenced MULTI: XADD treadle:{run}:tasks + cursor + fed ids
         (fed up to (step + max_staleness) * tasks_per_step; rollout admission does the rest;
-        with `feed_ahead` a sync run feeds the next step's tasks, demanding the version this
-        step will publish, before it trains this step, so rollout prepares them meanwhile)
+        a sync run feeds the next step's tasks, demanding the version this step publishes,
+        while it publishes it, so rollout has read them and waits in the store for that
+        version when it commits; with `feed_ahead`, before it trains this step)
     treadle:{run}:trajectories --fenced XREADGROUP (group `trainer`, consumer `owner`)-->
         validate (a trajectory id is "{task_id}/{sample}": a task played twice is trained once)
         --> GroupBuffer (complete groups) --> staleness / status drops --> advantages

@@ -12,9 +12,11 @@ step used as `run_ended`; the final checkpoint acks and ledgers them.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import shutil
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -312,20 +314,16 @@ class RunOwner:
             except Stopping:
                 break
             wait_s = time.perf_counter() - started
-            feeding = None
+            feed_next: Callable[[], Awaitable[None]] | None = None
             if step == t.num_steps:
                 await admission.close(self.r, cfg.run_id)  # no later group would be trained
-            elif self._feeds_ahead(step):
-                # the next step's tasks, demanding this step's weights, fed while this step
-                # trains: rollout picks them up, opens their sessions and renders their prompts
-                feeding = asyncio.ensure_future(
-                    self._feed(source, (step + 1) * t.tasks_per_step, self._v0 + step)
+            elif self._feeds_next(step):
+                # the next step's tasks, demanding this step's weights: rollout reads them
+                # while they are published and generates as soon as the store has them
+                feed_next = functools.partial(
+                    self._feed, source, (step + 1) * t.tasks_per_step, self._v0 + step
                 )
-            try:
-                version = await self._step(step, groups, version, started, wait_s)
-            finally:
-                if feeding is not None:
-                    await feeding
+            version = await self._step(step, groups, version, started, wait_s, feed_next)
             if self.versions.publishes(step):
                 served = version
             await self._save_status()
@@ -347,15 +345,13 @@ class RunOwner:
     async def _feed(self, source, upto: int, version: int) -> None:
         await self.feeder.feed(source, upto, version if self.max_staleness == 0 else 0)
 
-    def _feeds_ahead(self, step: int) -> bool:
-        """With `trainer.feed_ahead`, a sync run feeds step + 1's tasks before training `step`
-        (they wait in rollout for the version `step` publishes), unless an evaluation of
-        `step`'s weights comes first: nothing may generate beside it."""
+    def _feeds_next(self, step: int) -> bool:
+        """A sync run feeds step + 1's tasks before `step`'s weights are published (they wait
+        in rollout for that version): while they are published, or with `trainer.feed_ahead`
+        before `step` trains. Not when an evaluation of `step`'s weights comes first: nothing
+        may generate beside it."""
         return (
-            self.config.trainer.feed_ahead
-            and self.max_staleness == 0
-            and self.versions.publishes(step)
-            and not self.holds.after(step)
+            self.max_staleness == 0 and self.versions.publishes(step) and not self.holds.after(step)
         )
 
     async def _restore(self) -> bool:
@@ -422,25 +418,42 @@ class RunOwner:
 
     # --- one step -------------------------------------------------------------------------------
     async def _step(
-        self, step: int, groups: list[Group], version: int, started: float, wait_s: float
+        self,
+        step: int,
+        groups: list[Group],
+        version: int,
+        started: float,
+        wait_s: float,
+        feed_next: Callable[[], Awaitable[None]] | None = None,
     ) -> int:
+        """Train `step` on `groups` and publish its weights; `feed_next` feeds the next
+        step's tasks meanwhile (before training with `trainer.feed_ahead`, else after)."""
         assert self.backend is not None
         batch = build_batch(groups, version, self.max_staleness, self.config.trainer)
         for reason in batch.dropped.values():
             self.drops.count(reason)
-        train_start = time.perf_counter()
-        with self.step_stage.track():
-            stats = await on_torch_thread(self._train, batch.data)
-        train_s = time.perf_counter() - train_start
-        publish_start = time.perf_counter()
-        version = self._v0 + step
-        if self.versions.publishes(step):
-            state = await on_torch_thread(self.backend.snapshot_cpu)
-            # a sync run's next batch is generated with these weights: it waits for them
-            await self.versions.submit(
-                Snapshot(step, version, state), wait=self.config.mode == "sync"
-            )
-        publish_s = time.perf_counter() - publish_start
+        feeding: asyncio.Future[None] | None = None
+        if feed_next is not None and self.config.trainer.feed_ahead:
+            feeding = asyncio.ensure_future(feed_next())
+        try:
+            train_start = time.perf_counter()
+            with self.step_stage.track():
+                stats = await on_torch_thread(self._train, batch.data)
+            train_s = time.perf_counter() - train_start
+            publish_start = time.perf_counter()
+            if feed_next is not None and feeding is None:
+                feeding = asyncio.ensure_future(feed_next())
+            version = self._v0 + step
+            if self.versions.publishes(step):
+                state = await on_torch_thread(self.backend.snapshot_cpu)
+                # a sync run's next batch is generated with these weights: it waits for them
+                await self.versions.submit(
+                    Snapshot(step, version, state), wait=self.config.mode == "sync"
+                )
+            publish_s = time.perf_counter() - publish_start
+        finally:
+            if feeding is not None:
+                await feeding
         self.status.trajectories_trained += len(batch.trained)
         self.ledger.add(
             LedgerEntry(step, "step", version, batch.entries, batch.trained, batch.dropped)

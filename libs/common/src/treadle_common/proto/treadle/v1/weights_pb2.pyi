@@ -165,6 +165,22 @@ class ListVersionsResponse(_message.Message):
     versions: _containers.RepeatedCompositeFieldContainer[VersionInfo]
     def __init__(self, versions: _Optional[_Iterable[_Union[VersionInfo, _Mapping]]] = ...) -> None: ...
 
+class WaitForVersionRequest(_message.Message):
+    __slots__ = ("model", "version", "timeout_s")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    timeout_s: float
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class WaitForVersionResponse(_message.Message):
+    __slots__ = ("latest",)
+    LATEST_FIELD_NUMBER: _ClassVar[int]
+    latest: int
+    def __init__(self, latest: _Optional[int] = ...) -> None: ...
+
 class WeightAnnouncement(_message.Message):
     __slots__ = ("model", "version", "trainer_step", "store_address")
     MODEL_FIELD_NUMBER: _ClassVar[int]

@@ -54,6 +54,11 @@ class WeightStoreStub:
                 request_serializer=treadle_dot_v1_dot_weights__pb2.VersionRef.SerializeToString,
                 response_deserializer=treadle_dot_v1_dot_weights__pb2.WeightManifest.FromString,
                 _registered_method=True)
+        self.WaitForVersion = channel.unary_unary(
+                '/treadle.v1.WeightStore/WaitForVersion',
+                request_serializer=treadle_dot_v1_dot_weights__pb2.WaitForVersionRequest.SerializeToString,
+                response_deserializer=treadle_dot_v1_dot_weights__pb2.WaitForVersionResponse.FromString,
+                _registered_method=True)
         self.ListVersions = channel.unary_unary(
                 '/treadle.v1.WeightStore/ListVersions',
                 request_serializer=treadle_dot_v1_dot_weights__pb2.ListVersionsRequest.SerializeToString,
@@ -103,6 +108,12 @@ class WeightStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetManifest(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WaitForVersion(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -160,6 +171,11 @@ def add_WeightStoreServicer_to_server(servicer, server):
                     servicer.GetManifest,
                     request_deserializer=treadle_dot_v1_dot_weights__pb2.VersionRef.FromString,
                     response_serializer=treadle_dot_v1_dot_weights__pb2.WeightManifest.SerializeToString,
+            ),
+            'WaitForVersion': grpc.unary_unary_rpc_method_handler(
+                    servicer.WaitForVersion,
+                    request_deserializer=treadle_dot_v1_dot_weights__pb2.WaitForVersionRequest.FromString,
+                    response_serializer=treadle_dot_v1_dot_weights__pb2.WaitForVersionResponse.SerializeToString,
             ),
             'ListVersions': grpc.unary_unary_rpc_method_handler(
                     servicer.ListVersions,
@@ -295,6 +311,33 @@ class WeightStore:
             '/treadle.v1.WeightStore/GetManifest',
             treadle_dot_v1_dot_weights__pb2.VersionRef.SerializeToString,
             treadle_dot_v1_dot_weights__pb2.WeightManifest.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WaitForVersion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/treadle.v1.WeightStore/WaitForVersion',
+            treadle_dot_v1_dot_weights__pb2.WaitForVersionRequest.SerializeToString,
+            treadle_dot_v1_dot_weights__pb2.WaitForVersionResponse.FromString,
             options,
             channel_credentials,
             insecure,
