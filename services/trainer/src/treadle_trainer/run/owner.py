@@ -436,6 +436,11 @@ class RunOwner:
         if feed_next is not None and self.config.trainer.feed_ahead:
             feeding = asyncio.ensure_future(feed_next())
         try:
+            if self.backend.device == "cpu":
+                # a publish still in flight (async) finishes first: on the CPU it takes the
+                # cores and the GIL from training, which then ran 75 % slower on the 2-core dev
+                # VM (`treadle bench step`); on a GPU they overlap
+                await self.versions.publisher.flush()
             train_start = time.perf_counter()
             with self.step_stage.track():
                 stats = await on_torch_thread(self._train, batch.data)
