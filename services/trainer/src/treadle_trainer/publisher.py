@@ -10,7 +10,9 @@ between are skipped instead of queueing up. Version numbers are fixed by the ste
 (`V0 + step`), so a skipped version leaves a gap and staleness keeps counting in steps.
 
 A sync run waits for the version its next batch needs (`wait_for`); an async run does not
-wait at all (its rollout keeps generating with the version it has). A failed publish is
+wait (its rollout keeps generating with the version it has), but a trainer on the CPU lets a
+publish in flight finish before its next step trains (`flush`): beside training it would
+take the same cores and the GIL. A failed publish is
 raised to the next caller of `submit`, `wait_for` or `flush` (the client already retried the
 transient errors).
 """
