@@ -5,7 +5,7 @@ import os
 import sys
 import time
 
-from treadle_trainer.backends.fsdp import follow, init_distributed, ping, shutdown_followers
+from treadle_trainer.backends.ranks import follow, init_distributed, ping, shutdown_followers
 
 if int(os.environ["RANK"]) > 0:
     follow()

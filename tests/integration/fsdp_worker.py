@@ -2,7 +2,9 @@
 or under `torchrun --nproc-per-node 2` (FSDP2). Rank 0 writes the numbers to OUT.json.
 
 Options: `--device cpu|cuda` (default: cuda when there is one), `--fp32` (no bf16 autocast on
-GPU), `--fsdp` (FSDP2 even with one rank, e.g. NCCL on a single GPU).
+GPU), `--fsdp` (FSDP2 even with one rank, e.g. NCCL on a single GPU), `--megatron TP` (the
+megatron-core backend with TP tensor-parallel ranks), `--weights FILE` (the final weights, HF
+layout, as safetensors).
 """
 
 import argparse
@@ -12,8 +14,12 @@ import random
 import sys
 from pathlib import Path
 
+import torch
+from safetensors.torch import save_file
+
 from treadle_trainer.backends import AdamParams, BackendSpec, build_backend
-from treadle_trainer.backends.fsdp import FSDPBackend, follow, shutdown_followers
+from treadle_trainer.backends.fsdp import FSDPBackend
+from treadle_trainer.backends.ranks import follow, shutdown_followers
 from treadle_trainer.batches import Datum, pack
 from treadle_trainer.losses import LossParams
 
@@ -39,12 +45,16 @@ def fixed_batch(vocab: int) -> list[Datum]:
     return data
 
 
-def main(model_dir: str, out: str, device: str | None, bf16: bool, fsdp: bool) -> None:
+def main(args: argparse.Namespace) -> None:
     if int(os.environ.get("RANK", "0")) > 0:
         follow()
         return
-    spec = BackendSpec(model_dir=model_dir, seed=0, reference=True, device=device, bf16=bf16)
-    backend = FSDPBackend.lead(spec) if fsdp else build_backend(spec)
+    spec = BackendSpec(
+        model_dir=args.model_dir, seed=0, reference=True, device=args.device, bf16=not args.fp32
+    )
+    if args.megatron:
+        spec = spec.model_copy(update={"kind": "megatron", "tensor_parallel": args.megatron})
+    backend = FSDPBackend.lead(spec) if args.fsdp else build_backend(spec)
     mbs = pack(fixed_batch(backend.vocab_size), 40, "group", backend.pad_id)
     params = LossParams(kl_coef=0.1)
     backend.snapshot_proximal()  # pi_prox: the weights before this batch's updates
@@ -54,13 +64,22 @@ def main(model_dir: str, out: str, device: str | None, bf16: bool, fsdp: bool) -
     backend.zero_grad()
     third = backend.forward_backward(mbs, "decoupled_ppo", params)  # a 2nd minibatch update
     backend.zero_grad()
-    ckpt = Path(out).with_suffix(".ckpt")
+    stepped = backend.snapshot_cpu()  # after the first update (a copy)
+    ckpt = Path(args.out).with_suffix(".ckpt")
     backend.save(ckpt, {"step": 1})
     meta = backend.load(ckpt)
-    state = backend.state_dict_cpu()
+    state = backend.snapshot_cpu()
+    restored = all(torch.equal(state[k], stepped[k]) for k in stepped)
+    # a step after the restore: equal across backends only if the Adam moments came back
+    backend.forward_backward(mbs, "ppo", params)
+    resumed_step = backend.optim_step(AdamParams(learning_rate=1e-3))
+    resumed = backend.state_dict_cpu()
     backend.close()
     shutdown_followers()
-    Path(out).write_text(
+    if args.weights:
+        save_file({k: v.clone() for k, v in stepped.items()}, args.weights)
+        save_file({k: v.clone() for k, v in resumed.items()}, args.weights + ".resumed")
+    Path(args.out).write_text(
         json.dumps(
             {
                 "micro_batches": len(mbs),
@@ -70,6 +89,8 @@ def main(model_dir: str, out: str, device: str | None, bf16: bool, fsdp: bool) -
                 "third": third,
                 "checksum": float(sum(v.double().abs().sum() for v in state.values())),
                 "meta_step": meta["step"],
+                "restored_identical": restored,
+                "resumed_grad_norm": resumed_step["grad_norm"],
                 "device": backend.device,
                 "dtypes": sorted({str(v.dtype) for v in state.values()}),
             }
@@ -84,5 +105,6 @@ if __name__ == "__main__":
     parser.add_argument("--device", default=None)
     parser.add_argument("--fp32", action="store_true")
     parser.add_argument("--fsdp", action="store_true")
-    args = parser.parse_args(sys.argv[1:])
-    main(args.model_dir, args.out, args.device, not args.fp32, args.fsdp)
+    parser.add_argument("--megatron", type=int, default=0, metavar="TP")
+    parser.add_argument("--weights", default=None)
+    main(parser.parse_args(sys.argv[1:]))

@@ -1,5 +1,6 @@
-"""The FSDP2 backend under a real `torchrun` (2 ranks, gloo on CPU) against the single-process
-backend on the same batch: same loss, gradient norm, update and checkpoint round trip."""
+"""The FSDP2 and megatron-core backends under a real `torchrun` (2 ranks, gloo on CPU) against
+the single-process backend on the same batch: same loss, gradient norm, update and checkpoint
+round trip."""
 
 import json
 import os
@@ -92,3 +93,107 @@ def test_collectives_time_out_in_seconds_and_an_idle_leader_keeps_followers(tmp_
     else:
         assert result.returncode != 0
         assert "timed out" in (result.stdout + result.stderr).lower()
+
+
+def relative_differences(a: Path, b: Path) -> tuple[float, float]:
+    """|x - y| / |x| over all the tensors of two HF-layout weight files, and its largest value
+    for one tensor."""
+    from safetensors.torch import load_file
+
+    x, y = load_file(str(a)), load_file(str(b))
+    assert sorted(x) == sorted(y)
+    diff = sum(float((x[k] - y[k]).norm() ** 2) for k in x) ** 0.5
+    norm = sum(float(x[k].norm() ** 2) for k in x) ** 0.5
+    return diff / norm, max(float((x[k] - y[k]).norm() / x[k].norm()) for k in x)
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    """Within 1e-4 relative over the model. One tensor may differ by up to 1e-3: a key bias
+    (Qwen2) has a gradient of exactly zero in theory (softmax ignores a shift shared by every
+    key), so its gradient is rounding noise that Adam's first step scales up to the learning
+    rate; a mapping error would differ by order 1."""
+    overall, worst = relative_differences(a, b)
+    assert overall < 1e-4 and worst < 1e-3, (overall, worst)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2(tiny_model, tmp_path_factory) -> Path:
+    """A tiny Qwen2 (QKV bias, untied head, 4 query heads in 2 groups) with the tiny tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("models") / "qwen2"
+    Qwen2ForCausalLM(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("tp", "model"), [(2, "llama"), (1, "llama"), (2, "qwen2")], ids=["tp2", "tp1-dp2", "tp2-qwen2"]
+)
+def test_megatron_matches_single_process(tiny_model, tiny_qwen2, tmp_path, tp, model):
+    """megatron-core over 2 gloo ranks (tensor parallel 2, or tensor parallel 1 x data
+    parallel 2) against the single-process backend on the same batch: decoupled PPO + KL,
+    then PPO + KL, the update, a checkpoint round trip and a step after it."""
+    model_dir = tiny_model if model == "llama" else tiny_qwen2
+    single = run_worker(
+        [
+            sys.executable,
+            str(WORKER),
+            str(model_dir),
+            str(tmp_path / "single.json"),
+            "--weights",
+            str(tmp_path / "single.st"),
+        ],
+        tmp_path / "single.json",
+    )
+    mc = run_worker(
+        [
+            TORCHRUN,
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            str(WORKER),
+            str(model_dir),
+            str(tmp_path / "mc.json"),
+            "--megatron",
+            str(tp),
+            "--weights",
+            str(tmp_path / "mc.st"),
+        ],
+        tmp_path / "mc.json",
+    )
+    for key in ("first", "second", "third"):
+        assert mc[key]["num_tokens"] == single[key]["num_tokens"] > 0
+        for stat in ("loss", "entropy", "kl", "clip_fraction", "ratio"):
+            assert mc[key][stat] == pytest.approx(single[key][stat], rel=1e-4, abs=1e-6), stat
+    assert single["second"]["kl"] > 0 and single["third"]["ratio"] != 1.0
+    assert mc["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-4)
+    assert_same_weights(tmp_path / "single.st", tmp_path / "mc.st")
+    assert mc["restored_identical"] and single["restored_identical"]
+    assert mc["resumed_grad_norm"] == pytest.approx(single["resumed_grad_norm"], rel=1e-4)
+    resumed = [tmp_path / f"{name}.st.resumed" for name in ("single", "mc")]
+    assert_same_weights(*resumed)
+
+
+def test_megatron_refuses_what_its_ranks_cannot_run():
+    from treadle_trainer.backends import check_backend
+
+    with pytest.raises(ValueError, match="needs a multiple of 2 ranks; this trainer has 1"):
+        check_backend("megatron", 2, 1)
+    with pytest.raises(ValueError, match="need backend megatron"):
+        check_backend("fsdp", 2, 1)
+    check_backend("megatron", 1, 1)

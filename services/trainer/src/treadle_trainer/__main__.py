@@ -2,7 +2,7 @@
 
 Settings come from the environment (TREADLE_*), see `treadle_trainer.settings`. Under
 `torchrun --nproc-per-node N -m treadle_trainer`, rank 0 serves and ranks 1..N-1 follow it
-(FSDP2 backend, see backends/fsdp.py).
+(FSDP2 or megatron-core, see backends/ranks.py).
 """
 
 import os
@@ -13,7 +13,7 @@ from treadle_trainer.settings import TrainerSettings
 
 def main() -> None:
     if int(os.environ.get("RANK", "0")) > 0:
-        from treadle_trainer.backends.fsdp import follow
+        from treadle_trainer.backends.ranks import follow
 
         follow()
         return
@@ -21,7 +21,7 @@ def main() -> None:
         run_service("treadle_trainer.app", TrainerSettings)
     finally:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            from treadle_trainer.backends.fsdp import shutdown_followers
+            from treadle_trainer.backends.ranks import shutdown_followers
 
             shutdown_followers()
 

@@ -2,10 +2,12 @@
 
 - `TorchBackend` (`single.py`): one process, CPU or GPU (bf16 autocast on GPU).
 - `FSDPBackend` (`fsdp.py`): FSDP2 (`fully_shard`) over every rank of a `torchrun` job
-  (gloo on CPU, NCCL on GPU). Rank 0 runs the service and leads; the other ranks follow
-  the commands it broadcasts as tensors.
+  (gloo on CPU, NCCL on GPU).
+- `MegatronBackend` (`megatron/`): megatron-core's `GPTModel`, tensor x pipeline x data
+  parallel over the ranks of a `torchrun` job; weights in and out in HF layout.
 
-A Megatron-core backend would implement the same methods.
+Under torchrun, rank 0 runs the service and leads; the other ranks follow the commands it
+broadcasts as tensors (`ranks.py`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from treadle_trainer.backends.single import AdamParams, BackendSpec, TorchBackend
+from treadle_trainer.backends.single import AdamParams, BackendKind, BackendSpec, TorchBackend
 
 T = TypeVar("T")
 _TORCH_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
@@ -32,13 +34,50 @@ async def on_torch_thread(fn: Callable[..., T], *args: Any) -> T:
     return await asyncio.get_running_loop().run_in_executor(_TORCH_THREAD, fn, *args)
 
 
+def world_size() -> int:
+    """Ranks in this trainer's `torchrun` job (1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_backend(kind: BackendKind, tensor_parallel: int, pipeline_parallel: int) -> None:
+    """Refuse, with the reason, a backend this trainer's ranks cannot run."""
+    ranks = world_size()
+    if kind == "single" and ranks > 1:
+        raise ValueError(f"backend single runs in one process; this trainer has {ranks} ranks")
+    if kind != "megatron" and (tensor_parallel, pipeline_parallel) != (1, 1):
+        raise ValueError("tensor_parallel and pipeline_parallel need backend megatron")
+    model_parallel = tensor_parallel * pipeline_parallel
+    if kind == "megatron" and ranks % model_parallel:
+        raise ValueError(
+            f"backend megatron with tensor_parallel={tensor_parallel} x pipeline_parallel="
+            f"{pipeline_parallel} needs a multiple of {model_parallel} ranks; this trainer "
+            f"has {ranks} (start it with torchrun --nproc-per-node {model_parallel}, or "
+            f"treadle up --trainer-ranks {model_parallel})"
+        )
+
+
 def build_backend(spec: BackendSpec) -> TorchBackend:
-    """FSDP when this process is part of a multi-rank `torchrun` job, else single-process."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    """The backend `spec.kind` names; `auto`: FSDP2 when this process is rank 0 of a
+    multi-rank `torchrun` job, else single-process."""
+    check_backend(spec.kind, spec.tensor_parallel, spec.pipeline_parallel)
+    if spec.kind == "megatron":
+        from treadle_trainer.backends.megatron import MegatronBackend
+
+        return MegatronBackend.lead(spec)
+    if spec.kind == "fsdp" or (spec.kind == "auto" and world_size() > 1):
         from treadle_trainer.backends.fsdp import FSDPBackend
 
         return FSDPBackend.lead(spec)
     return TorchBackend(spec)
 
 
-__all__ = ["AdamParams", "BackendSpec", "TorchBackend", "build_backend", "on_torch_thread"]
+__all__ = [
+    "AdamParams",
+    "BackendKind",
+    "BackendSpec",
+    "TorchBackend",
+    "build_backend",
+    "check_backend",
+    "on_torch_thread",
+    "world_size",
+]

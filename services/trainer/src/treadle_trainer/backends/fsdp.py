@@ -1,24 +1,15 @@
 """FSDP2 backend: the model sharded with `fully_shard` over every rank of a `torchrun` job.
 
-    torchrun --nproc-per-node N -m treadle_trainer
-      rank 0     the trainer service; its backend calls broadcast a command first
-      rank 1..N  `follow()`: receive a command, run the same method on their shard
-
-Commands travel as tensors (a JSON header as uint8, then the micro-batch tensors), never as
-pickled objects. Micro-batches are dealt round-robin; a rank with fewer runs a zero-weight
-filler so every rank does the same number of forward/backward passes (FSDP collectives).
-FSDP averages gradients over ranks, so each rank's loss is scaled by the world size to keep
-the gradient of the batch sum identical to the single-process backend.
+Rank 0 leads and the other ranks follow (see `ranks.py`). Micro-batches are dealt
+round-robin; a rank with fewer runs a zero-weight filler so every rank does the same number
+of forward/backward passes (FSDP collectives). FSDP averages gradients over ranks, so each
+rank's loss is scaled by the world size to keep the gradient of the batch sum identical to
+the single-process backend.
 """
 
 from __future__ import annotations
 
-import json
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
-from datetime import timedelta
-from pathlib import Path
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -26,52 +17,18 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from treadle_trainer.backends.single import AdamParams, BackendSpec, TorchBackend
-from treadle_trainer.batches import MicroBatch
-from treadle_trainer.losses import LossParams
-
-_FLOAT_FIELDS = {"mask_B_T", "advantages_B_T", "logprobs_B_T", "coef_B"}
+from treadle_trainer.backends.ranks import RankedBackend, init_distributed
+from treadle_trainer.backends.single import BackendSpec
 
 
-def dist_timeout_s() -> float:
-    """How long a collective may wait (`TREADLE_TRAINER_DIST_TIMEOUT_S`): a rank that hangs
-    or died fails the others within minutes, not a day. Rank 0 pings the followers while it
-    has nothing for them (`ping`), so an idle trainer does not trip it."""
-    from treadle_trainer.settings import TrainerSettings
-
-    return TrainerSettings().trainer_dist_timeout_s
-
-
-def init_distributed() -> None:
-    if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=dist_timeout_s()))
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-
-
-def ping() -> None:
-    """Rank 0, on the torch thread between commands: tell the followers it is alive."""
-    if dist.is_initialized() and dist.get_rank() == 0:
-        _send("ping", {})
-
-
-class FSDPBackend(TorchBackend):
+class FSDPBackend(RankedBackend):
     def __init__(self, spec: BackendSpec):
         init_distributed()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.dp_rank, self.dp_size = self.rank, self.world_size
         if torch.cuda.is_available() and spec.device is None:
             spec = spec.model_copy(update={"device": f"cuda:{torch.cuda.current_device()}"})
-        self._comm_device = "cuda" if torch.cuda.is_available() else "cpu"
-        self._muted = False
         super().__init__(spec)
-
-    @classmethod
-    def lead(cls, spec: BackendSpec) -> FSDPBackend:
-        """Rank 0: tell the followers to build the same backend, then build ours."""
-        init_distributed()
-        _send("build", spec.model_dump())
-        return cls(spec)
 
     def _wrap(self) -> None:
         mesh = init_device_mesh(self.device.split(":")[0], (self.world_size,))
@@ -100,162 +57,6 @@ class FSDPBackend(TorchBackend):
     def _autocast(self):
         return nullcontext()  # FSDP's MixedPrecisionPolicy casts instead
 
-    def _assign(self, mbs: list[MicroBatch]) -> list[tuple[MicroBatch, bool]]:
-        rounds = -(-len(mbs) // self.world_size)
-        mine = []
-        for r in range(rounds):
-            i = r * self.world_size + self.rank
-            mine.append((mbs[i], True) if i < len(mbs) else (mbs[0], False))
-        return mine
-
-    def _sum(self, values: torch.Tensor) -> torch.Tensor:
-        values = values.to(self._comm_device)
-        dist.all_reduce(values)
-        return values.cpu()
-
     @property
     def _grad_scale(self) -> float:
         return float(self.world_size)
-
-    # --- leader side: broadcast the command, then run the same method locally -----------------
-    def _lead(self, op: str, header: dict[str, Any], tensors: list[torch.Tensor] | None = None):
-        if self.rank == 0 and not self._muted:
-            _send(op, header, tensors)
-
-    @contextmanager
-    def _mute(self) -> Iterator[None]:
-        """Nested calls (save -> state_dict_cpu) must not broadcast a second command."""
-        self._muted = True
-        try:
-            yield
-        finally:
-            self._muted = False
-
-    def forward_backward(
-        self, mbs: list[MicroBatch], loss: str, params: LossParams
-    ) -> dict[str, float]:
-        header = {
-            "loss": loss,
-            "params": params.model_dump(),
-            "shapes": [list(mb.input_ids_B_T.shape) for mb in mbs],
-        }
-        self._lead("forward_backward", header, [t for mb in mbs for t in mb.tensors()])
-        return super().forward_backward(mbs, loss, params)
-
-    def optim_step(self, adam: AdamParams) -> dict[str, float]:
-        self._lead("optim_step", adam.model_dump())
-        return super().optim_step(adam)
-
-    def zero_grad(self) -> None:
-        self._lead("zero_grad", {})
-        super().zero_grad()
-
-    def snapshot_proximal(self) -> None:
-        self._lead("snapshot_proximal", {})
-        super().snapshot_proximal()
-
-    def state_dict_cpu(self) -> dict[str, torch.Tensor]:
-        self._lead("state_dict", {})
-        return super().state_dict_cpu()
-
-    def snapshot_cpu(self) -> dict[str, torch.Tensor]:
-        return self.state_dict_cpu()  # gathered from the shards: already a copy
-
-    def save(self, path: Path, meta: dict[str, Any]) -> None:
-        self._lead("save", {"path": str(path), "meta": meta})
-        with self._mute():
-            super().save(path, meta)
-
-    def load(self, path: Path) -> dict[str, Any]:
-        self._lead("load", {"path": str(path)})
-        return super().load(path)
-
-    def close(self) -> None:
-        self._lead("close", {})
-
-    # --- follower side: the same methods, on rank != 0 they do not broadcast -------------------
-    def run_command(self, op: str, header: dict[str, Any]) -> bool:
-        """Run one command received from rank 0; False when told to stop."""
-        if op == "forward_backward":
-            mbs = _recv_micro_batches(header["shapes"], self._comm_device)
-            self.forward_backward(mbs, header["loss"], LossParams(**header["params"]))
-        elif op == "optim_step":
-            self.optim_step(AdamParams(**header))
-        elif op == "zero_grad":
-            self.zero_grad()
-        elif op == "snapshot_proximal":
-            self.snapshot_proximal()
-        elif op == "state_dict":
-            self.state_dict_cpu()
-        elif op == "save":
-            self.save(Path(header["path"]), header["meta"])
-        elif op == "load":
-            self.load(Path(header["path"]))
-        elif op == "close":
-            return False
-        else:
-            raise ValueError(f"unknown command {op!r}")
-        return True
-
-
-# --- the wire: JSON header + tensors, all by broadcast from rank 0 ------------------------------
-
-
-def _send(op: str, header: dict[str, Any], tensors: list[torch.Tensor] | None = None) -> None:
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    raw = json.dumps({"op": op, **header}).encode()
-    dist.broadcast(torch.tensor([len(raw)], dtype=torch.long, device=device), src=0)
-    dist.broadcast(torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device), src=0)
-    for t in tensors or []:
-        dist.broadcast(t.contiguous().to(device), src=0)
-
-
-def _recv(device: str) -> tuple[str, dict[str, Any]]:
-    size = torch.zeros(1, dtype=torch.long, device=device)
-    dist.broadcast(size, src=0)
-    raw = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
-    dist.broadcast(raw, src=0)
-    header = json.loads(bytes(raw.cpu().tolist()))
-    return header.pop("op"), header
-
-
-def _recv_micro_batches(shapes: list[list[int]], device: str) -> list[MicroBatch]:
-    mbs = []
-    for b, t in shapes:
-        tensors = []
-        for name in MicroBatch.FIELDS:
-            shape = (b,) if name == "coef_B" else (b, t)
-            dtype = torch.float32 if name in _FLOAT_FIELDS else torch.long
-            tensor = torch.zeros(shape, dtype=dtype, device=device)
-            dist.broadcast(tensor, src=0)
-            tensors.append(tensor.cpu())
-        mbs.append(MicroBatch(*tensors))
-    return mbs
-
-
-def follow() -> None:
-    """Ranks 1..N of a torchrun job: build and drive backends as rank 0 commands."""
-    init_distributed()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    backend: FSDPBackend | None = None
-    while True:
-        op, header = _recv(device)
-        if op == "ping":  # rank 0 is alive and idle
-            continue
-        if op == "build":
-            backend = FSDPBackend(BackendSpec(**header))
-        elif op == "shutdown":
-            break
-        elif backend is None:
-            raise RuntimeError(f"command {op!r} before build")
-        elif not backend.run_command(op, header):
-            backend = None
-    dist.barrier()  # both sides leave together; a one-sided teardown aborts gloo's peer
-    dist.destroy_process_group()
-
-
-def shutdown_followers() -> None:
-    if dist.is_initialized() and dist.get_rank() == 0:
-        _send("shutdown", {})
-        dist.barrier()
-        dist.destroy_process_group()

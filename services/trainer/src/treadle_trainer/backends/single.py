@@ -19,7 +19,7 @@ import shutil
 from collections import defaultdict
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 from pydantic import BaseModel, Field
@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from treadle_common import durable
 from treadle_common.api.training import AdamParams  # the API's shape, re-exported here
@@ -39,8 +39,16 @@ from treadle_trainer.batches import MicroBatch
 from treadle_trainer.losses import NEEDS_PROXIMAL, LossParams, TokenInputs, total_loss
 
 
+BackendKind = Literal["auto", "single", "fsdp", "megatron"]
+
+
 class BackendSpec(BaseModel):
     model_dir: str
+    kind: BackendKind = Field(
+        "auto", description="auto: FSDP2 under a multi-rank torchrun job, else single"
+    )
+    tensor_parallel: int = Field(1, ge=1, description="megatron: tensor-parallel ranks")
+    pipeline_parallel: int = Field(1, ge=1, description="megatron: pipeline stages")
     seed: int = 0
     reference: bool = Field(False, description="Keep a frozen copy for the KL penalty")
     bf16: bool = Field(True, description="bf16 compute on GPU (ignored on CPU)")
@@ -112,13 +120,23 @@ class TorchBackend:
         tokenizer = AutoTokenizer.from_pretrained(spec.model_dir)
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else tokenizer.eos_token_id
+        self.hf_config = AutoConfig.from_pretrained(spec.model_dir)
+        self.vocab_size = int(self.hf_config.vocab_size)
         self.model = self._load_model()
-        self.vocab_size = int(self.model.config.vocab_size)  # type: ignore[union-attr,arg-type]
         self.reference = self._load_model().eval().requires_grad_(False) if spec.reference else None
         self.proximal: torch.nn.Module | None = None  # decoupled PPO with several minibatches
         self._wrap()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
-        self.signature = {k: list(v.shape) for k, v in self.model.state_dict().items()}
+        self.signature = self._signature()
+
+    def _signature(self) -> dict[str, list[int]]:
+        """The HF tensors' names and shapes (checkpoints record it and are checked against it)."""
+        return {k: list(v.shape) for k, v in self.model.state_dict().items()}
+
+    def _logprobs(
+        self, model: torch.nn.Module, mb: MicroBatch, entropy: bool, temperature: float
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return token_logprobs(model, mb, self.device, entropy=entropy, temperature=temperature)
 
     def _load_model(self) -> torch.nn.Module:
         model = AutoModelForCausalLM.from_pretrained(self.spec.model_dir, dtype=torch.float32)
@@ -174,17 +192,11 @@ class TorchBackend:
             with torch.no_grad(), self._autocast():
                 if loss in NEEDS_PROXIMAL:
                     pi_prox = self.proximal if self.proximal is not None else self.model
-                    proximal, _ = token_logprobs(
-                        pi_prox, mb, self.device, temperature=params.temperature
-                    )
+                    proximal, _ = self._logprobs(pi_prox, mb, False, params.temperature)
                 if self.reference is not None and params.kl_coef > 0:
-                    ref, _ = token_logprobs(
-                        self.reference, mb, self.device, temperature=params.temperature
-                    )
+                    ref, _ = self._logprobs(self.reference, mb, False, params.temperature)
             with self._autocast():
-                logprobs, entropy = token_logprobs(
-                    self.model, mb, self.device, entropy=True, temperature=params.temperature
-                )
+                logprobs, entropy = self._logprobs(self.model, mb, True, params.temperature)
             inputs = TokenInputs(
                 logprobs=logprobs,
                 advantages=mb.advantages_B_T.to(self.device),
@@ -220,12 +232,17 @@ class TorchBackend:
                 eps=adam.eps,
                 weight_decay=adam.weight_decay,
             )
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), adam.max_grad_norm)
-        if hasattr(norm, "full_tensor"):  # a DTensor under FSDP
-            norm = norm.full_tensor()
+        norm = self._clip_grads(adam.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": float(norm)}
+        return {"grad_norm": norm}
+
+    def _clip_grads(self, max_norm: float) -> float:
+        """Clip the gradients to a global norm; the norm before clipping."""
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if hasattr(norm, "full_tensor"):  # a DTensor under FSDP
+            norm = norm.full_tensor()
+        return float(norm)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -253,10 +270,24 @@ class TorchBackend:
             k: v.clone() if v.data_ptr() in live else v for k, v in self.state_dict_cpu().items()
         }
 
+    checkpoint_layout = "torch"
+    """How optimizer.pt is laid out (meta.json records it; a backend loads only its own)."""
+
+    def _optimizer_state_cpu(self) -> dict[str, Any]:
+        """The full optimizer state, complete on rank 0."""
+        return get_optimizer_state_dict(self.model, self.optimizer, options=self._options())
+
+    def _restore(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None:
+        """Load full state dicts (given on rank 0; empty on the other ranks)."""
+        set_model_state_dict(self.model, model_sd, options=self._options(load=True))
+        set_optimizer_state_dict(
+            self.model, self.optimizer, optim_state_dict=optim_sd, options=self._options(load=True)
+        )
+
     def save(self, path: Path, meta: dict[str, Any]) -> None:
         """Write a checkpoint atomically: `path.tmp` first, renamed to `path` when complete."""
         model_sd = {k: v.clone() for k, v in self.state_dict_cpu().items()}  # tied weights
-        optim_sd = get_optimizer_state_dict(self.model, self.optimizer, options=self._options())
+        optim_sd = self._optimizer_state_cpu()
         if self.rank != 0:
             return
         tmp = path.with_name(path.name + ".tmp")
@@ -272,9 +303,8 @@ class TorchBackend:
             name: {"size": (tmp / name).stat().st_size, "xxh3": durable.digest(tmp / name)}
             for name in CHECKPOINT_FILES
         }
-        (tmp / "meta.json").write_text(
-            json.dumps({"signature": self.signature, "files": files, **meta})
-        )
+        record = {"signature": self.signature, "layout": self.checkpoint_layout, "files": files}
+        (tmp / "meta.json").write_text(json.dumps({**record, **meta}))
         durable.fsync_tree(tmp)
         shutil.rmtree(path, ignore_errors=True)
         tmp.rename(path)
@@ -290,13 +320,16 @@ class TorchBackend:
                 f"checkpoint {path} was written for a different model "
                 f"({len(theirs)} vs {len(ours)} tensors; first difference: {diff[:3]})"
             )
+        layout = meta.get("layout", "torch")
+        if layout != self.checkpoint_layout:
+            raise IncompatibleCheckpoint(
+                f"checkpoint {path} holds {layout} optimizer state; this backend reads "
+                f"{self.checkpoint_layout} (its model.safetensors loads as an HF model)"
+            )
         primary = self.rank == 0
         model_sd: dict[str, Any] = load_file(str(path / "model.safetensors")) if primary else {}
         optim_sd = torch.load(path / "optimizer.pt", weights_only=True) if primary else {}
-        set_model_state_dict(self.model, model_sd, options=self._options(load=True))
-        set_optimizer_state_dict(
-            self.model, self.optimizer, optim_state_dict=optim_sd, options=self._options(load=True)
-        )
+        self._restore(model_sd, optim_sd)
         rng = load_file(str(path / "rng.safetensors"))
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():
