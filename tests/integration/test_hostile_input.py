@@ -150,6 +150,28 @@ def test_a_recipe_naming_a_path_outside_the_roots_is_refused(hostile, infra, cas
     assert not (tmp / "allowed" / "runs" / run).exists()
 
 
+@pytest.mark.parametrize(
+    ("trainer", "reason"),
+    [
+        ({"backend": "megatron", "tensor_parallel": 2}, "needs a multiple of 2 ranks"),
+        ({"backend": "single", "tensor_parallel": 2}, "need backend megatron"),
+        ({"backend": "megatron", "pipeline_parallel": 2}, "less than or equal to 1"),
+        ({"backend": "deepspeed"}, "'auto', 'single', 'fsdp' or 'megatron'"),
+    ],
+)
+def test_a_backend_the_trainer_cannot_run_is_refused_with_the_reason(
+    hostile, infra, trainer, reason
+):
+    """This trainer is one process: a recipe asking for two tensor-parallel ranks is refused
+    before anything of the run exists."""
+    run = f"hostile-{uuid.uuid4().hex[:6]}"
+    body = recipe(run, hostile["tmp"] / "allowed", trainer={"num_steps": 1, **trainer})
+    answer = httpx.post(f"{hostile['trainer'].http}/v1/runs", json=body, headers=ADMIN, timeout=30)
+    assert answer.status_code == 422 and reason in answer.text, answer.text
+    r = redis.Redis.from_url(infra.redis_url)
+    assert r.keys(f"treadle:{run}:*") == [] and not r.sismember(names.RUNS_KEY, run)
+
+
 def test_the_training_api_confines_paths_and_names(hostile):
     tmp, http = hostile["tmp"], hostile["trainer"].http
     before = snapshot(tmp / "outside")

@@ -114,11 +114,21 @@ def up(
     base_port: Annotated[int | None, typer.Option(help="Assign service ports from here")] = None,
     s3: Annotated[bool, typer.Option(help="Also start an S3 server")] = False,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for health")] = 90.0,
+    trainer_ranks: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Run the trainer as this many torchrun ranks (trainer.backend megatron: "
+            "tensor_parallel x data parallel; fsdp: FSDP2 shards)",
+        ),
+    ] = 1,
 ) -> None:
     """Start infrastructure and the five services as supervised local processes."""
     settings = get_settings()
     try:
-        spec = stack.prepare(settings, model, model_name, base_port, with_s3=s3)
+        spec = stack.prepare(
+            settings, model, model_name, base_port, with_s3=s3, trainer_ranks=trainer_ranks
+        )
     except (stack.StackError, InfraError) as exc:
         fail(str(exc))
     if detach:

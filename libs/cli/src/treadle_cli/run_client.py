@@ -156,8 +156,16 @@ class RunClient:
             mine = [cfg.model.path, cfg.output_dir]
             if cfg.data.path is not None:
                 mine.append(cfg.data.path.parent)
+            t = cfg.trainer
             spec = stack.prepare(
-                self.settings, cfg.model.path, cfg.model.name, None, path_roots=mine
+                self.settings,
+                cfg.model.path,
+                cfg.model.name,
+                None,
+                path_roots=mine,
+                trainer_ranks=t.tensor_parallel * t.pipeline_parallel
+                if t.backend == "megatron"
+                else 1,
             )
             stack.launch_detached(spec)
             own_stack = True

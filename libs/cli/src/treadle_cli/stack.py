@@ -63,6 +63,19 @@ class StackSpec:
     """Which of redis/nats need those passwords (the ones this state directory started)."""
     path_roots: list[str] = field(default_factory=list)
     """Where the trainer lets clients name paths, beside the state dir and `cwd`."""
+    trainer_ranks: int = 1
+    """Processes the trainer runs as (`torchrun`; rank 0 serves): megatron's tensor-parallel
+    ranks, or FSDP2's."""
+
+    def command(self, service: str) -> list[str]:
+        """How `service` is started: `python -m MODULE`, the trainer under `torchrun` when it
+        has several ranks."""
+        module = names.module_of(service)
+        if service == "trainer" and self.trainer_ranks > 1:
+            ranks = str(self.trainer_ranks)
+            run = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+            return [*run, "--nproc-per-node", ranks, "-m", module]
+        return [sys.executable, "-m", module]
 
     def client_url(self, name: str, user: str = infra_auth.ADMIN) -> str:
         """The URL of `name` (redis | nats) with `user`'s credentials where they are needed."""
@@ -197,7 +210,7 @@ class Supervisor:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log_file:
             m.proc = subprocess.Popen(
-                [sys.executable, "-m", names.module_of(m.name)],
+                self.spec.command(m.name),
                 env=self.spec.env(m.name),
                 cwd=self.spec.cwd,
                 stdout=log_file,
@@ -483,9 +496,11 @@ def prepare(
     base_port: int | None,
     with_s3: bool = False,
     path_roots: Sequence[Path] = (),
+    trainer_ranks: int = 1,
 ) -> StackSpec:
     """Start infrastructure, make sure the model exists and every service port is free.
-    `path_roots`: more directories the trainer lets runs name paths under."""
+    `path_roots`: more directories the trainer lets runs name paths under; `trainer_ranks`:
+    the trainer's `torchrun` processes."""
     state_dir = settings.state_dir.resolve()
     record = read_stack(state_dir)
     if record is not None:
@@ -521,6 +536,7 @@ def prepare(
         infra_secrets_file=str(servers.secrets_path),
         secured_infra=[s.name for s in infra if s.managed and s.name in ("redis", "nats")],
         path_roots=[str(Path(p).resolve()) for p in path_roots],
+        trainer_ranks=trainer_ranks,
     )
 
 

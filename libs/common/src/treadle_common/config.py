@@ -81,6 +81,8 @@ LossName = Literal[
     "cross_entropy", "policy_gradient", "importance_sampling", "ppo", "cispo", "decoupled_ppo"
 ]
 AdvantageName = Literal["grpo", "dr_grpo", "rloo"]
+TrainerBackend = Literal["auto", "single", "fsdp", "megatron"]
+"""auto: FSDP2 when the trainer runs as several `torchrun` ranks, else single (one process)."""
 
 
 class TrainerConfig(Strict):
@@ -119,6 +121,23 @@ class TrainerConfig(Strict):
         1, ge=1, description="Checkpoint every K steps; trajectories are acked only then"
     )
     bf16: bool = Field(True, description="bf16 compute on GPU (ignored on CPU)")
+    backend: TrainerBackend = Field(
+        "auto",
+        description="single (one process), fsdp (FSDP2 over the trainer's torchrun ranks), "
+        "megatron (megatron-core: tensor x data parallel over them); auto: fsdp under "
+        "torchrun, else single",
+    )
+    tensor_parallel: int = Field(
+        1, ge=1, description="megatron: ranks that split every layer (the rest: data parallel)"
+    )
+    pipeline_parallel: int = Field(
+        1,
+        ge=1,
+        le=1,
+        description="megatron: pipeline stages. Only 1: megatron-core 0.16's pipeline "
+        "schedules allocate on CUDA directly, so they do not run on CPU, and the GPU path is "
+        "not built yet",
+    )
     external_groups: bool = Field(
         False, description="Also train on groups the trainer did not feed (recorded sessions)"
     )

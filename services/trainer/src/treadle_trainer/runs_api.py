@@ -33,6 +33,7 @@ from treadle_common.config import RunConfig
 from treadle_common.logs import get_logger
 from treadle_common.progress import Stage
 from treadle_common.service import ServiceRuntime
+from treadle_trainer.backends import check_backend
 from treadle_trainer.paths import confine
 from treadle_trainer.run import RunOwner
 from treadle_trainer.run.lease import Lease
@@ -191,6 +192,11 @@ class Runs:
         if config.data.path is not None:
             confine(config.data.path, roots, "data.path")
         confine(config.output_dir, roots, "output_dir")
+        t = config.trainer
+        try:
+            check_backend(t.backend, t.tensor_parallel, t.pipeline_parallel)
+        except ValueError as exc:
+            raise HTTPException(422, f"trainer.backend: {exc}") from exc
         if config.run_id in self.owners:
             raise HTTPException(409, f"run {config.run_id} already exists")
         redis = self.runtime.redis

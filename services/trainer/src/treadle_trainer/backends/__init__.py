@@ -18,7 +18,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from treadle_trainer.backends.single import AdamParams, BackendKind, BackendSpec, TorchBackend
+from treadle_common.config import TrainerBackend
+from treadle_trainer.backends.single import AdamParams, BackendSpec, TorchBackend
 
 T = TypeVar("T")
 _TORCH_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
@@ -39,7 +40,7 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def check_backend(kind: BackendKind, tensor_parallel: int, pipeline_parallel: int) -> None:
+def check_backend(kind: TrainerBackend, tensor_parallel: int, pipeline_parallel: int) -> None:
     """Refuse, with the reason, a backend this trainer's ranks cannot run."""
     ranks = world_size()
     if kind == "single" and ranks > 1:
@@ -73,7 +74,6 @@ def build_backend(spec: BackendSpec) -> TorchBackend:
 
 __all__ = [
     "AdamParams",
-    "BackendKind",
     "BackendSpec",
     "TorchBackend",
     "build_backend",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -51,8 +52,6 @@ def ping() -> None:
     """Rank 0, on the torch thread between commands: tell the followers it is alive."""
     if dist.is_initialized() and dist.get_rank() == 0:
         _send("ping", {})
-
-
 
 
 class RankedBackend(TorchBackend):
@@ -173,7 +172,6 @@ class RankedBackend(TorchBackend):
         return True
 
 
-
 # --- the wire: JSON header + tensors, all by broadcast from rank 0 ------------------------------
 
 
@@ -221,7 +219,12 @@ def ranked_backend(spec: BackendSpec) -> RankedBackend:
 
 
 def follow() -> None:
-    """Ranks 1..N of a torchrun job: build and drive backends as rank 0 commands."""
+    """Ranks 1..N of a torchrun job: build and drive backends as rank 0 commands.
+
+    SIGTERM is ignored: a stop reaches the whole process group, and rank 0 drains its run (which
+    needs every rank) and then tells the followers to leave. If rank 0 dies instead, their next
+    collective fails, and torchrun's SIGKILL follows its SIGTERM."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     init_distributed()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     backend: RankedBackend | None = None

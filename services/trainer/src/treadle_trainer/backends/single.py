@@ -19,7 +19,7 @@ import shutil
 from collections import defaultdict
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import torch
 from pydantic import BaseModel, Field
@@ -35,16 +35,14 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from treadle_common import durable
 from treadle_common.api.training import AdamParams  # the API's shape, re-exported here
+from treadle_common.config import TrainerBackend
 from treadle_trainer.batches import MicroBatch
 from treadle_trainer.losses import NEEDS_PROXIMAL, LossParams, TokenInputs, total_loss
 
 
-BackendKind = Literal["auto", "single", "fsdp", "megatron"]
-
-
 class BackendSpec(BaseModel):
     model_dir: str
-    kind: BackendKind = Field(
+    kind: TrainerBackend = Field(
         "auto", description="auto: FSDP2 under a multi-rank torchrun job, else single"
     )
     tensor_parallel: int = Field(1, ge=1, description="megatron: tensor-parallel ranks")
@@ -128,6 +126,10 @@ class TorchBackend:
         self._wrap()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.signature = self._signature()
+
+    def layout_info(self) -> dict[str, Any]:
+        """Which backend trains and over how many ranks (logged when a run starts)."""
+        return {"backend": type(self).__name__, "ranks": self.world_size, "device": self.device}
 
     def _signature(self) -> dict[str, list[int]]:
         """The HF tensors' names and shapes (checkpoints record it and are checked against it)."""

@@ -272,9 +272,16 @@ class RunOwner:
         cfg, t = self.config, self.config.trainer
         model_dir = await initial_model_dir(cfg, self.store, self.run_dir)
         spec = BackendSpec(
-            model_dir=str(model_dir), seed=t.seed, reference=t.kl_coef > 0, bf16=t.bf16
+            model_dir=str(model_dir),
+            seed=t.seed,
+            reference=t.kl_coef > 0,
+            bf16=t.bf16,
+            kind=t.backend,
+            tensor_parallel=t.tensor_parallel,
+            pipeline_parallel=t.pipeline_parallel,
         )
         self.backend = backend = await on_torch_thread(build_backend, spec)
+        log.info("backend ready", run=cfg.run_id, **backend.layout_info())
         self.collector.vocab_size = backend.vocab_size
         count = (t.num_steps + self.max_staleness) * t.tasks_per_step
         source = await task_source(cfg, self.env, count)

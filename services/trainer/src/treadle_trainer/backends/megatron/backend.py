@@ -88,6 +88,14 @@ class MegatronBackend(RankedBackend):
         self._hf_shapes: dict[str, list[int]] = {}
         super().__init__(spec)
 
+    def layout_info(self) -> dict[str, Any]:
+        return {
+            **super().layout_info(),
+            "tensor_parallel": self.shard.tp_size,
+            "pipeline_parallel": self.shard.pp_size,
+            "data_parallel": self.dp_size,
+        }
+
     # --- model -------------------------------------------------------------------------------
     def _load_model(self) -> torch.nn.Module:
         hf = AutoModelForCausalLM.from_pretrained(self.spec.model_dir, dtype=torch.float32)
@@ -132,24 +140,23 @@ class MegatronBackend(RankedBackend):
     # --- optimizer ---------------------------------------------------------------------------
     def _clip_grads(self, max_norm: float) -> float:
         split_dims = tp_dims(self.layout, self.shard)
-        named = [(n, p) for n, p in self.model.named_parameters() if p.grad is not None]
-        params = [p for _, p in named]
+        grads = {n: p.grad for n, p in self.model.named_parameters() if p.grad is not None}
         if self.dp_size > 1:
-            for p in params:
-                dist.all_reduce(p.grad, group=self.dp_group)
+            for grad in grads.values():
+                dist.all_reduce(grad, group=self.dp_group)
         split = torch.zeros((), dtype=torch.float64, device=self.device)
         replicated = torch.zeros((), dtype=torch.float64, device=self.device)
-        for name, p in named:
-            square = p.grad.detach().double().pow(2).sum()
+        for name, grad in grads.items():
+            square = grad.detach().double().pow(2).sum()
             if split_dims[name] is not None:
                 split += square
             else:
                 replicated += square
         dist.all_reduce(split, group=self.tp_group)
         norm = float((split + replicated).sqrt())
-        scale = min(1.0, max_norm / (norm + 1e-6))
-        for p in params:
-            p.grad.mul_(scale)
+        scale = min(1.0, max_norm / (norm + 1e-6))  # as torch's clip_grad_norm_
+        for grad in grads.values():
+            grad.mul_(scale)
         return norm
 
     # --- state (HF layout) -------------------------------------------------------------------
@@ -180,7 +187,9 @@ class MegatronBackend(RankedBackend):
         return {
             "step": float(states[0]["step"]),
             **{
-                moment: self._gather({n: s[moment] for (n, _), s in zip(named, states, strict=True)})
+                moment: self._gather(
+                    {n: s[moment] for (n, _), s in zip(named, states, strict=True)}
+                )
                 for moment in ("exp_avg", "exp_avg_sq")
             },
         }
@@ -198,7 +207,9 @@ class MegatronBackend(RankedBackend):
         return out
 
     def _restore(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None:
-        self._copy_in(self.model, to_megatron(self._broadcast_hf(model_sd), self.layout, self.shard))
+        self._copy_in(
+            self.model, to_megatron(self._broadcast_hf(model_sd), self.layout, self.shard)
+        )
         step = torch.tensor([float(optim_sd.get("step", 0.0))], device=self._comm_device)
         dist.broadcast(step, src=0)
         self.optimizer.state.clear()

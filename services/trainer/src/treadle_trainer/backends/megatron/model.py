@@ -2,9 +2,10 @@
 entropy over a vocabulary split across tensor-parallel ranks.
 
 The model uses megatron-core's local layer spec (RMSNorm, SwiGLU, RoPE, GQA) on CPU and GPU
-alike; Transformer Engine's spec names its tensors differently and is not mapped yet. Logits stay split over the vocabulary: each
-rank holds [B, T, V/tp], and logprobs come from `vocab_parallel_cross_entropy` (its gradient
-flows back through every rank's slice); entropy reduces the same way without gradient.
+alike; Transformer Engine's spec names its tensors differently and is not mapped yet. Logits
+stay split over the vocabulary: each rank holds [B, T, V/tp], and logprobs come from
+`vocab_parallel_cross_entropy` (its gradient flows back through every rank's slice); entropy
+reduces the same way without gradient.
 """
 
 from __future__ import annotations
