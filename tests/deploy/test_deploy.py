@@ -33,7 +33,7 @@ pytestmark = pytest.mark.unit
 SERVICES = ["weight-store", "env-gateway", "reward", "rollout", "trainer"]
 BIN = Path(sys.executable).parent
 COMPOSE = Path(compose.__file__).parent / "docker-compose"
-OVERLAYS = ["dev", "gpu"]
+OVERLAYS = ["dev", "gpu", "gpu-megatron"]
 SERVICE_SETTINGS: dict[str, type[Settings]] = {
     "weight-store": WeightStoreSettings,
     "env-gateway": EnvGatewaySettings,
@@ -547,6 +547,30 @@ def test_gpu_overlay_requests_gpus_on_gpu_nodes():
         assert pod["containers"][0]["image"].startswith("treadle/trainer-gpu")
     config = kinds(docs, "ConfigMap")["treadle-rollout-config"]["data"]
     assert config["TREADLE_ROLLOUT_ENGINE"] == "vllm"
+
+
+def test_megatron_overlay_runs_tensor_parallel_ranks_within_a_pod():
+    """gpu-megatron: 2 pods x 4 GPUs, torchrun starts one rank per GPU; the tensor-parallel
+    size its recipes use (4) divides the 8 ranks and stays inside a pod."""
+    from treadle_trainer.backends import check_backend
+
+    _, docs = render("gpu-megatron")
+    job = kinds(docs, "PyTorchJob")["trainer"]["spec"]
+    per_pod = int(job["nprocPerNode"])
+    replicas = job["pytorchReplicaSpecs"]
+    pods = sum(spec["replicas"] for spec in replicas.values())
+    assert (pods, per_pod) == (2, 4)
+    for spec in replicas.values():
+        container = spec["template"]["spec"]["containers"][0]
+        assert container["command"] == ["torchrun", "-m", "treadle_trainer"]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == per_pod
+    overlay = (ROOT / "k8s" / "overlays" / "gpu-megatron" / "kustomization.yaml").read_text()
+    assert "tensor_parallel: 4" in overlay
+    import os
+    from unittest import mock
+
+    with mock.patch.dict(os.environ, {"WORLD_SIZE": str(pods * per_pod)}):
+        check_backend("megatron", 4, 1)  # what the overlay's recipes ask for fits
 
 
 # --- TREADLE_* variables -------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""What only a GPU can check: the trainer's bf16 autocast and FSDP2 on NCCL, and the hf
-rollout engine on CUDA. Skipped where torch sees no CUDA device (CI, the dev VM).
+"""What only a GPU can check: the trainer's bf16 autocast, FSDP2 and megatron-core on NCCL,
+and the hf rollout engine on CUDA. Skipped where torch sees no CUDA device (CI, the dev VM).
 
 Run on a GPU machine: `pytest -m gpu tests/gpu` (self-contained: `--noconftest` works too).
 """
@@ -77,6 +77,23 @@ def test_fsdp2_on_nccl_matches_the_single_process_backend(model_dir, tmp_path, p
     assert fsdp["grad_norm"] == pytest.approx(single["grad_norm"], rel=rel)
     assert fsdp["checksum"] == pytest.approx(single["checksum"], rel=rel / 10)
     assert fsdp["meta_step"] == 1 and fsdp["dtypes"] == ["torch.float32"]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_megatron_on_cuda_matches_the_single_process_backend(model_dir, tmp_path, precision):
+    """megatron-core on CUDA (NCCL, tensor parallel over up to 2 GPUs: the tiny model has 2
+    query groups) against the single-process backend on the same GPU batch."""
+    options = ["--fp32"] if precision == "fp32" else []
+    tp = min(torch.cuda.device_count(), 2)
+    single = worker(model_dir, tmp_path / "single.json", "--device", "cuda", *options)
+    mc = worker(model_dir, tmp_path / "mc.json", "--megatron", str(tp), *options, ranks=tp)
+    assert mc["device"].startswith("cuda")
+    rel = 1e-4 if precision == "fp32" else 1e-2
+    for key in ("first", "second", "third"):
+        assert mc[key]["num_tokens"] == single[key]["num_tokens"] > 0
+        assert mc[key]["loss"] == pytest.approx(single[key]["loss"], rel=rel)
+    assert mc["grad_norm"] == pytest.approx(single["grad_norm"], rel=rel)
+    assert mc["restored_identical"] and mc["dtypes"] == ["torch.float32"]
 
 
 def test_hf_engine_on_cuda_batches_with_exact_logprobs(model_dir):

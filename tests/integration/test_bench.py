@@ -81,6 +81,20 @@ def test_bench_trainer_json_line():
     assert 0 < report["publish_s_p50"] < report["step_s_p50"]
 
 
+def test_bench_trainer_megatron_reports_itself_next_to_single():
+    report = bench(
+        "trainer",
+        *("--backend", "megatron", "--tensor-parallel", "2"),
+        *("--steps", "3", "--groups", "2", "--group-size", "2", "--completion-len", "8"),
+    )
+    assert report["backend"] == "megatron" and report["tensor_parallel"] == 2
+    assert report["service_tokens_per_s"] > 0 and report["single_tokens_per_s"] > 0
+    assert report["megatron_over_single"] == pytest.approx(
+        report["service_tokens_per_s"] / report["single_tokens_per_s"], rel=0.01
+    )
+    assert len(report["step_s"]) == 3 and report["single_step_s_p50"] > 0
+
+
 def test_bench_e2e_runs_both_modes_on_one_stack():
     root = Path(__file__).resolve().parents[2]
     quality = [  # the learning half, shortened: a fixed 30-step warm-up, 10 steps per mode

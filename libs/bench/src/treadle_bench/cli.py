@@ -90,12 +90,28 @@ def bench_trainer(
     groups: Annotated[int, typer.Option(help="Groups (tasks) per step")] = 16,
     group_size: Annotated[int, typer.Option(help="Trajectories per group")] = 4,
     completion_len: Annotated[int, typer.Option(help="Generated tokens per trajectory")] = 224,
+    backend: Annotated[
+        str, typer.Option(help="trainer.backend: single, or megatron (also runs single to compare)")
+    ] = "single",
+    tensor_parallel: Annotated[
+        int, typer.Option(min=1, help="megatron: tensor-parallel ranks (torchrun processes)")
+    ] = 2,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
 ) -> None:
-    """Full trainer steps (Redis -> loss -> AdamW -> publish) vs a plain torch loop."""
+    """Full trainer steps (Redis -> loss -> AdamW -> publish) vs a plain torch loop; with
+    `--backend megatron`, megatron-core's steps next to the single backend's on the same batch."""
     from treadle_bench import trainer
 
-    result = trainer.run(steps, groups, group_size, completion_len=completion_len)
+    if backend not in ("single", "megatron"):
+        raise typer.BadParameter("single or megatron", param_hint="--backend")
+    result = trainer.run(
+        steps,
+        groups,
+        group_size,
+        completion_len=completion_len,
+        backend=backend,
+        tensor_parallel=tensor_parallel,
+    )
     print(json.dumps(result, indent=None if as_json else 2))
 
 

@@ -70,12 +70,18 @@ def start_service(
     log: Path | None = None,
     ready_path: str = "/readyz",
     timeout_s: float = 120.0,
+    ranks: int = 1,
 ) -> subprocess.Popen:
-    """`python -m module` with `env` added; returns once `ready_path` answers 200."""
+    """`python -m module` with `env` added (under `torchrun` with `ranks` > 1); returns once
+    `ready_path` answers 200."""
+    launch = [sys.executable, "-m", module]
+    if ranks > 1:
+        torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
+        launch = [sys.executable, *torchrun, "-m", module]
     output = open(log, "wb") if log else contextlib.nullcontext(subprocess.DEVNULL)
     with output as out:  # the child keeps its own copy of the file
         proc = subprocess.Popen(
-            [sys.executable, "-m", module],
+            launch,
             env={**os.environ, **env, "TREADLE_HTTP_PORT": str(http_port)},
             stdout=out,
             stderr=subprocess.STDOUT,

@@ -8,6 +8,10 @@ and groups them, computes advantages, runs the PPO loss and AdamW, and publishes
 steps, after the warm-up ones; the median step,
 as the CPU of this 2-core machine is shared with the weight store).
 
+`--backend megatron`: the same run with megatron-core over `tensor_parallel` torchrun ranks,
+then again with the single backend, on the same synthetic batches (same seed); both rates and
+`megatron_over_single` are reported.
+
 Raw baseline (same run, after the service finished, so they never share the CPU): the same
 trajectories of one step as padded tensors in this process, the same model, the same PPO loss
 (written inline) and AdamW with gradient clipping, in a plain loop; nothing else.
@@ -47,6 +51,8 @@ def run(
     group_size: int = 4,
     prompt_len: int = 32,
     completion_len: int = 224,
+    backend: str = "single",
+    tensor_parallel: int = 2,
 ) -> dict:
     configure_logging("bench", level="WARNING")
     with tempfile.TemporaryDirectory() as tmp_dir:
@@ -54,65 +60,111 @@ def run(
         model_dir = init_tiny(tmp / "tiny")
         dataset = tmp / "tasks.jsonl"
         dataset.write_text("".join(json.dumps({"i": i}) + "\n" for i in range(groups * steps)))
-        with infra_with_weight_store(tmp) as (infra, common, procs):
-            http_port = free_port()
-            procs.append(
-                start_service(
-                    "treadle_trainer",
-                    {**common, "TREADLE_NATS_URL": infra.url_for("nats", "trainer")},
-                    http_port,
-                    log=tmp / "trainer.log",
-                )
-            )
-            recipe = {
-                "run_id": "bench",
-                "mode": "async",
-                "model": {"path": str(model_dir), "name": MODEL},
-                "data": {"path": str(dataset)},
-                "rollout": {"group_size": group_size},
-                "trainer": {
-                    "num_steps": steps,
-                    "tasks_per_step": groups,
-                    "loss": "ppo",
-                    "lr": 1e-5,
-                    "max_staleness": steps,
-                    "checkpoint_every": steps,
-                },
-                "output_dir": str(tmp / "runs"),
-            }
-            status, batch, quiet_from = asyncio.run(
-                _service(
-                    f"http://127.0.0.1:{http_port}",
-                    infra.url_for("redis"),
-                    common["TREADLE_WEIGHT_STORE_ADDR"],
-                    recipe,
-                    prompt_len,
-                    completion_len,
-                )
-            )
-        if status["state"] != "succeeded":
-            raise RuntimeError(f"bench run failed: {status['error']}")
-        raw_tps = _raw(model_dir, batch, steps - WARMUP_STEPS)
-    first = max(WARMUP_STEPS + 1, quiet_from)
-    measured = [s for s in status["steps"] if s["step"] >= first] or status["steps"][-1:]
-    service_tps = statistics.median(s["num_tokens"] / s["duration_s"] for s in measured)
-    return {
+        shape = (steps, groups, group_size, prompt_len, completion_len)
+        measured = {
+            name: _service_run(tmp / name, model_dir, dataset, shape, name, tensor_parallel)
+            for name in dict.fromkeys([backend, "single"])
+        }
+        raw_tps = _raw(model_dir, measured["single"]["batch"], steps - WARMUP_STEPS)
+    ours = measured[backend]
+    report = {
         "bench": "trainer",
+        "backend": backend,
         "loss": "ppo",
         "steps": steps,
         "sequences_per_step": groups * group_size,
         "tokens_per_sequence": prompt_len + completion_len,
-        "service_tokens_per_s": round(service_tps, 1),
+        "service_tokens_per_s": ours["tokens_per_s"],
         "raw_tokens_per_s": round(raw_tps, 1),
-        "ratio": round(service_tps / raw_tps, 3),
+        "ratio": round(ours["tokens_per_s"] / raw_tps, 3),
+        **{k: v for k, v in ours.items() if k not in ("batch", "tokens_per_s")},
+    }
+    if backend != "single":
+        single = measured["single"]["tokens_per_s"]
+        report |= {
+            "tensor_parallel": tensor_parallel,
+            "single_tokens_per_s": single,
+            f"{backend}_over_single": round(ours["tokens_per_s"] / single, 3),
+            "single_step_s_p50": measured["single"]["step_s_p50"],
+        }
+    return report
+
+
+def _service_run(
+    tmp: Path,
+    model_dir: Path,
+    dataset: Path,
+    shape: tuple[int, int, int, int, int],
+    backend: str,
+    tensor_parallel: int,
+) -> dict:
+    """One async run of the trainer service on its own infrastructure; its step rates."""
+    steps, groups, group_size, prompt_len, completion_len = shape
+    megatron = backend == "megatron"
+    tmp.mkdir()
+    with infra_with_weight_store(tmp) as (infra, common, procs):
+        http_port = free_port()
+        roots = json.dumps([str(tmp.parent.resolve())])  # the model and tasks are shared
+        procs.append(
+            start_service(
+                "treadle_trainer",
+                {
+                    **common,
+                    "TREADLE_NATS_URL": infra.url_for("nats", "trainer"),
+                    "TREADLE_TRAINER_PATH_ROOTS": roots,
+                },
+                http_port,
+                log=tmp / "trainer.log",
+                ranks=tensor_parallel if megatron else 1,
+            )
+        )
+        parallel = {"backend": backend, "tensor_parallel": tensor_parallel if megatron else 1}
+        recipe = {
+            "run_id": "bench",
+            "mode": "async",
+            "model": {"path": str(model_dir), "name": MODEL},
+            "data": {"path": str(dataset)},
+            "rollout": {"group_size": group_size},
+            "trainer": {
+                "num_steps": steps,
+                "tasks_per_step": groups,
+                "loss": "ppo",
+                "lr": 1e-5,
+                "max_staleness": steps,
+                "checkpoint_every": steps,
+                **parallel,
+            },
+            "output_dir": str(tmp / "runs"),
+        }
+        status, batch, quiet_from = asyncio.run(
+            _service(
+                f"http://127.0.0.1:{http_port}",
+                infra.url_for("redis"),
+                common["TREADLE_WEIGHT_STORE_ADDR"],
+                recipe,
+                prompt_len,
+                completion_len,
+            )
+        )
+    if status["state"] != "succeeded":
+        raise RuntimeError(f"bench run ({backend}) failed: {status['error']}")
+    first = max(WARMUP_STEPS + 1, quiet_from)
+    measured = [s for s in status["steps"] if s["step"] >= first] or status["steps"][-1:]
+
+    def p50(key: str) -> float:
+        return round(statistics.median(s[key] for s in measured), 4)
+
+    return {
+        "batch": batch,
+        "tokens_per_s": round(
+            statistics.median(s["num_tokens"] / s["duration_s"] for s in measured), 1
+        ),
         "step_s": [round(s["duration_s"], 3) for s in status["steps"]],
         "measured_steps": [s["step"] for s in measured],
-        "step_s_p50": round(statistics.median(s["duration_s"] for s in measured), 4),
-        "train_s_p50": round(statistics.median(s["train_s"] for s in measured), 4),
-        "publish_s_p50": round(statistics.median(s["publish_s"] for s in measured), 4),
-        "wait_for_batch_s_p50": round(
-            statistics.median(s["wait_for_batch_s"] for s in measured), 4
-        ),
+        "step_s_p50": p50("duration_s"),
+        "train_s_p50": p50("train_s"),
+        "publish_s_p50": p50("publish_s"),
+        "wait_for_batch_s_p50": p50("wait_for_batch_s"),
     }
 
 

@@ -22,7 +22,6 @@ def transformer_config(hf: Any, shard: Shard) -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     layout = Layout.of(hf)
-    on_gpu = torch.cuda.is_available()
     rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         raise ValueError("megatron backend: only default RoPE is mapped")
@@ -47,10 +46,12 @@ def transformer_config(hf: Any, shard: Shard) -> Any:
         use_cpu_initialization=True,
         perform_initialization=False,  # the HF weights are copied in
         params_dtype=torch.float32,
-        # fused kernels are CUDA-only
-        bias_activation_fusion=on_gpu,
-        bias_dropout_fusion=on_gpu,
-        masked_softmax_fusion=on_gpu,
+        # megatron-core's fused kernels are CUDA-only, and on a GPU not verified here yet (no
+        # GPU machine was drawn for this work): off everywhere. bf16 comes from the trainer's
+        # autocast, as in the other backends; parameters and the optimizer stay fp32.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
