@@ -46,12 +46,13 @@ def transformer_config(hf: Any, shard: Shard) -> Any:
         use_cpu_initialization=True,
         perform_initialization=False,  # the HF weights are copied in
         params_dtype=torch.float32,
-        # megatron-core's fused kernels are CUDA-only, and on a GPU not verified here yet (no
-        # GPU machine was drawn for this work): off everywhere. bf16 comes from the trainer's
-        # autocast, as in the other backends; parameters and the optimizer stay fp32.
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
+        # megatron-core's TorchScript fusions (SwiGLU, bias-dropout-add) run on CPU and GPU
+        # alike. Its fused softmax kernel needs fp16/bf16 parameters: bf16 comes from the
+        # trainer's autocast instead, as in the other backends, so parameters and the
+        # optimizer stay fp32 and the kernel is never picked
+        bias_activation_fusion=True,
+        bias_dropout_fusion=True,
+        masked_softmax_fusion=True,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
