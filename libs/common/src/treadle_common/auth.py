@@ -1,7 +1,8 @@
 """Who may call what: bearer tokens, roles, and the policy every endpoint declares.
 
 A caller presents `Authorization: Bearer <token>` (an HTTP header, or the same key in gRPC
-metadata). The server's token table maps each token to one `Role`; each endpoint names the
+metadata), or over HTTP `X-API-Key: tml-<token>` (the Tinker SDK's header and key prefix).
+The server's token table maps each token to one `Role`; each endpoint names the
 roles that may call it, and `admin` may call everything:
 
     HTTP    @app.post("/v1/runs", openapi_extra=auth.roles(Role.trainer))
@@ -184,6 +185,18 @@ def bearer_token(authorization: str | None) -> str | None:
     """The token of an `Authorization: Bearer <token>` value (None for any other)."""
     scheme, _, token = (authorization or "").partition(" ")
     return (token.strip() or None) if scheme.lower() == "bearer" else None
+
+
+API_KEY_PREFIX = "tml-"
+"""The Tinker SDK refuses API keys without this prefix; its `X-API-Key: tml-<token>` presents
+the Treadle token after it."""
+
+
+def api_key_token(api_key: str | None) -> str | None:
+    """The token of an `X-API-Key` value (the Tinker SDK's header), without its `tml-` prefix."""
+    if not api_key:
+        return None
+    return api_key.removeprefix(API_KEY_PREFIX).strip() or None
 
 
 def parse_roles(value: list[str] | None) -> frozenset[Role] | None:

@@ -215,6 +215,7 @@ class ServiceRuntime:
             return
         path = getattr(route, "path", request.url.path)
         token = credentials.credentials if credentials else None
+        token = token or auth.api_key_token(request.headers.get("x-api-key"))
         try:
             request.state.role = self.authorizer.check(
                 token, auth.parse_roles(declared), f"{request.method} {path}"

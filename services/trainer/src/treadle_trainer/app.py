@@ -3,6 +3,7 @@ Tinker-style training API.
 
     /v1/runs...       see `runs_api.py` (the runs, their leases, orphan resume)
     /v1/training/...  see `training_api.py`
+    /api/v1/...       the Tinker SDK's API, LoRA clients on shared base models (`tinker/`)
 
 See `run/` for the dataflow of one run.
 """
@@ -25,6 +26,7 @@ from treadle_trainer import training_api
 from treadle_trainer.run import SERVICE
 from treadle_trainer.runs_api import Runs
 from treadle_trainer.settings import TrainerSettings
+from treadle_trainer.tinker import api as tinker_api
 
 log = get_logger(__name__)
 
@@ -51,6 +53,13 @@ async def build(settings: TrainerSettings) -> Service:
         settings.state_dir,
         settings.path_roots(),
         max_sessions=settings.trainer_max_training_sessions,
+    )
+    tinker_api.mount(
+        runtime.app,
+        store,
+        settings.state_dir,
+        {name: str(path) for name, path in settings.trainer_tinker_models.items()},
+        max_clients=settings.trainer_tinker_max_clients,
     )
     runtime.on_drain(runs.drain)
     loops: list[Callable[[], Awaitable[None]]] = [runs.resume_orphans]

@@ -47,6 +47,18 @@ class TrainerSettings(Settings):
         "load_state path), as a JSON list; empty: the state dir and the working directory",
     )
 
+    trainer_tinker_models: dict[str, Path] = Field(
+        default_factory=dict,
+        description="trainer: the base models the Tinker API serves, as JSON "
+        '`{"name": "<HF model dir>"}`; the SDK names them in create_lora_training_client',
+    )
+    trainer_tinker_max_clients: int = Field(
+        16,
+        ge=0,
+        description="trainer: Tinker training clients (LoRA adapters) open at once; one more "
+        "is refused with 429",
+    )
+
     def path_roots(self) -> list[Path]:
         """Where client-named paths must resolve to (symlinks followed)."""
         return [p.resolve() for p in self.trainer_path_roots or [self.state_dir, Path.cwd()]]

@@ -1,0 +1,201 @@
+"""Many LoRA adapters on one base model: the trainer trains several at once (one per Tinker
+training client), rollout samples from several in one batch.
+
+`inject(model, targets)` replaces each targeted `nn.Linear` by a `LoRALinear` that keeps the
+base layer (frozen, shared) and a dict of adapters. An adapter on a layer is
+`y = W x + (alpha / r) B A x` with `A` [r, in] (Kaiming-uniform, seeded) and `B` [out, r]
+(zeros), so a new adapter starts as the base model exactly.
+
+Which adapter a forward pass uses is set with `using(...)` around the call (a context
+variable, so it follows the thread the forward runs in):
+
+    with lora.using("run-a"):              every row through adapter run-a
+    with lora.using(["a", None, "b"]):     row i of the batch through names[i] (None: base)
+
+Rows through different adapters cost one low-rank product per adapter present, on that
+adapter's rows only; the base product is shared by the whole batch.
+
+An adapter's tensors are named `<module path>.lora_A` / `.lora_B` (`adapter_state`), which is
+what the weight-store publishes and checkpoints hold: megabytes where the model is gigabytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+from torch import nn
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+"""Attention projections (HF Llama/Qwen/Mistral names)."""
+MLP = ("gate_proj", "up_proj", "down_proj")
+"""MLP projections."""
+UNEMBED = ("lm_head",)
+"""The output head (its LoRA leaves a tied input embedding alone)."""
+
+Selection = str | Sequence[str | None] | None
+_ACTIVE: contextvars.ContextVar[Selection] = contextvars.ContextVar("lora_active", default=None)
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    rank: int
+    alpha: float = 32.0
+    targets: tuple[str, ...] = ATTENTION + MLP + UNEMBED
+    """Module names (the last path component) that get this adapter."""
+    seed: int = 0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+def targets_for(attn: bool, mlp: bool, unembed: bool) -> tuple[str, ...]:
+    """The module names of the Tinker SDK's `train_attn` / `train_mlp` / `train_unembed`."""
+    return (ATTENTION if attn else ()) + (MLP if mlp else ()) + (UNEMBED if unembed else ())
+
+
+class Adapter(nn.Module):
+    def __init__(self, in_features: int, out_features: int, config: AdapterConfig, gen):
+        super().__init__()
+        a = torch.empty(config.rank, in_features)
+        bound = 1.0 / math.sqrt(in_features)  # kaiming_uniform(a=sqrt(5)) as nn.Linear / PEFT
+        a.uniform_(-bound, bound, generator=gen)
+        self.lora_A = nn.Parameter(a)
+        self.lora_B = nn.Parameter(torch.zeros(out_features, config.rank))
+        self.scale = config.scale
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.lora_A.T.to(x.dtype)) @ self.lora_B.T.to(x.dtype) * self.scale
+
+
+class LoRALinear(nn.Module):
+    """A frozen `nn.Linear` plus named adapters; `using(...)` picks which apply."""
+
+    def __init__(self, base: nn.Linear):
+        super().__init__()
+        self.base = base
+        self.adapters = nn.ModuleDict()
+
+    @property
+    def weight(self) -> torch.Tensor:  # callers that read `layer.weight` (tied heads, dtypes)
+        return self.base.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        active = _ACTIVE.get()
+        if active is None or not self.adapters:
+            return y
+        if isinstance(active, str):
+            if active not in self.adapters:
+                return y
+            return y + self._adapter(active).delta(x)
+        if len(active) != x.shape[0]:
+            raise ValueError(f"{len(active)} adapter names for a batch of {x.shape[0]} rows")
+        out = y.clone()
+        for name in {n for n in active if n is not None and n in self.adapters}:
+            rows = torch.tensor([i for i, n in enumerate(active) if n == name], device=x.device)
+            out[rows] = y[rows] + self._adapter(name).delta(x[rows])
+        return out
+
+    def _adapter(self, name: str) -> Adapter:
+        return cast(Adapter, self.adapters[name])
+
+
+@contextlib.contextmanager
+def using(selection: Selection) -> Iterator[None]:
+    """Forward passes inside go through `selection` (an adapter name, one per batch row, or
+    None for the base model)."""
+    token = _ACTIVE.set(selection)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def inject(model: nn.Module, targets: Sequence[str]) -> list[str]:
+    """Wrap every `nn.Linear` whose name ends in one of `targets` (once; idempotent), freeze
+    the base model, and return the wrapped modules' paths."""
+    model.requires_grad_(False)
+    wrapped = []
+    for path, module in list(model.named_modules()):
+        leaf = path.rsplit(".", 1)[-1]
+        if isinstance(module, LoRALinear):
+            wrapped.append(path)
+        elif isinstance(module, nn.Linear) and leaf in targets:
+            parent = model.get_submodule(path.rsplit(".", 1)[0]) if "." in path else model
+            setattr(parent, leaf, LoRALinear(module))
+            wrapped.append(path)
+    return wrapped
+
+
+def layers(model: nn.Module) -> dict[str, LoRALinear]:
+    return {p: m for p, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def add_adapter(model: nn.Module, name: str, config: AdapterConfig) -> list[nn.Parameter]:
+    """Give every targeted layer a fresh adapter `name`; its trainable parameters."""
+    gen = torch.Generator().manual_seed(config.seed)
+    params: list[nn.Parameter] = []
+    for path, layer in layers(model).items():
+        if path.rsplit(".", 1)[-1] not in config.targets:
+            continue
+        if name in layer.adapters:
+            raise ValueError(f"adapter {name!r} already exists")
+        base = layer.base
+        adapter = Adapter(base.in_features, base.out_features, config, gen)
+        layer.adapters[name] = adapter.to(base.weight.device)
+        params += [adapter.lora_A, adapter.lora_B]
+    if not params:
+        raise ValueError(f"no layer of the model matches the adapter's targets {config.targets}")
+    return params
+
+
+def remove_adapter(model: nn.Module, name: str) -> None:
+    for layer in layers(model).values():
+        if name in layer.adapters:
+            del layer.adapters[name]
+
+
+def adapter_state(model: nn.Module, name: str) -> dict[str, torch.Tensor]:
+    """Adapter `name`'s tensors on the CPU, keyed `<module path>.lora_A|lora_B`."""
+    out = {}
+    for path, layer in layers(model).items():
+        if name in layer.adapters:
+            adapter = layer._adapter(name)
+            out[f"{path}.lora_A"] = adapter.lora_A.detach().to("cpu").clone()
+            out[f"{path}.lora_B"] = adapter.lora_B.detach().to("cpu").clone()
+    return out
+
+
+def load_adapter(
+    model: nn.Module, name: str, state: dict[str, torch.Tensor], config: AdapterConfig
+) -> list[nn.Parameter]:
+    """Create (or replace) adapter `name` from `adapter_state` tensors; its parameters."""
+    remove_adapter(model, name)
+    params = add_adapter(model, name, config)
+    expected = adapter_state(model, name)
+    if set(expected) != set(state):
+        missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+        raise ValueError(
+            f"adapter tensors do not fit the model: missing {missing[:3]}, unexpected {extra[:3]}"
+        )
+    with torch.no_grad():
+        for path, layer in layers(model).items():
+            if name in layer.adapters:
+                adapter = layer._adapter(name)
+                for part in ("lora_A", "lora_B"):
+                    want = getattr(adapter, part)
+                    got = state[f"{path}.{part}"]
+                    if tuple(got.shape) != tuple(want.shape):
+                        raise ValueError(
+                            f"{path}.{part}: shape {tuple(got.shape)}, "
+                            f"the model needs {tuple(want.shape)}"
+                        )
+                    want.copy_(got)
+    return params

@@ -1,0 +1,307 @@
+"""LoRA training clients sharing one frozen base model per base-model name.
+
+    BaseModel    an HF causal LM loaded once, frozen, every targetable Linear wrapped by
+                 `treadle_common.lora.LoRALinear`; holds the adapters of all its clients
+    LoraClient   one Tinker training client: an adapter on a base model, its own AdamW over
+                 the adapter's parameters only, its step count
+
+Every call runs on the trainer's one torch thread (`on_torch_thread`), so two clients on one
+base never interleave a forward and a backward: a client's gradients land on its own
+adapter's parameters only (the base is frozen and other adapters are not selected).
+
+Losses are Tinker's, summed over tokens (no normalisation), from the datum's
+`loss_fn_inputs`: `cross_entropy` (target_tokens, weights), `importance_sampling`, `ppo`,
+`cispo` (target_tokens, logprobs, advantages; ppo/cispo ratio bounds from `loss_fn_config`
+`clip_low_threshold` / `clip_high_threshold`, default 0.8 / 1.2). They are the trainer's own
+losses (`losses.py`) with Tinker's aggregation (`sum`).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from treadle_common import durable, lora
+from treadle_common.api.training import AdamParams, LossParams
+from treadle_trainer.backends.single import token_logprobs
+from treadle_trainer.batches import Datum, MicroBatch, collate
+from treadle_trainer.losses import TokenInputs, total_loss
+
+TINKER_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo")
+MICRO_BATCH_TOKENS = 8192
+"""Padded tokens per forward pass."""
+
+
+class BadRequest(ValueError):
+    """The caller's input cannot be trained on (HTTP 400 / a `user` error in a future)."""
+
+
+@dataclass
+class TinkerDatum:
+    """One Tinker datum: input tokens and its `loss_fn_inputs` as flat arrays."""
+
+    tokens: list[int]
+    inputs: dict[str, list[float] | list[int]]
+
+
+class BaseModel:
+    def __init__(self, name: str, path: str, seed: int = 0):
+        torch.manual_seed(seed)
+        self.name, self.path = name, path
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else self.tokenizer.eos_token_id
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        self.model.eval()  # no dropout: the same input gives the same logprobs
+        self.vocab_size = int(self.model.config.vocab_size)
+        self.arch = type(self.model).__name__
+        lora.inject(self.model, lora.ATTENTION + lora.MLP + lora.UNEMBED)
+        self.max_context = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
+
+
+@dataclass
+class LoraClient:
+    model_id: str
+    base: BaseModel
+    config: lora.AdapterConfig
+    params: list[torch.nn.Parameter] = field(default_factory=list)
+    optimizer: torch.optim.AdamW | None = None
+    steps: int = 0
+
+    @classmethod
+    def create(cls, model_id: str, base: BaseModel, config: lora.AdapterConfig) -> LoraClient:
+        client = cls(model_id, base, config)
+        client.params = lora.add_adapter(base.model, model_id, config)
+        for p in client.params:
+            p.requires_grad_(True)
+        client.optimizer = torch.optim.AdamW(client.params, lr=1e-4)
+        return client
+
+    def close(self) -> None:
+        lora.remove_adapter(self.base.model, self.model_id)
+
+    # --- forward / backward ---------------------------------------------------------------
+    def _datums(self, data: list[TinkerDatum], loss_fn: str) -> list[Datum]:
+        out = []
+        for i, d in enumerate(data):
+            n = len(d.tokens)
+            if n == 0:
+                raise BadRequest(f"data[{i}]: model_input is empty")
+            if any(not 0 <= t < self.base.vocab_size for t in d.tokens):
+                raise BadRequest(f"data[{i}]: token ids must be in 0..{self.base.vocab_size - 1}")
+            needed = {"target_tokens"} | (
+                {"weights"} if loss_fn == "cross_entropy" else {"logprobs", "advantages"}
+            )
+            missing = sorted(needed - set(d.inputs))
+            if missing:
+                raise BadRequest(f"data[{i}]: loss {loss_fn} needs loss_fn_inputs {missing}")
+            for key, values in d.inputs.items():
+                if len(values) != n:
+                    raise BadRequest(
+                        f"data[{i}]: loss_fn_inputs[{key!r}] has {len(values)} values for "
+                        f"{n} input tokens"
+                    )
+            targets = [int(t) for t in d.inputs["target_tokens"]]
+            if any(not 0 <= t < self.base.vocab_size for t in targets):
+                raise BadRequest(
+                    f"data[{i}]: target_tokens must be in 0..{self.base.vocab_size - 1}"
+                )
+            ones = [1.0] * n
+            out.append(
+                Datum(
+                    input_ids=d.tokens,
+                    targets=targets,
+                    weights=[float(x) for x in d.inputs.get("weights", ones)],
+                    advantages=[float(x) for x in d.inputs.get("advantages", [0.0] * n)],
+                    logprobs=[float(x) for x in d.inputs.get("logprobs", [0.0] * n)],
+                )
+            )
+        return out
+
+    def forward_backward(
+        self,
+        data: list[TinkerDatum],
+        loss_fn: str,
+        config: Mapping[str, float],
+        forward_only: bool,
+    ) -> tuple[list[dict[str, list[float]]], dict[str, float]]:
+        """Per-datum `logprobs` and `elementwise_loss`, and the metrics (`loss:sum`)."""
+        if loss_fn not in TINKER_LOSSES:
+            raise BadRequest(
+                f"loss_fn {loss_fn!r} is not served; served: {', '.join(TINKER_LOSSES)}"
+            )
+        unknown = sorted(set(config) - {"clip_low_threshold", "clip_high_threshold"})
+        if unknown:
+            raise BadRequest(f"loss_fn_config keys {unknown} are not understood by {loss_fn}")
+        low = float(config.get("clip_low_threshold", 0.8))
+        high = float(config.get("clip_high_threshold", 1.2))
+        if not 0 <= low <= 1 <= high:
+            raise BadRequest(
+                "loss_fn_config needs 0 <= clip_low_threshold <= 1 <= clip_high_threshold"
+            )
+        params = LossParams(clip_low=1 - low, clip_high=high - 1)
+        datums = self._datums(data, loss_fn)
+        outputs: list[dict[str, list[float]]] = []
+        loss_sum = 0.0
+        for chunk in _chunks(datums):
+            mb = collate(chunk, [1.0] * len(chunk), self.base.pad_id)
+            value, logprobs_B_T, per_token_B_T = self._step(mb, loss_fn, params, forward_only)
+            loss_sum += value
+            for b, d in enumerate(chunk):
+                n = len(d.input_ids)
+                outputs.append(
+                    {
+                        "logprobs": logprobs_B_T[b, :n].tolist(),
+                        "elementwise_loss": per_token_B_T[b, :n].tolist(),
+                    }
+                )
+        return outputs, {"loss:sum": loss_sum}
+
+    def _step(
+        self, mb: MicroBatch, loss_fn: str, params: LossParams, forward_only: bool
+    ) -> tuple[float, torch.Tensor, torch.Tensor]:
+        model = self.base.model
+        grad = torch.enable_grad() if not forward_only else torch.no_grad()
+        with lora.using(self.model_id), grad:
+            logprobs, _ = token_logprobs(model, mb, "cpu")
+            inputs = TokenInputs(
+                logprobs=logprobs,
+                advantages=mb.advantages_B_T,
+                behaviour_logprobs=mb.logprobs_B_T,
+            )
+            value, _ = total_loss(loss_fn, params, inputs, mb.mask_B_T, mb.coef_B)
+            if not forward_only:
+                value.backward()
+        with torch.no_grad():
+            per_token, _ = total_loss_per_token(loss_fn, params, inputs, mb.mask_B_T)
+        return float(value.detach()), logprobs.detach(), per_token
+
+    def optim_step(self, adam: AdamParams, grad_clip_norm: float) -> dict[str, float]:
+        assert self.optimizer is not None
+        for group in self.optimizer.param_groups:
+            group.update(
+                lr=adam.learning_rate,
+                betas=(adam.beta1, adam.beta2),
+                eps=adam.eps,
+                weight_decay=adam.weight_decay,
+            )
+        grads = [p.grad for p in self.params if p.grad is not None]
+        norm = (
+            float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+            if grads
+            else 0.0
+        )
+        if grad_clip_norm > 0 and norm > grad_clip_norm:
+            for g in grads:
+                g.mul_(grad_clip_norm / (norm + 1e-6))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        return {"grad_norm": norm, "step": float(self.steps)}
+
+    # --- state ----------------------------------------------------------------------------
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        return lora.adapter_state(self.base.model, self.model_id)
+
+    def meta(self) -> dict[str, Any]:
+        return {
+            "base_model": self.base.name,
+            "lora": {
+                "rank": self.config.rank,
+                "alpha": self.config.alpha,
+                "targets": list(self.config.targets),
+            },
+            "step": self.steps,
+        }
+
+    def save(self, path: Path, optimizer: bool = True) -> None:
+        """`adapter.safetensors` (+ `optimizer.pt`) and `meta.json`, written atomically."""
+        tmp = path.with_name(path.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_file(self.adapter_state(), str(tmp / "adapter.safetensors"))
+        if optimizer:
+            assert self.optimizer is not None
+            torch.save(_optimizer_by_name(self), tmp / "optimizer.pt")
+        (tmp / "meta.json").write_text(json.dumps(self.meta()))
+        durable.fsync_tree(tmp)
+        shutil.rmtree(path, ignore_errors=True)
+        tmp.rename(path)
+        durable.fsync(path.parent)
+
+    def load(self, path: Path, optimizer: bool) -> None:
+        state = load_file(str(path / "adapter.safetensors"))
+        try:
+            self.params = lora.load_adapter(self.base.model, self.model_id, state, self.config)
+        except ValueError as exc:
+            raise BadRequest(f"checkpoint {path.name}: {exc}") from exc
+        for p in self.params:
+            p.requires_grad_(True)
+        self.optimizer = torch.optim.AdamW(self.params, lr=1e-4)
+        self.steps = int(json.loads((path / "meta.json").read_text()).get("step", 0))
+        if optimizer:
+            if not (path / "optimizer.pt").exists():
+                raise BadRequest(f"checkpoint {path.name} holds no optimizer state")
+            saved = torch.load(path / "optimizer.pt", weights_only=True)
+            self.optimizer.load_state_dict(_optimizer_from_names(self, saved))
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    return json.loads((path / "meta.json").read_text())
+
+
+def _chunks(datums: list[Datum]) -> list[list[Datum]]:
+    """Consecutive datums, at most `MICRO_BATCH_TOKENS` padded tokens per chunk."""
+    chunks: list[list[Datum]] = []
+    current: list[Datum] = []
+    longest = 0
+    for d in datums:
+        longest_if = max(longest, len(d.input_ids))
+        if current and longest_if * (len(current) + 1) > MICRO_BATCH_TOKENS:
+            chunks.append(current)
+            current, longest_if = [], len(d.input_ids)
+        current.append(d)
+        longest = longest_if
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def total_loss_per_token(
+    loss_fn: str, params: LossParams, inputs: TokenInputs, mask_B_T: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The per-token loss (weighted by the mask), what Tinker returns as `elementwise_loss`."""
+    from treadle_trainer.losses import LOSSES
+
+    per_token, stats = LOSSES[loss_fn](inputs, params)
+    return per_token * mask_B_T, stats
+
+
+def _optimizer_by_name(client: LoraClient) -> dict[str, Any]:
+    """The optimizer's state keyed by adapter tensor name (stable across processes)."""
+    assert client.optimizer is not None
+    sd = client.optimizer.state_dict()
+    names = list(client.adapter_state())  # the same order as `params` (A, B per layer)
+    return {
+        "state": {names[i]: s for i, s in sd["state"].items()},
+        "steps": client.steps,
+    }
+
+
+def _optimizer_from_names(client: LoraClient, saved: dict[str, Any]) -> dict[str, Any]:
+    assert client.optimizer is not None
+    names = list(client.adapter_state())
+    missing = sorted(set(names) - set(saved["state"]))
+    if missing:
+        raise BadRequest(f"optimizer state does not fit the adapter: missing {missing[:3]}")
+    sd = client.optimizer.state_dict()
+    sd["state"] = {i: saved["state"][name] for i, name in enumerate(names)}
+    return sd

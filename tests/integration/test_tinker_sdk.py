@@ -1,0 +1,180 @@
+"""The official Tinker SDK (`tinker`, pinned by the trainer's dependencies) against a real
+trainer + weight-store: LoRA training clients on one shared base model."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+
+from tests.conftest import ADMIN, TOKENS, ServiceProc, start_service  # noqa: E402
+
+SDK_VERSION = "0.38.0"
+
+
+@pytest.fixture
+def stack(infra, tmp_path, tiny_model, monkeypatch):
+    (tmp_path / "ws").mkdir()
+    store = start_service("weight-store", infra, tmp_path / "ws")
+    trainer = start_service(
+        "trainer",
+        infra,
+        tmp_path,
+        TREADLE_WEIGHT_STORE_ADDR=store.grpc_addr or "",
+        TREADLE_TRAINER_TINKER_MODELS=json.dumps({"tiny": str(tiny_model)}),
+        TREADLE_TRAINER_TINKER_MAX_CLIENTS="3",
+        TREADLE_AUTH_TOKENS=json.dumps(TOKENS),
+    )
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    yield trainer, store
+    trainer.stop_checked()
+    store.stop_checked()
+
+
+def service_client(trainer: ServiceProc, token: str | None = None) -> tinker.ServiceClient:
+    return tinker.ServiceClient(base_url=trainer.http, api_key="tml-" + (token or TOKENS["trainer"]))
+
+
+def sft_datum(tokens: list[int], prompt_len: int) -> types.Datum:
+    """Predict tokens[1:] from tokens[:-1]; only the completion carries weight."""
+    weights = [0.0] * (prompt_len - 1) + [1.0] * (len(tokens) - prompt_len)
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights},
+    )
+
+
+def mean_nll(client, data) -> float:
+    out = client.forward(data, "cross_entropy").result()
+    total = sum(
+        -sum(lp * w for lp, w in zip(o["logprobs"].tolist(), d.loss_fn_inputs["weights"].tolist()))
+        for o, d in zip(out.loss_fn_outputs, data)
+    )
+    return total / sum(sum(d.loss_fn_inputs["weights"].tolist()) for d in data)
+
+
+def test_sdk_version_is_the_pinned_one():
+    assert tinker.__version__ == SDK_VERSION
+
+
+def test_lora_sft_through_the_sdk(stack, tmp_path):
+    trainer, store = stack
+    sc = service_client(trainer)
+    caps = httpx.get(f"{trainer.http}/api/v1/get_server_capabilities", headers=ADMIN).json()
+    assert [m["model_name"] for m in caps["supported_models"]] == ["tiny"]
+
+    a = sc.create_lora_training_client(base_model="tiny", rank=8, seed=1).result()
+    b = sc.create_lora_training_client(base_model="tiny", rank=8, seed=2).result()
+    assert a.model_id != b.model_id
+    info = a.get_info()
+    assert info.is_lora and info.lora_rank == 8 and info.model_data.model_name == "tiny"
+    tokenizer = a.get_tokenizer()  # the SDK loads it from get_info's tokenizer_id
+    assert tokenizer.vocab_size > 0
+
+    data_a = [sft_datum([5, 6, 7, 8, 9, 10, 11, 12], 3), sft_datum([5, 6, 7, 13, 14, 15], 3)]
+    data_b = [sft_datum([20, 21, 22, 30, 31, 32, 33], 3)]
+    base_a, base_b = mean_nll(a, data_a), mean_nll(b, data_b)
+    # a new adapter is the base model exactly (B = 0): both clients agree with each other
+    assert mean_nll(b, data_a) == pytest.approx(base_a, rel=1e-5)
+
+    losses = []
+    for _ in range(8):
+        fb = a.forward_backward(data_a, "cross_entropy")
+        step = a.optim_step(types.AdamParams(learning_rate=5e-3))
+        losses.append(fb.result().metrics["loss:sum"])
+        assert step.result().metrics["grad_norm"] > 0
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert mean_nll(a, data_a) < 0.5 * base_a
+    # b shares the base model but not a's adapter: it still scores like the base model
+    assert mean_nll(b, data_a) == pytest.approx(base_a, rel=1e-5)
+    assert mean_nll(b, data_b) == pytest.approx(base_b, rel=1e-5)
+
+    # b trains on its own data; a's results do not move
+    after_a = mean_nll(a, data_a)
+    for _ in range(3):
+        b.forward_backward(data_b, "cross_entropy")
+        b.optim_step(types.AdamParams(learning_rate=5e-3)).result()
+    assert mean_nll(b, data_b) < base_b
+    assert mean_nll(a, data_a) == pytest.approx(after_a, rel=1e-6)
+
+    # save_state -> a new client from that state scores exactly like a; with the optimizer
+    # its next step matches a's next step
+    saved = a.save_state("ckpt").result().path
+    assert saved.startswith(f"tinker://{a.model_id}/weights/ckpt")
+    c = sc.create_training_client_from_state_with_optimizer(saved).result()
+    assert mean_nll(c, data_a) == pytest.approx(after_a, rel=1e-6)
+    for client in (a, c):
+        client.forward_backward(data_a, "cross_entropy")
+        client.optim_step(types.AdamParams(learning_rate=5e-3)).result()
+    assert mean_nll(c, data_a) == pytest.approx(mean_nll(a, data_a), rel=1e-5)
+
+    # sampler weights: the adapter only, published as a weight-store version
+    sampler_path = a.save_weights_for_sampler("s1").result().path
+    assert sampler_path == f"tinker://{a.model_id}/sampler_weights/s1"
+    store_model = "tinker-" + a.model_id.replace(":", "-")
+    assert store_model in httpx.get(f"{store.http}/v1/models", headers=ADMIN).json()["models"]
+    manifest = httpx.get(f"{store.http}/v1/models/{store_model}/versions/-1", headers=ADMIN)
+    names = [t["name"] for t in manifest.json()["tensors"]]
+    assert names and all(n.endswith((".lora_A", ".lora_B")) for n in names), names[:4]
+
+
+def test_rl_losses_and_their_errors(stack):
+    trainer, _ = stack
+    sc = service_client(trainer)
+    client = sc.create_lora_training_client(base_model="tiny", rank=4).result()
+    tokens = [5, 6, 7, 8, 9, 10]
+    for loss in ("importance_sampling", "ppo", "cispo"):
+        forward = client.forward([sft_datum(tokens, 2)], "cross_entropy").result()
+        logprobs = forward.loss_fn_outputs[0]["logprobs"].tolist()
+        datum = types.Datum(
+            model_input=types.ModelInput.from_ints(tokens[:-1]),
+            loss_fn_inputs={
+                "target_tokens": tokens[1:],
+                "logprobs": logprobs,  # on-policy: every ratio is 1
+                "advantages": [0.0, 1.0, 1.0, -1.0, 1.0],
+            },
+        )
+        out = client.forward_backward([datum], loss).result()
+        # at ratio 1: importance_sampling and ppo are -sum(A) (weight 1, no clipping);
+        # cispo is -sum(A logp) (the ratio is a stop-gradient weight)
+        advantages = datum.loss_fn_inputs["advantages"].tolist()
+        want = -sum(advantages)
+        if loss == "cispo":
+            want = -sum(a * lp for a, lp in zip(advantages, logprobs, strict=True))
+        assert out.metrics["loss:sum"] == pytest.approx(want, abs=1e-4), loss
+        client.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+
+    with pytest.raises(tinker.RequestFailedError, match="needs loss_fn_inputs"):
+        client.forward_backward([sft_datum(tokens, 2)], "ppo").result()
+    with pytest.raises(tinker.RequestFailedError, match="token ids must be in"):
+        bad = sft_datum([5, 6, 10**6, 7], 2)
+        client.forward_backward([bad], "cross_entropy").result()
+    with pytest.raises(tinker.APIStatusError, match="not served here"):
+        sc.create_lora_training_client(base_model="nope", rank=4).result()
+
+
+def test_auth_and_limits(stack):
+    trainer, _ = stack
+    # no key / a wrong key / a role that may not train
+    assert httpx.get(f"{trainer.http}/api/v1/get_server_capabilities").status_code == 401
+    wrong = {"X-API-Key": "tml-not-a-token"}
+    assert httpx.get(f"{trainer.http}/api/v1/get_server_capabilities", headers=wrong).status_code == 401
+    agent = {"X-API-Key": "tml-" + TOKENS["agent"]}
+    assert httpx.get(f"{trainer.http}/api/v1/get_server_capabilities", headers=agent).status_code == 403
+    # a forward_backward that is not protobuf, and an unknown future: clear 4xx, service stays up
+    key = {"X-API-Key": "tml-" + TOKENS["trainer"]}
+    r = httpx.post(f"{trainer.http}/api/v1/forward_backward", content=b"\xff\x00garbage", headers=key)
+    assert r.status_code == 400 and "ForwardBackwardRequest" in r.json()["detail"]
+    r = httpx.post(f"{trainer.http}/api/v1/retrieve_future", json={"request_id": "x"}, headers=key)
+    assert r.status_code == 404
+    # at most TREADLE_TRAINER_TINKER_MAX_CLIENTS (3) clients
+    sc = service_client(trainer)
+    for _ in range(3):
+        sc.create_lora_training_client(base_model="tiny", rank=2).result()
+    with pytest.raises(tinker.APIStatusError, match="most this trainer holds"):
+        sc.create_lora_training_client(base_model="tiny", rank=2).result()
+    assert httpx.get(f"{trainer.http}/readyz").status_code == 200
