@@ -36,7 +36,9 @@ def stack(infra, tmp_path, tiny_model, monkeypatch):
 
 
 def service_client(trainer: ServiceProc, token: str | None = None) -> tinker.ServiceClient:
-    return tinker.ServiceClient(base_url=trainer.http, api_key="tml-" + (token or TOKENS["trainer"]))
+    return tinker.ServiceClient(
+        base_url=trainer.http, api_key="tml-" + (token or TOKENS["trainer"])
+    )
 
 
 def sft_datum(tokens: list[int], prompt_len: int) -> types.Datum:
@@ -50,10 +52,10 @@ def sft_datum(tokens: list[int], prompt_len: int) -> types.Datum:
 
 def mean_nll(client, data) -> float:
     out = client.forward(data, "cross_entropy").result()
-    total = sum(
-        -sum(lp * w for lp, w in zip(o["logprobs"].tolist(), d.loss_fn_inputs["weights"].tolist()))
-        for o, d in zip(out.loss_fn_outputs, data)
-    )
+    total = 0.0
+    for o, d in zip(out.loss_fn_outputs, data, strict=True):
+        weights = d.loss_fn_inputs["weights"].tolist()
+        total -= sum(lp * w for lp, w in zip(o["logprobs"].tolist(), weights, strict=True))
     return total / sum(sum(d.loss_fn_inputs["weights"].tolist()) for d in data)
 
 
@@ -162,12 +164,20 @@ def test_auth_and_limits(stack):
     # no key / a wrong key / a role that may not train
     assert httpx.get(f"{trainer.http}/api/v1/get_server_capabilities").status_code == 401
     wrong = {"X-API-Key": "tml-not-a-token"}
-    assert httpx.get(f"{trainer.http}/api/v1/get_server_capabilities", headers=wrong).status_code == 401
+    assert (
+        httpx.get(f"{trainer.http}/api/v1/get_server_capabilities", headers=wrong).status_code
+        == 401
+    )
     agent = {"X-API-Key": "tml-" + TOKENS["agent"]}
-    assert httpx.get(f"{trainer.http}/api/v1/get_server_capabilities", headers=agent).status_code == 403
+    assert (
+        httpx.get(f"{trainer.http}/api/v1/get_server_capabilities", headers=agent).status_code
+        == 403
+    )
     # a forward_backward that is not protobuf, and an unknown future: clear 4xx, service stays up
     key = {"X-API-Key": "tml-" + TOKENS["trainer"]}
-    r = httpx.post(f"{trainer.http}/api/v1/forward_backward", content=b"\xff\x00garbage", headers=key)
+    r = httpx.post(
+        f"{trainer.http}/api/v1/forward_backward", content=b"\xff\x00garbage", headers=key
+    )
     assert r.status_code == 400 and "ForwardBackwardRequest" in r.json()["detail"]
     r = httpx.post(f"{trainer.http}/api/v1/retrieve_future", json={"request_id": "x"}, headers=key)
     assert r.status_code == 404
@@ -175,6 +185,18 @@ def test_auth_and_limits(stack):
     sc = service_client(trainer)
     for _ in range(3):
         sc.create_lora_training_client(base_model="tiny", rank=2).result()
-    with pytest.raises(tinker.APIStatusError, match="most this trainer holds"):
-        sc.create_lora_training_client(base_model="tiny", rank=2).result()
+    # one more is refused with 429 (the SDK would back off and retry: capacity may free up)
+    session = httpx.post(
+        f"{trainer.http}/api/v1/create_session",
+        json={"tags": [], "user_metadata": None, "sdk_version": SDK_VERSION},
+        headers=key,
+    ).json()["session_id"]
+    body = {
+        "session_id": session,
+        "model_seq_id": 0,
+        "base_model": "tiny",
+        "lora_config": {"rank": 2},
+    }
+    r = httpx.post(f"{trainer.http}/api/v1/create_model", json=body, headers=key)
+    assert r.status_code == 429 and "most this trainer holds" in r.json()["detail"]
     assert httpx.get(f"{trainer.http}/readyz").status_code == 200
