@@ -18,21 +18,43 @@ SDK_VERSION = "0.38.0"
 
 @pytest.fixture
 def stack(infra, tmp_path, tiny_model, monkeypatch):
-    (tmp_path / "ws").mkdir()
-    store = start_service("weight-store", infra, tmp_path / "ws")
-    trainer = start_service(
-        "trainer",
-        infra,
-        tmp_path,
-        TREADLE_WEIGHT_STORE_ADDR=store.grpc_addr or "",
-        TREADLE_TRAINER_TINKER_MODELS=json.dumps({"tiny": str(tiny_model)}),
-        TREADLE_TRAINER_TINKER_MAX_CLIENTS="3",
-        TREADLE_AUTH_TOKENS=json.dumps(TOKENS),
-    )
-    monkeypatch.setenv("TINKER_TELEMETRY", "0")
-    yield trainer, store
-    trainer.stop_checked()
-    store.stop_checked()
+    """weight-store, env-gateway, rollout serving the tiny model as `tiny`, and a trainer
+    whose Tinker API trains on it and samples through that rollout."""
+    procs: list[ServiceProc] = []
+    try:
+        (tmp_path / "ws").mkdir()
+        store = start_service("weight-store", infra, tmp_path / "ws")
+        procs.append(store)
+        gateway = start_service("env-gateway", infra, tmp_path)
+        procs.append(gateway)
+        addrs = {
+            "TREADLE_WEIGHT_STORE_ADDR": store.grpc_addr or "",
+            "TREADLE_ENV_GATEWAY_ADDR": gateway.grpc_addr or "",
+        }
+        rollout = start_service(
+            "rollout",
+            infra,
+            tmp_path,
+            TREADLE_ROLLOUT_MODEL=str(tiny_model),
+            TREADLE_ROLLOUT_MODEL_NAME="tiny",
+            **addrs,
+        )
+        procs.append(rollout)
+        trainer = start_service(
+            "trainer",
+            infra,
+            tmp_path,
+            TREADLE_TRAINER_TINKER_MODELS=json.dumps({"tiny": str(tiny_model)}),
+            TREADLE_TRAINER_TINKER_MAX_CLIENTS="3",
+            TREADLE_TRAINER_ROLLOUT_URL=rollout.http,
+            **addrs,
+        )
+        procs.append(trainer)
+        monkeypatch.setenv("TINKER_TELEMETRY", "0")
+        yield trainer, store, rollout
+    finally:
+        for proc in reversed(procs):
+            proc.stop_checked()
 
 
 def service_client(trainer: ServiceProc, token: str | None = None) -> tinker.ServiceClient:
@@ -64,10 +86,12 @@ def test_sdk_version_is_the_pinned_one():
 
 
 def test_lora_sft_through_the_sdk(stack, tmp_path):
-    trainer, store = stack
+    trainer, store, _ = stack
     sc = service_client(trainer)
     caps = httpx.get(f"{trainer.http}/api/v1/get_server_capabilities", headers=ADMIN).json()
-    assert [m["model_name"] for m in caps["supported_models"]] == ["tiny"]
+    assert [(m["model_name"], m["sampleable"]) for m in caps["supported_models"]] == [
+        ("tiny", True)
+    ]
 
     a = sc.create_lora_training_client(base_model="tiny", rank=8, seed=1).result()
     b = sc.create_lora_training_client(base_model="tiny", rank=8, seed=2).result()
@@ -125,7 +149,7 @@ def test_lora_sft_through_the_sdk(stack, tmp_path):
 
 
 def test_rl_losses_and_their_errors(stack):
-    trainer, _ = stack
+    trainer, _, _ = stack
     sc = service_client(trainer)
     client = sc.create_lora_training_client(base_model="tiny", rank=4).result()
     tokens = [5, 6, 7, 8, 9, 10]
@@ -160,7 +184,7 @@ def test_rl_losses_and_their_errors(stack):
 
 
 def test_auth_and_limits(stack):
-    trainer, _ = stack
+    trainer, _, _ = stack
     # no key / a wrong key / a role that may not train
     assert httpx.get(f"{trainer.http}/api/v1/get_server_capabilities").status_code == 401
     wrong = {"X-API-Key": "tml-not-a-token"}
@@ -200,3 +224,54 @@ def test_auth_and_limits(stack):
     r = httpx.post(f"{trainer.http}/api/v1/create_model", json=body, headers=key)
     assert r.status_code == 429 and "most this trainer holds" in r.json()["detail"]
     assert httpx.get(f"{trainer.http}/readyz").status_code == 200
+
+
+def test_sampling_from_trained_adapters_through_rollout(stack):
+    trainer, _, rollout = stack
+    sc = service_client(trainer)
+    a = sc.create_lora_training_client(base_model="tiny", rank=8, seed=1).result()
+    b = sc.create_lora_training_client(base_model="tiny", rank=8, seed=2).result()
+    prompt, completion = [5, 6, 7], [40, 41, 42, 43]
+    data = [sft_datum(prompt + completion, len(prompt))]
+    for _ in range(200):
+        a.forward_backward(data, "cross_entropy")
+        a.optim_step(types.AdamParams(learning_rate=3e-3)).result()
+        if mean_nll(a, data) < 0.02:
+            break
+    assert mean_nll(a, data) < 0.02
+
+    greedy = types.SamplingParams(max_tokens=len(completion), temperature=0.0)
+    model_input = types.ModelInput.from_ints(prompt)
+    trained = a.save_weights_and_get_sampling_client().result()
+    untrained = b.save_weights_and_get_sampling_client().result()
+    base = sc.create_sampling_client(base_model="tiny").result()
+
+    got = trained.sample(model_input, 1, greedy).result().sequences[0]
+    assert got.tokens == completion  # the adapter's behaviour, not the base model's
+    base_tokens = base.sample(model_input, 1, greedy).result().sequences[0].tokens
+    assert base_tokens != completion
+    # b's adapter is untouched by a's training: it samples like the base model
+    assert untrained.sample(model_input, 1, greedy).result().sequences[0].tokens == base_tokens
+
+    # num_samples, and behaviour logprobs that match the trainer's for the same tokens
+    out = trained.sample(model_input, 4, types.SamplingParams(max_tokens=6, seed=3)).result()
+    assert len(out.sequences) == 4 and len({s.sequence_id for s in out.sequences}) == 4
+    for seq in out.sequences:
+        assert seq.logprobs is not None and len(seq.logprobs) == len(seq.tokens)
+        tokens = prompt + seq.tokens
+        datum = sft_datum(tokens, len(prompt))
+        forward = a.forward([datum], "cross_entropy").result().loss_fn_outputs[0]
+        trainer_logprobs = forward["logprobs"].tolist()[len(prompt) - 1 :]
+        assert trainer_logprobs == pytest.approx(seq.logprobs, abs=1e-4)
+
+    # a named sampler checkpoint samples the same way, also from a new sampling client
+    path = a.save_weights_for_sampler("final").result().path
+    from_path = sc.create_sampling_client(model_path=path).result()
+    again = from_path.sample(model_input, 1, greedy).result()
+    assert again.sequences[0].tokens == completion
+    served = httpx.get(f"{rollout.http}/v1/adapters", headers=ADMIN).json()["adapters"]
+    assert len(served) >= 2 and all(n.startswith("tinker-") for n in served)
+
+    # what is not served is refused, never ignored
+    with pytest.raises(tinker.APIStatusError, match="prompt_logprobs"):
+        trained.sample(model_input, 1, greedy, include_prompt_logprobs=True).result()

@@ -26,10 +26,10 @@ import contextvars
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import cast
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 """Attention projections (HF Llama/Qwen/Mistral names)."""
@@ -55,6 +55,27 @@ class AdapterConfig:
         return self.alpha / self.rank
 
 
+def to_metadata(config: AdapterConfig, base_model: str) -> dict[str, str]:
+    """What a weight-store version of an adapter records about it (manifest metadata)."""
+    return {
+        "lora_rank": str(config.rank),
+        "lora_alpha": str(config.alpha),
+        "lora_targets": ",".join(config.targets),
+        "base_model": base_model,
+    }
+
+
+def from_metadata(metadata: dict[str, str]) -> AdapterConfig:
+    """The adapter config a version's metadata records (`to_metadata`); ValueError if none."""
+    if "lora_rank" not in metadata:
+        raise ValueError("the version is not a LoRA adapter (no lora_rank in its metadata)")
+    return AdapterConfig(
+        rank=int(metadata["lora_rank"]),
+        alpha=float(metadata["lora_alpha"]),
+        targets=tuple(metadata["lora_targets"].split(",")),
+    )
+
+
 def targets_for(attn: bool, mlp: bool, unembed: bool) -> tuple[str, ...]:
     """The module names of the Tinker SDK's `train_attn` / `train_mlp` / `train_unembed`."""
     return (ATTENTION if attn else ()) + (MLP if mlp else ()) + (UNEMBED if unembed else ())
@@ -74,37 +95,34 @@ class Adapter(nn.Module):
         return (x @ self.lora_A.T.to(x.dtype)) @ self.lora_B.T.to(x.dtype) * self.scale
 
 
-class LoRALinear(nn.Module):
-    """A frozen `nn.Linear` plus named adapters; `using(...)` picks which apply."""
+class LoRALinear(nn.Linear):
+    """An `nn.Linear` (the same weight and bias Parameters, so a tied head stays tied and the
+    state dict keeps its names) plus named adapters; `using(...)` picks which apply. The
+    adapters are not submodules: the model's `state_dict()` and `parameters()` stay the base
+    model's (weight swaps, checkpoints), and each adapter's owner holds its parameters."""
 
     def __init__(self, base: nn.Linear):
-        super().__init__()
-        self.base = base
-        self.adapters = nn.ModuleDict()
-
-    @property
-    def weight(self) -> torch.Tensor:  # callers that read `layer.weight` (tied heads, dtypes)
-        return self.base.weight
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.register_parameter("bias", base.bias)
+        self.adapters: dict[str, Adapter] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
+        y = F.linear(x, self.weight, self.bias)
         active = _ACTIVE.get()
         if active is None or not self.adapters:
             return y
         if isinstance(active, str):
-            if active not in self.adapters:
-                return y
-            return y + self._adapter(active).delta(x)
+            adapter = self.adapters.get(active)
+            return y if adapter is None else y + adapter.delta(x)
         if len(active) != x.shape[0]:
             raise ValueError(f"{len(active)} adapter names for a batch of {x.shape[0]} rows")
         out = y.clone()
         for name in {n for n in active if n is not None and n in self.adapters}:
             rows = torch.tensor([i for i, n in enumerate(active) if n == name], device=x.device)
-            out[rows] = y[rows] + self._adapter(name).delta(x[rows])
+            out[rows] = y[rows] + self.adapters[name].delta(x[rows])
         return out
-
-    def _adapter(self, name: str) -> Adapter:
-        return cast(Adapter, self.adapters[name])
 
 
 @contextlib.contextmanager
@@ -119,9 +137,8 @@ def using(selection: Selection) -> Iterator[None]:
 
 
 def inject(model: nn.Module, targets: Sequence[str]) -> list[str]:
-    """Wrap every `nn.Linear` whose name ends in one of `targets` (once; idempotent), freeze
-    the base model, and return the wrapped modules' paths."""
-    model.requires_grad_(False)
+    """Wrap every `nn.Linear` whose name ends in one of `targets` (once; idempotent) and
+    return the wrapped modules' paths. The model's parameters and state dict are unchanged."""
     wrapped = []
     for path, module in list(model.named_modules()):
         leaf = path.rsplit(".", 1)[-1]
@@ -147,9 +164,8 @@ def add_adapter(model: nn.Module, name: str, config: AdapterConfig) -> list[nn.P
             continue
         if name in layer.adapters:
             raise ValueError(f"adapter {name!r} already exists")
-        base = layer.base
-        adapter = Adapter(base.in_features, base.out_features, config, gen)
-        layer.adapters[name] = adapter.to(base.weight.device)
+        adapter = Adapter(layer.in_features, layer.out_features, config, gen)
+        layer.adapters[name] = adapter.to(layer.weight.device)
         params += [adapter.lora_A, adapter.lora_B]
     if not params:
         raise ValueError(f"no layer of the model matches the adapter's targets {config.targets}")
@@ -167,7 +183,7 @@ def adapter_state(model: nn.Module, name: str) -> dict[str, torch.Tensor]:
     out = {}
     for path, layer in layers(model).items():
         if name in layer.adapters:
-            adapter = layer._adapter(name)
+            adapter = layer.adapters[name]
             out[f"{path}.lora_A"] = adapter.lora_A.detach().to("cpu").clone()
             out[f"{path}.lora_B"] = adapter.lora_B.detach().to("cpu").clone()
     return out
@@ -188,7 +204,7 @@ def load_adapter(
     with torch.no_grad():
         for path, layer in layers(model).items():
             if name in layer.adapters:
-                adapter = layer._adapter(name)
+                adapter = layer.adapters[name]
                 for part in ("lora_A", "lora_B"):
                     want = getattr(adapter, part)
                     got = state[f"{path}.{part}"]

@@ -1,6 +1,6 @@
 """Rollout's HTTP API: `/v1/info` (what it serves, how busy, weight sync; mounted by the
-runtime), `/v1/swaps`, `/v1/evaluate` (`evaluate.py`) and the OpenAI-compatible API
-(`openai_api.py`)."""
+runtime), `/v1/swaps`, `/v1/evaluate` (`evaluate.py`), LoRA adapters (`adapters.py`) and the
+OpenAI-compatible API (`openai_api.py`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from fastapi import FastAPI
 from treadle_common import auth
 from treadle_common.api.rollout import RolloutInfo, Swap, Swaps
 from treadle_common.service import ServiceRuntime
-from treadle_rollout import evaluate, metrics, openai_api
+from treadle_rollout import adapters, evaluate, metrics, openai_api
 
 if TYPE_CHECKING:
     from treadle_rollout.app import Rollout
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 def mount(runtime: ServiceRuntime, rollout: Rollout) -> None:
     app: FastAPI = runtime.app
     openai_api.mount(app, rollout.frontend)
+    adapters.mount(app, rollout.engine, rollout.store)
     evaluate.mount(app, lambda: rollout.worker.runner if rollout.worker else None)
     runtime.set_info(lambda: info(rollout), RolloutInfo)
 

@@ -96,6 +96,9 @@ class SamplingFields(BaseModel):
     n: int = Field(1, ge=1, le=16)
     seed: int | None = None
     stream: bool = False
+    stop_token_ids: list[int] | None = Field(
+        None, max_length=64, description="Tokens that also end the generation (vLLM's field)"
+    )
 
 
 class ChatRequest(SamplingFields):
@@ -193,11 +196,11 @@ class OpenAIFrontend:
         self.eos_id = self.tokenizer.eos_token_id
 
     def _check(self, req: SamplingFields) -> None:
-        if req.model != self.engine.model_name:
+        if req.model != self.engine.model_name and req.model not in self.engine.adapters():
             raise OpenAIError(
                 404,
                 f"The model `{req.model}` does not exist; this server serves "
-                f"`{self.engine.model_name}`",
+                f"`{self.engine.model_name}` and its adapters {self.engine.adapters()}",
                 param="model",
                 code="model_not_found",
             )
@@ -206,7 +209,14 @@ class OpenAIFrontend:
 
     def _sampling(self, req: SamplingFields, max_tokens: int | None, index: int) -> Sampling:
         seed = None if req.seed is None else req.seed + index
-        return Sampling(req.temperature, req.top_p, max_tokens or DEFAULT_MAX_TOKENS, seed)
+        return Sampling(
+            req.temperature,
+            req.top_p,
+            max_tokens or DEFAULT_MAX_TOKENS,
+            seed,
+            adapter=None if req.model == self.engine.model_name else req.model,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+        )
 
     async def _generate(self, prompt: list[int], sampling: Sampling) -> Generation:
         try:
@@ -442,24 +452,31 @@ def mount(app: FastAPI, frontend: OpenAIFrontend) -> None:
 
     @router.get("/v1/models", openapi_extra=auth.roles(auth.ANY))
     async def models() -> dict:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": frontend.engine.model_name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "treadle",
-                    "policy_version": frontend.engine.version,
-                }
-            ],
+        engine = frontend.engine
+        policy = {
+            "id": engine.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "treadle",
+            "policy_version": engine.version,
         }
+        adapters = [
+            {
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "treadle",
+                "parent": engine.model_name,
+            }
+            for name in engine.adapters()
+        ]
+        return {"object": "list", "data": [policy, *adapters]}
 
     @router.post("/v1/chat/completions", openapi_extra=auth.roles(auth.AGENT))
     async def chat(req: ChatRequest, request: Request) -> dict:
         return await frontend.chat(req, request.headers.get(SESSION_HEADER))
 
-    @router.post("/v1/completions", openapi_extra=auth.roles(auth.AGENT))
+    @router.post("/v1/completions", openapi_extra=auth.roles(auth.AGENT, auth.TRAINER))
     async def completions(req: CompletionRequest) -> dict:
         return await frontend.completions(req)
 

@@ -60,6 +60,8 @@ async def build(settings: TrainerSettings) -> Service:
         settings.state_dir,
         {name: str(path) for name, path in settings.trainer_tinker_models.items()},
         max_clients=settings.trainer_tinker_max_clients,
+        rollout_url=settings.trainer_rollout_url or None,
+        token=token,
     )
     runtime.on_drain(runs.drain)
     loops: list[Callable[[], Awaitable[None]]] = [runs.resume_orphans]

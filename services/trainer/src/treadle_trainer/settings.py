@@ -52,6 +52,11 @@ class TrainerSettings(Settings):
         description="trainer: the base models the Tinker API serves, as JSON "
         '`{"name": "<HF model dir>"}`; the SDK names them in create_lora_training_client',
     )
+    trainer_rollout_url: str = Field(
+        "",
+        description="trainer: rollout's HTTP URL; the Tinker API's sampling clients sample "
+        "through it (empty: sampling is refused with 503)",
+    )
     trainer_tinker_max_clients: int = Field(
         16,
         ge=0,

@@ -1,5 +1,6 @@
 """The rollout service's HTTP API: `GET /v1/info` (`RolloutInfo`), `POST /v1/evaluate`,
-`GET /v1/swaps`. (Its OpenAI-compatible API has its own models, in the service.)"""
+`GET /v1/swaps`, `/v1/adapters` (LoRA adapters served next to the policy). (Its
+OpenAI-compatible API has its own models, in the service.)"""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from treadle_common import names
 from treadle_common.api.ops import ServiceInfo
 
 MAX_EVAL_TASKS = 4096
@@ -72,3 +74,20 @@ class EvaluateResult(BaseModel):
     statuses: dict[str, int]
     policy_versions: list[int] = Field(description="Distinct policy versions that generated")
     seconds: float
+
+
+class LoadAdapter(BaseModel):
+    """`POST /v1/adapters`: serve a LoRA adapter published in the weight-store (the Tinker
+    API's sampler weights). OpenAI requests then name it as their `model`."""
+
+    name: str = Field(
+        pattern=names.NAME_PATTERN, max_length=names.NAME_MAX, description="What requests call it"
+    )
+    model: str = Field(
+        pattern=names.NAME_PATTERN, max_length=names.NAME_MAX, description="Weight-store model"
+    )
+    version: int = Field(ge=1, description="Weight-store version of the adapter")
+
+
+class Adapters(BaseModel):
+    adapters: list[str]

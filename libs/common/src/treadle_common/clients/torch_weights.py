@@ -159,6 +159,19 @@ def apply_fetch(
     return written + len(plan.relocations)
 
 
+async def fetch_state_dict(
+    client: WeightStoreClient, model: str, version: int
+) -> tuple[pb.WeightManifest, dict[str, torch.Tensor]]:
+    """A whole version as new CPU tensors (small versions: a LoRA adapter)."""
+    result = await client.fetch(model, version, skip_assets=True)
+    dtypes = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+    state = {
+        t.name: torch.empty(tuple(t.shape), dtype=dtypes[t.dtype]) for t in result.manifest.tensors
+    }
+    apply_fetch(result, state, ChunkCache())
+    return result.manifest, state
+
+
 @torch.no_grad()
 async def fetch_into(
     client: WeightStoreClient,

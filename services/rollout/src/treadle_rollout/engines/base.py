@@ -27,6 +27,10 @@ class Sampling:
     last_turn: bool = False
     """No later request will extend this one (an episode's last possible turn): the hf
     engine does not keep its KV for prefix reuse."""
+    adapter: str | None = None
+    """The LoRA adapter to sample through (`Engine.load_adapter`); None: the policy itself."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Tokens that end the generation (kept as its last token, like end-of-turn)."""
 
 
 @dataclass
@@ -82,6 +86,10 @@ class ContextOverflow(ValueError):
     """The prompt does not fit in the model's context: the episode is truncated, not failed."""
 
 
+class AdapterUnsupported(ValueError):
+    """This engine cannot serve LoRA adapters (a 400 to whoever asked)."""
+
+
 class Engine(abc.ABC):
     name: str
     """Backend name (`hf`, `vllm`, `openai`)."""
@@ -103,6 +111,18 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def held_chunks(self) -> set[str]:
         """Chunk hashes of the loaded weights (what a delta fetch can skip)."""
+
+    async def load_adapter(self, name: str, tensors: dict[str, Any], config: Any) -> None:
+        """Serve LoRA adapter `name` (`treadle_common.lora` tensors and `AdapterConfig`) on
+        the base model, next to the others; replaces an adapter of the same name."""
+        raise AdapterUnsupported(f"the {self.name} engine does not serve LoRA adapters")
+
+    async def unload_adapter(self, name: str) -> None:
+        raise AdapterUnsupported(f"the {self.name} engine does not serve LoRA adapters")
+
+    def adapters(self) -> list[str]:
+        """The LoRA adapters this engine serves."""
+        return []
 
     meter: BusyMeter
     """Engines that do not schedule themselves wrap each request in `meter.track()`."""

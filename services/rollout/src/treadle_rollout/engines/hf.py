@@ -21,6 +21,12 @@ swap clears the prefix cache, and a sequence that ran across a swap (policy `con
 not cached: reused KV always comes from the weights that serve the request. Forward passes
 run in a worker thread, so the event loop keeps serving while the engine computes.
 
+LoRA adapters (`load_adapter`, from the Tinker API's sampler weights) sit on the one base
+model: a request names its adapter (`Sampling.adapter`) and each forward pass routes every
+row through its own (`treadle_common.lora.using`), so requests on different adapters and on
+the policy share a batch. Adapter rows neither use nor fill the prefix cache (their KV is not
+the policy's). Loading one happens at the pause point, like a swap.
+
 Logprobs are those of the distribution the token was sampled from: `log_softmax(logits / T)`
 (raw logits when greedy), renormalized over the top-p nucleus when top_p < 1 (vLLM's
 `processed_logprobs`). A trainer recomputing them must use the same temperature.
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol, cast
@@ -37,6 +44,7 @@ from typing import Literal, Protocol, cast
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from treadle_common import lora
 from treadle_common.clients.torch_weights import ChunkCache, apply_fetch
 from treadle_common.clients.weights import FetchResult, WeightStoreClient
 from treadle_rollout import metrics
@@ -175,6 +183,8 @@ class HFEngine(Engine):
         self._waiting: list[_Seq] = []
         self._finished: list[_Seq] = []
         self._swaps: list[tuple[FetchResult, asyncio.Future[float]]] = []
+        self._adapter_ops: list[tuple[Callable[[], None], asyncio.Future[None]]] = []
+        self._adapters: set[str] = set()
         self._wake = asyncio.Event()
         self._scheduler: asyncio.Task | None = None
         self.busy_s = 0.0
@@ -215,6 +225,32 @@ class HFEngine(Engine):
     def held_chunks(self) -> set[str]:
         return self.cache.have()
 
+    async def load_adapter(self, name: str, tensors: dict, config: lora.AdapterConfig) -> None:
+        def apply() -> None:
+            lora.inject(self.model, lora.ATTENTION + lora.MLP + lora.UNEMBED)
+            state = {k: t.to(self.device) for k, t in tensors.items()}
+            lora.load_adapter(self.model, name, state, config)
+            self._adapters.add(name)
+
+        await self._adapter_op(apply)
+
+    async def unload_adapter(self, name: str) -> None:
+        def apply() -> None:
+            lora.remove_adapter(self.model, name)
+            self._adapters.discard(name)
+
+        await self._adapter_op(apply)
+
+    def adapters(self) -> list[str]:
+        return sorted(self._adapters)
+
+    async def _adapter_op(self, apply: Callable[[], None]) -> None:
+        """Run `apply` at the next step boundary (no forward pass is running)."""
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._adapter_ops.append((apply, future))
+        self._ensure_scheduler()
+        await asyncio.shield(future)
+
     @property
     def running(self) -> int:
         return len(self._batch.seqs) + len(self._waiting)
@@ -245,6 +281,8 @@ class HFEngine(Engine):
 
     async def _loop(self) -> None:
         while True:
+            if self._adapter_ops:
+                await self._apply_adapter_ops()
             if not (self._batch.seqs or self._waiting or self._swaps):
                 self._wake.clear()
                 await self._wake.wait()
@@ -313,6 +351,16 @@ class HFEngine(Engine):
                 self._batch.clear()
             future.set_result(time.perf_counter() - paused)
 
+    async def _apply_adapter_ops(self) -> None:
+        ops, self._adapter_ops = self._adapter_ops, []
+        for apply, future in ops:
+            try:
+                await asyncio.to_thread(apply)
+            except Exception as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(None)
+
     def _finish_done(self) -> None:
         finished, self._finished = self._finished, []
         for seq in finished:
@@ -351,8 +399,8 @@ class HFEngine(Engine):
         generated token but the last (which was sampled, never fed)."""
         if self.prefixes.max_bytes <= 0 or seq.kv_version != self.version:
             return  # KV that spans a swap (policy continue) mixes two policies: not reused
-        if seq.sampling.last_turn:
-            return  # nothing will extend it
+        if seq.sampling.last_turn or seq.sampling.adapter is not None:
+            return  # nothing will extend it / not the policy's KV
         entry = prefix_cache.Entry(seq.prompt + seq.tokens[:-1], *self._batch.slab.row_kv(row))
         assert entry.keys[0].shape[1] == len(entry.tokens)
         self.prefixes.insert(entry, extends=seq.hit.entry if seq.hit else None)
@@ -362,12 +410,17 @@ class HFEngine(Engine):
         episodes of a group share their prompt, so it is computed once and its KV and logits
         copied to each of them (each still samples on its own)."""
         for seq in seqs:
-            seq.hit = self.prefixes.match(seq.prompt)
+            seq.hit = self.prefixes.match(seq.prompt) if seq.sampling.adapter is None else None
             seq.kv_version = self.version
         first: dict[tuple, int] = {}
         rows = [
             first.setdefault(
-                (tuple(s.prompt), id(s.hit.entry) if s.hit else 0, s.hit.length if s.hit else 0),
+                (
+                    tuple(s.prompt),
+                    id(s.hit.entry) if s.hit else 0,
+                    s.hit.length if s.hit else 0,
+                    s.sampling.adapter,
+                ),
                 len(first),
             )
             for s in seqs
@@ -404,14 +457,15 @@ class HFEngine(Engine):
         metrics.PREFILL_TOKENS.inc(sum(len(s.prompt) for s in seqs) - sum(reused))
         metrics.PREFIX_CACHE_HIT_TOKENS.inc(sum(reused))
         ids_B_T, mask_B_T = ids_B_T.to(self.device), mask_B_T.to(self.device)
-        out = self.model(
-            input_ids=ids_B_T,
-            attention_mask=mask_B_T,
-            position_ids=positions_B_T.to(self.device),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        with lora.using(_adapters_of(seqs)):
+            out = self.model(
+                input_ids=ids_B_T,
+                attention_mask=mask_B_T,
+                position_ids=positions_B_T.to(self.device),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
         cache = out.past_key_values
         if past:
             mask_B_T = _right_align(cache, mask_B_T)
@@ -436,13 +490,14 @@ class HFEngine(Engine):
         slab = self._batch.slab
         last_B_1 = torch.tensor([[s.tokens[-1]] for s in self._batch.seqs], device=self.device)
         cache, mask_B_T, positions_B_1 = slab.begin_step()
-        out = self.model(
-            input_ids=last_B_1,
-            attention_mask=mask_B_T,
-            position_ids=positions_B_1,
-            past_key_values=cache,
-            use_cache=True,
-        )
+        with lora.using(_adapters_of(self._batch.seqs)):
+            out = self.model(
+                input_ids=last_B_1,
+                attention_mask=mask_B_T,
+                position_ids=positions_B_1,
+                past_key_values=cache,
+                use_cache=True,
+            )
         slab.end_step()
         return out.logits[:, -1, :]
 
@@ -452,13 +507,19 @@ class HFEngine(Engine):
             seq.tokens.append(token)
             seq.logprobs.append(logprob)
             seq.versions.append(self.version)
-            if token == self.eos_id:
+            if token == self.eos_id or token in seq.sampling.stop_token_ids:
                 seq.finish = "stop"
             elif len(seq.tokens) >= seq.sampling.max_new_tokens:
                 seq.finish = "length"
             elif len(seq.prompt) + len(seq.tokens) >= self.max_context:
                 seq.finish = "length"
         metrics.TOKENS.inc(len(seqs))
+
+
+def _adapters_of(seqs: list[_Seq]) -> list[str | None] | None:
+    """Each row's adapter for `lora.using`; None when no row has one (the plain model)."""
+    names = [s.sampling.adapter for s in seqs]
+    return names if any(n is not None for n in names) else None
 
 
 def sample(

@@ -63,6 +63,7 @@ class BaseModel:
         self.model.eval()  # no dropout: the same input gives the same logprobs
         self.vocab_size = int(self.model.config.vocab_size)
         self.arch = type(self.model).__name__
+        self.model.requires_grad_(False)  # frozen: only adapters train
         lora.inject(self.model, lora.ATTENTION + lora.MLP + lora.UNEMBED)
         self.max_context = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
 

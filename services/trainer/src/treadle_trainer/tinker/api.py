@@ -44,21 +44,18 @@ from treadle_trainer.backends import on_torch_thread
 from treadle_trainer.tinker import wire
 from treadle_trainer.tinker.adapters import BadRequest, BaseModel, LoraClient, read_meta
 from treadle_trainer.tinker.futures import Futures, Result
+from treadle_trainer.tinker.sampling import (
+    RolloutSampler,
+    Sampler,
+    SamplerWeights,
+    check_sample_request,
+    sequence_ids,
+)
 
 log = get_logger(__name__)
 ROLES = auth.roles(auth.TRAINER)
 CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 TINKER_PATH = re.compile(r"^tinker://([^/]+)/(weights|sampler_weights)/([^/]+)$")
-
-
-@dataclass
-class SamplerWeights:
-    """An adapter published for sampling: where it lives in the weight-store."""
-
-    base_model: str
-    store_model: str
-    version: int
-    lora: dict[str, Any]
 
 
 @dataclass
@@ -68,10 +65,12 @@ class TinkerState:
     root: Path
     store: WeightStoreClient
     max_clients: int
+    rollout: RolloutSampler | None
     bases: dict[str, BaseModel] = field(default_factory=dict)
     clients: dict[str, LoraClient] = field(default_factory=dict)
     sessions: set[str] = field(default_factory=set)
     sampler_weights: dict[str, SamplerWeights] = field(default_factory=dict)
+    samplers: dict[str, Sampler] = field(default_factory=dict)
     futures: Futures = field(default_factory=Futures)
     loading: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -123,8 +122,11 @@ def mount(
     models: dict[str, str],
     *,
     max_clients: int = 16,
+    rollout_url: str | None = None,
+    token: str | None = None,
 ) -> TinkerState:
-    state = TinkerState(models, state_dir / "tinker", store, max_clients)
+    rollout = RolloutSampler(rollout_url, token) if rollout_url else None
+    state = TinkerState(models, state_dir / "tinker", store, max_clients, rollout)
     futures = state.futures
 
     def accepted(request_id: str, model_id: str | None = None) -> dict[str, Any]:
@@ -156,8 +158,9 @@ def mount(
 
     @app.get("/api/v1/get_server_capabilities", tags=["tinker"], openapi_extra=ROLES)
     async def capabilities() -> dict[str, Any]:
+        sampled = await state.rollout.model_name() if state.rollout else None
         supported = [
-            types.SupportedModel(model_name=name, trainable=True, sampleable=False)
+            types.SupportedModel(model_name=name, trainable=True, sampleable=name == sampled)
             for name in sorted(state.models)
         ]
         return types.GetServerCapabilitiesResponse(supported_models=supported).model_dump()
@@ -381,30 +384,110 @@ def mount(
 
     @app.post("/api/v1/save_weights_for_sampler", tags=["tinker"], openapi_extra=ROLES)
     async def save_for_sampler(request: types.SaveWeightsForSamplerRequest) -> dict[str, Any]:
-        """Publish the adapter (only its tensors) as a weight-store version."""
+        """Publish the adapter (only its tensors) as a weight-store version; named, it is a
+        `sampler_weights` path, unnamed a sampling session on it."""
         client = state.client(request.model_id)
+        session_id = request.model_id.split(":", 1)[0]
+        if request.path is None and request.sampling_session_seq_id is None:
+            raise HTTPException(400, "name the weights (path) or pass sampling_session_seq_id")
 
         async def work() -> Result:
-            name = _checkpoint_name(request.path, client)
             tensors = await on_torch_thread(client.adapter_state)
             store_model = "tinker-" + client.model_id.replace(":", "-")
             response = await state.store.publish(
                 store_model,
                 state_dict_to_raw(tensors),
                 trainer_step=client.steps,
-                metadata={"tinker_path": name, "base_model": client.base.name, "lora": "1"},
+                metadata=lora.to_metadata(client.config, client.base.name),
             )
+            weights = SamplerWeights(client.base.name, store_model, response.version)
+            if request.path is None:
+                sampler_id = f"{session_id}:sample:{request.sampling_session_seq_id}"
+                state.samplers[sampler_id] = Sampler(client.base.name, weights, None)
+                return Result(json={"sampling_session_id": sampler_id})
+            name = _checkpoint_name(request.path, client)
             directory = state.checkpoint_dir(client.model_id, "sampler_weights", name)
             directory.mkdir(parents=True, exist_ok=True)
             meta = {**client.meta(), "store_model": store_model, "version": response.version}
             (directory / "meta.json").write_text(json.dumps(meta))
             path = f"tinker://{client.model_id}/sampler_weights/{name}"
-            state.sampler_weights[path] = SamplerWeights(
-                client.base.name, store_model, response.version, meta["lora"]
-            )
+            state.sampler_weights[path] = weights
             return Result(json={"path": path, "type": "save_weights_for_sampler"})
 
         return accepted(futures.submit(work, request.model_id, request.seq_id), request.model_id)
+
+    # --- sampling ---------------------------------------------------------------------------
+    def sampler_weights(path: str) -> SamplerWeights:
+        if path not in state.sampler_weights:
+            meta = read_meta(state.resolve(path, "sampler_weights"))  # after a restart
+            state.sampler_weights[path] = SamplerWeights(
+                meta["base_model"], meta["store_model"], meta["version"]
+            )
+        return state.sampler_weights[path]
+
+    @app.post("/api/v1/create_sampling_session", tags=["tinker"], openapi_extra=ROLES)
+    async def create_sampling_session(
+        request: types.CreateSamplingSessionRequest,
+    ) -> dict[str, Any]:
+        if request.session_id not in state.sessions:
+            raise HTTPException(404, f"no session {request.session_id!r}")
+        try:
+            weights = sampler_weights(request.model_path) if request.model_path else None
+        except BadRequest as exc:
+            raise HTTPException(404, str(exc)) from exc
+        base_model = weights.base_model if weights else request.base_model
+        if base_model is None:
+            raise HTTPException(400, "name a model_path or a base_model")
+        state.check_served(base_model)
+        sampler_id = f"{request.session_id}:sample:{request.sampling_session_seq_id}"
+        state.samplers[sampler_id] = Sampler(base_model, weights, request.model_path)
+        return types.CreateSamplingSessionResponse(sampling_session_id=sampler_id).model_dump()
+
+    @app.get("/api/v1/samplers/{sampler_id}", tags=["tinker"], openapi_extra=ROLES)
+    async def get_sampler(sampler_id: str) -> dict[str, Any]:
+        if sampler_id not in state.samplers:
+            raise HTTPException(404, f"no sampler {sampler_id!r}")
+        sampler = state.samplers[sampler_id]
+        return {
+            "sampler_id": sampler_id,
+            "base_model": sampler.base_model,
+            "model_path": sampler.model_path,
+        }
+
+    @app.post("/api/v1/asample", tags=["tinker"], openapi_extra=ROLES)
+    async def asample(request: types.SampleRequest) -> dict[str, Any]:
+        if state.rollout is None:
+            raise HTTPException(
+                503, "sampling needs rollout: set TREADLE_TRAINER_ROLLOUT_URL (treadle up does)"
+            )
+        try:
+            check_sample_request(request)
+            if request.sampling_session_id is not None:
+                if request.sampling_session_id not in state.samplers:
+                    raise HTTPException(404, f"no sampler {request.sampling_session_id!r}")
+                sampler = state.samplers[request.sampling_session_id]
+            elif request.model_path is not None:
+                weights = sampler_weights(request.model_path)
+                sampler = Sampler(weights.base_model, weights, request.model_path)
+            elif request.base_model is not None:
+                state.check_served(request.base_model)
+                sampler = Sampler(request.base_model, None, None)
+            else:
+                raise BadRequest("name a sampling_session_id, a model_path or a base_model")
+        except BadRequest as exc:
+            raise bad(exc) from exc
+        rollout = state.rollout
+        ids = sequence_ids(request.num_samples)
+
+        async def work() -> Result:
+            sequences = await rollout.sample(sampler, request)
+            return Result(proto=wire.sample_response(sequences, None))
+
+        queue = request.sampling_session_id or "sample"
+        request_id = futures.submit(work, queue, request.seq_id, ordered=False)
+        return types.UntypedAPIFuture(request_id=request_id, sample_sequence_ids=ids).model_dump(
+            mode="json", exclude_none=True
+        )
 
     # --- results ----------------------------------------------------------------------------
     @app.post("/api/v1/retrieve_future", tags=["tinker"], openapi_extra=ROLES)

@@ -12,6 +12,7 @@ never more than `MAX_KEPT` at once (oldest dropped first).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections import OrderedDict
@@ -53,16 +54,21 @@ class Futures:
     queues: dict[str, asyncio.Lock] = field(default_factory=dict)
 
     def submit(
-        self, work: Callable[[], Awaitable[Result]], queue: str, seq_id: int | None = None
+        self,
+        work: Callable[[], Awaitable[Result]],
+        queue: str,
+        seq_id: int | None = None,
+        ordered: bool = True,
     ) -> str:
-        """Run `work` after the earlier work of `queue` (a model, a sampler); its request id."""
+        """Run `work` after the earlier work of `queue` (a model) or, not `ordered` (a
+        sampler's requests), at once; its request id."""
         key = (queue, seq_id) if seq_id is not None else None
         if key is not None and key in self.by_key and self.by_key[key] in self.entries:
             return self.by_key[key]
-        lock = self.queues.setdefault(queue, asyncio.Lock())
+        lock = self.queues.setdefault(queue, asyncio.Lock()) if ordered else None
 
         async def run() -> Result:
-            async with lock:
+            async with lock or contextlib.nullcontext():
                 try:
                     return await work()
                 except BadRequest as exc:
