@@ -196,6 +196,7 @@ def test_up_status_down_without_orphans(cli_env, tmp_path):
         assert token_file.stat().st_mode & 0o777 == 0o600
         token = token_file.read_text()
         assert asyncio.run(_generate_and_list(spec["ports"], token)) == []  # no runs yet
+        _tinker_round_trip(spec["ports"], token, spec["model_name"])
         # `treadle run` against a deployed stack (compose, k8s): endpoints from TREADLE_*_URL
         ports = spec["ports"]
         remote_env = {
@@ -250,6 +251,29 @@ def test_up_status_down_without_orphans(cli_env, tmp_path):
     assert not [p for p in pids if alive(p)]
     after = treadle("status", "--json", env=cli_env, cwd=tmp_path)
     assert after.returncode == 1 and json.loads(after.stdout)["running"] is False
+
+
+def _tinker_round_trip(ports: dict, token: str, model_name: str) -> None:
+    """The Tinker SDK against the stack `treadle up` started: its model is served for LoRA
+    training, and a trained adapter samples through the stack's rollout."""
+    import tinker
+    from tinker import types
+
+    trainer_url = f"http://127.0.0.1:{ports['trainer']['http']}"
+    with tinker.ServiceClient(base_url=trainer_url, api_key="tml-" + token) as sc:
+        client = sc.create_lora_training_client(base_model=model_name, rank=4).result()
+        tokens = [5, 6, 7, 8, 9]
+        datum = types.Datum(
+            model_input=types.ModelInput.from_ints(tokens[:-1]),
+            loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * 4},
+        )
+        client.forward_backward([datum], "cross_entropy").result()
+        client.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+        sampler = client.save_weights_and_get_sampling_client().result()
+        out = sampler.sample(
+            types.ModelInput.from_ints(tokens), 2, types.SamplingParams(max_tokens=3)
+        ).result()
+        assert len(out.sequences) == 2 and all(1 <= len(s.tokens) <= 3 for s in out.sequences)
 
 
 async def _generate_and_list(ports: dict, token: str) -> list:

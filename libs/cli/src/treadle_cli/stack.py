@@ -125,6 +125,12 @@ class StackSpec:
         if service == "trainer":  # where recipes may name models, data and outputs
             roots = [self.state_dir, self.cwd, *self.path_roots]
             env.setdefault("TREADLE_TRAINER_PATH_ROOTS", json.dumps(roots))
+            # the Tinker API trains LoRA adapters on the stack's model and samples them
+            # through the stack's rollout
+            env.setdefault(
+                "TREADLE_TRAINER_TINKER_MODELS", json.dumps({self.model_name: self.model_dir})
+            )
+            env.setdefault("TREADLE_TRAINER_ROLLOUT_URL", self.http_url("rollout"))
         if service == "rollout":  # generation and training share the cores (async runs)
             env.setdefault("TREADLE_TORCH_THREADS", str(max(1, (os.cpu_count() or 2) // 2)))
         env.update(self.auth_env(service))
