@@ -1,7 +1,7 @@
 """`treadle bench ...`: added to the `treadle` command through the `treadle.commands`
 entry-point group (see `treadle_cli.cli.add_plugins`).
 
-treadle bench weights|env|reward|rollout|trainer|e2e|learn|step|chaos [--json]
+treadle bench weights|env|reward|rollout|trainer|tinker|e2e|learn|step|chaos [--json]
     our path vs a baseline, or learning per seed, as JSON
 """
 
@@ -67,6 +67,26 @@ def bench_reward(
     from treadle_bench import reward
 
     print(json.dumps(reward.run(requests, concurrency, rounds), indent=None if as_json else 2))
+
+
+@app.command("tinker")
+def bench_tinker(
+    steps: Annotated[int, typer.Option(help="Training steps per round and side")] = 10,
+    rounds: Annotated[int, typer.Option(help="Measured rounds per side")] = 3,
+    batch: Annotated[int, typer.Option(help="Datums per forward_backward")] = 8,
+    seq_len: Annotated[int, typer.Option(help="Tokens per datum")] = 64,
+    rank: Annotated[int, typer.Option(help="LoRA rank")] = 16,
+    prompts: Annotated[int, typer.Option(help="Concurrent sample requests per round")] = 8,
+    num_samples: Annotated[int, typer.Option(help="Samples per request")] = 4,
+    max_tokens: Annotated[int, typer.Option(help="Tokens per sample")] = 32,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
+) -> None:
+    """The Tinker SDK against Treadle: a LoRA training step vs the same step in-process,
+    sampling vs rollout's own API, adapter vs full-weight publish bytes."""
+    from treadle_bench import tinker_api
+
+    result = tinker_api.run(steps, rounds, batch, seq_len, rank, prompts, num_samples, max_tokens)
+    print(json.dumps(result, indent=None if as_json else 2))
 
 
 @app.command("rollout")
