@@ -141,7 +141,7 @@ def _train(trainer, model_dir, steps, rounds, batch, seq_len, rank) -> dict:
     base = BaseModel(MODEL, str(model_dir))
     local = LoraClient.create("bench", base, lora.AdapterConfig(rank=rank, seed=0))
     local_data = [
-        TinkerDatum(seq[:-1], {"target_tokens": seq[1:], "weights": [1.0] * (seq_len - 1)})
+        TinkerDatum.of(seq[:-1], target_tokens=seq[1:], weights=[1.0] * (seq_len - 1))
         for seq in _batch(batch, seq_len)
     ]
     local_adam = AdamParams(learning_rate=1e-4, beta1=0.9, beta2=0.95, eps=1e-12)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -32,7 +33,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from treadle_common import durable, lora
 from treadle_common.api.training import AdamParams, LossParams
 from treadle_trainer.backends.single import token_logprobs
-from treadle_trainer.batches import Datum, MicroBatch, collate
+from treadle_trainer.batches import MicroBatch
 from treadle_trainer.losses import TokenInputs, total_loss
 
 TINKER_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo")
@@ -46,10 +47,16 @@ class BadRequest(ValueError):
 
 @dataclass
 class TinkerDatum:
-    """One Tinker datum: input tokens and its `loss_fn_inputs` as flat arrays."""
+    """One Tinker datum: input tokens (int64) and its `loss_fn_inputs` as flat arrays."""
 
-    tokens: list[int]
-    inputs: dict[str, list[float] | list[int]]
+    tokens: np.ndarray
+    inputs: dict[str, np.ndarray]
+
+    @classmethod
+    def of(cls, tokens: list[int], **inputs: list[float] | list[int]) -> TinkerDatum:
+        return cls(
+            np.asarray(tokens, dtype=np.int64), {k: np.asarray(v) for k, v in inputs.items()}
+        )
 
 
 class BaseModel:
@@ -90,17 +97,18 @@ class LoraClient:
         lora.remove_adapter(self.base.model, self.model_id)
 
     # --- forward / backward ---------------------------------------------------------------
-    def _datums(self, data: list[TinkerDatum], loss_fn: str) -> list[Datum]:
-        out = []
+    def _checked(self, data: list[TinkerDatum], loss_fn: str) -> None:
+        """Refuse data this loss cannot be computed on, naming the datum and the field."""
+        needed = {"target_tokens"} | (
+            {"weights"} if loss_fn == "cross_entropy" else {"logprobs", "advantages"}
+        )
+        top = self.base.vocab_size - 1
         for i, d in enumerate(data):
             n = len(d.tokens)
             if n == 0:
                 raise BadRequest(f"data[{i}]: model_input is empty")
-            if any(not 0 <= t < self.base.vocab_size for t in d.tokens):
-                raise BadRequest(f"data[{i}]: token ids must be in 0..{self.base.vocab_size - 1}")
-            needed = {"target_tokens"} | (
-                {"weights"} if loss_fn == "cross_entropy" else {"logprobs", "advantages"}
-            )
+            if d.tokens.min() < 0 or d.tokens.max() > top:
+                raise BadRequest(f"data[{i}]: token ids must be in 0..{top}")
             missing = sorted(needed - set(d.inputs))
             if missing:
                 raise BadRequest(f"data[{i}]: loss {loss_fn} needs loss_fn_inputs {missing}")
@@ -110,22 +118,34 @@ class LoraClient:
                         f"data[{i}]: loss_fn_inputs[{key!r}] has {len(values)} values for "
                         f"{n} input tokens"
                     )
-            targets = [int(t) for t in d.inputs["target_tokens"]]
-            if any(not 0 <= t < self.base.vocab_size for t in targets):
-                raise BadRequest(
-                    f"data[{i}]: target_tokens must be in 0..{self.base.vocab_size - 1}"
-                )
-            ones = [1.0] * n
-            out.append(
-                Datum(
-                    input_ids=d.tokens,
-                    targets=targets,
-                    weights=[float(x) for x in d.inputs.get("weights", ones)],
-                    advantages=[float(x) for x in d.inputs.get("advantages", [0.0] * n)],
-                    logprobs=[float(x) for x in d.inputs.get("logprobs", [0.0] * n)],
-                )
-            )
-        return out
+                if not np.isfinite(values).all():
+                    raise BadRequest(f"data[{i}]: loss_fn_inputs[{key!r}] is not finite")
+            targets = d.inputs["target_tokens"]
+            if targets.min() < 0 or targets.max() > top:
+                raise BadRequest(f"data[{i}]: target_tokens must be in 0..{top}")
+
+    def _collate(self, chunk: list[TinkerDatum]) -> MicroBatch:
+        """Right-padded tensors (padding carries weight 0); Tinker sums, so every coef is 1."""
+        shape = (len(chunk), max(len(d.tokens) for d in chunk))
+        ids = np.full(shape, self.base.pad_id, dtype=np.int64)
+        targets = np.full(shape, self.base.pad_id, dtype=np.int64)
+        floats = {
+            k: np.zeros(shape, dtype=np.float32) for k in ("weights", "advantages", "logprobs")
+        }
+        for b, d in enumerate(chunk):
+            n = len(d.tokens)
+            ids[b, :n] = d.tokens
+            targets[b, :n] = d.inputs["target_tokens"]
+            for key, array in floats.items():
+                array[b, :n] = d.inputs[key] if key in d.inputs else float(key == "weights")
+        return MicroBatch(
+            torch.from_numpy(ids),
+            torch.from_numpy(targets),
+            torch.from_numpy(floats["weights"]),
+            torch.from_numpy(floats["advantages"]),
+            torch.from_numpy(floats["logprobs"]),
+            torch.ones(len(chunk)),
+        )
 
     def forward_backward(
         self,
@@ -133,7 +153,7 @@ class LoraClient:
         loss_fn: str,
         config: Mapping[str, float],
         forward_only: bool,
-    ) -> tuple[list[dict[str, list[float]]], dict[str, float]]:
+    ) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
         """Per-datum `logprobs` and `elementwise_loss`, and the metrics (`loss:sum`)."""
         if loss_fn not in TINKER_LOSSES:
             raise BadRequest(
@@ -149,20 +169,18 @@ class LoraClient:
                 "loss_fn_config needs 0 <= clip_low_threshold <= 1 <= clip_high_threshold"
             )
         params = LossParams(clip_low=1 - low, clip_high=high - 1)
-        datums = self._datums(data, loss_fn)
-        outputs: list[dict[str, list[float]]] = []
+        self._checked(data, loss_fn)
+        outputs: list[dict[str, np.ndarray]] = []
         loss_sum = 0.0
-        for chunk in _chunks(datums):
-            mb = collate(chunk, [1.0] * len(chunk), self.base.pad_id)
+        for chunk in _chunks(data):
+            mb = self._collate(chunk)
             value, logprobs_B_T, per_token_B_T = self._step(mb, loss_fn, params, forward_only)
             loss_sum += value
+            logprobs_np, per_token_np = logprobs_B_T.numpy(), per_token_B_T.numpy()
             for b, d in enumerate(chunk):
-                n = len(d.input_ids)
+                n = len(d.tokens)
                 outputs.append(
-                    {
-                        "logprobs": logprobs_B_T[b, :n].tolist(),
-                        "elementwise_loss": per_token_B_T[b, :n].tolist(),
-                    }
+                    {"logprobs": logprobs_np[b, :n], "elementwise_loss": per_token_np[b, :n]}
                 )
         return outputs, {"loss:sum": loss_sum}
 
@@ -259,16 +277,16 @@ def read_meta(path: Path) -> dict[str, Any]:
     return json.loads((path / "meta.json").read_text())
 
 
-def _chunks(datums: list[Datum]) -> list[list[Datum]]:
+def _chunks(datums: list[TinkerDatum]) -> list[list[TinkerDatum]]:
     """Consecutive datums, at most `MICRO_BATCH_TOKENS` padded tokens per chunk."""
-    chunks: list[list[Datum]] = []
-    current: list[Datum] = []
+    chunks: list[list[TinkerDatum]] = []
+    current: list[TinkerDatum] = []
     longest = 0
     for d in datums:
-        longest_if = max(longest, len(d.input_ids))
+        longest_if = max(longest, len(d.tokens))
         if current and longest_if * (len(current) + 1) > MICRO_BATCH_TOKENS:
             chunks.append(current)
-            current, longest_if = [], len(d.input_ids)
+            current, longest_if = [], len(d.tokens)
         current.append(d)
         longest = longest_if
     if current:

@@ -45,7 +45,7 @@ def decompress(body: bytes, encoding: str | None) -> bytes:
         raise BadRequest(f"the zstd body does not decompress: {exc}") from exc
 
 
-def _tensor(msg: pb.Tensor, what: str) -> list[float] | list[int]:
+def _tensor(msg: pb.Tensor, what: str) -> np.ndarray:
     dtype = _NUMPY.get(msg.dtype)
     if dtype is None:
         raise BadRequest(f"{what}: tensor dtype {msg.dtype} is not supported")
@@ -58,22 +58,23 @@ def _tensor(msg: pb.Tensor, what: str) -> list[float] | list[int]:
             raise BadRequest(f"{what}: only 1-d sparse tensors with in-range columns are read")
         dense = np.zeros(size, dtype=dtype)
         dense[cols] = values
-        return dense.tolist()
+        return dense
     array = np.frombuffer(msg.dense, dtype=dtype)
     if msg.shape and int(np.prod(list(msg.shape))) != array.size:
         raise BadRequest(f"{what}: shape {list(msg.shape)} does not match {array.size} values")
     if len(msg.shape) > 1:
         raise BadRequest(f"{what}: only 1-d loss inputs are read")
-    return array.tolist()
+    return array
 
 
 def _datum(msg: pb.Datum, i: int) -> TinkerDatum:
-    tokens: list[int] = []
+    parts: list[np.ndarray] = []
     for chunk in msg.model_input:
         kind = chunk.WhichOneof("chunk")
         if kind != "encoded_text":
             raise BadRequest(f"data[{i}]: model_input chunk {kind!r} is not supported (text only)")
-        tokens += np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist()
+        parts.append(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32))
+    tokens = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
     inputs = {
         k: _tensor(v, f"data[{i}].loss_fn_inputs[{k!r}]") for k, v in msg.loss_fn_inputs.items()
     }
@@ -101,15 +102,15 @@ def read_forward_backward(body: bytes) -> ForwardBackward:
     )
 
 
-def _batched_float32(per_datum: list[list[float]]) -> pb.BatchedTensor:
-    arrays = [np.asarray(x, dtype=np.float32) for x in per_datum]
+def _batched_float32(per_datum: list[np.ndarray]) -> pb.BatchedTensor:
+    arrays = [np.ascontiguousarray(x, dtype=np.float32) for x in per_datum]
     offsets = np.cumsum([0] + [a.nbytes for a in arrays]).astype(np.int64)
     data = b"".join(a.tobytes() for a in arrays)
     return pb.BatchedTensor(data=data, offsets=offsets.tobytes(), dtype=pb.DTYPE_FLOAT32)
 
 
 def forward_backward_output(
-    outputs: list[dict[str, list[float]]], metrics: dict[str, float]
+    outputs: list[dict[str, np.ndarray]], metrics: dict[str, float]
 ) -> bytes:
     """One `ArrayRecord` with a float32 field per output name, one entry per datum."""
     names = list(outputs[0]) if outputs else []
