@@ -73,12 +73,12 @@ def bench_reward(
 def bench_tinker(
     steps: Annotated[int, typer.Option(help="Training steps per round and side")] = 10,
     rounds: Annotated[int, typer.Option(help="Measured rounds per side")] = 3,
-    batch: Annotated[int, typer.Option(help="Datums per forward_backward")] = 8,
-    seq_len: Annotated[int, typer.Option(help="Tokens per datum")] = 64,
+    batch: Annotated[int, typer.Option(help="Datums per forward_backward")] = 32,
+    seq_len: Annotated[int, typer.Option(help="Tokens per datum")] = 128,
     rank: Annotated[int, typer.Option(help="LoRA rank")] = 16,
     prompts: Annotated[int, typer.Option(help="Concurrent sample requests per round")] = 8,
     num_samples: Annotated[int, typer.Option(help="Samples per request")] = 4,
-    max_tokens: Annotated[int, typer.Option(help="Tokens per sample")] = 32,
+    max_tokens: Annotated[int, typer.Option(help="Tokens per sample")] = 64,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
 ) -> None:
     """The Tinker SDK against Treadle: a LoRA training step vs the same step in-process,

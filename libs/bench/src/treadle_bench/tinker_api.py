@@ -9,8 +9,8 @@ serving the Tinker API on a tiny local model, then in the same run:
     train_ratio              sdk / in-process (median of per-round ratios)
     sdk_sample_tokens_per_s  tokens sampled through the SDK (a trained adapter's sampling
                              client; `prompts` concurrent requests of `num_samples` each)
-    rollout_tokens_per_s     the same requests straight to rollout's /v1/completions
-                             (the adapter named as the model)
+    rollout_tokens_per_s     the same requests straight to rollout's /v1/completions, one
+                             HTTP request per prompt (the adapter named as the model)
     sample_ratio             sdk / rollout (median of per-round ratios)
     adapter_publish_bytes    bytes the weight-store received for the adapter (a version of
                              its own) vs full_publish_bytes for the model's full weights
@@ -46,12 +46,12 @@ def _batch(n: int, length: int) -> list[list[int]]:
 def run(
     steps: int = 10,
     rounds: int = 3,
-    batch: int = 8,
-    seq_len: int = 64,
+    batch: int = 32,
+    seq_len: int = 128,
     rank: int = 16,
     prompts: int = 8,
     num_samples: int = 4,
-    max_tokens: int = 32,
+    max_tokens: int = 64,
 ) -> dict:
     configure_logging("bench", level="WARNING")
     os.environ.setdefault("TINKER_TELEMETRY", "0")
@@ -189,20 +189,15 @@ def _sample(trainer, rollout, rounds, prompts, num_samples, max_tokens, rank) ->
     prompt_ids = _batch(prompts, 16)
     adapter = _wait_for_adapter(sampler, rollout, prompt_ids[0], params)
 
-    def sdk_round(seed: int) -> tuple[int, float]:
+    def sdk_round() -> tuple[int, float]:
         start = time.perf_counter()
         futures = [
-            sampler.sample(
-                types.ModelInput.from_ints(p),
-                num_samples,
-                types.SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed + i),
-            )
-            for i, p in enumerate(prompt_ids)
+            sampler.sample(types.ModelInput.from_ints(p), num_samples, params) for p in prompt_ids
         ]
         tokens = sum(len(s.tokens) for f in futures for s in f.result().sequences)
         return tokens, time.perf_counter() - start
 
-    async def rollout_round(seed: int) -> tuple[int, float]:
+    async def rollout_round() -> tuple[int, float]:
         async with httpx.AsyncClient(base_url=rollout, headers=bearer(token_from_env())) as http:
             start = time.perf_counter()
             answers = await asyncio.gather(
@@ -215,13 +210,12 @@ def _sample(trainer, rollout, rounds, prompts, num_samples, max_tokens, rank) ->
                             "n": num_samples,
                             "max_tokens": max_tokens,
                             "temperature": 1.0,
-                            "seed": seed + i,
                             "logprobs": 0,
                             "return_tokens_as_token_ids": True,
                         },
                         timeout=600,
                     )
-                    for i, p in enumerate(prompt_ids)
+                    for p in prompt_ids
                 )
             )
             elapsed = time.perf_counter() - start
@@ -233,10 +227,10 @@ def _sample(trainer, rollout, rounds, prompts, num_samples, max_tokens, rank) ->
         return tokens, elapsed
 
     sdk_rates, rollout_rates, ratios = [], [], []
-    for r in range(rounds):
-        tokens, secs = sdk_round(100 * r)
+    for _ in range(rounds):
+        tokens, secs = sdk_round()
         sdk_rates.append(tokens / secs)
-        tokens, secs = asyncio.run(rollout_round(100 * r))
+        tokens, secs = asyncio.run(rollout_round())
         rollout_rates.append(tokens / secs)
         ratios.append(sdk_rates[-1] / rollout_rates[-1])
     return {

@@ -21,7 +21,7 @@ import inspect
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from fastapi import APIRouter, FastAPI, Path, Request
 from fastapi.exceptions import RequestValidationError
@@ -39,6 +39,8 @@ from treadle_rollout.transcript import TemplateNotPrefixStable, Transcript
 SESSION_HEADER = "X-Treadle-Session"
 MAX_MESSAGES = 1024
 MAX_PROMPT_CHARS = 1_000_000
+MAX_BATCH_PROMPTS = 64
+"""Prompts one completions request may batch (OpenAI's array `prompt`)."""
 """Text a request may bring (a prompt, one message's content): far past any context, and
 short enough that tokenizing it cannot stall the server."""
 SessionId = Annotated[
@@ -111,6 +113,14 @@ class CompletionRequest(SamplingFields):
     prompt: (
         Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
         | Annotated[list[int], Field(max_length=MAX_PROMPT_CHARS)]
+        | Annotated[
+            list[Annotated[list[int], Field(max_length=MAX_PROMPT_CHARS)]],
+            Field(min_length=1, max_length=MAX_BATCH_PROMPTS),
+        ]
+        | Annotated[
+            list[Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]],
+            Field(min_length=1, max_length=MAX_BATCH_PROMPTS),
+        ]
     )
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=5)
@@ -313,17 +323,30 @@ class OpenAIFrontend:
             )
         return self._envelope("chat.completion", choices, prompt_len, gens)
 
-    async def completions(self, req: CompletionRequest) -> dict:
-        self._check(req)
-        prompt = (
-            req.prompt
-            if isinstance(req.prompt, list)
-            else self.tokenizer(req.prompt, add_special_tokens=False)["input_ids"]
-        )
-        if not prompt:
+    def _prompts(self, req: CompletionRequest) -> list[list[int]]:
+        """The request's prompts as token ids: a string, token ids, or a batch of either."""
+        raw = req.prompt
+        batch = raw if isinstance(raw, list) and raw and isinstance(raw[0], list | str) else [raw]
+        prompts: list[list[int]] = []
+        for p in batch:
+            if isinstance(p, str):
+                p = self.tokenizer(p, add_special_tokens=False)["input_ids"]
+            prompts.append(cast(list[int], p))
+        if not all(prompts):
             raise OpenAIError(400, "prompt is empty", param="prompt")
+        return prompts
+
+    async def completions(self, req: CompletionRequest) -> dict:
+        """Every prompt of the batch `n` times, all handed to the engine at once (one prefill
+        per distinct prompt); choice `index` = prompt index x n + sample index, as OpenAI."""
+        self._check(req)
+        prompts = self._prompts(req)
         gens = await asyncio.gather(
-            *(self._generate(prompt, self._sampling(req, req.max_tokens, i)) for i in range(req.n))
+            *(
+                self._generate(prompt, self._sampling(req, req.max_tokens, i))
+                for prompt in prompts
+                for i in range(req.n)
+            )
         )
         choices = []
         for i, gen in enumerate(gens):
@@ -347,7 +370,8 @@ class OpenAIFrontend:
                     "text_offset": None,
                 }
             choices.append(entry)
-        return self._envelope("text_completion", choices, len(prompt), gens)
+        prompt_tokens = sum(len(p) for p in prompts)
+        return self._envelope("text_completion", choices, prompt_tokens, gens)
 
     async def finish(
         self, session_id: str, body: FinishSession, role: auth.Role | None = None
