@@ -81,6 +81,22 @@ def test_bench_trainer_json_line():
     assert 0 < report["publish_s_p50"] < report["step_s_p50"]
 
 
+def test_bench_tinker_json_line():
+    report = bench(
+        "tinker",
+        *("--steps", "2", "--rounds", "1", "--batch", "2", "--seq-len", "16", "--rank", "4"),
+        *("--prompts", "2", "--num-samples", "2", "--max-tokens", "4"),
+    )
+    assert report["bench"] == "tinker" and report["lora_rank"] == 4
+    assert report["sdk_steps_per_s"] > 0 and report["inprocess_steps_per_s"] > 0
+    assert report["train_ratio"] == pytest.approx(
+        report["sdk_steps_per_s"] / report["inprocess_steps_per_s"], rel=0.01
+    )
+    assert report["sdk_sample_tokens_per_s"] > 0 and report["rollout_tokens_per_s"] > 0
+    # the adapter is what moves: a small fraction of the full weights' bytes
+    assert 0 < report["adapter_publish_bytes"] < report["full_publish_bytes"] / 4
+
+
 def test_bench_trainer_megatron_reports_itself_next_to_single():
     report = bench(
         "trainer",
