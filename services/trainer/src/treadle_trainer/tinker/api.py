@@ -152,7 +152,7 @@ def mount(
     async def client_dynamic_config(request: types.ClientConfigRequest) -> dict[str, Any]:
         return types.ClientDynamicConfigResponse().model_dump()
 
-    @app.get("/api/v1/healthz", tags=["tinker"], openapi_extra=auth.public())
+    @app.get("/api/v1/healthz", tags=["tinker"], openapi_extra=auth.roles(auth.ANY))
     async def tinker_healthz() -> dict[str, str]:
         return {"status": "ok"}
 
@@ -457,8 +457,9 @@ def mount(
     @app.post("/api/v1/asample", tags=["tinker"], openapi_extra=ROLES)
     async def asample(request: types.SampleRequest) -> dict[str, Any]:
         if state.rollout is None:
-            raise HTTPException(
-                503, "sampling needs rollout: set TREADLE_TRAINER_ROLLOUT_URL (treadle up does)"
+            raise HTTPException(  # configuration, not a passing outage: no 503 to retry on
+                400,
+                "this trainer does not sample: set TREADLE_TRAINER_ROLLOUT_URL (treadle up does)",
             )
         try:
             check_sample_request(request)
