@@ -275,3 +275,47 @@ def test_sampling_from_trained_adapters_through_rollout(stack):
     # what is not served is refused, never ignored
     with pytest.raises(tinker.APIStatusError, match="prompt_logprobs"):
         trained.sample(model_input, 1, greedy, include_prompt_logprobs=True).result()
+
+
+def test_rollout_adapter_api_refuses_what_it_cannot_serve(stack):
+    trainer, store, rollout = stack
+    url = f"{rollout.http}/v1/adapters"
+    trainer_key = {"Authorization": f"Bearer {TOKENS['trainer']}"}
+    missing = {"name": "x", "model": "no-such-model", "version": 1}
+    r = httpx.post(url, json=missing, headers=trainer_key)
+    assert r.status_code == 404 and "no-such-model" in r.json()["detail"]
+    r = httpx.post(url, json={**missing, "name": "tiny"}, headers=trainer_key)
+    assert r.status_code == 400 and "policy" in r.json()["detail"]
+    r = httpx.post(url, json={"name": "../x", "model": "m", "version": 1}, headers=trainer_key)
+    assert r.status_code == 422
+    agent = {"Authorization": f"Bearer {TOKENS['agent']}"}
+    assert httpx.post(url, json=missing, headers=agent).status_code == 403
+    assert httpx.delete(f"{url}/nope", headers=trainer_key).status_code == 404
+    # a full-weight version is not an adapter
+    sc = service_client(trainer)
+    client = sc.create_lora_training_client(base_model="tiny", rank=2).result()
+    client.save_weights_for_sampler("s").result()
+    full = httpx.post(
+        f"{trainer.http}/v1/training/sessions",
+        json={
+            "model_path": httpx.get(f"{rollout.http}/v1/info", headers=ADMIN).json()["model_dir"]
+        },
+        headers=ADMIN,
+    )
+    assert full.status_code == 201, full.text
+    sid = full.json()["session_id"]
+    version = httpx.post(
+        f"{trainer.http}/v1/training/sessions/{sid}/save_weights", headers=ADMIN
+    ).json()["version"]
+    r = httpx.post(
+        url, json={"name": "full", "model": "tiny", "version": version}, headers=trainer_key
+    )
+    assert r.status_code == 400 and "not a LoRA adapter" in r.json()["detail"]
+    # batched completions: a prompt list, n each; choices in prompt-major order
+    r = httpx.post(
+        f"{rollout.http}/v1/completions",
+        json={"model": "tiny", "prompt": [[5, 6], [7, 8, 9]], "n": 2, "max_tokens": 2},
+        headers=ADMIN,
+    )
+    assert r.status_code == 200 and [c["index"] for c in r.json()["choices"]] == [0, 1, 2, 3]
+    assert r.json()["usage"]["prompt_tokens"] == 5
