@@ -72,6 +72,51 @@ def test_skeleton_recipe_runs_three_steps_through_every_service(cli_env, tmp_pat
     assert_one_trace_spans_every_service(tmp_path / ".treadle" / "traces")
 
 
+def test_skeleton_recipe_trains_a_lora_adapter_and_moves_only_the_adapter(cli_env, tmp_path):
+    """`trainer.lora`: the run publishes its base weights once and then adapter versions
+    (only the adapter's tensors); rollout serves each adapter on those base weights; the
+    exported final model has the adapter merged in."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    result = treadle(
+        "run",
+        str(ROOT / "recipes/skeleton.yaml"),
+        *("--set", "trainer.lora.rank=4", "--set", "trainer.loss=cross_entropy"),
+        *("--set", "trainer.lr=0.01"),
+        env=cli_env,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    (summary_path,) = (tmp_path / ".treadle" / "runs").glob("*/summary.json")
+    summary = json.loads(summary_path.read_text())
+    assert summary["state"] == "succeeded" and summary["exactly_once"] is True
+    assert summary["trajectories_trained"] == 48
+    # version 1: the full base weights; 2: the new adapter; 3..5: one adapter per step
+    assert summary["versions_published"] == summary["weight_store_versions"] == [1, 2, 3, 4, 5]
+    assert summary["rollout_policy_version"] == 5
+    log = (tmp_path / ".treadle" / "logs" / "trainer.log").read_text()
+    ready = next(line for line in log.splitlines() if "backend ready" in line)
+    assert "backend=LoraBackend" in ready and "lora_rank=4" in ready, ready
+    rollout_log = (tmp_path / ".treadle" / "logs" / "rollout.log").read_text()
+    sizes = [
+        float(line.split("fetched_mb=")[1].split()[0])
+        for line in rollout_log.splitlines()
+        if "weights swapped" in line
+    ]
+    full_mb = (tmp_path / ".treadle/models/tiny/model.safetensors").stat().st_size / 2**20
+    assert len(sizes) >= 4 and max(sizes) < 0.1 * full_mb, (sizes, full_mb)  # adapters only
+    final = Path(summary["final_model_dir"])
+    if not final.is_absolute():
+        final = tmp_path / final
+    merged = load_file(str(final / "model.safetensors"))
+    base = load_file(str(tmp_path / ".treadle/models/tiny/model.safetensors"))
+    moved = [k for k in base if not torch.equal(merged[k], base[k])]
+    assert moved and all(k.endswith("proj.weight") for k in moved), moved
+    assert AutoModelForCausalLM.from_pretrained(final) is not None
+
+
 def test_skeleton_recipe_trains_with_megatron_core_over_two_tensor_parallel_ranks(
     cli_env, tmp_path
 ):

@@ -85,6 +85,22 @@ TrainerBackend = Literal["auto", "single", "fsdp", "megatron"]
 """auto: FSDP2 when the trainer runs as several `torchrun` ranks, else single (one process)."""
 
 
+class LoraSettings(Strict):
+    """Train a LoRA adapter instead of the full weights: the base model stays frozen, the
+    weight-store moves the adapter's tensors only, and rollout serves it on its base model."""
+
+    rank: int = Field(ge=1, le=256, description="Rank of the low-rank update B A")
+    alpha: float = Field(32.0, gt=0, description="Scale alpha / rank of the update")
+    targets: list[str] = Field(
+        default_factory=lambda: [
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"
+        ],
+        min_length=1,
+        description="Linear layers (by name) that get the adapter; `lm_head` only on a "
+        "model whose head is not tied to its embedding",
+    )  # fmt: skip
+
+
 class TrainerConfig(Strict):
     num_steps: int = Field(3, ge=1, description="Optimizer steps in the run")
     tasks_per_step: int = Field(4, ge=1, description="Groups (tasks) per training batch")
@@ -138,6 +154,9 @@ class TrainerConfig(Strict):
         "schedules allocate on CUDA directly, so they do not run on CPU, and the GPU path is "
         "not built yet",
     )
+    lora: LoraSettings | None = Field(
+        None, description="Train a LoRA adapter (backend single); None: the full weights"
+    )
     external_groups: bool = Field(
         False, description="Also train on groups the trainer did not feed (recorded sessions)"
     )
@@ -165,6 +184,12 @@ class TrainerConfig(Strict):
         description="Seed for data order, torch and sampling (each task's episodes sample "
         "with seeds derived from it and the task's place in the run)",
     )
+
+    @model_validator(mode="after")
+    def _lora_backend(self) -> TrainerConfig:
+        if self.lora is not None and self.backend in ("fsdp", "megatron"):
+            raise ValueError(f"trainer.lora trains on backend single, not {self.backend}")
+        return self
 
 
 class DataConfig(Strict):

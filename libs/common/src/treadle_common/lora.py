@@ -55,14 +55,45 @@ class AdapterConfig:
         return self.alpha / self.rank
 
 
-def to_metadata(config: AdapterConfig, base_model: str) -> dict[str, str]:
-    """What a weight-store version of an adapter records about it (manifest metadata)."""
-    return {
+def to_metadata(
+    config: AdapterConfig, base_model: str, base_version: int | None = None
+) -> dict[str, str]:
+    """What a weight-store version of an adapter records about it (manifest metadata);
+    `base_version`: the full-weight version of the same model it applies to (a run's)."""
+    out = {
         "lora_rank": str(config.rank),
         "lora_alpha": str(config.alpha),
         "lora_targets": ",".join(config.targets),
         "base_model": base_model,
     }
+    if base_version is not None:
+        out["lora_base_version"] = str(base_version)
+    return out
+
+
+def is_adapter(metadata: dict[str, str]) -> bool:
+    """Whether a weight-store version's metadata says it holds a LoRA adapter."""
+    return "lora_rank" in metadata
+
+
+@torch.no_grad()
+def merge(
+    state: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor], config: AdapterConfig
+) -> dict[str, torch.Tensor]:
+    """Full weights with the adapter folded in: W + (alpha / r) B A for every adapted layer
+    (an HF directory of them serves the adapter's policy with no LoRA code)."""
+    out = dict(state)
+    for name, a in adapter.items():
+        if not name.endswith(".lora_A"):
+            continue
+        path = name.removesuffix(".lora_A")
+        weight = f"{path}.weight"
+        if weight not in out:
+            raise ValueError(f"adapter layer {path} has no {weight} in the full weights")
+        b = adapter[f"{path}.lora_B"]
+        base = out[weight]
+        out[weight] = (base.float() + config.scale * (b.float() @ a.float())).to(base.dtype)
+    return out
 
 
 def from_metadata(metadata: dict[str, str]) -> AdapterConfig:

@@ -19,12 +19,20 @@ TORCH_DTYPES = {
 
 
 async def export_hf(client: WeightStoreClient, model: str, version: int, out_dir: Path) -> Path:
+    """A LoRA run's adapter version exports merged into the full-weight version it applies to
+    (`lora_base_version`): the directory serves the adapter's policy without LoRA code."""
     fetched = await client.fetch(model, version)
-    return await asyncio.to_thread(write_hf, fetched, out_dir)
+    metadata = dict(fetched.manifest.metadata)
+    if "lora_rank" not in metadata:
+        return await asyncio.to_thread(write_hf, fetched, out_dir)
+    base_version = int(metadata.get("lora_base_version", "0"))
+    if base_version < 1:
+        raise ValueError(f"{model}@{version} is a LoRA adapter with no base version in the store")
+    base = await client.fetch(model, base_version)
+    return await asyncio.to_thread(write_hf, base, out_dir, fetched)
 
 
-def write_hf(fetched: FetchResult, out_dir: Path) -> Path:
-    import torch
+def write_hf(fetched: FetchResult, out_dir: Path, adapter: FetchResult | None = None) -> Path:
     from safetensors.torch import save_file
 
     manifest = fetched.manifest
@@ -34,15 +42,29 @@ def write_hf(fetched: FetchResult, out_dir: Path) -> Path:
             raise ValueError(f"version holds an asset named {asset.name!r}: not a file name")
     for asset in manifest.assets:
         (out_dir / asset.name).write_bytes(b"".join(fetched.chunks[c.hash] for c in asset.chunks))
-    tensors = {}
-    for entry in manifest.tensors:
-        data = bytearray(b"".join(fetched.chunks[c.hash] for c in entry.chunks))
-        dtype = getattr(torch, TORCH_DTYPES[entry.dtype])
-        tensors[entry.name] = torch.frombuffer(data, dtype=dtype).reshape(tuple(entry.shape))
+    tensors = _tensors(fetched)
+    version = manifest.version
+    if adapter is not None:
+        from treadle_common import lora
+
+        config = lora.from_metadata(dict(adapter.manifest.metadata))
+        tensors = lora.merge(tensors, _tensors(adapter), config)
+        version = adapter.manifest.version
     metadata = {
         "format": "pt",
         "treadle_model": manifest.model,
-        "treadle_version": str(manifest.version),
+        "treadle_version": str(version),
     }
     save_file(tensors, str(out_dir / "model.safetensors"), metadata=metadata)
     return out_dir
+
+
+def _tensors(fetched: FetchResult) -> dict:
+    import torch
+
+    tensors = {}
+    for entry in fetched.manifest.tensors:
+        data = bytearray(b"".join(fetched.chunks[c.hash] for c in entry.chunks))
+        dtype = getattr(torch, TORCH_DTYPES[entry.dtype])
+        tensors[entry.name] = torch.frombuffer(data, dtype=dtype).reshape(tuple(entry.shape))
+    return tensors

@@ -194,7 +194,7 @@ class Runs:
         confine(config.output_dir, roots, "output_dir")
         t = config.trainer
         try:
-            check_backend(t.backend, t.tensor_parallel, t.pipeline_parallel)
+            check_backend(t.backend, t.tensor_parallel, t.pipeline_parallel, t.lora is not None)
         except ValueError as exc:
             raise HTTPException(422, f"trainer.backend: {exc}") from exc
         if config.run_id in self.owners:

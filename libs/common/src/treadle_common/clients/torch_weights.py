@@ -159,17 +159,22 @@ def apply_fetch(
     return written + len(plan.relocations)
 
 
-async def fetch_state_dict(
-    client: WeightStoreClient, model: str, version: int
-) -> tuple[pb.WeightManifest, dict[str, torch.Tensor]]:
-    """A whole version as new CPU tensors (small versions: a LoRA adapter)."""
-    result = await client.fetch(model, version, skip_assets=True)
+def tensors_of(result: FetchResult) -> dict[str, torch.Tensor]:
+    """A whole fetched version (every chunk fetched) as new CPU tensors."""
     dtypes = {name: dtype for dtype, name in DTYPE_NAMES.items()}
     state = {
         t.name: torch.empty(tuple(t.shape), dtype=dtypes[t.dtype]) for t in result.manifest.tensors
     }
     apply_fetch(result, state, ChunkCache())
-    return result.manifest, state
+    return state
+
+
+async def fetch_state_dict(
+    client: WeightStoreClient, model: str, version: int
+) -> tuple[pb.WeightManifest, dict[str, torch.Tensor]]:
+    """A whole version as new CPU tensors (small versions: a LoRA adapter)."""
+    result = await client.fetch(model, version, skip_assets=True)
+    return result.manifest, tensors_of(result)
 
 
 @torch.no_grad()

@@ -21,11 +21,12 @@ swap clears the prefix cache, and a sequence that ran across a swap (policy `con
 not cached: reused KV always comes from the weights that serve the request. Forward passes
 run in a worker thread, so the event loop keeps serving while the engine computes.
 
-LoRA adapters (`load_adapter`, from the Tinker API's sampler weights) sit on the one base
-model: a request names its adapter (`Sampling.adapter`) and each forward pass routes every
-row through its own (`treadle_common.lora.using`), so requests on different adapters and on
-the policy share a batch. Adapter rows neither use nor fill the prefix cache (their KV is not
-the policy's). Loading one happens at the pause point, like a swap.
+LoRA adapters (`load_adapter`, from the Tinker API's sampler weights; and the policy itself
+when a run trains one: `policy_adapter`) sit on the one base model: a request names its
+adapter (`Sampling.adapter`) and each forward pass routes every row through its own
+(`treadle_common.lora.using`), so requests on different adapters and on the policy share a
+batch. Rows of a named adapter neither use nor fill the prefix cache (their KV is not the
+policy's). Loading one happens at the pause point, like a swap.
 
 Logprobs are those of the distribution the token was sampled from: `log_softmax(logits / T)`
 (raw logits when greedy), renormalized over the top-p nucleus when top_p < 1 (vLLM's
@@ -45,7 +46,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from treadle_common import lora
-from treadle_common.clients.torch_weights import ChunkCache, apply_fetch
+from treadle_common.clients.torch_weights import ChunkCache, apply_fetch, tensors_of
 from treadle_common.clients.weights import FetchResult, WeightStoreClient
 from treadle_rollout import metrics
 from treadle_rollout.engines import prefix_cache
@@ -59,6 +60,9 @@ from treadle_rollout.engines.base import (
 from treadle_rollout.engines.kv_slab import KVSlab
 
 SwapPolicy = Literal["continue", "abort"]
+POLICY_ADAPTER = "__policy__"
+"""The adapter name a LoRA run's policy version is loaded under (not a valid adapter name
+for `/v1/adapters`, so the two never collide)."""
 GATHER_TURNS = 32
 """At most this many event-loop turns to gather requests when the engine wakes (`_gather`)."""
 QUIET_TURNS = 3
@@ -185,6 +189,11 @@ class HFEngine(Engine):
         self._swaps: list[tuple[FetchResult, asyncio.Future[float]]] = []
         self._adapter_ops: list[tuple[Callable[[], None], asyncio.Future[None]]] = []
         self._adapters: set[str] = set()
+        self.base_version = 0
+        """The full-weight version the model holds (0: the model directory)."""
+        self.policy_adapter: str | None = None
+        """Set while the policy is a LoRA run's adapter version: requests that name no
+        adapter go through it."""
         self._wake = asyncio.Event()
         self._scheduler: asyncio.Task | None = None
         self.busy_s = 0.0
@@ -207,16 +216,31 @@ class HFEngine(Engine):
         return await future  # cancelling the caller cancels the future: the row is dropped
 
     async def update_to(self, store: WeightStoreClient, version: int) -> SwapStats:
+        """Full weights, or a LoRA run's adapter version: then first the full-weight version
+        it applies to, unless that is what the engine holds."""
         start = time.perf_counter()
         fetched = await store.fetch(
             self.model_name, version, have=self.held_chunks(), skip_assets=True
         )
+        received = fetched.bytes_received
+        metadata = dict(fetched.manifest.metadata)
+        pause_s = 0.0
+        if lora.is_adapter(metadata):
+            base = int(metadata.get("lora_base_version", "0"))
+            if base != self.base_version:
+                full = await store.fetch(
+                    self.model_name, base, have=self.held_chunks(), skip_assets=True
+                )
+                received += full.bytes_received
+                pause_s += await self.swap(full)
         fetch_s = time.perf_counter() - start
-        pause_s = await self.swap(fetched)
-        return SwapStats(fetched.manifest.version, pause_s, fetch_s, fetched.bytes_received)
+        pause_s += await self.swap(fetched)
+        return SwapStats(fetched.manifest.version, pause_s, fetch_s, received)
 
     async def swap(self, fetched: FetchResult) -> float:
-        """Apply fetched weights at the next step boundary; return the pause in seconds."""
+        """Apply fetched weights at the next step boundary; return the pause in seconds. A
+        LoRA adapter version becomes the policy's adapter (`policy_adapter`) on the base
+        weights held; a full-weight version replaces them and drops it."""
         future: asyncio.Future[float] = asyncio.get_running_loop().create_future()
         self._swaps.append((fetched, future))
         self._ensure_scheduler()
@@ -331,12 +355,25 @@ class HFEngine(Engine):
             if quiet >= QUIET_TURNS:
                 return
 
+    def _apply(self, fetched: FetchResult) -> None:
+        """A fetched version into the model (in the worker thread, at the pause point)."""
+        metadata = dict(fetched.manifest.metadata)
+        if not lora.is_adapter(metadata):
+            apply_fetch(fetched, self.model.state_dict(), self.cache)
+            self.base_version = fetched.manifest.version
+            self.policy_adapter = None
+            return
+        lora.inject(self.model, lora.ATTENTION + lora.MLP + lora.UNEMBED)
+        tensors = {k: t.to(self.device) for k, t in tensors_of(fetched).items()}
+        lora.load_adapter(self.model, POLICY_ADAPTER, tensors, lora.from_metadata(metadata))
+        self.policy_adapter = POLICY_ADAPTER
+
     async def _apply_swaps(self) -> None:
         swaps, self._swaps = self._swaps, []
         for fetched, future in swaps:
             paused = time.perf_counter()
             try:
-                await asyncio.to_thread(apply_fetch, fetched, self.model.state_dict(), self.cache)
+                await asyncio.to_thread(self._apply, fetched)
             except Exception as exc:
                 future.set_exception(exc)
                 continue
@@ -360,6 +397,12 @@ class HFEngine(Engine):
                 future.set_exception(exc)
             else:
                 future.set_result(None)
+
+    def _adapters_of(self, seqs: list[_Seq]) -> list[str | None] | None:
+        """Each row's adapter for `lora.using` (the policy's rows: its adapter, if any);
+        None when no row has one (the plain model)."""
+        names = [s.sampling.adapter or self.policy_adapter for s in seqs]
+        return names if any(n is not None for n in names) else None
 
     def _finish_done(self) -> None:
         finished, self._finished = self._finished, []
@@ -457,7 +500,7 @@ class HFEngine(Engine):
         metrics.PREFILL_TOKENS.inc(sum(len(s.prompt) for s in seqs) - sum(reused))
         metrics.PREFIX_CACHE_HIT_TOKENS.inc(sum(reused))
         ids_B_T, mask_B_T = ids_B_T.to(self.device), mask_B_T.to(self.device)
-        with lora.using(_adapters_of(seqs)):
+        with lora.using(self._adapters_of(seqs)):
             out = self.model(
                 input_ids=ids_B_T,
                 attention_mask=mask_B_T,
@@ -490,7 +533,7 @@ class HFEngine(Engine):
         slab = self._batch.slab
         last_B_1 = torch.tensor([[s.tokens[-1]] for s in self._batch.seqs], device=self.device)
         cache, mask_B_T, positions_B_1 = slab.begin_step()
-        with lora.using(_adapters_of(self._batch.seqs)):
+        with lora.using(self._adapters_of(self._batch.seqs)):
             out = self.model(
                 input_ids=last_B_1,
                 attention_mask=mask_B_T,
@@ -514,12 +557,6 @@ class HFEngine(Engine):
             elif len(seq.prompt) + len(seq.tokens) >= self.max_context:
                 seq.finish = "length"
         metrics.TOKENS.inc(len(seqs))
-
-
-def _adapters_of(seqs: list[_Seq]) -> list[str | None] | None:
-    """Each row's adapter for `lora.using`; None when no row has one (the plain model)."""
-    names = [s.sampling.adapter for s in seqs]
-    return names if any(n is not None for n in names) else None
 
 
 def sample(

@@ -5,6 +5,7 @@
   (gloo on CPU, NCCL on GPU).
 - `MegatronBackend` (`megatron/`): megatron-core's `GPTModel`, tensor x pipeline x data
   parallel over the ranks of a `torchrun` job; weights in and out in HF layout.
+- `LoraBackend` (`lora.py`): one process, a LoRA adapter on the frozen base model.
 
 Under torchrun, rank 0 runs the service and leads; the other ranks follow the commands it
 broadcasts as tensors (`ranks.py`).
@@ -40,9 +41,16 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def check_backend(kind: TrainerBackend, tensor_parallel: int, pipeline_parallel: int) -> None:
+def check_backend(
+    kind: TrainerBackend, tensor_parallel: int, pipeline_parallel: int, lora: bool = False
+) -> None:
     """Refuse, with the reason, a backend this trainer's ranks cannot run."""
     ranks = world_size()
+    if lora and (kind in ("fsdp", "megatron") or ranks > 1):
+        raise ValueError(
+            f"trainer.lora trains in one process (backend single); this trainer has {ranks} "
+            f"rank(s) and the recipe asks for backend {kind}"
+        )
     if kind == "single" and ranks > 1:
         raise ValueError(f"backend single runs in one process; this trainer has {ranks} ranks")
     if kind != "megatron" and (tensor_parallel, pipeline_parallel) != (1, 1):
@@ -60,7 +68,11 @@ def check_backend(kind: TrainerBackend, tensor_parallel: int, pipeline_parallel:
 def build_backend(spec: BackendSpec) -> TorchBackend:
     """The backend `spec.kind` names; `auto`: FSDP2 when this process is rank 0 of a
     multi-rank `torchrun` job, else single-process."""
-    check_backend(spec.kind, spec.tensor_parallel, spec.pipeline_parallel)
+    check_backend(spec.kind, spec.tensor_parallel, spec.pipeline_parallel, spec.lora is not None)
+    if spec.lora is not None:
+        from treadle_trainer.backends.lora import LoraBackend
+
+        return LoraBackend(spec)
     if spec.kind == "megatron":
         from treadle_trainer.backends.megatron import MegatronBackend
 

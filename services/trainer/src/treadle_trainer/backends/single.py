@@ -51,6 +51,9 @@ class BackendSpec(BaseModel):
     reference: bool = Field(False, description="Keep a frozen copy for the KL penalty")
     bf16: bool = Field(True, description="bf16 compute on GPU (ignored on CPU)")
     device: str | None = None
+    lora: dict[str, Any] | None = Field(
+        None, description="Train a LoRA adapter (`LoraSettings` fields): `LoraBackend`"
+    )
 
 
 class IncompatibleCheckpoint(ValueError):

@@ -41,6 +41,7 @@ from treadle_trainer.backends import (
     build_backend,
     on_torch_thread,
 )
+from treadle_trainer.backends.lora import LoraBackend
 from treadle_trainer.backends.single import CorruptCheckpoint, verify_checkpoint
 from treadle_trainer.batches import Datum, Group
 from treadle_trainer.losses import LossParams
@@ -279,6 +280,7 @@ class RunOwner:
             kind=t.backend,
             tensor_parallel=t.tensor_parallel,
             pipeline_parallel=t.pipeline_parallel,
+            lora=t.lora.model_dump() if t.lora else None,
         )
         self.backend = backend = await on_torch_thread(build_backend, spec)
         log.info("backend ready", run=cfg.run_id, **backend.layout_info())
@@ -287,12 +289,20 @@ class RunOwner:
         source = await task_source(cfg, self.env, count)
         await streams.ensure_group(self.r, self.collector.stream, names.TRAINER_GROUP)
         await self.r.set(names.run_config(cfg.run_id), cfg.model_dump_json())
-        if await self._restore():
+        restored = await self._restore()
+        if isinstance(self.backend, LoraBackend):  # versions are adapters on a full base
+            full = await on_torch_thread(self.backend.base_state_cpu)
+            base = await self.versions.full_base_version(full)
+            self.versions.metadata = self.backend.publish_metadata(base)
+        if restored:
             version = await self._publish_now(step=self.status.step)  # rollout goes back to it
         else:
             assert self.backend is not None
             state = await on_torch_thread(self.backend.state_dict_cpu)
-            version = await self.versions.base_version(state)
+            if isinstance(self.backend, LoraBackend):  # the new adapter (B = 0: the base)
+                version = await self.versions.publish_now(state, step=0)
+            else:
+                version = await self.versions.base_version(state)
             self.status.base_version = version
         self._v0 = version - self.status.step
         served = version  # what rollout generates the next batch with (sync: must hold)

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from opentelemetry.context import Context
 
-from treadle_common import tracing
+from treadle_common import lora, tracing
 from treadle_common.api.runs import RunStatus, StepRecord
 from treadle_common.clients.torch_weights import model_assets, state_dict_to_raw
 from treadle_common.clients.weights import WeightStoreClient, build_manifest, chunk_positions
@@ -31,6 +31,9 @@ class RunVersions:
         self.status = status
         self.publisher = Publisher(self._publish_snapshot, self._published)
         self.assets = model_assets(config.model.path)  # config + tokenizer travel with weights
+        self.metadata: dict[str, str] = {}
+        """Recorded on every version this run publishes (a LoRA run: the adapter's config
+        and the full-weight version it applies to)."""
         self._records: dict[int, StepRecord] = {}  # steps whose publish is not recorded yet
         self._done: dict[int, Published] = {}
 
@@ -61,6 +64,29 @@ class RunVersions:
             return latest.version
         return await self.publish_now(state, step=0)
 
+    async def full_base_version(self, state: dict[str, torch.Tensor]) -> int:
+        """A LoRA run's base: the newest full-weight version of the model if it holds exactly
+        these weights, else these, published now (the store must hold the base, so that
+        rollout and an export can always rebuild the full weights of an adapter version)."""
+        name = self.config.model.name
+        for info in reversed((await self.store.list_versions(name))[-64:]):
+            manifest = await self.store.get_manifest(name, info.version)
+            if lora.is_adapter(dict(manifest.metadata)):
+                continue
+            ours, _ = build_manifest(name, state_dict_to_raw(state))
+            if chunk_positions(manifest) == chunk_positions(ours):
+                return manifest.version
+            break
+        response = await self.store.publish(
+            name,
+            state_dict_to_raw(state),
+            trainer_step=0,
+            assets=self.assets,
+            metadata={"run_id": self.config.run_id, "lora_base": "1"},
+        )
+        self.status.versions.append(response.version)
+        return response.version
+
     async def submit(self, snapshot: Snapshot, wait: bool) -> None:
         """Hand a step's weights to the background publisher; `wait`: until committed."""
         await self.publisher.submit(snapshot)
@@ -82,7 +108,7 @@ class RunVersions:
             trainer_step=step,
             parent_version=self.status.versions[-1] if self.status.versions else -1,
             assets=self.assets,
-            metadata={"run_id": self.config.run_id},
+            metadata={"run_id": self.config.run_id, **self.metadata},
         )
         if version >= 0 and response.version != version:
             raise RuntimeError(f"published version {response.version}, wanted {version}")

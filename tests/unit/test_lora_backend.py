@@ -1,0 +1,80 @@
+"""`LoraBackend` (`trainer.lora`): only the adapter trains, the KL reference is the base model,
+and a checkpoint restores the adapter and its Adam moments exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treadle_common.api.training import AdamParams
+from treadle_trainer.backends import BackendSpec, build_backend
+from treadle_trainer.backends.lora import LoraBackend
+from treadle_trainer.batches import Datum, pack
+from treadle_trainer.losses import LossParams
+
+LORA = {"rank": 4, "alpha": 8.0, "targets": ["q_proj", "v_proj", "up_proj"]}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from treadle_cli.tiny_model import init_tiny
+
+    return str(init_tiny(tmp_path_factory.mktemp("lora-backend") / "tiny"))
+
+
+def batch():
+    data = [
+        Datum([5, 6, 7, 8], [6, 7, 8, 9], [0.0, 1.0, 1.0, 1.0], [1.0] * 4, [-2.0] * 4, group="a"),
+        Datum([9, 10, 11], [10, 11, 12], [1.0, 1.0, 1.0], [-1.0] * 3, [-2.0] * 3, group="a"),
+    ]
+    return pack(data, 4096, "token", pad_id=0)
+
+
+def step(backend, loss="ppo", kl=0.0):
+    out = backend.forward_backward(batch(), loss, LossParams(kl_coef=kl))
+    backend.optim_step(AdamParams(learning_rate=1e-2))
+    return out
+
+
+def test_only_the_adapter_trains_and_the_base_is_the_reference(model_dir):
+    backend = build_backend(BackendSpec(model_dir=model_dir, lora=LORA, reference=True))
+    assert isinstance(backend, LoraBackend)
+    base_before = {k: v.clone() for k, v in backend.base_state_cpu().items()}
+    adapter = backend.state_dict_cpu()
+    assert set(adapter) and all(k.endswith((".lora_A", ".lora_B")) for k in adapter)
+    assert {k.rsplit(".", 2)[-2] for k in adapter} == set(LORA["targets"])
+    first = step(backend, kl=0.1)
+    assert first["kl"] == pytest.approx(0.0, abs=1e-7)  # B = 0: the policy is the base
+    second = step(backend, kl=0.1)
+    assert second["kl"] > 0  # the adapter moved away from the base
+    after = backend.base_state_cpu()
+    assert all(torch.equal(after[k], base_before[k]) for k in base_before)  # frozen
+    now = backend.state_dict_cpu()
+    assert any(not torch.equal(now[k], adapter[k]) for k in adapter)
+
+
+def test_a_checkpoint_restores_adapter_and_moments(model_dir, tmp_path):
+    a = build_backend(BackendSpec(model_dir=model_dir, lora=LORA))
+    step(a)
+    a.save(tmp_path / "ckpt", {"step": 1})
+    b = build_backend(BackendSpec(model_dir=model_dir, lora=LORA, seed=7))
+    b.load(tmp_path / "ckpt")
+    state_a, state_b = a.state_dict_cpu(), b.state_dict_cpu()
+    assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
+    out_a, out_b = step(a), step(b)  # the same Adam moments: the same next step
+    assert out_a["loss"] == pytest.approx(out_b["loss"], rel=1e-6)
+    state_a, state_b = a.state_dict_cpu(), b.state_dict_cpu()
+    assert all(torch.allclose(state_a[k], state_b[k], atol=1e-7) for k in state_a)
+    # a full-weight checkpoint is refused by a LoRA backend (and the other way round)
+    full = build_backend(BackendSpec(model_dir=model_dir))
+    full.save(tmp_path / "full", {"step": 1})
+    with pytest.raises(ValueError, match="different model|optimizer state"):
+        b.load(tmp_path / "full")
+
+
+def test_lora_is_refused_where_it_cannot_run(model_dir):
+    with pytest.raises(ValueError, match="backend single"):
+        build_backend(BackendSpec(model_dir=model_dir, lora=LORA, kind="fsdp"))
+    tied = {**LORA, "targets": ["lm_head"]}
+    with pytest.raises(ValueError, match="ties it"):
+        build_backend(BackendSpec(model_dir=model_dir, lora=tied))
