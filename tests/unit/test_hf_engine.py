@@ -277,3 +277,22 @@ async def test_requests_released_over_a_few_loop_turns_start_in_one_step(engine)
     gens = await asyncio.gather(*(after(i) for i in range(6)))
     assert joined[0] == 6 and sum(joined) == 6
     assert all(len(g.tokens) > 0 for g in gens)
+
+
+async def test_stop_strings_and_stop_tokens_end_a_generation(engine):
+    tok = engine.tokenizer
+    prompt = tok("1+2= what is")["input_ids"]
+    free = await engine.generate(prompt, Sampling(0.0, 1.0, 16))
+    assert len(free.tokens) >= 6, free.tokens
+    text = tok.decode(free.tokens[:6])
+    needle = text[-3:] if text[-3:].strip() else text[-4:]
+    stopped = await engine.generate(prompt, Sampling(0.0, 1.0, 16, stop_strings=(needle,)))
+    assert stopped.finish_reason == "stop"
+    assert stopped.tokens == free.tokens[: len(stopped.tokens)]  # greedy: the same prefix
+    assert needle in tok.decode(stopped.tokens)  # the tokens that spell it are kept
+    assert needle not in tok.decode(stopped.tokens[:-1])  # and nothing after them
+    by_token = await engine.generate(
+        prompt, Sampling(0.0, 1.0, 16, stop_token_ids=(free.tokens[2],))
+    )
+    first = free.tokens.index(free.tokens[2])
+    assert by_token.finish_reason == "stop" and by_token.tokens == free.tokens[: first + 1]

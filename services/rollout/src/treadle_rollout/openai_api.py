@@ -101,6 +101,16 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = Field(
         None, max_length=64, description="Tokens that also end the generation (vLLM's field)"
     )
+    stop: (
+        Annotated[str, Field(min_length=1, max_length=256)]
+        | Annotated[list[Annotated[str, Field(min_length=1, max_length=256)]], Field(max_length=4)]
+        | None
+    ) = Field(None, description="Text that ends the generation; cut from the text returned")
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
 class ChatRequest(SamplingFields):
@@ -226,6 +236,7 @@ class OpenAIFrontend:
             seed,
             adapter=None if req.model == self.engine.model_name else req.model,
             stop_token_ids=tuple(req.stop_token_ids or ()),
+            stop_strings=req.stop_strings(),
         )
 
     async def _generate(self, prompt: list[int], sampling: Sampling) -> Generation:
@@ -316,7 +327,10 @@ class OpenAIFrontend:
             choices.append(
                 {
                     "index": i,
-                    "message": {"role": "assistant", "content": self.tokenizer.decode(visible)},
+                    "message": {
+                        "role": "assistant",
+                        "content": _cut(self.tokenizer.decode(visible), req.stop_strings()),
+                    },
                     "finish_reason": gen.finish_reason,
                     "logprobs": self._logprobs(gen) if req.logprobs else None,
                 }
@@ -353,7 +367,7 @@ class OpenAIFrontend:
             visible, logprobs = self._visible(gen)
             entry: dict[str, Any] = {
                 "index": i,
-                "text": self.tokenizer.decode(visible),
+                "text": _cut(self.tokenizer.decode(visible), req.stop_strings()),
                 "finish_reason": gen.finish_reason,
                 "logprobs": None,
             }
@@ -444,6 +458,12 @@ class OpenAIFrontend:
             "versions": sorted({v for v in t.versions if v >= 0}),
             "messages": t.messages,
         }
+
+
+def _cut(text: str, stops: tuple[str, ...]) -> str:
+    """`text` up to the first stop string (OpenAI returns the text before it)."""
+    ends = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return text[: min(ends)] if ends else text
 
 
 def session_free_prompt(tokenizer, messages: list[dict]) -> list[int]:

@@ -31,6 +31,9 @@ class Sampling:
     """The LoRA adapter to sample through (`Engine.load_adapter`); None: the policy itself."""
     stop_token_ids: tuple[int, ...] = ()
     """Tokens that end the generation (kept as its last token, like end-of-turn)."""
+    stop_strings: tuple[str, ...] = ()
+    """Text that ends the generation once the generated tokens decode to contain it (the
+    tokens that spell it are kept; the OpenAI API cuts it from the text it shows)."""
 
 
 @dataclass

@@ -398,6 +398,14 @@ class HFEngine(Engine):
             else:
                 future.set_result(None)
 
+    def _stopped_by_text(self, seq: _Seq) -> bool:
+        """A stop string in the text of the last tokens (every token is at least one
+        character, so a window one longer than the longest stop string covers it)."""
+        stops = seq.sampling.stop_strings
+        window = max(len(s) for s in stops) + 1
+        tail = self.tokenizer.decode(seq.tokens[-window:])
+        return any(s in tail for s in stops)
+
     def _adapters_of(self, seqs: list[_Seq]) -> list[str | None] | None:
         """Each row's adapter for `lora.using` (the policy's rows: its adapter, if any);
         None when no row has one (the plain model)."""
@@ -551,6 +559,8 @@ class HFEngine(Engine):
             seq.logprobs.append(logprob)
             seq.versions.append(self.version)
             if token == self.eos_id or token in seq.sampling.stop_token_ids:
+                seq.finish = "stop"
+            elif seq.sampling.stop_strings and self._stopped_by_text(seq):
                 seq.finish = "stop"
             elif len(seq.tokens) >= seq.sampling.max_new_tokens:
                 seq.finish = "length"

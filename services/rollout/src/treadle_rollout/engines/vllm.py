@@ -27,6 +27,7 @@ from transformers import AutoTokenizer
 from treadle_common.clients.weights import WeightStoreClient
 from treadle_rollout import metrics
 from treadle_rollout.engines.base import (
+    AdapterUnsupported,
     BusyMeter,
     ContextOverflow,
     Engine,
@@ -114,9 +115,13 @@ class VLLMEngine(Engine):
             max_tokens=min(sampling.max_new_tokens, room),
             seed=sampling.seed,
             logprobs=0,
-            stop_token_ids=[self.eos_id],
+            stop_token_ids=[self.eos_id, *sampling.stop_token_ids],
+            stop=list(sampling.stop_strings) or None,
+            include_stop_str_in_output=True,  # the tokens generated, the stop string's too
             output_kind=RequestOutputKind.DELTA,
         )
+        if sampling.adapter is not None:
+            raise AdapterUnsupported("the vllm engine does not serve LoRA adapters yet")
         with self.meter.track():
             while True:
                 epoch = self._swap_epoch
@@ -141,7 +146,7 @@ class VLLMEngine(Engine):
                     metrics.RESTARTED_TURNS.inc()
                     continue  # aborted by a swap (policy abort): regenerate under new weights
                 metrics.TOKENS.inc(len(tokens))
-                reason = "stop" if tokens and tokens[-1] == self.eos_id else "length"
+                reason = "stop" if finish == "stop" else "length"
                 return Generation(tokens, logprobs, versions, reason)
 
     async def update_to(self, store: WeightStoreClient, version: int) -> SwapStats:

@@ -133,7 +133,7 @@ class RolloutSampler:
                 "top_p": params.top_p,
                 "logprobs": 0,
                 "return_tokens_as_token_ids": True,
-                "stop_token_ids": stop_token_ids(params.stop),
+                **stop_fields(params.stop),
             }
             if params.seed is not None:  # seeded: alone (a batch shares one seed)
                 body["seed"] = params.seed + call * MAX_N_PER_CALL
@@ -205,15 +205,23 @@ class RolloutSampler:
         return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
 
 
-def stop_token_ids(stop: str | list[str] | list[int] | Any) -> list[int]:
-    """Tinker's `stop` as token ids (end-of-turn always stops too)."""
+def stop_fields(stop: str | list[str] | list[int] | Any) -> dict[str, Any]:
+    """Tinker's `stop` as rollout's `stop_token_ids` or `stop` strings (end-of-turn always
+    stops too)."""
     if stop is None:
-        return []
-    if isinstance(stop, str) or any(isinstance(s, str) for s in stop):
-        raise BadRequest("stop strings are not served yet; pass stop token ids")
+        return {}
+    if isinstance(stop, str):
+        stop = [stop]
     if len(stop) == 0:
         raise BadRequest("stop=[] (no end-of-turn stop) is not served")
-    return [int(s) for s in stop]
+    strings = [s for s in stop if isinstance(s, str)]
+    if len(strings) == len(stop):
+        if len(strings) > 4 or not all(0 < len(s) <= 256 for s in strings):
+            raise BadRequest("at most 4 stop strings of 1..256 characters")
+        return {"stop": strings}
+    if strings:
+        raise BadRequest("stop mixes strings and token ids")
+    return {"stop_token_ids": [int(s) for s in stop]}
 
 
 def check_sample_request(request: types.SampleRequest) -> None:
@@ -238,7 +246,7 @@ def check_sample_request(request: types.SampleRequest) -> None:
         raise BadRequest("sampling_params.max_tokens must be >= 1")
     if not 0 <= params.temperature <= 2 or not 0 < params.top_p <= 1:
         raise BadRequest("temperature must be in [0, 2] and top_p in (0, 1]")
-    stop_token_ids(params.stop)
+    stop_fields(params.stop)
     try:
         if not request.prompt.to_ints():
             raise BadRequest("the prompt is empty")
