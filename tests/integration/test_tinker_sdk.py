@@ -4,6 +4,7 @@ trainer + weight-store: LoRA training clients on one shared base model."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -319,3 +320,52 @@ def test_rollout_adapter_api_refuses_what_it_cannot_serve(stack):
     )
     assert r.status_code == 200 and [c["index"] for c in r.json()["choices"]] == [0, 1, 2, 3]
     assert r.json()["usage"]["prompt_tokens"] == 5
+
+
+def test_a_session_without_heartbeats_expires_and_frees_its_clients(infra, tmp_path, tiny_model):
+    (tmp_path / "ws").mkdir()
+    store = start_service("weight-store", infra, tmp_path / "ws")
+    trainer = start_service(
+        "trainer",
+        infra,
+        tmp_path,
+        TREADLE_WEIGHT_STORE_ADDR=store.grpc_addr or "",
+        TREADLE_TRAINER_TINKER_MODELS=json.dumps({"tiny": str(tiny_model)}),
+        TREADLE_TRAINER_TINKER_MAX_CLIENTS="1",
+        TREADLE_TRAINER_TINKER_SESSION_TTL_S="11",
+    )
+    try:
+        key = {"X-API-Key": "tml-" + TOKENS["trainer"]}
+        body = {"tags": [], "user_metadata": None, "sdk_version": SDK_VERSION}
+
+        def new_client(session: str) -> httpx.Response:
+            model = {
+                "session_id": session,
+                "model_seq_id": 0,
+                "base_model": "tiny",
+                "lora_config": {"rank": 2},
+            }
+            return httpx.post(f"{trainer.http}/api/v1/create_model", json=model, headers=key)
+
+        quiet = httpx.post(f"{trainer.http}/api/v1/create_session", json=body, headers=key)
+        first = new_client(quiet.json()["session_id"])
+        assert first.status_code == 200, first.text
+        rid = first.json()["request_id"]
+        done = httpx.post(
+            f"{trainer.http}/api/v1/retrieve_future",
+            json={"request_id": rid},
+            headers=key,
+            timeout=60,
+        ).json()
+        assert done["model_id"].startswith(quiet.json()["session_id"])
+        other = httpx.post(f"{trainer.http}/api/v1/create_session", json=body, headers=key)
+        assert new_client(other.json()["session_id"]).status_code == 429  # the one slot is used
+        time.sleep(12)  # no heartbeat from the first session for longer than its TTL
+        other = httpx.post(f"{trainer.http}/api/v1/create_session", json=body, headers=key)
+        assert new_client(other.json()["session_id"]).status_code == 200
+        beat = {"session_id": quiet.json()["session_id"]}
+        gone = httpx.post(f"{trainer.http}/api/v1/session_heartbeat", json=beat, headers=key)
+        assert gone.status_code == 410  # the SDK stops heartbeating a finished session
+    finally:
+        trainer.stop_checked()
+        store.stop_checked()

@@ -62,6 +62,7 @@ async def build(settings: TrainerSettings) -> Service:
         max_clients=settings.trainer_tinker_max_clients,
         rollout_url=settings.trainer_rollout_url or None,
         token=token,
+        session_ttl_s=settings.trainer_tinker_session_ttl_s,
     )
     runtime.on_drain(runs.drain)
     loops: list[Callable[[], Awaitable[None]]] = [runs.resume_orphans]

@@ -64,6 +64,13 @@ class TrainerSettings(Settings):
         "is refused with 429",
     )
 
+    trainer_tinker_session_ttl_s: float = Field(
+        300.0,
+        gt=10,
+        description="trainer: a Tinker session whose SDK sent no heartbeat (every 10 s) for "
+        "this long ends, freeing its training clients",
+    )
+
     def path_roots(self) -> list[Path]:
         """Where client-named paths must resolve to (symlinks followed)."""
         return [p.resolve() for p in self.trainer_path_roots or [self.state_dir, Path.cwd()]]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,7 +69,9 @@ class TinkerState:
     rollout: RolloutSampler | None
     bases: dict[str, BaseModel] = field(default_factory=dict)
     clients: dict[str, LoraClient] = field(default_factory=dict)
-    sessions: set[str] = field(default_factory=set)
+    session_ttl_s: float = 300.0
+    sessions: dict[str, float] = field(default_factory=dict)
+    """Open sessions -> when the last heartbeat (or creation) was seen (monotonic)."""
     sampler_weights: dict[str, SamplerWeights] = field(default_factory=dict)
     samplers: dict[str, Sampler] = field(default_factory=dict)
     futures: Futures = field(default_factory=Futures)
@@ -124,9 +127,12 @@ def mount(
     max_clients: int = 16,
     rollout_url: str | None = None,
     token: str | None = None,
+    session_ttl_s: float = 300.0,
 ) -> TinkerState:
     rollout = RolloutSampler(rollout_url, token) if rollout_url else None
-    state = TinkerState(models, state_dir / "tinker", store, max_clients, rollout)
+    state = TinkerState(
+        models, state_dir / "tinker", store, max_clients, rollout, session_ttl_s=session_ttl_s
+    )
     futures = state.futures
 
     def accepted(request_id: str, model_id: str | None = None) -> dict[str, Any]:
@@ -167,25 +173,41 @@ def mount(
 
     @app.post("/api/v1/create_session", tags=["tinker"], openapi_extra=ROLES)
     async def create_session(request: types.CreateSessionRequest) -> dict[str, Any]:
+        await reap()
         session_id = uuid.uuid4().hex[:16]
-        state.sessions.add(session_id)
+        state.sessions[session_id] = time.monotonic()
         return types.CreateSessionResponse(session_id=session_id).model_dump()
 
     @app.post("/api/v1/session_heartbeat", tags=["tinker"], openapi_extra=ROLES)
     async def heartbeat(request: types.SessionHeartbeatRequest) -> dict[str, Any]:
         if request.session_id not in state.sessions:
             raise HTTPException(410, f"session {request.session_id} has finished")
+        state.sessions[request.session_id] = time.monotonic()
         return types.SessionHeartbeatResponse().model_dump()
+
+    async def end_session(session_id: str) -> None:
+        """Its training clients and their adapters go (saved checkpoints and published
+        sampler weights stay); a client still being built is dropped when it is done."""
+        state.sessions.pop(session_id, None)
+        for model_id in [m for m in state.clients if m.startswith(f"{session_id}:")]:
+            client = state.clients[model_id]
+            if client is None:
+                continue
+            del state.clients[model_id]
+            futures.forget(model_id)
+            await on_torch_thread(client.close)
+
+    async def reap() -> None:
+        """End the sessions whose SDK stopped heartbeating (it beats every 10 s) more than
+        `session_ttl_s` ago: a script that died frees its adapters."""
+        cutoff = time.monotonic() - state.session_ttl_s
+        for session_id in [s for s, seen in state.sessions.items() if seen < cutoff]:
+            log.info("tinker session expired", session=session_id)
+            await end_session(session_id)
 
     @app.post("/api/v1/sessions/{session_id}/finish", tags=["tinker"], openapi_extra=ROLES)
     async def finish(session_id: str) -> Response:
-        """End a session: its training clients and their adapters go (saved checkpoints and
-        published sampler weights stay)."""
-        state.sessions.discard(session_id)
-        for model_id in [m for m in state.clients if m.startswith(f"{session_id}:")]:
-            client = state.clients.pop(model_id)
-            futures.forget(model_id)
-            await on_torch_thread(client.close)
+        await end_session(session_id)
         return Response(status_code=204)
 
     @app.post("/api/v1/telemetry", tags=["tinker"], openapi_extra=ROLES)
@@ -194,7 +216,16 @@ def mount(
         return Response(status_code=204)
 
     # --- training clients -------------------------------------------------------------------
-    def new_model_id(session_id: str, seq: int) -> str:
+    async def keep(model_id: str, session_id: str, client: LoraClient) -> None:
+        """A built client joins its session, unless the session ended meanwhile."""
+        if session_id not in state.sessions:
+            state.clients.pop(model_id, None)
+            await on_torch_thread(client.close)
+            raise BadRequest(f"session {session_id} ended while its client was created")
+        state.clients[model_id] = client
+
+    async def new_model_id(session_id: str, seq: int) -> str:
+        await reap()
         if session_id not in state.sessions:
             raise HTTPException(404, f"no session {session_id!r} (create_session first)")
         model_id = f"{session_id}:train:{seq}"
@@ -225,7 +256,7 @@ def mount(
     @app.post("/api/v1/create_model", tags=["tinker"], openapi_extra=ROLES)
     async def create_model(request: types.CreateModelRequest) -> dict[str, Any]:
         state.check_served(request.base_model)
-        model_id = new_model_id(request.session_id, request.model_seq_id)
+        model_id = await new_model_id(request.session_id, request.model_seq_id)
         if request.optimizer_config.type != "adamw":
             raise HTTPException(400, f"optimizer {request.optimizer_config.type!r}: adamw only")
         try:
@@ -241,7 +272,7 @@ def mount(
             except BaseException:
                 state.clients.pop(model_id, None)
                 raise
-            state.clients[model_id] = client
+            await keep(model_id, request.session_id, client)
             return _json(types.CreateModelResponse(model_id=model_id))
 
         return accepted(futures.submit(work, model_id), model_id)
@@ -348,7 +379,8 @@ def mount(
             if request.model_seq_id is None:
                 raise HTTPException(400, "session_id needs model_seq_id")
             state.check_served(request.base_model or meta["base_model"])
-            model_id = new_model_id(request.session_id, request.model_seq_id)
+            session_id = request.session_id
+            model_id = await new_model_id(session_id, request.model_seq_id)
             state.clients[model_id] = None  # type: ignore[assignment]
             config = lora.AdapterConfig(
                 rank=meta["lora"]["rank"],
@@ -366,7 +398,7 @@ def mount(
                     if pending is not None:
                         await on_torch_thread(pending.close)
                     raise
-                state.clients[model_id] = client
+                await keep(model_id, session_id, client)
                 return _json(types.LoadWeightsResponse(path=request.path, model_id=model_id))
 
             return accepted(futures.submit(create, model_id), model_id)
