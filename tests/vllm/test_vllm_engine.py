@@ -102,3 +102,76 @@ async def test_vllm_generates_with_logprobs_applies_a_weight_update_and_orders_b
         await engine.close()
         await client.close()
         await server.stop(None)
+
+
+async def test_vllm_serves_lora_adapters_like_the_hf_engine(tmp_path):
+    """Named adapters (the Tinker API's sampler weights) and a LoRA run's adapter version as
+    the policy: vLLM's LoRA (from the PEFT files the engine writes) gives the tokens and
+    logprobs the `treadle_common.lora` layers give."""
+    from treadle_common import lora
+    from treadle_common.clients.torch_weights import state_dict_to_raw
+
+    model_dir = init_tiny(tmp_path / "tiny")
+    server = grpc.aio.server()
+    add_to_server(
+        WeightStoreServicer(WeightStore(LocalBackend(tmp_path / "ws")), no_announce), server
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = TorchWeightClient(f"127.0.0.1:{port}")
+    engine = VLLMEngine(
+        model_dir,
+        "tiny",
+        max_context=256,
+        dtype="float32",
+        max_lora_rank=8,
+        adapter_dir=tmp_path / "adapters",
+    )
+    try:
+        await engine.start()
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        lora.inject(hf, lora.ATTENTION + lora.MLP + lora.UNEMBED)
+        config = lora.AdapterConfig(rank=4, alpha=8.0)
+        params = lora.add_adapter(hf, "a", config)
+        with torch.no_grad():
+            for p in params:
+                p.normal_(0, 0.1)
+        tensors = lora.adapter_state(hf, "a")
+        await engine.load_adapter("a", tensors, config)
+        assert engine.adapters() == ["a"]
+        prompt = [5, 6, 7, 8]
+        greedy = Sampling(0.0, 1.0, 6, adapter="a")
+        got = await engine.generate(prompt, greedy)
+        with lora.using("a"):
+            want = teacher_forced_logprobs(hf, prompt, got.tokens)  # greedy: raw logits
+        assert got.logprobs == pytest.approx(want, abs=2e-3)
+        base = await engine.generate(prompt, Sampling(0.0, 1.0, 6))
+        assert base.tokens != got.tokens  # the adapter, not the base model
+
+        # a LoRA run's version: the base weights (version 1) and the adapter on them (2)
+        base_version = await client.publish(
+            {
+                k: v.clone()
+                for k, v in AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+                .state_dict()
+                .items()
+            },
+            "tiny",
+            step=0,
+        )
+        response = await client.store.publish(
+            "tiny",
+            state_dict_to_raw(tensors),
+            trainer_step=1,
+            metadata=lora.to_metadata(config, str(model_dir), base_version),
+        )
+        stats = await engine.update_to(client.store, response.version)
+        assert engine.version == stats.version == response.version
+        policy = await engine.generate(prompt, Sampling(0.0, 1.0, 6))
+        assert policy.tokens == got.tokens and set(policy.versions) == {response.version}
+        await engine.unload_adapter("a")
+        assert engine.adapters() == []
+    finally:
+        await engine.close()
+        await client.close()
+        await server.stop(None)

@@ -41,6 +41,9 @@ async def build_engine(settings: RolloutSettings, model_dir: Path, model_name: s
             max_context=settings.rollout_max_context or 2048,
             kv_cache_gb=settings.rollout_vllm_kv_cache_gb,
             dtype=settings.rollout_vllm_dtype,
+            max_lora_rank=settings.rollout_vllm_max_lora_rank,
+            max_loras=settings.rollout_vllm_max_loras,
+            adapter_dir=settings.state_dir / "vllm-adapters",
         )
         await engine.start()
         return engine

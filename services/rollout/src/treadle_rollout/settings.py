@@ -53,6 +53,16 @@ class RolloutSettings(Settings):
     )
     rollout_vllm_dtype: str = Field("auto", description="rollout vllm: dtype (float32 on CPU)")
     rollout_vllm_kv_cache_gb: int = Field(1, ge=1, description="rollout vllm: CPU KV cache")
+    rollout_vllm_max_lora_rank: int = Field(
+        0,
+        ge=0,
+        le=256,
+        description="rollout vllm: serve LoRA adapters up to this rank (the Tinker API's "
+        "sampler weights, a LoRA run's versions); 0: vLLM starts without LoRA support",
+    )
+    rollout_vllm_max_loras: int = Field(
+        4, ge=1, description="rollout vllm: adapters in one batch at once"
+    )
     rollout_session_ttl_s: float = Field(
         3600.0, gt=0, description="rollout: idle recorded OpenAI-API sessions expire after"
     )

@@ -16,7 +16,11 @@ version); `abort` aborts them and the turns are regenerated under the new weight
 from __future__ import annotations
 
 import asyncio
+import itertools
+import json
 import os
+import shutil
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -24,6 +28,8 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
+from treadle_common import lora
+from treadle_common.clients.torch_weights import fetch_state_dict
 from treadle_common.clients.weights import WeightStoreClient
 from treadle_rollout import metrics
 from treadle_rollout.engines.base import (
@@ -35,7 +41,7 @@ from treadle_rollout.engines.base import (
     Sampling,
     SwapStats,
 )
-from treadle_rollout.engines.hf import SwapPolicy
+from treadle_rollout.engines.hf import POLICY_ADAPTER, SwapPolicy
 
 WORKER_EXTENSION = "treadle_rollout.engines.vllm_worker.TreadleWorkerExtension"
 
@@ -54,6 +60,9 @@ class VLLMEngine(Engine):
         dtype: str = "auto",
         enforce_eager: bool = True,
         max_batch: int | None = None,
+        max_lora_rank: int = 0,
+        max_loras: int = 4,
+        adapter_dir: Path | None = None,
     ):
         self.model_dir = Path(model_dir)
         self.model_name = model_name
@@ -70,6 +79,14 @@ class VLLMEngine(Engine):
         self._held: set[str] = set()
         self._swap_epoch = 0
         self.meter = BusyMeter()
+        self._max_lora_rank, self._max_loras = max_lora_rank, max_loras
+        self._adapter_dir = adapter_dir or Path(tempfile.mkdtemp(prefix="treadle-adapters-"))
+        self._loras: dict[str, Any] = {}  # name -> vllm LoRARequest
+        self._lora_ids = itertools.count(1)
+        self._policy_lora: Any = None
+        self._retired: Any = None  # the previous policy adapter, dropped at the next swap
+        self.base_version = 0
+        """The full-weight version the model holds (0: the model directory)."""
 
     async def start(self) -> None:
         """Start vLLM (tens of seconds on CPU) and give the worker its weight copy."""
@@ -87,6 +104,15 @@ class VLLMEngine(Engine):
             # waiting requests go lowest `priority` first, as in the hf engine (oldest task)
             scheduling_policy="priority",
             **({"max_num_seqs": self._max_batch} if self._max_batch else {}),
+            **(
+                {
+                    "enable_lora": True,
+                    "max_lora_rank": self._max_lora_rank,
+                    "max_loras": self._max_loras,
+                }
+                if self._max_lora_rank
+                else {}
+            ),
         )
         self._llm = AsyncLLM.from_engine_args(args)
         await self._llm.collective_rpc("treadle_init", args=(str(self.model_dir),))
@@ -120,11 +146,16 @@ class VLLMEngine(Engine):
             include_stop_str_in_output=True,  # the tokens generated, the stop string's too
             output_kind=RequestOutputKind.DELTA,
         )
-        if sampling.adapter is not None:
-            raise AdapterUnsupported("the vllm engine does not serve LoRA adapters yet")
+        if sampling.adapter is not None and sampling.adapter not in self._loras:
+            raise AdapterUnsupported(f"no adapter {sampling.adapter!r} is loaded")
         with self.meter.track():
             while True:
                 epoch = self._swap_epoch
+                lora_request = (  # read per attempt: a swap may have changed the policy's
+                    self._loras[sampling.adapter]
+                    if sampling.adapter is not None
+                    else self._policy_lora
+                )
                 tokens: list[int] = []
                 logprobs: list[float] = []
                 versions: list[int] = []
@@ -134,6 +165,7 @@ class VLLMEngine(Engine):
                     params,
                     request_id=uuid.uuid4().hex,
                     priority=round(sampling.priority * 1000),  # vLLM takes an int: ms
+                    lora_request=lora_request,
                 ):
                     piece = out.outputs[0]
                     for i, token in enumerate(piece.token_ids):
@@ -149,7 +181,84 @@ class VLLMEngine(Engine):
                 reason = "stop" if finish == "stop" else "length"
                 return Generation(tokens, logprobs, versions, reason)
 
+    # --- LoRA adapters (vLLM's LoRARequest, from a PEFT-format directory) -------------------
+    def _check_lora(self, config: Any) -> None:
+        if not self._max_lora_rank:
+            raise AdapterUnsupported(
+                "this vllm engine serves no LoRA adapters (TREADLE_ROLLOUT_VLLM_MAX_LORA_RANK=0)"
+            )
+        if config.rank > self._max_lora_rank:
+            raise AdapterUnsupported(
+                f"adapter rank {config.rank} is above TREADLE_ROLLOUT_VLLM_MAX_LORA_RANK="
+                f"{self._max_lora_rank}"
+            )
+
+    async def _lora_request(self, name: str, tensors: dict, config: Any) -> Any:
+        """Write the adapter as PEFT files and have vLLM load it; its LoRARequest."""
+        from vllm.lora.request import LoRARequest
+
+        self._check_lora(config)
+        lora_id = next(self._lora_ids)
+        path = self._adapter_dir / f"{name}-{lora_id}"
+        await asyncio.to_thread(write_peft, path, tensors, config, str(self.model_dir))
+        request = LoRARequest(name, lora_id, str(path))
+        await self.llm.add_lora(request)
+        return request
+
+    async def load_adapter(self, name: str, tensors: dict, config: Any) -> None:
+        request = await self._lora_request(name, tensors, config)
+        old = self._loras.get(name)
+        self._loras[name] = request
+        if old is not None:
+            await self._drop_lora(old)
+
+    async def unload_adapter(self, name: str) -> None:
+        await self._drop_lora(self._loras.pop(name))
+
+    def adapters(self) -> list[str]:
+        return sorted(self._loras)
+
+    async def _drop_lora(self, request: Any) -> None:
+        await self.llm.remove_lora(request.lora_int_id)
+        await asyncio.to_thread(shutil.rmtree, request.lora_path, True)
+
     async def update_to(self, store: WeightStoreClient, version: int) -> SwapStats:
+        """Full weights through the worker; a LoRA run's adapter version becomes the policy's
+        LoRARequest, after the full-weight version it applies to when the model holds
+        other weights."""
+        manifest = await store.get_manifest(self.model_name, version)
+        metadata = dict(manifest.metadata)
+        if not lora.is_adapter(metadata):
+            stats = await self._update_full(store, version)
+            self.base_version, self._policy_lora = stats.version, None
+            return stats
+        start = time.perf_counter()
+        received, pause_s = 0, 0.0
+        base = int(metadata.get("lora_base_version", "0"))
+        if base != self.base_version:
+            full = await self._update_full(store, base)
+            self.base_version, self._policy_lora = base, None
+            received, pause_s = full.bytes_fetched, full.pause_s
+        fetched_manifest, tensors = await fetch_state_dict(store, self.model_name, version)
+        received += sum(c.size for t in fetched_manifest.tensors for c in t.chunks)
+        fetch_s = time.perf_counter() - start
+        request = await self._lora_request(POLICY_ADAPTER, tensors, lora.from_metadata(metadata))
+        paused = time.perf_counter()
+        mode = "keep" if self.swap_policy == "continue" else "abort"
+        await self.llm.pause_generation(mode=mode, clear_cache=True)
+        try:
+            old, self._policy_lora = self._policy_lora, request
+            self.version = version
+            self._swap_epoch += 1
+        finally:
+            await self.llm.resume_generation()
+        pause_s += time.perf_counter() - paused
+        if self._retired is not None:  # requests that ran across the last swap are done
+            await self._drop_lora(self._retired)
+        self._retired = old  # may still serve requests that continue across this swap
+        return SwapStats(version, pause_s, fetch_s, received)
+
+    async def _update_full(self, store: WeightStoreClient, version: int) -> SwapStats:
         # vLLM's engine loop serves the RPC, so the fetch stalls generation too: the pause
         # is counted from the start of the fetch
         paused = time.perf_counter()
@@ -178,3 +287,25 @@ class VLLMEngine(Engine):
             self._llm.shutdown()
             self._llm = None
         await asyncio.sleep(0)
+
+
+def write_peft(path: Path, tensors: dict, config: Any, base_model: str) -> None:
+    """A `treadle_common.lora` adapter as a PEFT LoRA directory (what vLLM's LoRARequest
+    loads): `base_model.model.<layer>.lora_A.weight` tensors and the LoRA config."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(
+        {f"base_model.model.{k}.weight": v.contiguous() for k, v in tensors.items()},
+        str(path / "adapter_model.safetensors"),
+    )
+    peft = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": config.rank,
+        "lora_alpha": config.alpha,
+        "target_modules": sorted({k.rsplit(".", 2)[-2] for k in tensors}),
+        "bias": "none",
+        "base_model_name_or_path": base_model,
+    }
+    (path / "adapter_config.json").write_text(json.dumps(peft))
