@@ -45,6 +45,7 @@ nats-conf: setup
 
 test: lint
 	$(PY) scripts/gen_protos.py --check
+	scripts/setup_cookbook.sh  # the Tinker Cookbook, a client in its own venv (its test)
 	$(PY) scripts/run_pytest.py $(PYTEST_ARGS)
 	$(MAKE) test-vllm
 
@@ -60,4 +61,4 @@ bench: setup
 	$(VENV)/bin/treadle bench rollout --json
 
 clean:
-	rm -rf $(VENV) .venv-vllm .treadle
+	rm -rf $(VENV) .venv-vllm .venv-cookbook .treadle

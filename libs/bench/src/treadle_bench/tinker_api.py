@@ -116,12 +116,16 @@ def _service_client(trainer: str):
 
 
 def _datums(batch: int, seq_len: int):
+    import numpy as np
     from tinker import types
 
     return [
         types.Datum(
             model_input=types.ModelInput.from_ints(seq[:-1]),
-            loss_fn_inputs={"target_tokens": seq[1:], "weights": [1.0] * (seq_len - 1)},
+            loss_fn_inputs={
+                "target_tokens": types.TensorData.from_numpy(np.asarray(seq[1:], np.int64)),
+                "weights": types.TensorData.from_numpy(np.ones(seq_len - 1, np.float32)),
+            },
         )
         for seq in _batch(batch, seq_len)
     ]
