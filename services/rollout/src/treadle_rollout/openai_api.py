@@ -41,6 +41,8 @@ MAX_MESSAGES = 1024
 MAX_PROMPT_CHARS = 1_000_000
 MAX_BATCH_PROMPTS = 64
 """Prompts one completions request may batch (OpenAI's array `prompt`)."""
+MAX_GENERATIONS = 256
+"""Generations one completions request may ask for (prompts x n)."""
 """Text a request may bring (a prompt, one message's content): far past any context, and
 short enough that tokenizing it cannot stall the server."""
 SessionId = Annotated[
@@ -355,6 +357,13 @@ class OpenAIFrontend:
         per distinct prompt); choice `index` = prompt index x n + sample index, as OpenAI."""
         self._check(req)
         prompts = self._prompts(req)
+        if len(prompts) * req.n > MAX_GENERATIONS:
+            raise OpenAIError(
+                400,
+                f"{len(prompts)} prompts x n={req.n} asks for more than {MAX_GENERATIONS} "
+                "generations in one request",
+                param="n",
+            )
         gens = await asyncio.gather(
             *(
                 self._generate(prompt, self._sampling(req, req.max_tokens, i))

@@ -33,6 +33,8 @@ MAX_N_PER_CALL = 16
 """Rollout's `n` limit: more samples are split over several calls."""
 MAX_BATCH_PROMPTS = 64
 """Prompts per batched rollout call (rollout's limit)."""
+MAX_GENERATIONS = 256
+"""Prompts x n per batched rollout call (rollout's limit)."""
 COALESCE_S = 0.003
 """Unseeded sample requests with the same model and parameters that arrive within this
 window go to rollout as one batched completions call: the engine then prefills them in one
@@ -155,7 +157,8 @@ class RolloutSampler:
         future: asyncio.Future[list[Sequence]] = asyncio.get_running_loop().create_future()
         batch.prompts.append(prompt)
         batch.futures.append(future)
-        if len(batch.prompts) >= MAX_BATCH_PROMPTS:
+        full = (len(batch.prompts) + 1) * body["n"] > MAX_GENERATIONS
+        if len(batch.prompts) >= MAX_BATCH_PROMPTS or full:
             self._flush_soon(key, batch)
         return await future
 
