@@ -203,7 +203,8 @@ def test_sampling_follows_the_tempered_nucleus_and_reports_its_logprobs():
     logits_V = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     n = 4000
     params = [Sampling(1.0, 0.7, 1)] * n + [Sampling(1.0, 1.0, 1)] * n + [Sampling(0.0, 1.0, 1)]
-    tokens, logprobs = sample(logits_V.expand(len(params), -1), params)
+    tokens, logprobs, tops = sample(logits_V.expand(len(params), -1), params)
+    assert tops == [None] * len(params)  # nobody asked for them
     nucleus, full, greedy = tokens[:n], tokens[n : 2 * n], tokens[-1]
     # top_p 0.7: tokens 0 and 1 (0.5 + 0.3 reach it), renormalized to 0.625 / 0.375
     assert set(nucleus) == {0, 1}
@@ -214,6 +215,25 @@ def test_sampling_follows_the_tempered_nucleus_and_reports_its_logprobs():
         assert full.count(token) / n == pytest.approx(share, abs=0.03)
     assert logprobs[n] == pytest.approx(logits_V.log_softmax(-1)[full[0]].item(), abs=1e-6)
     assert greedy == 0 and logprobs[-1] == pytest.approx(torch.tensor(0.5).log().item())
+
+
+def test_top_logprobs_come_from_the_distribution_the_token_was_sampled_from():
+    from treadle_rollout.engines.hf import sample
+
+    logits_V = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    params = [Sampling(1.0, 0.7, 1, top_logprobs=3), Sampling(1.0, 1.0, 1, top_logprobs=2)]
+    params.append(Sampling(1.0, 1.0, 1))
+    tokens, logprobs, tops = sample(logits_V.expand(3, -1), params)
+    nucleus, full, none = tops
+    assert none is None
+    assert [t for t, _ in full] == [0, 1]
+    assert [round(lp, 4) for _, lp in full] == [
+        round(torch.tensor(p).log().item(), 4) for p in (0.5, 0.3)
+    ]
+    # top_p 0.7: the nucleus is renormalized, and what lies outside it has logprob -inf
+    assert [t for t, _ in nucleus][:2] == [0, 1] and nucleus[2][1] == float("-inf")
+    assert nucleus[0][1] == pytest.approx(torch.tensor(0.625).log().item(), abs=1e-5)
+    assert logprobs[0] == dict(nucleus)[tokens[0]]
 
 
 async def test_a_full_batch_admits_the_oldest_requests_first(tiny_model):

@@ -90,6 +90,7 @@ class Rollout:
             engine,
             openai_api.SessionRecorder(engine.tokenizer, ttl_s=settings.rollout_session_ttl_s),
             gate=self.gate,
+            tool_parser=settings.rollout_tool_parser,
         )
         self.worker: TaskWorker | None = None
 

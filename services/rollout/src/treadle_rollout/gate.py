@@ -24,15 +24,19 @@ class RequestGate:
         self.in_flight = 0
         self.refused = 0
 
-    @contextlib.contextmanager
-    def admit(self) -> Iterator[None]:
-        if self.in_flight >= self.limit:
+    def check(self, requests: int = 1) -> None:
+        """Refuse (Busy, counted) if `requests` more would pass the limit."""
+        if self.in_flight + requests > self.limit:
             self.refused += 1
             metrics.DROPPED.labels(self.service, "generate", "busy").inc()
             raise Busy(
                 f"{self.in_flight} client generation requests are in flight, the most this "
                 f"replica queues (TREADLE_ROLLOUT_MAX_QUEUED={self.limit}); retry later"
             )
+
+    @contextlib.contextmanager
+    def admit(self) -> Iterator[None]:
+        self.check()
         self.in_flight += 1
         try:
             yield

@@ -48,3 +48,11 @@ ADMISSION_WAITS = Counter(
     "treadle_rollout_admission_waits_total",
     "Groups the staleness bound deferred until a newer policy version",
 )
+TOOL_CALLS = Counter(
+    "treadle_rollout_tool_calls_total", "Tool calls parsed from generated text (OpenAI API)"
+)
+TOOL_CALL_MISSES = Counter(
+    "treadle_rollout_tool_call_misses_total",
+    "Turns whose tool_choice required a call but whose text did not parse as one (returned "
+    "as text)",
+)

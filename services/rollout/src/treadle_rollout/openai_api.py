@@ -1,8 +1,8 @@
 """OpenAI-compatible API served from the current policy, with token-exact session recording.
 
     GET  /v1/models
-    POST /v1/chat/completions        (stream is not supported: 400)
-    POST /v1/completions
+    POST /v1/chat/completions        tools, streaming (SSE), logprobs + top_logprobs, n
+    POST /v1/completions             prompt batches, streaming, logprobs
     GET  /v1/sessions/{id}           what a recorded session holds
     POST /v1/sessions/{id}/finish    score it and push it as a trajectory to Redis
     DELETE /v1/sessions/{id}
@@ -11,40 +11,59 @@ A chat request carrying the `X-Treadle-Session` header is recorded: the session 
 exact tokens the engine saw and generated (see `transcript.py`). The agent sends the whole
 conversation each time, as OpenAI clients do; the new turns are appended as context tokens,
 so an unmodified agent written against the OpenAI client produces a trainable trajectory.
-Errors use OpenAI's error body: `{"error": {"message", "type", "param", "code"}}`.
+
+Tools (`tools`) go through the model's chat template; the model's text is parsed back into
+`tool_calls` by the parser for its format (`tool_calls.py`, `TREADLE_ROLLOUT_TOOL_PARSER`).
+`tool_choice`: `none` renders the tools but parses no call; `auto` parses; `required` and a
+named function begin the assistant turn with the start of a call (the parser's
+`forced_prefix`), which the model completes.
+
+Streaming (`stream: true`) sends server-sent events as the engine produces tokens: `data:`
+chunks in OpenAI's format, usage in a last chunk when `stream_options.include_usage`, then
+`data: [DONE]`. Text is held back while it may still turn into a stop string or a tool call;
+tool calls are sent whole, in one delta, once the turn ends. An error after the stream began
+is sent as a `data: {"error": ...}` event.
+
+Every request field is honoured or refused (`openai_types.py`). Errors use OpenAI's error
+body: `{"error": {"message", "type", "param", "code"}}`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
+import json
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal, cast
+from typing import Annotated, Any, cast
 
 from fastapi import APIRouter, FastAPI, Path, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from treadle_common import auth, names
 from treadle_common.clients import streams
 from treadle_common.proto.treadle.v1 import reward_pb2
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
+from treadle_rollout import metrics, tool_calls
 from treadle_rollout.engines.base import ContextOverflow, Engine, Generation, Sampling
 from treadle_rollout.gate import Busy, RequestGate
-from treadle_rollout.transcript import TemplateNotPrefixStable, Transcript
+from treadle_rollout.openai_types import (
+    ChatRequest,
+    CompletionRequest,
+    NamedToolChoice,
+    OpenAIError,
+    SamplingFields,
+)
+from treadle_rollout.transcript import TemplateNotPrefixStable, Transcript, render
 
 SESSION_HEADER = "X-Treadle-Session"
-MAX_MESSAGES = 1024
-MAX_PROMPT_CHARS = 1_000_000
-MAX_BATCH_PROMPTS = 64
-"""Prompts one completions request may batch (OpenAI's array `prompt`)."""
 MAX_GENERATIONS = 256
 """Generations one completions request may ask for (prompts x n)."""
-"""Text a request may bring (a prompt, one message's content): far past any context, and
-short enough that tokenizing it cannot stall the server."""
 SessionId = Annotated[
     str, Path(pattern=names.NAME_PATTERN, max_length=names.NAME_MAX, description="A session id")
 ]
@@ -52,93 +71,8 @@ OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 DEFAULT_MAX_TOKENS = 1024
 
 
-class OpenAIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        type_: str = "invalid_request_error",
-    ):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = (
-            status,
-            message,
-            param,
-            code,
-            type_,
-        )
-
-    def response(self) -> JSONResponse:
-        body = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
-        return JSONResponse({"error": body}, status_code=self.status)
-
-
-class Message(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: (
-        Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
-        | Annotated[list[dict[str, Any]], Field(max_length=MAX_MESSAGES)]
-        | None
-    ) = None
-
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
-        return self.content or ""
-
-
-class SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="allow")  # OpenAI clients send fields we ignore
-    model: str
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    max_tokens: int | None = Field(None, ge=1)
-    n: int = Field(1, ge=1, le=16)
-    seed: int | None = None
-    stream: bool = False
-    stop_token_ids: list[int] | None = Field(
-        None, max_length=64, description="Tokens that also end the generation (vLLM's field)"
-    )
-    stop: (
-        Annotated[str, Field(min_length=1, max_length=256)]
-        | Annotated[list[Annotated[str, Field(min_length=1, max_length=256)]], Field(max_length=4)]
-        | None
-    ) = Field(None, description="Text that ends the generation; cut from the text returned")
-
-    def stop_strings(self) -> tuple[str, ...]:
-        if self.stop is None:
-            return ()
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-
-
-class ChatRequest(SamplingFields):
-    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-
-
-class CompletionRequest(SamplingFields):
-    prompt: (
-        Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
-        | Annotated[list[int], Field(max_length=MAX_PROMPT_CHARS)]
-        | Annotated[
-            list[Annotated[list[int], Field(max_length=MAX_PROMPT_CHARS)]],
-            Field(min_length=1, max_length=MAX_BATCH_PROMPTS),
-        ]
-        | Annotated[
-            list[Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]],
-            Field(min_length=1, max_length=MAX_BATCH_PROMPTS),
-        ]
-    )
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=5)
-    return_tokens_as_token_ids: bool = Field(
-        False, description="Logprob tokens as `token_id:N`, end-of-turn included (token-exact)"
-    )
+def _json_error(exc: OpenAIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
 
 
 class FinishSession(BaseModel):
@@ -200,6 +134,37 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
     }
 
 
+@dataclass
+class ChatPlan:
+    """How a chat request's turns are generated and read back."""
+
+    messages: list[dict]
+    tools: list[dict] | None
+    parser: tool_calls.ToolParser | None
+    """Parses the model's text into tool calls (None: tool_choice none, or no tools)."""
+    prefix: str
+    """What the assistant turn begins with (a call `tool_choice` demands)."""
+    required: bool
+    parallel: bool
+    stops: tuple[str, ...]
+    max_tokens: int | None
+
+
+@dataclass
+class Reply:
+    """One choice's text, read back: content and tool calls, OpenAI's finish reason."""
+
+    content: str | None
+    calls: list[tool_calls.ToolCall]
+    finish_reason: str
+
+    def message(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.calls:
+            message["tool_calls"] = [c.openai() for c in self.calls]
+        return message
+
+
 class OpenAIFrontend:
     def __init__(
         self,
@@ -208,6 +173,7 @@ class OpenAIFrontend:
         redis=None,
         reward=None,
         gate: RequestGate | None = None,
+        tool_parser: str = "auto",
     ):
         self.engine = engine
         self.gate = gate or RequestGate(1 << 30)
@@ -216,7 +182,11 @@ class OpenAIFrontend:
         self.redis = redis
         self.reward = reward
         self.eos_id = self.tokenizer.eos_token_id
+        self.tool_parser = tool_calls.for_model(
+            tool_parser, getattr(self.tokenizer, "chat_template", None)
+        )
 
+    # -- checks ---------------------------------------------------------------------------
     def _check(self, req: SamplingFields) -> None:
         if req.model != self.engine.model_name and req.model not in self.engine.adapters():
             raise OpenAIError(
@@ -226,11 +196,31 @@ class OpenAIFrontend:
                 param="model",
                 code="model_not_found",
             )
-        if req.stream:
-            raise OpenAIError(400, "stream=true is not supported", param="stream")
+        req.unsupported()
+
+    def _check_room(self, prompt_len: int) -> None:
+        limit = getattr(self.engine, "max_context", None)
+        if isinstance(limit, int) and prompt_len >= limit:
+            raise OpenAIError(
+                400,
+                f"prompt of {prompt_len} tokens leaves no room in the {limit}-token context",
+                param="messages",
+                code="context_length_exceeded",
+            )
+
+    def _check_capacity(self, requests: int) -> None:
+        try:
+            self.gate.check(requests)
+        except Busy as exc:
+            raise OpenAIError(429, str(exc), code="rate_limit_exceeded") from exc
 
     def _sampling(self, req: SamplingFields, max_tokens: int | None, index: int) -> Sampling:
         seed = None if req.seed is None else req.seed + index
+        top = 0
+        if isinstance(req, ChatRequest) and req.logprobs:
+            top = req.top_logprobs or 0
+        elif isinstance(req, CompletionRequest) and req.logprobs:
+            top = req.logprobs
         return Sampling(
             req.temperature,
             req.top_p,
@@ -239,8 +229,10 @@ class OpenAIFrontend:
             adapter=None if req.model == self.engine.model_name else req.model,
             stop_token_ids=tuple(req.stop_token_ids or ()),
             stop_strings=req.stop_strings(),
+            top_logprobs=top,
         )
 
+    # -- generation -----------------------------------------------------------------------
     async def _generate(self, prompt: list[int], sampling: Sampling) -> Generation:
         try:
             with self.gate.admit():
@@ -252,28 +244,54 @@ class OpenAIFrontend:
                 400, str(exc), param="messages", code="context_length_exceeded"
             ) from exc
 
-    def _visible(self, gen: Generation) -> tuple[list[int], list[float]]:
+    async def _stream(self, prompt: list[int], sampling: Sampling) -> AsyncIterator[Generation]:
+        try:
+            with self.gate.admit():
+                async for piece in self.engine.stream(prompt, sampling):
+                    yield piece
+        except Busy as exc:
+            raise OpenAIError(429, str(exc), code="rate_limit_exceeded") from exc
+        except ContextOverflow as exc:
+            raise OpenAIError(
+                400, str(exc), param="messages", code="context_length_exceeded"
+            ) from exc
+
+    def _visible(self, tokens: list[int], finished: bool) -> list[int]:
         """Generated tokens without the end-of-turn token (what the client sees)."""
-        if gen.tokens and gen.tokens[-1] == self.eos_id:
-            return gen.tokens[:-1], gen.logprobs[:-1]
-        return gen.tokens, gen.logprobs
+        if finished and tokens and tokens[-1] == self.eos_id:
+            return tokens[:-1]
+        return tokens
 
-    def _logprobs(self, gen: Generation) -> dict:
-        tokens, logprobs = self._visible(gen)
-        content = []
-        for token, logprob in zip(tokens, logprobs, strict=True):
-            text = self.tokenizer.decode([token])
-            content.append(
+    def _decode(self, tokens: list[int], skip_special: bool) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=skip_special)
+
+    def _token_entry(self, token: int, logprob: float, top: list[tuple[int, float]]) -> dict:
+        text = self.tokenizer.decode([token])
+        return {
+            "token": text,
+            "logprob": logprob,
+            "bytes": list(text.encode()),
+            "top_logprobs": [
                 {
-                    "token": text,
-                    "logprob": logprob,
-                    "bytes": list(text.encode()),
-                    "top_logprobs": [],
+                    "token": (t := self.tokenizer.decode([tid])),
+                    "logprob": lp,
+                    "bytes": list(t.encode()),
                 }
-            )
-        return {"content": content}
+                for tid, lp in top
+            ],
+        }
 
-    def _envelope(self, kind: str, choices: list[dict], prompt_len: int, gens) -> dict:
+    def _chat_logprobs(self, gen: Generation, finished: bool) -> dict:
+        tokens = self._visible(gen.tokens, finished)
+        tops = gen.top_logprobs or [[] for _ in gen.tokens]
+        return {
+            "content": [
+                self._token_entry(t, lp, top)
+                for t, lp, top in zip(tokens, gen.logprobs, tops, strict=False)
+            ]
+        }
+
+    def _envelope(self, kind: str, choices: list[dict], prompt_len: int, completion: int) -> dict:
         return {
             "id": f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}",
             "object": kind,
@@ -281,64 +299,210 @@ class OpenAIFrontend:
             "model": self.engine.model_name,
             "system_fingerprint": f"treadle-v{self.engine.version}",
             "choices": choices,
-            "usage": _usage(prompt_len, sum(len(g.tokens) for g in gens)),
+            "usage": _usage(prompt_len, completion),
         }
 
-    async def chat(self, req: ChatRequest, session_id: str | None) -> dict:
-        self._check(req)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        max_tokens = req.max_completion_tokens or req.max_tokens
-        if session_id:
-            if not names.valid_name(session_id):
+    # -- chat -----------------------------------------------------------------------------
+    def _plan(self, req: ChatRequest) -> ChatPlan:
+        tools = req.template_tools()
+        choice = req.tool_choice or ("auto" if tools else "none")
+        parser = None
+        if tools and choice != "none":
+            parser = self.tool_parser
+            if parser is None:
                 raise OpenAIError(
                     400,
-                    f"{SESSION_HEADER} must be letters, digits, '_', '-' and single inner dots "
-                    f"(at most {names.NAME_MAX})",
-                    param=SESSION_HEADER,
+                    f"the model {self.engine.model_name}'s chat template shows no tool-call "
+                    "format this server can parse; set TREADLE_ROLLOUT_TOOL_PARSER",
+                    param="tools",
                 )
-            if req.n != 1:
-                raise OpenAIError(400, "recorded sessions need n=1", param="n")
-            session = self.recorder.get(session_id, create=True)
+        prefix = ""
+        if parser is not None and choice == "required":
+            prefix = parser.forced_prefix(None)
+        elif parser is not None and isinstance(choice, NamedToolChoice):
+            prefix = parser.forced_prefix(choice.function.name)
+        return ChatPlan(
+            messages=[m.template() for m in req.messages],
+            tools=tools,
+            parser=parser,
+            prefix=prefix,
+            required=bool(prefix),
+            parallel=req.parallel_tool_calls is not False,
+            stops=req.stop_strings(),
+            max_tokens=req.max_completion_tokens or req.max_tokens,
+        )
+
+    def _read(self, plan: ChatPlan, text: str, finish: str) -> Reply:
+        """The assistant text (prefix included, cut at a stop string) as content and calls."""
+        if plan.parser is not None:
+            parsed = plan.parser.parse(text)
+            if parsed.calls:
+                calls = parsed.calls if plan.parallel else parsed.calls[:1]
+                metrics.TOOL_CALLS.inc(len(calls))
+                return Reply(parsed.content, calls, "tool_calls")
+            if plan.required:
+                metrics.TOOL_CALL_MISSES.inc()
+        return Reply(text, [], finish)
+
+    def _session(self, session_id: str, req: ChatRequest) -> RecordedSession:
+        if not names.valid_name(session_id):
+            raise OpenAIError(
+                400,
+                f"{SESSION_HEADER} must be letters, digits, '_', '-' and single inner dots "
+                f"(at most {names.NAME_MAX})",
+                param=SESSION_HEADER,
+            )
+        if req.n != 1:
+            raise OpenAIError(400, "recorded sessions need n=1", param="n")
+        return self.recorder.get(session_id, create=True)
+
+    def _open_turn(self, session: RecordedSession, session_id: str, plan: ChatPlan) -> list[int]:
+        """Append the request's new turns (and the forced prefix) to the transcript; the
+        prompt the engine continues."""
+        t = session.transcript
+        if t.tokens and t.tools != plan.tools:
+            raise OpenAIError(
+                400,
+                f"session {session_id}: the tools changed; tokens cannot stay exact, start a "
+                "new session",
+                param="tools",
+                code="session_diverged",
+            )
+        t.tools = plan.tools
+        try:
+            t.set_messages(plan.messages)
+        except TemplateNotPrefixStable as exc:
+            raise OpenAIError(
+                400,
+                f"session {session_id}: {exc}; send the conversation as recorded, or start a "
+                "new session",
+                param="messages",
+                code="session_diverged",
+            ) from exc
+        t.add_prefix(plan.prefix)
+        self._check_room(len(t.tokens))
+        return list(t.tokens)
+
+    def _prompt(self, plan: ChatPlan) -> list[int]:
+        text = render(self.tokenizer, plan.messages, plan.tools) + plan.prefix
+        prompt = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        self._check_room(len(prompt))
+        return prompt
+
+    def _close_turn(self, session: RecordedSession, plan: ChatPlan, gen: Generation, reply: Reply):
+        session.transcript.add_generation(gen, plan.prefix)
+        session.transcript.record_reply(reply.message())
+        session.turns += 1
+
+    async def chat(self, req: ChatRequest, session_id: str | None) -> dict | AsyncIterator[str]:
+        self._check(req)
+        plan = self._plan(req)
+        if req.stream:
+            return await self._chat_stream(req, plan, session_id)
+        if session_id:
+            session = self._session(session_id, req)
             async with session.lock:
+                mark = session.transcript.mark()
                 try:
-                    session.transcript.set_messages(messages)
-                except TemplateNotPrefixStable as exc:
-                    raise OpenAIError(
-                        400,
-                        f"session {session_id}: {exc}; send the conversation as recorded, or "
-                        "start a new session",
-                        param="messages",
-                        code="session_diverged",
-                    ) from exc
-                prompt_len = len(session.transcript.tokens)
-                gen = await self._generate(
-                    session.transcript.tokens, self._sampling(req, max_tokens, 0)
-                )
-                session.transcript.add_generation(gen)
-                session.turns += 1
-            gens = [gen]
+                    prompt = self._open_turn(session, session_id, plan)
+                    gens = [await self._generate(prompt, self._sampling(req, plan.max_tokens, 0))]
+                except BaseException:
+                    session.transcript.rollback(mark)
+                    raise
+                prompt_len = len(prompt)
+                reply = self._reply(plan, gens[0], req.skip_special_tokens)
+                self._close_turn(session, plan, gens[0], reply)
+            replies = [reply]
         else:
-            prompt = session_free_prompt(self.tokenizer, messages)
+            prompt = self._prompt(plan)
             prompt_len = len(prompt)
             gens = await asyncio.gather(
-                *(self._generate(prompt, self._sampling(req, max_tokens, i)) for i in range(req.n))
+                *(
+                    self._generate(prompt, self._sampling(req, plan.max_tokens, i))
+                    for i in range(req.n)
+                )
             )
-        choices = []
-        for i, gen in enumerate(gens):
-            visible, _ = self._visible(gen)
-            choices.append(
-                {
-                    "index": i,
-                    "message": {
-                        "role": "assistant",
-                        "content": _cut(self.tokenizer.decode(visible), req.stop_strings()),
-                    },
-                    "finish_reason": gen.finish_reason,
-                    "logprobs": self._logprobs(gen) if req.logprobs else None,
-                }
-            )
-        return self._envelope("chat.completion", choices, prompt_len, gens)
+            replies = [self._reply(plan, g, req.skip_special_tokens) for g in gens]
+        choices = [
+            {
+                "index": i,
+                "message": reply.message(),
+                "finish_reason": reply.finish_reason,
+                "logprobs": self._chat_logprobs(gen, True) if req.logprobs else None,
+            }
+            for i, (gen, reply) in enumerate(zip(gens, replies, strict=True))
+        ]
+        completion = sum(len(g.tokens) for g in gens)
+        return self._envelope("chat.completion", choices, prompt_len, completion)
 
+    def _reply(self, plan: ChatPlan, gen: Generation, skip_special: bool) -> Reply:
+        text = plan.prefix + self._decode(self._visible(gen.tokens, True), skip_special)
+        return self._read(plan, _cut(text, plan.stops), gen.finish_reason)
+
+    async def _chat_stream(
+        self, req: ChatRequest, plan: ChatPlan, session_id: str | None
+    ) -> AsyncIterator[str]:
+        """Validate what can fail before the first byte (an HTTP error), then stream."""
+        self._check_capacity(req.n)
+        session = None
+        if session_id:
+            session = self._session(session_id, req)
+            async with session.lock:  # a dry run: the session's errors as HTTP errors
+                mark = session.transcript.mark()
+                try:
+                    self._open_turn(session, session_id, plan)
+                finally:
+                    session.transcript.rollback(mark)
+            prompt: list[int] = []
+        else:
+            prompt = self._prompt(plan)
+        header = _ChunkHeader("chat.completion.chunk", self.engine)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        async def one(index: int, out: asyncio.Queue) -> tuple[int, int]:
+            """Stream choice `index` into `out`; (prompt, completion) token counts."""
+            nonlocal prompt
+            decoder = _Decoder(self, plan.prefix, plan.stops, plan.parser, req.skip_special_tokens)
+            await out.put(header.chat(index, {"role": "assistant", "content": ""}))
+            lock = session.lock if session else contextlib.nullcontext()
+            async with lock:  # type: ignore[attr-defined]
+                mark = session.transcript.mark() if session else None
+                try:
+                    if session is not None:
+                        assert session_id is not None
+                        prompt = self._open_turn(session, session_id, plan)
+                    sampling = self._sampling(req, plan.max_tokens, index)
+                    pieces: list[Generation] = []
+                    async for piece in self._stream(prompt, sampling):
+                        pieces.append(piece)
+                        final = bool(piece.finish_reason)
+                        content = decoder.add(piece.tokens, final)
+                        logprobs = None
+                        if req.logprobs and piece.tokens:
+                            logprobs = self._chat_logprobs(piece, final)
+                        if content or logprobs:
+                            delta = {"content": content} if content else {}
+                            await out.put(header.chat(index, delta, logprobs=logprobs))
+                except BaseException:
+                    if session is not None and mark is not None:
+                        session.transcript.rollback(mark)
+                    raise
+                gen = _joined(pieces)
+                reply = self._read(plan, decoder.text(), gen.finish_reason)
+                rest = decoder.rest(reply)
+                if rest:
+                    await out.put(header.chat(index, {"content": rest}))
+                if reply.calls:
+                    calls = [c.openai(index=k) for k, c in enumerate(reply.calls)]
+                    await out.put(header.chat(index, {"tool_calls": calls}))
+                if session is not None:
+                    self._close_turn(session, plan, gen, reply)
+            await out.put(header.chat(index, {}, finish=reply.finish_reason))
+            return len(prompt), len(gen.tokens)
+
+        return _sse(one, req.n, header, include_usage)
+
+    # -- completions ----------------------------------------------------------------------
     def _prompts(self, req: CompletionRequest) -> list[list[int]]:
         """The request's prompts as token ids: a string, token ids, or a batch of either."""
         raw = req.prompt
@@ -350,13 +514,6 @@ class OpenAIFrontend:
             prompts.append(cast(list[int], p))
         if not all(prompts):
             raise OpenAIError(400, "prompt is empty", param="prompt")
-        return prompts
-
-    async def completions(self, req: CompletionRequest) -> dict:
-        """Every prompt of the batch `n` times, all handed to the engine at once (one prefill
-        per distinct prompt); choice `index` = prompt index x n + sample index, as OpenAI."""
-        self._check(req)
-        prompts = self._prompts(req)
         if len(prompts) * req.n > MAX_GENERATIONS:
             raise OpenAIError(
                 400,
@@ -364,6 +521,47 @@ class OpenAIFrontend:
                 "generations in one request",
                 param="n",
             )
+        return prompts
+
+    def _completion_logprobs(self, req: CompletionRequest, gen: Generation, finished: bool):
+        if req.logprobs is None:
+            return None
+        if req.return_tokens_as_token_ids:  # every token, end-of-turn included
+            tokens = gen.tokens
+            shown = [f"token_id:{t}" for t in tokens]
+        else:
+            tokens = self._visible(gen.tokens, finished)
+            shown = [self.tokenizer.decode([t]) for t in tokens]
+        top = None
+        if req.logprobs:
+            top = [
+                {
+                    (
+                        f"token_id:{tid}"
+                        if req.return_tokens_as_token_ids
+                        else self.tokenizer.decode([tid])
+                    ): lp
+                    for tid, lp in step
+                }
+                for step in gen.top_logprobs[: len(tokens)]
+            ]
+        return {
+            "tokens": shown,
+            "token_logprobs": gen.logprobs[: len(tokens)],
+            "top_logprobs": top,
+            "text_offset": None,
+        }
+
+    async def completions(self, req: CompletionRequest) -> dict | AsyncIterator[str]:
+        """Every prompt of the batch `n` times, all handed to the engine at once (one prefill
+        per distinct prompt); choice `index` = prompt index x n + sample index, as OpenAI."""
+        self._check(req)
+        prompts = self._prompts(req)
+        for p in prompts:
+            self._check_room(len(p))
+        stops = req.stop_strings()
+        if req.stream:
+            return self._completions_stream(req, prompts)
         gens = await asyncio.gather(
             *(
                 self._generate(prompt, self._sampling(req, req.max_tokens, i))
@@ -373,28 +571,45 @@ class OpenAIFrontend:
         )
         choices = []
         for i, gen in enumerate(gens):
-            visible, logprobs = self._visible(gen)
-            entry: dict[str, Any] = {
-                "index": i,
-                "text": _cut(self.tokenizer.decode(visible), req.stop_strings()),
-                "finish_reason": gen.finish_reason,
-                "logprobs": None,
-            }
-            if req.logprobs is not None:
-                if req.return_tokens_as_token_ids:  # every token, end-of-turn included
-                    logprobs = gen.logprobs
-                    shown = [f"token_id:{t}" for t in gen.tokens]
-                else:
-                    shown = [self.tokenizer.decode([t]) for t in visible]
-                entry["logprobs"] = {
-                    "tokens": shown,
-                    "token_logprobs": logprobs,
-                    "top_logprobs": None,
-                    "text_offset": None,
+            text = self._decode(self._visible(gen.tokens, True), req.skip_special_tokens)
+            choices.append(
+                {
+                    "index": i,
+                    "text": _cut(text, stops),
+                    "finish_reason": gen.finish_reason,
+                    "logprobs": self._completion_logprobs(req, gen, True),
                 }
-            choices.append(entry)
+            )
         prompt_tokens = sum(len(p) for p in prompts)
-        return self._envelope("text_completion", choices, prompt_tokens, gens)
+        completion = sum(len(g.tokens) for g in gens)
+        return self._envelope("text_completion", choices, prompt_tokens, completion)
+
+    def _completions_stream(
+        self, req: CompletionRequest, prompts: list[list[int]]
+    ) -> AsyncIterator[str]:
+        self._check_capacity(len(prompts) * req.n)
+        header = _ChunkHeader("text_completion", self.engine)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        async def one(index: int, out: asyncio.Queue) -> tuple[int, int]:
+            prompt = prompts[index // req.n]
+            decoder = _Decoder(self, "", req.stop_strings(), None, req.skip_special_tokens)
+            sampling = self._sampling(req, req.max_tokens, index % req.n)
+            finish, count = "length", 0
+            async for piece in self._stream(prompt, sampling):
+                final = bool(piece.finish_reason)
+                count += len(piece.tokens)
+                text = decoder.add(piece.tokens, final)
+                if final:
+                    text += decoder.rest(None)
+                    finish = piece.finish_reason
+                logprobs = self._completion_logprobs(req, piece, final)
+                if text or logprobs:
+                    await out.put(header.text(index, text, logprobs))
+            await out.put(header.text(index, "", None, finish=finish))
+            return (len(prompt) if index % req.n == 0 else 0), count
+
+        return _sse(one, len(prompts) * req.n, header, include_usage)
 
     async def finish(
         self, session_id: str, body: FinishSession, role: auth.Role | None = None
@@ -476,8 +691,144 @@ def _cut(text: str, stops: tuple[str, ...]) -> str:
 
 
 def session_free_prompt(tokenizer, messages: list[dict]) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = render(tokenizer, messages)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _joined(pieces: list[Generation]) -> Generation:
+    return Generation(
+        [t for p in pieces for t in p.tokens],
+        [x for p in pieces for x in p.logprobs],
+        [v for p in pieces for v in p.versions],
+        pieces[-1].finish_reason if pieces else "length",
+        [t for p in pieces for t in p.top_logprobs],
+    )
+
+
+class _Decoder:
+    """One streamed choice's text: what may be sent so far, and the rest at the end.
+
+    Held back: an incomplete UTF-8 character, the last characters that may begin a stop
+    string, and everything from where a tool call may begin (sent, parsed, at the end)."""
+
+    def __init__(self, frontend: OpenAIFrontend, prefix: str, stops, parser, skip_special):
+        self.frontend, self.prefix, self.stops, self.parser = frontend, prefix, stops, parser
+        self.skip_special = skip_special
+        self.tokens: list[int] = []
+        self.final = False
+        self.sent = 0
+        """Characters of the text already sent."""
+
+    def text(self) -> str:
+        """The whole text so far (after the prefix), cut at a stop string."""
+        body = self.frontend._decode(
+            self.frontend._visible(self.tokens, self.final), self.skip_special
+        )
+        return _cut(self.prefix + body, self.stops)
+
+    def add(self, tokens: list[int], final: bool) -> str:
+        """Take new tokens; the text that may be sent now."""
+        self.tokens += tokens
+        self.final = final
+        text = self.text()
+        limit = len(text)
+        if not final:
+            limit = len(text.rstrip("\ufffd"))
+            if self.stops:
+                limit = min(limit, len(text) - max(len(s) for s in self.stops) + 1)
+        if self.parser is not None:
+            start = self.parser.start
+            at = text.find(start)
+            if at >= 0:
+                limit = min(limit, at)
+            elif not final:
+                for k in range(len(start) - 1, 0, -1):
+                    if text.endswith(start[:k]):
+                        limit = min(limit, len(text) - k)
+                        break
+            if final:
+                return ""  # the end is read as a whole (`rest`)
+        if limit <= self.sent:
+            return ""
+        out, self.sent = text[self.sent : limit], limit
+        return out
+
+    def rest(self, reply: Reply | None) -> str:
+        """At the end: the text not yet sent (with tool calls: their content only)."""
+        text = self.text()
+        if reply is not None and reply.calls:
+            text = reply.content or ""
+        if len(text) <= self.sent:
+            return ""
+        out, self.sent = text[self.sent :], len(text)
+        return out
+
+
+class _ChunkHeader:
+    """Chunks of one streamed response: one id and creation time for all."""
+
+    def __init__(self, kind: str, engine: Engine):
+        prefix = "chatcmpl" if kind.startswith("chat") else "cmpl"
+        self.base = {
+            "id": f"{prefix}-{uuid.uuid4().hex}",
+            "object": kind,
+            "created": int(time.time()),
+            "model": engine.model_name,
+            "system_fingerprint": f"treadle-v{engine.version}",
+        }
+
+    def chat(self, index: int, delta: dict, *, logprobs=None, finish: str | None = None) -> dict:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return {**self.base, "choices": [choice]}
+
+    def text(self, index: int, text: str, logprobs, *, finish: str | None = None) -> dict:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        return {**self.base, "choices": [choice]}
+
+    def usage(self, prompt: int, completion: int) -> dict:
+        return {**self.base, "choices": [], "usage": _usage(prompt, completion)}
+
+
+def _event(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+async def _sse(one, count: int, header: _ChunkHeader, include_usage: bool) -> AsyncIterator[str]:
+    """Run `one(index, queue)` for each choice at once; their chunks as SSE events, then
+    the usage chunk (if asked) and `[DONE]`. Closing the stream cancels the generations."""
+    out: asyncio.Queue = asyncio.Queue()
+    tasks = [asyncio.create_task(one(i, out)) for i in range(count)]
+    waiter = asyncio.ensure_future(asyncio.gather(*tasks))
+    try:
+        while True:
+            getter = asyncio.ensure_future(out.get())
+            await asyncio.wait({getter, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            if getter.done():
+                yield _event(getter.result())
+                continue
+            getter.cancel()
+            while not out.empty():
+                yield _event(out.get_nowait())
+            break
+        exc = waiter.exception()
+        if exc is not None:
+            error = (
+                exc
+                if isinstance(exc, OpenAIError)
+                else OpenAIError(500, f"generation failed: {exc}", type_="server_error")
+            )
+            yield _event(error.body())
+        else:
+            if include_usage:
+                counts = waiter.result()
+                yield _event(header.usage(sum(p for p, _ in counts), sum(c for _, c in counts)))
+        yield _event("[DONE]")
+    finally:
+        for task in tasks:
+            task.cancel()
+        waiter.cancel()
+        with contextlib.suppress(BaseException):
+            await waiter
 
 
 def mount(app: FastAPI, frontend: OpenAIFrontend) -> None:
@@ -486,7 +837,7 @@ def mount(app: FastAPI, frontend: OpenAIFrontend) -> None:
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_request: Request, exc: OpenAIError) -> JSONResponse:
-        return exc.response()
+        return _json_error(exc)
 
     default_handler = app.exception_handlers.get(RequestValidationError)
 
@@ -495,9 +846,12 @@ def mount(app: FastAPI, frontend: OpenAIFrontend) -> None:
         if request.url.path.startswith(OPENAI_PATHS):
             first = exc.errors()[0] if exc.errors() else {}
             param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-            return OpenAIError(
-                400, f"invalid request: {first.get('msg', exc)}", param=param
-            ).response()
+            message = f"invalid request: {first.get('msg', exc)}"
+            if first.get("type") == "extra_forbidden":
+                message = f"unsupported field `{param}`: this server does not implement it"
+            elif param:
+                message = f"invalid `{param}`: {first.get('msg', exc)}"
+            return _json_error(OpenAIError(400, message, param=param))
         if default_handler is not None:
             response = default_handler(request, exc)
             return await response if inspect.isawaitable(response) else response
@@ -525,13 +879,15 @@ def mount(app: FastAPI, frontend: OpenAIFrontend) -> None:
         ]
         return {"object": "list", "data": [policy, *adapters]}
 
-    @router.post("/v1/chat/completions", openapi_extra=auth.roles(auth.AGENT))
-    async def chat(req: ChatRequest, request: Request) -> dict:
-        return await frontend.chat(req, request.headers.get(SESSION_HEADER))
+    @router.post("/v1/chat/completions", openapi_extra=auth.roles(auth.AGENT), response_model=None)
+    async def chat(req: ChatRequest, request: Request) -> Any:
+        return _respond(await frontend.chat(req, request.headers.get(SESSION_HEADER)))
 
-    @router.post("/v1/completions", openapi_extra=auth.roles(auth.AGENT, auth.TRAINER))
-    async def completions(req: CompletionRequest) -> dict:
-        return await frontend.completions(req)
+    @router.post(
+        "/v1/completions", openapi_extra=auth.roles(auth.AGENT, auth.TRAINER), response_model=None
+    )
+    async def completions(req: CompletionRequest) -> Any:
+        return _respond(await frontend.completions(req))
 
     @router.get("/v1/sessions/{session_id}", openapi_extra=auth.roles(auth.AGENT))
     async def session_info(session_id: SessionId) -> dict:
@@ -551,3 +907,13 @@ def mount(app: FastAPI, frontend: OpenAIFrontend) -> None:
         return {"deleted": session_id}
 
     app.include_router(router)
+
+
+def _respond(result: dict | AsyncIterator[str]) -> Any:
+    if isinstance(result, dict):
+        return result
+    return StreamingResponse(
+        result,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )

@@ -66,3 +66,8 @@ class RolloutSettings(Settings):
     rollout_session_ttl_s: float = Field(
         3600.0, gt=0, description="rollout: idle recorded OpenAI-API sessions expire after"
     )
+    rollout_tool_parser: str = Field(
+        "auto",
+        description="rollout: how the OpenAI API reads tool calls from generated text: auto "
+        "(from the chat template), none, hermes, llama3_json, or package.module:Class",
+    )

@@ -4,6 +4,11 @@ The trajectory's tokens are exactly the tokens the engine saw and produced. Gene
 get loss_mask 1, their behaviour logprob and the policy version that produced them; prompt,
 env and user tokens get mask 0 and version -1. New messages are tokenized as the text the
 chat template adds after what is already recorded, so earlier tokens are never re-tokenized.
+
+Tool turns stay exact too: a client sends back the assistant turns it was given in OpenAI's
+form (`tool_calls`, text cut at a stop string), which the template would render differently
+from what the model wrote. Each such turn is checked against the reply it was given
+(`reply_key`) and rendered as what the model actually generated.
 """
 
 from __future__ import annotations
@@ -37,11 +42,27 @@ class Transcript:
     messages: list[dict] = field(default_factory=list)
     text: str = ""
     """The text the tokens stand for (the chat template's rendering so far)."""
+    tools: list[dict] | None = None
+    """The tool definitions the template renders (OpenAI's `tools`), fixed for a transcript."""
+    replies: dict[int, tuple] = field(default_factory=dict)
+    """Recorded assistant turns (index in `messages`) -> `reply_key` of what the client got."""
 
     def render(self, messages: list[dict]) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
+        return render(self.tokenizer, messages, self.tools)
+
+    def mark(self) -> tuple:
+        """The transcript's state, to `rollback` to if a turn fails."""
+        return (
+            len(self.tokens),
+            self.text,
+            list(self.messages),
+            dict(self.replies),
         )
+
+    def rollback(self, mark: tuple) -> None:
+        length, self.text, self.messages, self.replies = mark
+        for seq in (self.tokens, self.loss_mask, self.logprobs, self.versions):
+            del seq[length:]
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -54,9 +75,23 @@ class Transcript:
 
     def set_messages(self, messages: list[dict]) -> None:
         """The conversation is now `messages` (what is recorded, plus new turns); append the
-        new turns and the generation prompt as context tokens."""
+        new turns and the generation prompt as context tokens. Assistant turns this
+        transcript recorded are rendered as generated (after checking the client sent back
+        what it was given)."""
+        messages = list(messages)
+        for i, reply in self.replies.items():
+            if i >= len(messages):
+                break
+            if reply_key(messages[i]) != reply:
+                raise TemplateNotPrefixStable(
+                    f"message {i} is not the assistant turn this session replied with"
+                )
+            messages[i] = self.messages[i]
         if not self.text and not self.tokens:  # the opening: maybe rendered before
-            key = (id(self.tokenizer), json.dumps(messages, sort_keys=True))
+            key = (
+                id(self.tokenizer),
+                json.dumps([messages, self.tools], sort_keys=True),
+            )
             opening = _OPENINGS.get(key)
             if opening is None:
                 text = self.render(messages)
@@ -80,8 +115,17 @@ class Transcript:
     def add_messages(self, messages: list[dict]) -> None:
         self.set_messages([*self.messages, *messages])
 
-    def add_generation(self, gen: Generation) -> str:
-        """Record a generated turn; return the assistant text (without its stop token).
+    def add_prefix(self, prefix: str) -> list[int]:
+        """Begin the assistant turn with `prefix` (a tool call `tool_choice` demands), as
+        context tokens; return them (what the engine continues after the prompt)."""
+        tokens = self.encode(prefix) if prefix else []
+        self.add_context(tokens)
+        self.text += prefix
+        return tokens
+
+    def add_generation(self, gen: Generation, prefix: str = "") -> str:
+        """Record a generated turn; return the assistant text (without its stop token),
+        after `prefix` (what `add_prefix` began the turn with).
 
         Special tokens generated inside the turn stay in the text: the chat template then
         renders the turn exactly as the tokens read, so later turns stay prefix-stable.
@@ -94,9 +138,13 @@ class Transcript:
         body = gen.tokens
         if gen.finish_reason == "stop" and body and body[-1] in self.tokenizer.all_special_ids:
             body = body[:-1]
-        content = self.tokenizer.decode(body, skip_special_tokens=False)
+        content = prefix + self.tokenizer.decode(body, skip_special_tokens=False)
         self.messages.append({"role": "assistant", "content": content})
         return content
+
+    def record_reply(self, message: dict) -> None:
+        """What the client was given for the last generated turn (OpenAI's form)."""
+        self.replies[len(self.messages) - 1] = reply_key(message)
 
     def close_turn(self, gen: Generation) -> None:
         """End an assistant turn cut at the token limit with the end-of-turn token."""
@@ -125,3 +173,28 @@ class Transcript:
         traj.loss_mask.extend(self.loss_mask)
         traj.logprobs.extend(self.logprobs)
         traj.token_versions.extend(self.versions)
+
+
+def render(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None) -> str:
+    """The chat template's text for `messages` (and `tools`), ready for the assistant."""
+    if tools:
+        return tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=True
+        )
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def reply_key(message: dict) -> tuple:
+    """An assistant message's content and tool calls, as comparable values (arguments as
+    parsed JSON: a client may re-serialize them)."""
+    calls = []
+    for call in message.get("tool_calls") or []:
+        function = call.get("function", call)
+        args = function.get("arguments")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                pass
+        calls.append((function.get("name"), json.dumps(args, sort_keys=True)))
+    return (message.get("role"), message.get("content") or "", tuple(calls))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import abc
 import contextlib
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from treadle_common.clients.weights import WeightStoreClient
@@ -34,6 +34,13 @@ class Sampling:
     stop_strings: tuple[str, ...] = ()
     """Text that ends the generation once the generated tokens decode to contain it (the
     tokens that spell it are kept; the OpenAI API cuts it from the text it shows)."""
+    top_logprobs: int = 0
+    """Also return this many most likely tokens at each step, with their logprobs
+    (`Generation.top_logprobs`; OpenAI's `top_logprobs`)."""
+
+
+TopLogprobs = list[tuple[int, float]]
+"""The most likely tokens at one step and their logprobs, most likely first."""
 
 
 @dataclass
@@ -45,7 +52,10 @@ class Generation:
     versions: list[int]
     """Policy version that generated each token."""
     finish_reason: str
-    """`stop` (end-of-turn token) or `length`."""
+    """`stop` (end-of-turn or stop token/string) or `length`; in a streamed piece that is not
+    the last, empty."""
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    """Per generated token, when `Sampling.top_logprobs` asked for them (else empty)."""
 
 
 @dataclass
@@ -105,6 +115,15 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     async def generate(self, prompt_tokens: list[int], sampling: Sampling) -> Generation:
         """Sample a continuation of `prompt_tokens`."""
+
+    async def stream(
+        self, prompt_tokens: list[int], sampling: Sampling
+    ) -> AsyncIterator[Generation]:
+        """Sample like `generate`, yielding the generation as it grows: each piece holds the
+        tokens added since the last one; the last piece has the `finish_reason`. Closing the
+        iterator early cancels the request. Engines that cannot stream (`openai`) yield the
+        whole generation as one piece."""
+        yield await self.generate(prompt_tokens, sampling)
 
     @abc.abstractmethod
     async def update_to(self, store: WeightStoreClient, version: int) -> SwapStats:

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol, cast
@@ -56,6 +56,7 @@ from treadle_rollout.engines.base import (
     Generation,
     Sampling,
     SwapStats,
+    TopLogprobs,
 )
 from treadle_rollout.engines.kv_slab import KVSlab
 
@@ -80,13 +81,19 @@ class _Seq:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    top: list[TopLogprobs] = field(default_factory=list)
     finish: str | None = None
     hit: prefix_cache.Hit | None = None
     kv_version: int = -1
     """The policy version that computed this row's KV (at its prefill)."""
+    progress: asyncio.Event | None = None
+    """Streamed requests: set on the event loop after each step that added tokens."""
+    ready: int = 0
+    """Streamed requests: tokens complete as of the last `progress` (the worker thread
+    may be appending past it)."""
 
     def restart(self) -> None:
-        self.tokens, self.logprobs, self.versions = [], [], []
+        self.tokens, self.logprobs, self.versions, self.top = [], [], [], []
 
 
 class _Batch:
@@ -202,6 +209,46 @@ class HFEngine(Engine):
 
     # -- public API -------------------------------------------------------------------------
     async def generate(self, prompt_tokens: list[int], sampling: Sampling) -> Generation:
+        # cancelling the caller cancels the future: the row is dropped
+        return await self._submit(prompt_tokens, sampling).future
+
+    async def stream(
+        self, prompt_tokens: list[int], sampling: Sampling
+    ) -> AsyncIterator[Generation]:
+        """Pieces after every decode step. A streamed request is never restarted by a swap
+        (policy `abort`): what it sent cannot be taken back, so it continues like `continue`."""
+        seq = self._submit(prompt_tokens, sampling, streamed=True)
+        assert seq.progress is not None
+        sent = 0
+        try:
+            while True:
+                await seq.progress.wait()
+                seq.progress.clear()
+                if seq.future.done():
+                    gen = seq.future.result()
+                    yield Generation(
+                        gen.tokens[sent:],
+                        gen.logprobs[sent:],
+                        gen.versions[sent:],
+                        gen.finish_reason,
+                        gen.top_logprobs[sent:],
+                    )
+                    return
+                ready = seq.ready
+                if ready > sent:
+                    yield Generation(
+                        seq.tokens[sent:ready],
+                        seq.logprobs[sent:ready],
+                        seq.versions[sent:ready],
+                        "",
+                        seq.top[sent:ready],
+                    )
+                    sent = ready
+        finally:
+            if not seq.future.done():
+                seq.future.cancel()
+
+    def _submit(self, prompt_tokens: list[int], sampling: Sampling, streamed: bool = False) -> _Seq:
         if len(prompt_tokens) >= self.max_context:
             raise ContextOverflow(
                 f"prompt of {len(prompt_tokens)} tokens leaves no room in the "
@@ -211,9 +258,13 @@ class HFEngine(Engine):
         if sampling.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
         future: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
-        self._waiting.append(_Seq(list(prompt_tokens), sampling, future, generator))
+        seq = _Seq(list(prompt_tokens), sampling, future, generator)
+        if streamed:
+            seq.progress = asyncio.Event()
+            future.add_done_callback(lambda _: seq.progress.set() if seq.progress else None)
+        self._waiting.append(seq)
         self._ensure_scheduler()
-        return await future  # cancelling the caller cancels the future: the row is dropped
+        return seq
 
     async def update_to(self, store: WeightStoreClient, version: int) -> SwapStats:
         """Full weights, or a LoRA run's adapter version: then first the full-weight version
@@ -337,6 +388,10 @@ class HFEngine(Engine):
                 self.busy_s += elapsed
                 metrics.ENGINE_BUSY.inc(elapsed)
             self._finish_done()
+            for seq in self._batch.seqs:
+                if seq.progress is not None and len(seq.tokens) > seq.ready:
+                    seq.ready = len(seq.tokens)
+                    seq.progress.set()
 
     async def _gather(self) -> None:
         """Idle -> busy: let the requests released together arrive together.
@@ -380,12 +435,17 @@ class HFEngine(Engine):
             self.version = fetched.manifest.version
             self.prefixes.clear()  # cached KV belongs to the weights that computed it
             if self.swap_policy == "abort" and self._batch.seqs:
-                for seq in self._batch.seqs:
+                rows = [i for i, s in enumerate(self._batch.seqs) if s.progress is None]
+                restarted = [self._batch.seqs[i] for i in rows]
+                for seq in restarted:
                     seq.restart()
-                self.restarted_turns += len(self._batch.seqs)
-                metrics.RESTARTED_TURNS.inc(len(self._batch.seqs))
-                self._waiting[:0] = self._batch.seqs
-                self._batch.clear()
+                self.restarted_turns += len(restarted)
+                metrics.RESTARTED_TURNS.inc(len(restarted))
+                self._waiting[:0] = restarted
+                if len(rows) == len(self._batch.seqs):
+                    self._batch.clear()
+                elif rows:
+                    self._batch.drop(rows)
             future.set_result(time.perf_counter() - paused)
 
     async def _apply_adapter_ops(self) -> None:
@@ -417,7 +477,9 @@ class HFEngine(Engine):
         for seq in finished:
             if not seq.future.done():
                 seq.future.set_result(
-                    Generation(seq.tokens, seq.logprobs, seq.versions, seq.finish or "length")
+                    Generation(
+                        seq.tokens, seq.logprobs, seq.versions, seq.finish or "length", seq.top
+                    )
                 )
 
     # -- model work (runs in a worker thread) -----------------------------------------------
@@ -553,10 +615,12 @@ class HFEngine(Engine):
         return out.logits[:, -1, :]
 
     def _append(self, seqs: list[_Seq], logits_B_V: torch.Tensor) -> None:
-        tokens, logprobs = sample(logits_B_V.float(), [s.sampling for s in seqs], seqs)
-        for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
+        tokens, logprobs, tops = sample(logits_B_V.float(), [s.sampling for s in seqs], seqs)
+        for seq, token, logprob, top in zip(seqs, tokens, logprobs, tops, strict=True):
             seq.tokens.append(token)
             seq.logprobs.append(logprob)
+            if top is not None:
+                seq.top.append(top)
             seq.versions.append(self.version)
             if token == self.eos_id or token in seq.sampling.stop_token_ids:
                 seq.finish = "stop"
@@ -571,9 +635,10 @@ class HFEngine(Engine):
 
 def sample(
     logits_B_V: torch.Tensor, params: list[Sampling], seqs: list[_Seq] | None = None
-) -> tuple[list[int], list[float]]:
+) -> tuple[list[int], list[float], list[TopLogprobs | None]]:
     """Sample one token per row; return the tokens and their logprobs under the distribution
-    each was sampled from (tempered, top-p truncated and renormalized).
+    each was sampled from (tempered, top-p truncated and renormalized), and for rows that ask
+    (`Sampling.top_logprobs`) the most likely tokens under that same distribution.
 
     All rows at once: one uniform draw per row (from the row's own generator when it has a
     seed, so a seeded request samples the same tokens in any batch) picks the token by
@@ -604,4 +669,18 @@ def sample(
     if truncated:
         nucleus_B = probs_B_V.gather(1, tokens_B[:, None])[:, 0].log()
         chosen_B = torch.where((top_p_B < 1.0) & ~greedy_B, nucleus_B, chosen_B)
-    return tokens_B.tolist(), chosen_B.tolist()
+    tops: list[TopLogprobs | None] = [None] * len(params)
+    k = max(p.top_logprobs for p in params)
+    if k:
+        shown_B_V = logprobs_B_V
+        if truncated:
+            nucleus_B_V = ((top_p_B < 1.0) & ~greedy_B)[:, None]
+            shown_B_V = torch.where(nucleus_B_V, probs_B_V.log(), logprobs_B_V)
+        values_B_K, ids_B_K = shown_B_V.topk(min(k, shown_B_V.shape[1]), dim=-1)
+        for i, p in enumerate(params):
+            if p.top_logprobs:
+                n = p.top_logprobs
+                tops[i] = list(
+                    zip(ids_B_K[i, :n].tolist(), values_B_K[i, :n].tolist(), strict=True)
+                )
+    return tokens_B.tolist(), chosen_B.tolist(), tops

@@ -23,6 +23,7 @@ import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +126,26 @@ class VLLMEngine(Engine):
         return self._llm
 
     async def generate(self, prompt_tokens: list[int], sampling: Sampling) -> Generation:
+        pieces = [piece async for piece in self._run(prompt_tokens, sampling, streamed=False)]
+        return Generation(
+            [t for p in pieces for t in p.tokens],
+            [x for p in pieces for x in p.logprobs],
+            [v for p in pieces for v in p.versions],
+            pieces[-1].finish_reason,
+            [t for p in pieces for t in p.top_logprobs],
+        )
+
+    async def stream(
+        self, prompt_tokens: list[int], sampling: Sampling
+    ) -> AsyncIterator[Generation]:
+        """vLLM's own delta outputs. A swap with policy `abort` that aborts a streamed request
+        after it sent tokens ends it with an error (what it sent cannot be regenerated)."""
+        async for piece in self._run(prompt_tokens, sampling, streamed=True):
+            yield piece
+
+    async def _run(
+        self, prompt_tokens: list[int], sampling: Sampling, streamed: bool
+    ) -> AsyncIterator[Generation]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -140,7 +161,7 @@ class VLLMEngine(Engine):
             top_p=sampling.top_p,
             max_tokens=min(sampling.max_new_tokens, room),
             seed=sampling.seed,
-            logprobs=0,
+            logprobs=sampling.top_logprobs,  # the sampled token's, and the top k
             stop_token_ids=[self.eos_id, *sampling.stop_token_ids],
             stop=list(sampling.stop_strings) or None,
             include_stop_str_in_output=True,  # the tokens generated, the stop string's too
@@ -156,9 +177,8 @@ class VLLMEngine(Engine):
                     if sampling.adapter is not None
                     else self._policy_lora
                 )
-                tokens: list[int] = []
-                logprobs: list[float] = []
-                versions: list[int] = []
+                held: list[Generation] = []  # not streamed: kept until the attempt ends
+                sent = 0
                 finish = "length"
                 async for out in self.llm.generate(
                     TokensPrompt(prompt_token_ids=list(prompt_tokens)),
@@ -167,19 +187,47 @@ class VLLMEngine(Engine):
                     priority=round(sampling.priority * 1000),  # vLLM takes an int: ms
                     lora_request=lora_request,
                 ):
-                    piece = out.outputs[0]
-                    for i, token in enumerate(piece.token_ids):
-                        tokens.append(token)
-                        logprobs.append(piece.logprobs[i][token].logprob if piece.logprobs else 0.0)
-                        versions.append(self.version)
+                    piece = self._piece(out.outputs[0], sampling.top_logprobs)
                     if out.finished:
-                        finish = piece.finish_reason or "length"
+                        finish = out.outputs[0].finish_reason or "length"
+                    if streamed and finish != "abort" and piece.tokens and not out.finished:
+                        sent += len(piece.tokens)
+                        yield piece
+                    else:
+                        held.append(piece)
                 if finish == "abort" and self._swap_epoch != epoch:
+                    if sent:
+                        raise RuntimeError(
+                            "a weight swap (policy abort) aborted this streamed request"
+                        )
                     metrics.RESTARTED_TURNS.inc()
                     continue  # aborted by a swap (policy abort): regenerate under new weights
-                metrics.TOKENS.inc(len(tokens))
-                reason = "stop" if finish == "stop" else "length"
-                return Generation(tokens, logprobs, versions, reason)
+                last = Generation(
+                    [t for p in held for t in p.tokens],
+                    [x for p in held for x in p.logprobs],
+                    [v for p in held for v in p.versions],
+                    "stop" if finish == "stop" else "length",
+                    [t for p in held for t in p.top_logprobs],
+                )
+                metrics.TOKENS.inc(sent + len(last.tokens))
+                yield last
+                return
+
+    def _piece(self, output: Any, top_k: int) -> Generation:
+        """One vLLM delta output as a (not yet finished) Generation piece."""
+        tokens = list(output.token_ids)
+        logprobs: list[float] = []
+        tops: list[list[tuple[int, float]]] = []
+        for i, token in enumerate(tokens):
+            step = output.logprobs[i] if output.logprobs else None
+            logprobs.append(step[token].logprob if step else 0.0)
+            if top_k and step:
+                ranked = sorted(
+                    ((t, lp) for t, lp in step.items() if lp.rank is not None and lp.rank <= top_k),
+                    key=lambda item: item[1].rank,
+                )
+                tops.append([(t, lp.logprob) for t, lp in ranked][:top_k])
+        return Generation(tokens, logprobs, [self.version] * len(tokens), "", tops)
 
     # --- LoRA adapters (vLLM's LoRARequest, from a PEFT-format directory) -------------------
     def _check_lora(self, config: Any) -> None:
