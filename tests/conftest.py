@@ -121,6 +121,14 @@ def tiny_model(tmp_path_factory) -> Path:
     return init_tiny(tmp_path_factory.mktemp("models") / "tiny")
 
 
+@pytest.fixture(scope="session")
+def tool_model(tiny_model, tmp_path_factory) -> Path:
+    """The tiny model trained to call a weather tool (`tests/tool_model.py`)."""
+    from tests.tool_model import train_tool_model
+
+    return train_tool_model(tiny_model, tmp_path_factory.mktemp("models") / "tool")
+
+
 @dataclass
 class ServiceProc:
     name: str

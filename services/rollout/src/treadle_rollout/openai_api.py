@@ -498,7 +498,7 @@ class OpenAIFrontend:
                 if session is not None:
                     self._close_turn(session, plan, gen, reply)
             await out.put(header.chat(index, {}, finish=reply.finish_reason))
-            return len(prompt), len(gen.tokens)
+            return (len(prompt) if index == 0 else 0), len(gen.tokens)  # one prompt
 
         return _sse(one, req.n, header, include_usage)
 

@@ -1,0 +1,70 @@
+"""Rollout's OpenAI routes over a real HF engine, served by uvicorn on a free port, for tests
+that drive them with the official clients; the engine's calls are recorded, so a test can
+compare a trajectory with exactly what the engine saw and produced."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import uvicorn
+from fastapi import FastAPI
+
+from tests.conftest import free_port
+from treadle_rollout import openai_api
+from treadle_rollout.engines.base import Generation, Sampling
+from treadle_rollout.engines.hf import HFEngine
+
+
+@dataclass
+class Served:
+    url: str
+    engine: HFEngine
+    frontend: openai_api.OpenAIFrontend
+    calls: list[tuple[list[int], list[int]]] = field(default_factory=list)
+    """(prompt, generated tokens) of every finished engine request, in order."""
+
+
+def _record(engine: HFEngine, calls: list) -> None:
+    generate, stream = engine.generate, engine.stream
+
+    async def recorded_generate(prompt: list[int], sampling: Sampling) -> Generation:
+        gen = await generate(prompt, sampling)
+        calls.append((list(prompt), list(gen.tokens)))
+        return gen
+
+    async def recorded_stream(prompt: list[int], sampling: Sampling) -> AsyncIterator[Generation]:
+        tokens: list[int] = []
+        async for piece in stream(prompt, sampling):
+            tokens += piece.tokens
+            yield piece
+        calls.append((list(prompt), tokens))
+
+    engine.generate = recorded_generate  # type: ignore[method-assign]
+    engine.stream = recorded_stream  # type: ignore[method-assign]
+
+
+@contextlib.asynccontextmanager
+async def serve(model_dir: Path, redis=None, **frontend_kwargs) -> AsyncIterator[Served]:
+    engine = HFEngine(model_dir, "tiny")
+    frontend = openai_api.OpenAIFrontend(
+        engine, openai_api.SessionRecorder(engine.tokenizer), redis=redis, **frontend_kwargs
+    )
+    app = FastAPI()
+    openai_api.mount(app, frontend)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.05)
+    served = Served(f"http://127.0.0.1:{port}/v1", engine, frontend)
+    _record(engine, served.calls)
+    try:
+        yield served
+    finally:
+        server.should_exit = True
+        await task
+        await engine.close()
