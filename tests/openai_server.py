@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,7 +36,9 @@ def _record(engine: HFEngine, calls: list) -> None:
         calls.append((list(prompt), list(gen.tokens)))
         return gen
 
-    async def recorded_stream(prompt: list[int], sampling: Sampling) -> AsyncIterator[Generation]:
+    async def recorded_stream(
+        prompt: list[int], sampling: Sampling
+    ) -> AsyncGenerator[Generation, None]:
         tokens: list[int] = []
         async for piece in stream(prompt, sampling):
             tokens += piece.tokens

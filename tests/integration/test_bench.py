@@ -64,6 +64,10 @@ def test_bench_rollout_json_line():
     assert report["ratio"] == pytest.approx(
         report["service_tokens_per_s"] / report["raw_engine_tokens_per_s"], rel=0.01
     )
+    assert report["openai_stream_tokens_per_s"] > 0 and report["openai_stream_ttft_ms_p50"] > 0
+    assert report["openai_stream_ratio"] == pytest.approx(
+        report["openai_stream_tokens_per_s"] / report["openai_raw_engine_tokens_per_s"], rel=0.01
+    )
     assert report["swaps"] == 2  # both published versions were swapped in by the service
     assert 0 <= report["swap_pause_ms_p50"] <= report["swap_pause_ms_max"]
 

@@ -316,3 +316,28 @@ async def test_stop_strings_and_stop_tokens_end_a_generation(engine):
     )
     first = free.tokens.index(free.tokens[2])
     assert by_token.finish_reason == "stop" and by_token.tokens == free.tokens[: first + 1]
+
+
+async def test_a_stream_is_the_generation_in_pieces_and_closing_it_cancels_the_request(
+    tiny_model,
+):
+    engine = HFEngine(tiny_model, "tiny")
+    prompt = engine.tokenizer("stream me")["input_ids"]
+    sampling = Sampling(1.0, 1.0, 12, seed=4, top_logprobs=2)
+    whole = await engine.generate(prompt, sampling)
+    pieces = [piece async for piece in engine.stream(prompt, sampling)]
+    assert len(pieces) > 1 and all(not p.finish_reason for p in pieces[:-1])
+    assert pieces[-1].finish_reason == whole.finish_reason
+    assert [t for p in pieces for t in p.tokens] == whole.tokens
+    assert [x for p in pieces for x in p.logprobs] == pytest.approx(whole.logprobs)
+    assert [len(t) for p in pieces for t in p.top_logprobs] == [2] * len(whole.tokens)
+
+    stream = engine.stream(prompt, Sampling(1.0, 1.0, 500, seed=4))
+    await anext(stream)
+    await stream.aclose()  # the client went away
+    for _ in range(20):
+        await asyncio.sleep(0.01)
+        if engine.running == 0:
+            break
+    assert engine.running == 0
+    await engine.close()

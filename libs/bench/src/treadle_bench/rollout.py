@@ -10,6 +10,14 @@ and swaps at a step boundary.
     service_tokens_per_s     generated tokens / s through the service (median round)
     raw_engine_tokens_per_s  the same work on the engine in this process (median round)
     ratio                    median of per-round service / raw
+    openai_stream_tokens_per_s  the same prompts as chat messages, streamed (SSE) through
+                             the service's OpenAI API by the official `openai` client, as
+                             a sustained load: 4 x `prompts` requests per round, `prompts`
+                             in flight at a time (median round)
+    openai_raw_engine_tokens_per_s  the engine in this process, the same requests (chat
+                             prompts, seeds) at the same concurrency (median round)
+    openai_stream_ratio      median of per-round stream / raw
+    openai_stream_ttft_ms_p50  median time from sending a request to its first content chunk
     swap_pause_ms_p50        median generation pause of the service's swaps
 """
 
@@ -22,6 +30,7 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 import torch
 
 from treadle_bench.harness import free_port, infra_with_weight_store, start_service
@@ -32,6 +41,7 @@ from treadle_common.clients.torch_weights import TorchWeightClient
 from treadle_common.logs import configure_logging
 from treadle_rollout.engines.base import Sampling
 from treadle_rollout.engines.hf import HFEngine
+from treadle_rollout.openai_api import session_free_prompt
 
 
 def make_prompts(tokenizer, n: int) -> list[list[int]]:
@@ -66,6 +76,70 @@ async def raw_round(engine: HFEngine, prompts, max_new: int) -> tuple[int, float
         )
     )
     return sum(len(g.tokens) for g in gens), time.perf_counter() - start
+
+
+def chat_messages(n: int) -> list[list[dict]]:
+    return [
+        [{"role": "user", "content": f"{i}+{3 * i}= what is the answer " * (1 + i % 4)}]
+        for i in range(n)
+    ]
+
+
+async def _closed_loop(one, concurrency: int, total: int) -> float:
+    """`total` requests, `concurrency` in flight at a time (each worker sends its next as
+    soon as its last finished: the sustained load a serving path sees); the seconds."""
+    counter = iter(range(total))
+    start = time.perf_counter()
+
+    async def worker() -> None:
+        for i in counter:
+            await one(i)
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return time.perf_counter() - start
+
+
+async def openai_stream_load(
+    client: openai.AsyncOpenAI, conversations, max_new: int, total: int
+) -> tuple[int, float, list[float]]:
+    """`total` streamed chat completions, `len(conversations)` at a time; tokens, seconds
+    and each request's time to its first content chunk."""
+    tokens: list[int] = []
+    firsts: list[float] = []
+
+    async def one(i: int) -> None:
+        sent = time.perf_counter()
+        stream = await client.chat.completions.create(
+            model="bench-tiny",
+            messages=conversations[i % len(conversations)],
+            max_tokens=max_new,
+            temperature=1.0,
+            seed=i + 1,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        first = 0.0
+        async for chunk in stream:
+            if not first and chunk.choices and chunk.choices[0].delta.content:
+                first = time.perf_counter() - sent
+                firsts.append(first)
+            if chunk.usage is not None:
+                tokens.append(chunk.usage.completion_tokens)
+
+    secs = await _closed_loop(one, len(conversations), total)
+    return sum(tokens), secs, firsts
+
+
+async def raw_load(engine: HFEngine, prompts, max_new: int, total: int) -> tuple[int, float]:
+    """The same requests (prompt, seed) on the engine, with the same concurrency."""
+    tokens: list[int] = []
+
+    async def one(i: int) -> None:
+        gen = await engine.generate(prompts[i % len(prompts)], Sampling(1.0, 1.0, max_new, i + 1))
+        tokens.append(len(gen.tokens))
+
+    secs = await _closed_loop(one, len(prompts), total)
+    return sum(tokens), secs
 
 
 async def swap_pauses(http: str, grpc_addr: str, store_addr: str, model_dir: Path, swaps: int):
@@ -143,6 +217,23 @@ async def _measure(model_dir, grpc_addr, http, store_addr, n, max_new, rounds, s
         service_rates.append(tokens_s / secs_s)
         raw_rates.append(tokens_r / secs_r)
         ratios.append(service_rates[-1] / raw_rates[-1])
+    # the OpenAI API, streamed, against the engine on the same chat prompts and seeds
+    conversations = chat_messages(n)
+    chat_prompts = [session_free_prompt(engine.tokenizer, m) for m in conversations]
+    client = openai.AsyncOpenAI(
+        base_url=f"{http}/v1", api_key=token_from_env() or "none", max_retries=0
+    )
+    await openai_stream_load(client, conversations[:4], 4, 4)  # warm-up
+    stream_rates, chat_raw_rates, stream_ratios, ttfts = [], [], [], []
+    for _ in range(rounds):
+        total = 4 * n
+        tokens_o, secs_o, firsts = await openai_stream_load(client, conversations, max_new, total)
+        tokens_c, secs_c = await raw_load(engine, chat_prompts, max_new, total)
+        stream_rates.append(tokens_o / secs_o)
+        chat_raw_rates.append(tokens_c / secs_c)
+        stream_ratios.append(stream_rates[-1] / chat_raw_rates[-1])
+        ttfts += firsts
+    await client.close()
     await engine.close()
     pauses = await swap_pauses(http, grpc_addr, store_addr, Path(model_dir), swaps)
     return {
@@ -151,6 +242,10 @@ async def _measure(model_dir, grpc_addr, http, store_addr, n, max_new, rounds, s
         "service_tokens_per_s": round(statistics.median(service_rates), 1),
         "raw_engine_tokens_per_s": round(statistics.median(raw_rates), 1),
         "ratio": round(statistics.median(ratios), 3),
+        "openai_stream_tokens_per_s": round(statistics.median(stream_rates), 1),
+        "openai_raw_engine_tokens_per_s": round(statistics.median(chat_raw_rates), 1),
+        "openai_stream_ratio": round(statistics.median(stream_ratios), 3),
+        "openai_stream_ttft_ms_p50": round(statistics.median(ttfts) * 1e3, 1) if ttfts else None,
         "swaps": len(pauses),
         "swap_pause_ms_p50": round(statistics.median(pauses) * 1e3, 3) if pauses else None,
         "swap_pause_ms_max": round(max(pauses) * 1e3, 3) if pauses else None,

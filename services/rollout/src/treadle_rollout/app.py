@@ -91,6 +91,7 @@ class Rollout:
             openai_api.SessionRecorder(engine.tokenizer, ttl_s=settings.rollout_session_ttl_s),
             gate=self.gate,
             tool_parser=settings.rollout_tool_parser,
+            stream_interval_ms=settings.rollout_stream_interval_ms,
         )
         self.worker: TaskWorker | None = None
 

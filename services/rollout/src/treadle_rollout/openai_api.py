@@ -36,7 +36,7 @@ import inspect
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Annotated, Any, cast
 
@@ -174,7 +174,9 @@ class OpenAIFrontend:
         reward=None,
         gate: RequestGate | None = None,
         tool_parser: str = "auto",
+        stream_interval_ms: float = 0.0,
     ):
+        self.stream_interval_s = stream_interval_ms / 1e3
         self.engine = engine
         self.gate = gate or RequestGate(1 << 30)
         self.tokenizer = recorder.tokenizer
@@ -230,6 +232,7 @@ class OpenAIFrontend:
             stop_token_ids=tuple(req.stop_token_ids or ()),
             stop_strings=req.stop_strings(),
             top_logprobs=top,
+            stream_interval_s=self.stream_interval_s if req.stream else 0.0,
         )
 
     # -- generation -----------------------------------------------------------------------
@@ -245,10 +248,19 @@ class OpenAIFrontend:
             ) from exc
 
     async def _stream(self, prompt: list[int], sampling: Sampling) -> AsyncIterator[Generation]:
+        """The engine's pieces, joined so that at most one goes out per stream interval
+        (the first and the last at once)."""
         try:
             with self.gate.admit():
-                async for piece in self.engine.stream(prompt, sampling):
-                    yield piece
+                held: list[Generation] = []
+                last = -1e9
+                async with contextlib.aclosing(self.engine.stream(prompt, sampling)) as pieces:
+                    async for piece in pieces:
+                        held.append(piece)
+                        now = time.monotonic()
+                        if piece.finish_reason or now - last >= self.stream_interval_s:
+                            yield held[0] if len(held) == 1 else _joined(held)
+                            held, last = [], now
         except Busy as exc:
             raise OpenAIError(429, str(exc), code="rate_limit_exceeded") from exc
         except ContextOverflow as exc:
@@ -459,11 +471,11 @@ class OpenAIFrontend:
         header = _ChunkHeader("chat.completion.chunk", self.engine)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-        async def one(index: int, out: asyncio.Queue) -> tuple[int, int]:
-            """Stream choice `index` into `out`; (prompt, completion) token counts."""
+        async def one(index: int, counts: list[tuple[int, int]]) -> AsyncGenerator[str, None]:
+            """Choice `index`'s chunks; then its (prompt, completion) tokens into `counts`."""
             nonlocal prompt
             decoder = _Decoder(self, plan.prefix, plan.stops, plan.parser, req.skip_special_tokens)
-            await out.put(header.chat(index, {"role": "assistant", "content": ""}))
+            yield header.chat(index, {"role": "assistant", "content": ""})
             lock = session.lock if session else contextlib.nullcontext()
             async with lock:  # type: ignore[attr-defined]
                 mark = session.transcript.mark() if session else None
@@ -482,7 +494,7 @@ class OpenAIFrontend:
                             logprobs = self._chat_logprobs(piece, final)
                         if content or logprobs:
                             delta = {"content": content} if content else {}
-                            await out.put(header.chat(index, delta, logprobs=logprobs))
+                            yield header.chat(index, delta, logprobs=logprobs)
                 except BaseException:
                     if session is not None and mark is not None:
                         session.transcript.rollback(mark)
@@ -491,14 +503,14 @@ class OpenAIFrontend:
                 reply = self._read(plan, decoder.text(), gen.finish_reason)
                 rest = decoder.rest(reply)
                 if rest:
-                    await out.put(header.chat(index, {"content": rest}))
+                    yield header.chat(index, {"content": rest})
                 if reply.calls:
                     calls = [c.openai(index=k) for k, c in enumerate(reply.calls)]
-                    await out.put(header.chat(index, {"tool_calls": calls}))
+                    yield header.chat(index, {"tool_calls": calls})
                 if session is not None:
                     self._close_turn(session, plan, gen, reply)
-            await out.put(header.chat(index, {}, finish=reply.finish_reason))
-            return (len(prompt) if index == 0 else 0), len(gen.tokens)  # one prompt
+            yield header.chat(index, {}, finish=reply.finish_reason)
+            counts.append(((len(prompt) if index == 0 else 0), len(gen.tokens)))  # one prompt
 
         return _sse(one, req.n, header, include_usage)
 
@@ -591,7 +603,7 @@ class OpenAIFrontend:
         header = _ChunkHeader("text_completion", self.engine)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-        async def one(index: int, out: asyncio.Queue) -> tuple[int, int]:
+        async def one(index: int, counts: list[tuple[int, int]]) -> AsyncGenerator[str, None]:
             prompt = prompts[index // req.n]
             decoder = _Decoder(self, "", req.stop_strings(), None, req.skip_special_tokens)
             sampling = self._sampling(req, req.max_tokens, index % req.n)
@@ -605,9 +617,9 @@ class OpenAIFrontend:
                     finish = piece.finish_reason
                 logprobs = self._completion_logprobs(req, piece, final)
                 if text or logprobs:
-                    await out.put(header.text(index, text, logprobs))
-            await out.put(header.text(index, "", None, finish=finish))
-            return (len(prompt) if index % req.n == 0 else 0), count
+                    yield header.text(index, text, logprobs)
+            yield header.text(index, "", None, finish=finish)
+            counts.append(((len(prompt) if index % req.n == 0 else 0), count))
 
         return _sse(one, len(prompts) * req.n, header, include_usage)
 
@@ -777,58 +789,79 @@ class _ChunkHeader:
             "system_fingerprint": f"treadle-v{engine.version}",
         }
 
-    def chat(self, index: int, delta: dict, *, logprobs=None, finish: str | None = None) -> dict:
+        self._head = json.dumps(self.base)[:-1] + ', "choices": '
+        """The fields every chunk shares, serialized once."""
+
+    def _chunk(self, choices: list[dict], tail: str = "") -> str:
+        return f"{self._head}{json.dumps(choices)}{tail}}}"
+
+    def chat(self, index: int, delta: dict, *, logprobs=None, finish: str | None = None) -> str:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        return {**self.base, "choices": [choice]}
+        return self._chunk([choice])
 
-    def text(self, index: int, text: str, logprobs, *, finish: str | None = None) -> dict:
+    def text(self, index: int, text: str, logprobs, *, finish: str | None = None) -> str:
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        return {**self.base, "choices": [choice]}
+        return self._chunk([choice])
 
-    def usage(self, prompt: int, completion: int) -> dict:
-        return {**self.base, "choices": [], "usage": _usage(prompt, completion)}
+    def usage(self, prompt: int, completion: int) -> str:
+        return self._chunk([], f', "usage": {json.dumps(_usage(prompt, completion))}')
 
 
 def _event(data: dict | str) -> str:
+    """One server-sent event (`data` as JSON, unless already serialized)."""
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
 async def _sse(one, count: int, header: _ChunkHeader, include_usage: bool) -> AsyncIterator[str]:
-    """Run `one(index, queue)` for each choice at once; their chunks as SSE events, then
-    the usage chunk (if asked) and `[DONE]`. Closing the stream cancels the generations."""
-    out: asyncio.Queue = asyncio.Queue()
-    tasks = [asyncio.create_task(one(i, out)) for i in range(count)]
-    waiter = asyncio.ensure_future(asyncio.gather(*tasks))
+    """The chunks of `one(index, counts)` for each choice (several at once) as SSE events,
+    then the usage chunk (if asked) and `[DONE]`; an error after the first event is sent as
+    an error event. Closing the stream cancels the generations."""
+    counts: list[tuple[int, int]] = []
+    chunks: AsyncGenerator[str, None] = (
+        one(0, counts) if count == 1 else _merge([one(i, counts) for i in range(count)])
+    )
     try:
-        while True:
-            getter = asyncio.ensure_future(out.get())
-            await asyncio.wait({getter, waiter}, return_when=asyncio.FIRST_COMPLETED)
-            if getter.done():
-                yield _event(getter.result())
-                continue
-            getter.cancel()
-            while not out.empty():
-                yield _event(out.get_nowait())
-            break
-        exc = waiter.exception()
-        if exc is not None:
-            error = (
-                exc
-                if isinstance(exc, OpenAIError)
-                else OpenAIError(500, f"generation failed: {exc}", type_="server_error")
-            )
-            yield _event(error.body())
-        else:
-            if include_usage:
-                counts = waiter.result()
-                yield _event(header.usage(sum(p for p, _ in counts), sum(c for _, c in counts)))
-        yield _event("[DONE]")
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                yield _event(chunk)
+    except OpenAIError as exc:
+        yield _event(exc.body())
+    except Exception as exc:  # the stream has begun: the error goes in it
+        yield _event(OpenAIError(500, f"generation failed: {exc}", type_="server_error").body())
+    else:
+        if include_usage:
+            yield _event(header.usage(sum(p for p, _ in counts), sum(c for _, c in counts)))
+    yield _event("[DONE]")
+
+
+async def _merge(generators: list[AsyncGenerator[str, None]]) -> AsyncGenerator[str, None]:
+    """Items of several async generators as they come; the first error ends it."""
+    out: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(gen: AsyncGenerator[str, None]) -> None:
+        try:
+            async for item in gen:
+                await out.put((item, None))
+            await out.put((end, None))
+        except Exception as exc:
+            await out.put((end, exc))
+
+    tasks = [asyncio.create_task(pump(g)) for g in generators]
+    try:
+        left = len(tasks)
+        while left:
+            item, exc = await out.get()
+            if exc is not None:
+                raise exc
+            if item is end:
+                left -= 1
+            else:
+                yield item
     finally:
         for task in tasks:
             task.cancel()
-        waiter.cancel()
-        with contextlib.suppress(BaseException):
-            await waiter
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def mount(app: FastAPI, frontend: OpenAIFrontend) -> None:

@@ -71,3 +71,10 @@ class RolloutSettings(Settings):
         description="rollout: how the OpenAI API reads tool calls from generated text: auto "
         "(from the chat template), none, hermes, llama3_json, or package.module:Class",
     )
+    rollout_stream_interval_ms: float = Field(
+        10.0,
+        ge=0,
+        le=1000,
+        description="rollout: a streamed OpenAI response sends what was generated at most "
+        "once per this interval (the first and last tokens at once); 0: every decode step",
+    )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +37,9 @@ class Sampling:
     top_logprobs: int = 0
     """Also return this many most likely tokens at each step, with their logprobs
     (`Generation.top_logprobs`; OpenAI's `top_logprobs`)."""
+    stream_interval_s: float = 0.0
+    """Streamed requests (`Engine.stream`): report new tokens at most this often (the
+    first at once, the last with the finish); 0: after every step."""
 
 
 TopLogprobs = list[tuple[int, float]]
@@ -118,7 +121,7 @@ class Engine(abc.ABC):
 
     async def stream(
         self, prompt_tokens: list[int], sampling: Sampling
-    ) -> AsyncIterator[Generation]:
+    ) -> AsyncGenerator[Generation, None]:
         """Sample like `generate`, yielding the generation as it grows: each piece holds the
         tokens added since the last one; the last piece has the `finish_reason`. Closing the
         iterator early cancels the request. Engines that cannot stream (`openai`) yield the

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol, cast
@@ -91,6 +91,7 @@ class _Seq:
     ready: int = 0
     """Streamed requests: tokens complete as of the last `progress` (the worker thread
     may be appending past it)."""
+    reported_at: float = 0.0
 
     def restart(self) -> None:
         self.tokens, self.logprobs, self.versions, self.top = [], [], [], []
@@ -214,7 +215,7 @@ class HFEngine(Engine):
 
     async def stream(
         self, prompt_tokens: list[int], sampling: Sampling
-    ) -> AsyncIterator[Generation]:
+    ) -> AsyncGenerator[Generation, None]:
         """Pieces after every decode step. A streamed request is never restarted by a swap
         (policy `abort`): what it sent cannot be taken back, so it continues like `continue`."""
         seq = self._submit(prompt_tokens, sampling, streamed=True)
@@ -388,10 +389,18 @@ class HFEngine(Engine):
                 self.busy_s += elapsed
                 metrics.ENGINE_BUSY.inc(elapsed)
             self._finish_done()
-            for seq in self._batch.seqs:
-                if seq.progress is not None and len(seq.tokens) > seq.ready:
-                    seq.ready = len(seq.tokens)
-                    seq.progress.set()
+            self._report_progress()
+
+    def _report_progress(self) -> None:
+        """Wake the streamed requests that have new tokens and whose interval has passed."""
+        now = time.monotonic()
+        for seq in self._batch.seqs:
+            if seq.progress is None or len(seq.tokens) <= seq.ready:
+                continue
+            if seq.ready and now - seq.reported_at < seq.sampling.stream_interval_s:
+                continue
+            seq.ready, seq.reported_at = len(seq.tokens), now
+            seq.progress.set()
 
     async def _gather(self) -> None:
         """Idle -> busy: let the requests released together arrive together.

@@ -23,7 +23,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
@@ -137,7 +137,7 @@ class VLLMEngine(Engine):
 
     async def stream(
         self, prompt_tokens: list[int], sampling: Sampling
-    ) -> AsyncIterator[Generation]:
+    ) -> AsyncGenerator[Generation, None]:
         """vLLM's own delta outputs. A swap with policy `abort` that aborts a streamed request
         after it sent tokens ends it with an error (what it sent cannot be regenerated)."""
         async for piece in self._run(prompt_tokens, sampling, streamed=True):
@@ -145,7 +145,7 @@ class VLLMEngine(Engine):
 
     async def _run(
         self, prompt_tokens: list[int], sampling: Sampling, streamed: bool
-    ) -> AsyncIterator[Generation]:
+    ) -> AsyncGenerator[Generation, None]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
