@@ -58,6 +58,14 @@ async def test_vllm_generates_with_logprobs_applies_a_weight_update_and_orders_b
         assert len(before.tokens) == len(before.logprobs) > 0 and set(before.versions) == {0}
         reference = teacher_forced_logprobs(hf, prompt, before.tokens)
         assert before.logprobs == pytest.approx(reference, abs=2e-3)
+        # streamed: the same tokens in pieces, with the top logprobs asked for
+        streamed = Sampling(temperature=1.0, max_new_tokens=8, seed=0, top_logprobs=2)
+        pieces = [piece async for piece in engine.stream(prompt, streamed)]
+        assert [t for p in pieces for t in p.tokens] == before.tokens
+        assert pieces[-1].finish_reason == before.finish_reason
+        assert all(not p.finish_reason for p in pieces[:-1])
+        tops = [t for p in pieces for t in p.top_logprobs]
+        assert len(tops) == len(before.tokens) and all(len(t) == 2 for t in tops)
 
         state = {k: v.clone() for k, v in hf.state_dict().items()}
         state["model.norm.weight"].mul_(4.0)  # sharper logits: a visible change
