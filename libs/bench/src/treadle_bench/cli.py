@@ -95,12 +95,14 @@ def bench_rollout(
     max_new_tokens: Annotated[int, typer.Option(help="Tokens generated per request")] = 32,
     rounds: Annotated[int, typer.Option(help="Measured rounds per side")] = 3,
     swaps: Annotated[int, typer.Option(help="Weight versions published under load")] = 5,
+    hidden_size: Annotated[int, typer.Option(help="Tiny model width (head size 64)")] = 128,
+    layers: Annotated[int, typer.Option(help="Tiny model layers")] = 2,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
 ) -> None:
     """Generation through the rollout service (hf engine) vs the same engine in-process."""
     from treadle_bench import rollout
 
-    result = rollout.run(prompts, max_new_tokens, rounds, swaps)
+    result = rollout.run(prompts, max_new_tokens, rounds, swaps, hidden_size, layers)
     print(json.dumps(result, indent=None if as_json else 2))
 
 

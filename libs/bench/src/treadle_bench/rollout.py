@@ -166,11 +166,23 @@ async def swap_pauses(http: str, grpc_addr: str, store_addr: str, model_dir: Pat
     return [s["pause_s"] for s in swaps_done]
 
 
-def run(prompts: int = 32, max_new_tokens: int = 32, rounds: int = 3, swaps: int = 5) -> dict:
+def run(
+    prompts: int = 32,
+    max_new_tokens: int = 32,
+    rounds: int = 3,
+    swaps: int = 5,
+    hidden_size: int = 128,
+    layers: int = 2,
+) -> dict:
     configure_logging("bench", level="WARNING")
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
-        model_dir = init_tiny(tmp / "bench-tiny")
+        model_dir = init_tiny(
+            tmp / "bench-tiny",
+            hidden_size=hidden_size,
+            num_layers=layers,
+            num_heads=max(1, hidden_size // 64),
+        )
         with infra_with_weight_store(tmp) as (infra, common, procs):
             ports = {k: free_port() for k in ("ro_http", "ro_grpc")}
             procs.append(  # healthy is enough: the bench needs no env-gateway
@@ -202,7 +214,8 @@ def run(prompts: int = 32, max_new_tokens: int = 32, rounds: int = 3, swaps: int
                     swaps,
                 )
             )
-    return {"bench": "rollout", "engine": "hf", "prompts": prompts, **result}
+    model = {"hidden_size": hidden_size, "layers": layers}
+    return {"bench": "rollout", "engine": "hf", "prompts": prompts, "model": model, **result}
 
 
 async def _measure(model_dir, grpc_addr, http, store_addr, n, max_new, rounds, swaps) -> dict:
