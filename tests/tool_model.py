@@ -61,16 +61,18 @@ def call_text(city: str) -> str:
     return f'<tool_call>\n{{"name": "get_weather", "arguments": {args}}}\n</tool_call>'
 
 
-def _segments(tokenizer, messages: list[dict]) -> list[tuple[list[int], int]]:
+def _segments(
+    tokenizer, messages: list[dict], tools: list[dict] | None
+) -> list[tuple[list[int], int]]:
     """(tokens, trained) pieces: context up to each assistant turn, then the turn."""
     pieces, done = [], ""
     for k, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
         prompt = tokenizer.apply_chat_template(
-            messages[:k], tools=[TOOL], tokenize=False, add_generation_prompt=True
+            messages[:k], tools=tools, tokenize=False, add_generation_prompt=True
         )
-        full = tokenizer.apply_chat_template(messages[: k + 1], tools=[TOOL], tokenize=False)
+        full = tokenizer.apply_chat_template(messages[: k + 1], tools=tools, tokenize=False)
         turn = full[len(prompt) :].rstrip("\n")  # ends with <|im_end|>
         pieces.append((tokenizer.encode(prompt[len(done) :], add_special_tokens=False), 0))
         pieces.append((tokenizer.encode(turn, add_special_tokens=False), 1))
@@ -79,15 +81,27 @@ def _segments(tokenizer, messages: list[dict]) -> list[tuple[list[int], int]]:
 
 
 def train_tool_model(base: Path, out: Path, steps: int = 500) -> Path:
+    return train_conversations(base, out, [conversation(c) for c in CITIES], [TOOL], steps)
+
+
+def train_conversations(
+    base: Path,
+    out: Path,
+    conversations: list[list[dict]],
+    tools: list[dict] | None = None,
+    steps: int = 500,
+) -> Path:
+    """The tiny model at `base`, trained until greedy decoding reproduces the assistant turns
+    of `conversations` (rendered with `tools`), saved at `out`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     rows = []
-    for city in CITIES:
+    for messages in conversations:
         tokens, mask = [], []
-        for piece, trained in _segments(tokenizer, conversation(city)):
+        for piece, trained in _segments(tokenizer, messages, tools):
             tokens += piece
             mask += [trained] * len(piece)
         rows.append((tokens, mask))

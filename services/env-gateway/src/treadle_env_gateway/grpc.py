@@ -23,7 +23,14 @@ from treadle_common.auth import ANY, ROLLOUT, WORKERS
 from treadle_common.progress import Stage
 from treadle_common.proto.treadle.v1 import env_pb2 as pb
 from treadle_common.proto.treadle.v1 import env_pb2_grpc
-from treadle_env_gateway.envs.base import Action, EnvError, Message, ToolCall, UnknownEnv
+from treadle_env_gateway.envs.base import (
+    Action,
+    EnvError,
+    Message,
+    ModelReply,
+    ToolCall,
+    UnknownEnv,
+)
 from treadle_env_gateway.sessions import (
     SERVICE,
     CapacityExceeded,
@@ -43,6 +50,7 @@ POLICY = auth.grpc_policy(
     CreateSessions=ROLLOUT,
     StepMany=ROLLOUT,
     CloseSessions=ROLLOUT,
+    Play=ROLLOUT,
 )
 """Sessions are rollout's (it plays the episodes; reward's code scorer runs tests through a
 session with rollout's token); the trainer samples tasks; anyone authenticated lists envs."""
@@ -161,6 +169,7 @@ class EnvGatewayServicer(env_pb2_grpc.EnvGatewayServicer):
             replica=self.sessions.replica,
             observation=observation_pb(observation),
             tools=tools,
+            played=session.env.played,
         )
 
     async def CreateSessions(self, request: pb.CreateSessionsRequest, context):
@@ -232,6 +241,44 @@ class EnvGatewayServicer(env_pb2_grpc.EnvGatewayServicer):
         finally:
             span.end()
 
+    async def Play(self, requests, context):
+        """A played episode: the env's model calls go up this call as `request`s, rollout's
+        answers come back on it; the last message is the `result`. The session closes when
+        the call ends, however it ends."""
+        parent = tracing.from_grpc(context.invocation_metadata())
+        span = tracing.tracer().start_span("env.Play", context=parent, kind=SpanKind.SERVER)
+        relay = _PlayRelay(requests)
+        session_id = ""
+        try:
+            try:
+                first = await relay.first()
+                session_id = first.session_id
+                span.set_attribute("treadle.session_id", session_id)
+                sampling = parse_json(first.sampling_json, "sampling_json")
+                self.sessions.get(session_id)
+            except tuple(CODES) as exc:
+                metrics.REQUESTS.labels(SERVICE, "Play", type(exc).__name__).inc()
+                await context.abort(CODES[type(exc)], exc.args[0] if exc.args else str(exc))
+                return
+            play = asyncio.ensure_future(
+                self.sessions.play(session_id, relay, first.model, sampling)
+            )
+            try:
+                async for message in relay.down(play):
+                    yield message
+            except tuple(CODES) as exc:
+                metrics.REQUESTS.labels(SERVICE, "Play", type(exc).__name__).inc()
+                await context.abort(CODES[type(exc)], exc.args[0] if exc.args else str(exc))
+                return
+            finally:
+                play.cancel()
+                relay.stop()
+            metrics.REQUESTS.labels(SERVICE, "Play", "ok").inc()
+        finally:
+            if session_id:
+                await self.sessions.close(session_id)
+            span.end()
+
     async def CloseSession(self, request: pb.CloseSessionRequest, context):
         async with _as_status(context, "CloseSession"):
             await self.sessions.close(request.session_id)
@@ -242,3 +289,67 @@ class EnvGatewayServicer(env_pb2_grpc.EnvGatewayServicer):
             for session_id in request.session_ids:
                 await self.sessions.close(session_id)
             return pb.CloseSessionResponse()
+
+
+class PlayAborted(RuntimeError):
+    """Rollout ended the Play call before answering the env's model call."""
+
+
+class _PlayRelay:
+    """Both directions of one `Play` call: the env's model requests go into `outbox` (sent
+    down by `down`), rollout's answers resolve them by id."""
+
+    def __init__(self, requests):
+        self.requests = requests
+        self.outbox: asyncio.Queue[pb.PlayDown] = asyncio.Queue()
+        self.waiting: dict[int, asyncio.Future[pb.ModelResponse]] = {}
+        self.next_id = 0
+        self.reader: asyncio.Task | None = None
+
+    async def first(self) -> pb.PlayStart:
+        async for message in self.requests:
+            if message.WhichOneof("kind") != "start":
+                raise EnvError("a Play call starts with `start`")
+            self.reader = asyncio.ensure_future(self._read())
+            return message.start
+        raise EnvError("a Play call starts with `start`; it sent nothing")
+
+    async def _read(self) -> None:
+        try:
+            async for message in self.requests:
+                if message.WhichOneof("kind") == "response":
+                    future = self.waiting.pop(message.response.id, None)
+                    if future is not None and not future.done():
+                        future.set_result(message.response)
+        finally:  # rollout is gone: the env's pending calls fail
+            for future in self.waiting.values():
+                if not future.done():
+                    future.set_exception(PlayAborted("rollout ended the Play call"))
+            self.waiting.clear()
+
+    async def request(self, method: str, path: str, body: bytes) -> ModelReply:
+        self.next_id += 1
+        future: asyncio.Future[pb.ModelResponse] = asyncio.get_running_loop().create_future()
+        self.waiting[self.next_id] = future
+        message = pb.ModelRequest(id=self.next_id, method=method, path=path, body=body)
+        await self.outbox.put(pb.PlayDown(request=message))
+        response = await future
+        return ModelReply(response.status, response.content_type, response.body)
+
+    async def down(self, play: asyncio.Future):
+        """The messages to send: model requests as they come, then the result."""
+        while True:
+            getter = asyncio.ensure_future(self.outbox.get())
+            done, _ = await asyncio.wait({getter, play}, return_when=FIRST_COMPLETED)
+            if getter in done:
+                yield getter.result()
+                continue
+            getter.cancel()
+            while not self.outbox.empty():  # never happens in order, but lose nothing
+                yield self.outbox.get_nowait()
+            yield pb.PlayDown(result=step_pb(play.result()))
+            return
+
+    def stop(self) -> None:
+        if self.reader is not None:
+            self.reader.cancel()

@@ -21,6 +21,8 @@ from treadle_env_gateway.envs.base import (
     Env,
     EnvError,
     Message,
+    Model,
+    PlayedEnv,
     StepResult,
     UnknownEnv,
 )
@@ -165,6 +167,33 @@ class SessionManager:
             if error:
                 problems.append(Message("tool", f"error: {error}", tool_call_id=call.id))
         return problems
+
+    async def play(
+        self, session_id: str, model: Model, model_name: str, sampling: dict[str, Any]
+    ) -> StepResult:
+        """Play a played env's whole episode against `model`. An env that raises ends its
+        session with `env_error` (the gateway stays up)."""
+        session = self.get(session_id)
+        env = session.env
+        if not isinstance(env, PlayedEnv):
+            raise EnvError(f"env {session.env_name!r} is stepped, not played: use Step")
+        async with session.lock:
+            if session.done:
+                raise EnvError(f"session {session_id} is done; create a new one")
+            session.last_used = time.monotonic()
+            try:
+                result = await env.play(model, model_name, sampling)
+            except EnvError:
+                raise
+            except Exception as exc:
+                metrics.DROPPED.labels(SERVICE, "session", "env_error").inc()
+                log.error("played env raised", env=session.env_name, error=repr(exc))
+                result = StepResult(
+                    [], done=True, status="env_error", error=f"{type(exc).__name__}: {exc}"
+                )
+            session.done = True
+            session.last_used = time.monotonic()
+            return result
 
     async def close(self, session_id: str) -> None:
         session = self.sessions.pop(session_id, None)

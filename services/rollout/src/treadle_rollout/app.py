@@ -114,6 +114,7 @@ class Rollout:
             reward,
             settings.instance,
             generate_stage=runtime.progress.stage("generate", liveness=True),
+            frontend=self.frontend,
         )
         worker = TaskWorker(
             runtime.redis,

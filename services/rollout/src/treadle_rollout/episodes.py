@@ -10,6 +10,7 @@ import asyncio
 import json
 import random
 import time
+import uuid
 
 import grpc
 
@@ -17,10 +18,11 @@ from treadle_common import tracing
 from treadle_common.clients.env import EnvClient, EnvRequestError
 from treadle_common.clients.reward import RewardClient
 from treadle_common.progress import Stage
-from treadle_common.proto.treadle.v1 import reward_pb2, task_pb2
+from treadle_common.proto.treadle.v1 import env_pb2, reward_pb2, task_pb2
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
 from treadle_rollout import metrics
 from treadle_rollout.engines.base import ContextOverflow, Engine, Sampling
+from treadle_rollout.openai_api import OpenAIFrontend, PlayedSampling
 from treadle_rollout.transcript import TemplateNotPrefixStable, Transcript
 
 
@@ -33,7 +35,11 @@ class EpisodeRunner:
         reward: RewardClient,
         replica: str,
         generate_stage: Stage | None = None,
+        frontend: OpenAIFrontend | None = None,
     ):
+        """`frontend`: the OpenAI API that answers the model calls of played envs' episodes
+        (`Session.played`, e.g. `verifiers` environments); without it they fail."""
+        self.frontend = frontend
         self.generate_stage = generate_stage or Stage("rollout", "generate")
         self.engine = engine
         self.tokenizer = tokenizer
@@ -167,6 +173,8 @@ class EpisodeRunner:
                 raise _EnvFailure(f"env-gateway: NOT_FOUND: {exc.details()}") from exc
             raise
         traj.timings.env_s += time.time() - env_start
+        if session.played:
+            return await self._played(task, sample_index, session.session_id, t, traj, gate)
         sampling = Sampling(
             temperature=task.sampling.temperature,
             top_p=task.sampling.top_p or 1.0,
@@ -210,6 +218,8 @@ class EpisodeRunner:
                 if step.status == "sandbox_error":
                     raise _SandboxFailure(f"sandbox failed: {step.error}")
                 info = json.loads(step.info_json or "{}")
+                if step.has_reward:  # the env's own reward, for the `env_reward` scorer
+                    info.setdefault("reward", step.reward)
                 if step.done:
                     break
                 t.close_turn(gen)  # before the env's reply
@@ -219,6 +229,68 @@ class EpisodeRunner:
         finally:
             if not closed:
                 await self.env.close_session(session.session_id)
+        return info
+
+    async def _played(
+        self,
+        task: task_pb2.Task,
+        sample_index: int,
+        gateway_session: str,
+        t: Transcript,
+        traj: tpb.Trajectory,
+        gate: asyncio.Future | None,
+    ) -> dict:
+        """A played env's episode: the env runs its own loop in the gateway, its model calls
+        come back over `Play` and are answered by the OpenAI API, recorded into `t`."""
+        played = False
+        try:
+            if self.frontend is None:
+                raise _EnvFailure(f"env {task.env} is played; this rollout has no OpenAI API")
+            frontend = self.frontend
+            if gate is not None:
+                await asyncio.shield(gate)
+            run = PlayedSampling(
+                temperature=task.sampling.temperature,
+                top_p=task.sampling.top_p or 1.0,
+                max_tokens=task.sampling.max_new_tokens or 16,
+                seed=task.sampling.seed + sample_index if task.sampling.seed else None,
+            )
+            recorded = f"played-{uuid.uuid4().hex}"
+            frontend.open_played(recorded, t)
+            play_start = time.time()
+            generate_s = 0.0
+
+            async def answer(request: env_pb2.ModelRequest) -> env_pb2.ModelResponse:
+                nonlocal generate_s
+                start = time.time()
+                with self.generate_stage.track():
+                    status, content_type, body = await frontend.played(
+                        recorded, request.method, request.path, request.body, run
+                    )
+                generate_s += time.time() - start
+                return env_pb2.ModelResponse(status=status, content_type=content_type, body=body)
+
+            sampling = {"temperature": run.temperature, "top_p": run.top_p}
+            sampling["max_tokens"] = run.max_tokens
+            played = True
+            try:
+                result = await self.env.play(
+                    gateway_session, frontend.engine.model_name, sampling, answer
+                )
+            finally:
+                traj.num_turns = frontend.close_played(recorded)
+                traj.timings.generate_s += generate_s
+                traj.timings.env_s += max(0.0, time.time() - play_start - generate_s)
+        finally:
+            if not played:  # the gateway closes a session when its Play ends
+                await self.env.close_session(gateway_session)
+        if result.status == "env_error":
+            raise _EnvFailure(f"env {task.env} raised: {result.error}")
+        if result.status == "sandbox_error":
+            raise _SandboxFailure(f"sandbox failed: {result.error}")
+        info = json.loads(result.info_json or "{}")
+        if result.has_reward:
+            info.setdefault("reward", result.reward)
         return info
 
 

@@ -36,14 +36,14 @@ import inspect
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, cast
 
 from fastapi import APIRouter, FastAPI, Path, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from treadle_common import auth, names
 from treadle_common.clients import streams
@@ -91,6 +91,16 @@ class FinishSession(BaseModel):
     task_json: str = Field("{}", description="Task payload passed to the scorer")
     group_id: str | None = Field(None, description="GRPO group (defaults to the session id)")
     task_id: str | None = None
+
+
+@dataclass(frozen=True)
+class PlayedSampling:
+    """The run's sampling, which a played episode's requests are answered with."""
+
+    temperature: float
+    top_p: float
+    max_tokens: int
+    seed: int | None = None
 
 
 @dataclass
@@ -683,6 +693,54 @@ class OpenAIFrontend:
             )
         return result.reward
 
+    # -- played episodes (env-gateway `Play`) -------------------------------------------
+    def open_played(self, session_id: str, transcript: Transcript) -> None:
+        """Record the chat completions of a played episode into its `transcript`."""
+        self.recorder.sessions[session_id] = RecordedSession(transcript)
+
+    def close_played(self, session_id: str) -> int:
+        """Forget a played episode's session; its number of turns."""
+        session = self.recorder.sessions.pop(session_id, None)
+        return session.turns if session else 0
+
+    async def played(
+        self, session_id: str, method: str, path: str, body: bytes, run: PlayedSampling
+    ) -> tuple[int, str, bytes]:
+        """One model call of a played episode's env, answered as HTTP would be: (status,
+        content type, body). Only chat completions reach the policy (every turn recorded in
+        the episode's session); the run's sampling replaces the request's: `temperature`,
+        `top_p` and `seed` are the run's, `max_tokens` at most the run's, `model` the
+        policy."""
+        try:
+            if method != "POST" or path.rstrip("/") != "/v1/chat/completions":
+                raise OpenAIError(
+                    404,
+                    f"{method} {path}: a played episode reaches the policy through "
+                    "POST /v1/chat/completions only",
+                    code="not_found",
+                )
+            try:
+                req = ChatRequest.model_validate_json(body)
+            except ValidationError as exc:
+                raise _invalid(exc.errors()) from exc
+            asked = req.max_completion_tokens or req.max_tokens or run.max_tokens
+            req = req.model_copy(
+                update={
+                    "model": self.engine.model_name,
+                    "temperature": run.temperature,
+                    "top_p": run.top_p,
+                    "seed": run.seed,
+                    "max_tokens": min(asked, run.max_tokens),
+                    "max_completion_tokens": None,
+                }
+            )
+            result = await self.chat(req, session_id)
+        except OpenAIError as exc:
+            return exc.status, "application/json", json.dumps(exc.body()).encode()
+        if isinstance(result, dict):
+            return 200, "application/json", json.dumps(result).encode()
+        return 200, "text/event-stream", "".join([event async for event in result]).encode()
+
     def info(self, session_id: str) -> dict:
         session = self.recorder.get(session_id)
         t = session.transcript
@@ -694,6 +752,19 @@ class OpenAIFrontend:
             "versions": sorted({v for v in t.versions if v >= 0}),
             "messages": t.messages,
         }
+
+
+def _invalid(errors: Sequence[Any], skip: int = 0) -> OpenAIError:
+    """A request body's validation errors as OpenAI's 400 naming the first bad field (`skip`:
+    location parts before the field, e.g. FastAPI's `body`)."""
+    first = errors[0] if errors else {}
+    param = ".".join(str(p) for p in first.get("loc", ())[skip:]) or None
+    message = f"invalid request: {first.get('msg', 'malformed')}"
+    if first.get("type") == "extra_forbidden":
+        message = f"unsupported field `{param}`: this server does not implement it"
+    elif param:
+        message = f"invalid `{param}`: {first.get('msg')}"
+    return OpenAIError(400, message, param=param)
 
 
 def _cut(text: str, stops: tuple[str, ...]) -> str:
@@ -877,14 +948,7 @@ def mount(app: FastAPI, frontend: OpenAIFrontend) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
         if request.url.path.startswith(OPENAI_PATHS):
-            first = exc.errors()[0] if exc.errors() else {}
-            param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-            message = f"invalid request: {first.get('msg', exc)}"
-            if first.get("type") == "extra_forbidden":
-                message = f"unsupported field `{param}`: this server does not implement it"
-            elif param:
-                message = f"invalid `{param}`: {first.get('msg', exc)}"
-            return _json_error(OpenAIError(400, message, param=param))
+            return _json_error(_invalid(exc.errors(), skip=1))
         if default_handler is not None:
             response = default_handler(request, exc)
             return await response if inspect.isawaitable(response) else response

@@ -10,9 +10,12 @@ about one call each instead of one per episode. Callers see the same API either 
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Hashable
+from collections.abc import Awaitable, Callable, Hashable
 from typing import Any
+
+import grpc
 
 from treadle_common import tracing
 from treadle_common.clients import grpc_options
@@ -97,6 +100,55 @@ class EnvClient:
             timeout=10,
             metadata=tracing.grpc_metadata(),
         )
+
+    async def play(
+        self,
+        session_id: str,
+        model: str,
+        sampling: dict[str, Any],
+        answer: Callable[[pb.ModelRequest], Awaitable[pb.ModelResponse]],
+    ) -> pb.StepResponse:
+        """Play a played session (`Session.played`): every model call the env makes is
+        answered by `answer` (concurrently, each as soon as it is ready); returns the env's
+        result. The gateway closes the session when the call ends."""
+        call = self.stub.Play(metadata=tracing.grpc_metadata())
+        start = pb.PlayStart(session_id=session_id, model=model, sampling_json=json.dumps(sampling))
+        tracing.inject_proto(start.trace)
+        writing = asyncio.Lock()
+        running: set[asyncio.Task] = set()
+
+        async def serve(request: pb.ModelRequest) -> None:
+            try:
+                response = await answer(request)
+            except Exception as exc:  # the env's call gets an answer whatever happened here
+                error = {
+                    "error": {"message": f"{type(exc).__name__}: {exc}", "type": "server_error"}
+                }
+                response = pb.ModelResponse(
+                    status=500, content_type="application/json", body=json.dumps(error).encode()
+                )
+            response.id = request.id
+            async with writing:
+                await call.write(pb.PlayUp(response=response))
+
+        try:
+            async with writing:
+                await call.write(pb.PlayUp(start=start))
+            while True:
+                message = await call.read()
+                if message is grpc.aio.EOF:
+                    await call  # the gateway's status, raised as an AioRpcError if it failed
+                    raise EnvRequestError("UNAVAILABLE", "the gateway ended Play without a result")
+                if message.WhichOneof("kind") == "request":
+                    task = asyncio.ensure_future(serve(message.request))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+                else:
+                    return message.result
+        finally:
+            for task in list(running):
+                task.cancel()
+            call.cancel()
 
     # -- the batches ------------------------------------------------------------------------
     async def _send_creates(self, key: Hashable, items: Pending) -> None:

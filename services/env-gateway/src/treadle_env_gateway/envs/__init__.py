@@ -12,7 +12,15 @@ from importlib.metadata import entry_points
 
 from treadle_env_gateway.envs.base import Env
 
-BUILTIN_MODULES = ("arith", "calculator", "countdown", "frozenlake", "guess_number", "python_tests")
+BUILTIN_MODULES = (
+    "arith",
+    "calculator",
+    "countdown",
+    "frozenlake",
+    "guess_number",
+    "python_tests",
+    "vf",
+)
 _REGISTERED: dict[str, type[Env]] = {}
 
 

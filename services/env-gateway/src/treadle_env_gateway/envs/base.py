@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 import math
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from treadle_env_gateway.settings import EnvGatewaySettings
 
@@ -52,6 +52,9 @@ class Action:
 class Env(abc.ABC):
     """One episode. Instances are created per session; steps of one session are serialized."""
 
+    played: bool = False
+    """A `PlayedEnv`: rollout plays it with `Play`, not with steps."""
+
     tools: list[dict[str, Any]] = []
     """Tools in OpenAI function-calling format (`{"type": "function", "function": {...}}`)."""
 
@@ -79,6 +82,41 @@ class Env(abc.ABC):
 
     async def close(self) -> None:  # noqa: B027  (optional hook, not abstract)
         """Release resources held by the episode."""
+
+
+@dataclass
+class ModelReply:
+    status: int
+    content_type: str
+    body: bytes
+
+
+class Model(Protocol):
+    """The policy, as a played env reaches it: one HTTP request of the OpenAI API at a time
+    (`treadle_env_gateway.relay.openai_client` wraps it in an `openai.AsyncOpenAI`)."""
+
+    async def request(self, method: str, path: str, body: bytes) -> ModelReply: ...
+
+
+class PlayedEnv(Env):
+    """An env that plays the whole episode itself: an agent loop calling the policy through an
+    OpenAI client (a `verifiers` environment, an OpenAI-client agent). Rollout opens `Play`
+    for its sessions and records every chat completion token-exact; the env scores the
+    episode (its reward and breakdown are the result's `reward` and `info`)."""
+
+    played = True
+
+    async def reset(self, task: dict[str, Any], seed: int) -> list[Message]:
+        self.task, self.seed = task, seed
+        return []
+
+    async def step(self, action: Action) -> StepResult:
+        raise EnvError(f"{type(self).__name__} is played, not stepped: open Play for it")
+
+    @abc.abstractmethod
+    async def play(self, model: Model, model_name: str, sampling: dict[str, Any]) -> StepResult:
+        """Play `self.task` against `model`; `sampling` is the run's (`temperature`, `top_p`,
+        `max_tokens`). Return the done result with the reward."""
 
 
 class EnvError(ValueError):

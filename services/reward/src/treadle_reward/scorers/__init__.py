@@ -18,6 +18,7 @@ BUILTIN_MODULES = (
     "code_tests",
     "composite",
     "digit_match",
+    "env_reward",
     "exact_match",
     "format_regex",
     "llm_judge",

@@ -64,16 +64,18 @@ class CreateSessionRequest(_message.Message):
     def __init__(self, env: _Optional[str] = ..., task_json: _Optional[str] = ..., seed: _Optional[int] = ..., options_json: _Optional[str] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("session_id", "replica", "observation", "tools")
+    __slots__ = ("session_id", "replica", "observation", "tools", "played")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     OBSERVATION_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
+    PLAYED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     replica: str
     observation: Observation
     tools: _containers.RepeatedCompositeFieldContainer[ToolSpec]
-    def __init__(self, session_id: _Optional[str] = ..., replica: _Optional[str] = ..., observation: _Optional[_Union[Observation, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[ToolSpec, _Mapping]]] = ...) -> None: ...
+    played: bool
+    def __init__(self, session_id: _Optional[str] = ..., replica: _Optional[str] = ..., observation: _Optional[_Union[Observation, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[ToolSpec, _Mapping]]] = ..., played: _Optional[bool] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("session_id", "action", "close_when_done", "trace")
@@ -190,3 +192,55 @@ class SampleTasksResponse(_message.Message):
     TASKS_JSON_FIELD_NUMBER: _ClassVar[int]
     tasks_json: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, tasks_json: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PlayStart(_message.Message):
+    __slots__ = ("session_id", "model", "sampling_json", "trace")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_JSON_FIELD_NUMBER: _ClassVar[int]
+    TRACE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    model: str
+    sampling_json: str
+    trace: _common_pb2.TraceContext
+    def __init__(self, session_id: _Optional[str] = ..., model: _Optional[str] = ..., sampling_json: _Optional[str] = ..., trace: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ...) -> None: ...
+
+class ModelRequest(_message.Message):
+    __slots__ = ("id", "method", "path", "body")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    BODY_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    method: str
+    path: str
+    body: bytes
+    def __init__(self, id: _Optional[int] = ..., method: _Optional[str] = ..., path: _Optional[str] = ..., body: _Optional[bytes] = ...) -> None: ...
+
+class ModelResponse(_message.Message):
+    __slots__ = ("id", "status", "content_type", "body")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_TYPE_FIELD_NUMBER: _ClassVar[int]
+    BODY_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    status: int
+    content_type: str
+    body: bytes
+    def __init__(self, id: _Optional[int] = ..., status: _Optional[int] = ..., content_type: _Optional[str] = ..., body: _Optional[bytes] = ...) -> None: ...
+
+class PlayUp(_message.Message):
+    __slots__ = ("start", "response")
+    START_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    start: PlayStart
+    response: ModelResponse
+    def __init__(self, start: _Optional[_Union[PlayStart, _Mapping]] = ..., response: _Optional[_Union[ModelResponse, _Mapping]] = ...) -> None: ...
+
+class PlayDown(_message.Message):
+    __slots__ = ("request", "result")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    request: ModelRequest
+    result: StepResponse
+    def __init__(self, request: _Optional[_Union[ModelRequest, _Mapping]] = ..., result: _Optional[_Union[StepResponse, _Mapping]] = ...) -> None: ...

@@ -74,6 +74,11 @@ class EnvGatewayStub:
                 request_serializer=treadle_dot_v1_dot_env__pb2.CloseSessionsRequest.SerializeToString,
                 response_deserializer=treadle_dot_v1_dot_env__pb2.CloseSessionResponse.FromString,
                 _registered_method=True)
+        self.Play = channel.stream_stream(
+                '/treadle.v1.EnvGateway/Play',
+                request_serializer=treadle_dot_v1_dot_env__pb2.PlayUp.SerializeToString,
+                response_deserializer=treadle_dot_v1_dot_env__pb2.PlayDown.FromString,
+                _registered_method=True)
 
 
 class EnvGatewayServicer:
@@ -127,6 +132,12 @@ class EnvGatewayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Play(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EnvGatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -169,6 +180,11 @@ def add_EnvGatewayServicer_to_server(servicer, server):
                     servicer.CloseSessions,
                     request_deserializer=treadle_dot_v1_dot_env__pb2.CloseSessionsRequest.FromString,
                     response_serializer=treadle_dot_v1_dot_env__pb2.CloseSessionResponse.SerializeToString,
+            ),
+            'Play': grpc.stream_stream_rpc_method_handler(
+                    servicer.Play,
+                    request_deserializer=treadle_dot_v1_dot_env__pb2.PlayUp.FromString,
+                    response_serializer=treadle_dot_v1_dot_env__pb2.PlayDown.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -387,6 +403,33 @@ class EnvGateway:
             '/treadle.v1.EnvGateway/CloseSessions',
             treadle_dot_v1_dot_env__pb2.CloseSessionsRequest.SerializeToString,
             treadle_dot_v1_dot_env__pb2.CloseSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Play(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/treadle.v1.EnvGateway/Play',
+            treadle_dot_v1_dot_env__pb2.PlayUp.SerializeToString,
+            treadle_dot_v1_dot_env__pb2.PlayDown.FromString,
             options,
             channel_credentials,
             insecure,

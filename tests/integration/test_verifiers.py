@@ -1,0 +1,158 @@
+"""`verifiers` environments played through a real env-gateway: the environment's own
+`run_rollout` runs in the gateway, its OpenAI client's calls come back over `Play` and the
+rollout's OpenAI API answers them (recorded token-exact), its rubric scores the episode."""
+
+import json
+
+import pytest
+from vf_tiny_arith import _problems, digits, exact
+
+from tests.conftest import start_service
+from tests.tool_model import train_conversations
+from treadle_common.clients.env import EnvClient
+from treadle_common.proto.treadle.v1 import reward_pb2, task_pb2
+from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
+from treadle_reward.scorers.base import ScoreInput
+from treadle_reward.scorers.env_reward import EnvReward
+from treadle_rollout import openai_api
+from treadle_rollout.engines.hf import HFEngine
+from treadle_rollout.episodes import EpisodeRunner
+
+pytestmark = pytest.mark.integration
+
+VF = {"id": "vf-tiny-arith", "args": {"num_train": 8, "num_eval": 10}}
+
+
+class EnvRewardClient:
+    """The reward service's `env_reward` scorer, called in-process."""
+
+    def __init__(self):
+        self.requests: list[reward_pb2.ScoreRequest] = []
+
+    async def score(self, request: reward_pb2.ScoreRequest) -> reward_pb2.ScoreResult:
+        self.requests.append(request)
+        score = await EnvReward().score(
+            ScoreInput(
+                task=json.loads(request.task_json),
+                answer=request.answer,
+                info=json.loads(request.info_json),
+            )
+        )
+        return reward_pb2.ScoreResult(
+            status=reward_pb2.SCORE_STATUS_OK, reward=score.reward, breakdown=score.breakdown
+        )
+
+
+@pytest.fixture(scope="module")
+def gateway(infra, tmp_path_factory):
+    svc = start_service("env-gateway", infra, tmp_path_factory.mktemp("gw"))
+    yield svc
+    svc.stop_checked()
+
+
+@pytest.fixture(scope="module")
+def arith_model(tiny_model, tmp_path_factory):
+    """The tiny model trained to answer the environment's 8 training problems."""
+    rows = _problems(8, 0, 10, 99)  # vf-tiny-arith's training set with num_train=8
+    conversations = [
+        [{"role": "user", "content": r["question"]}, {"role": "assistant", "content": r["answer"]}]
+        for r in rows
+    ]
+    return train_conversations(tiny_model, tmp_path_factory.mktemp("arith"), conversations)
+
+
+@pytest.fixture
+async def rollout(arith_model, gateway):
+    engine = HFEngine(arith_model, "tiny")
+    frontend = openai_api.OpenAIFrontend(engine, openai_api.SessionRecorder(engine.tokenizer))
+    env = EnvClient(gateway.grpc_addr, batch=True)
+    reward = EnvRewardClient()
+    runner = EpisodeRunner(engine, engine.tokenizer, env, reward, "r0", frontend=frontend)
+    yield runner, env, reward, frontend
+    await env.close()
+    await engine.close()
+
+
+def make_task(row: dict, seed: int = 0, temperature: float = 1.0) -> task_pb2.Task:
+    task = task_pb2.Task(
+        task_id="t1",
+        run_id="run",
+        env="verifiers",
+        payload_json=json.dumps(row),
+        env_options_json=json.dumps(VF),
+        scorer="env_reward",
+        max_turns=1,
+    )
+    task.sampling.temperature = temperature
+    task.sampling.top_p = 1.0
+    task.sampling.max_new_tokens = 5
+    task.sampling.seed = seed
+    return task
+
+
+async def test_tasks_are_the_environments_dataset_rows(rollout):
+    _, env, _, _ = rollout
+    train = await env.sample_tasks("verifiers", 8, seed=1, options=VF)
+    again = await env.sample_tasks("verifiers", 8, seed=1, options=VF)
+    held_out = await env.sample_tasks("verifiers", 20, seed=1, split="eval", options=VF)
+    assert train == again and len(train) == 8 and len(held_out) == 10  # the eval set has 10
+    assert train[0]["prompt"][-1]["role"] == "user" and train[0]["answer"].isdigit()
+    assert len({row["example_id"] for row in held_out}) == 10
+
+
+async def test_an_episode_is_played_recorded_token_exact_and_scored_by_the_rubric(rollout):
+    runner, env, reward, frontend = rollout
+    rows = await env.sample_tasks("verifiers", 6, seed=2, options=VF)
+    tokenizer = runner.tokenizer
+    rewards = []
+    for i, row in enumerate(rows):
+        temperature = 0.0 if i < 3 else 1.0
+        traj = await runner.run(make_task(row, seed=7, temperature=temperature), sample_index=i)
+        assert traj.status == tpb.TRAJECTORY_STATUS_OK, traj.error
+        assert traj.num_turns == 1 and traj.env == "verifiers"
+        prompt = tokenizer.apply_chat_template(
+            row["prompt"], tokenize=False, add_generation_prompt=True
+        )
+        prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+        tokens, mask = list(traj.tokens), list(traj.loss_mask)
+        # the context is the template's rendering; the rest is what the engine generated
+        assert tokens[: len(prompt_ids)] == prompt_ids and not any(mask[: len(prompt_ids)])
+        assert all(mask[len(prompt_ids) :]) and 0 < len(tokens) - len(prompt_ids) <= 5
+        assert all(lp <= 0 for lp in traj.logprobs[len(prompt_ids) :])
+        # the rubric's reward and breakdown, for the answer the engine produced
+        answer = tokenizer.decode(tokens[len(prompt_ids) :], skip_special_tokens=True).strip()
+        target = row["answer"]
+        assert traj.reward == pytest.approx(
+            0.5 * exact(answer, target) + 0.5 * digits(answer, target)
+        )
+        assert dict(traj.reward_breakdown) == pytest.approx(
+            {"exact": exact(answer, target), "digits": digits(answer, target), "num_turns": 1.0}
+        )
+        info = json.loads(reward.requests[-1].info_json)
+        assert info["answer"].strip() == answer and info["target"] == target
+        rewards.append(traj.reward)
+    assert rewards[:3] == [1.0, 1.0, 1.0]  # greedy, the trained answers: full marks
+    assert not frontend.recorder.sessions  # each played episode's recording was let go
+
+
+async def test_the_runs_sampling_is_what_the_episode_samples_with(rollout):
+    runner, env, _, _ = rollout
+    (row,) = await env.sample_tasks("verifiers", 1, seed=3, options=VF)
+    greedy = [await runner.run(make_task(row, temperature=0.0), i) for i in range(2)]
+    assert greedy[0].tokens == greedy[1].tokens  # temperature 0 whatever verifiers asked for
+    seeded = [await runner.run(make_task(row, seed=11), 0) for _ in range(2)]
+    assert seeded[0].tokens == seeded[1].tokens
+
+
+async def test_a_broken_environment_is_an_env_error_and_the_gateway_stays_up(rollout):
+    runner, env, _, _ = rollout
+    (row,) = await env.sample_tasks("verifiers", 1, seed=4, options=VF)
+    task = make_task(row)
+    task.env_options_json = json.dumps({"id": "no-such-env-package"})
+    traj = await runner.run(task, 0)
+    assert traj.status == tpb.TRAJECTORY_STATUS_ENV_ERROR
+    assert "INVALID_ARGUMENT" in traj.error and "'no-such-env-package'" in traj.error
+    task = make_task({"no": "prompt"})
+    traj = await runner.run(task, 0)
+    assert traj.status == tpb.TRAJECTORY_STATUS_ENV_ERROR and "prompt" in traj.error
+    assert "verifiers" in await env.list_envs()
