@@ -20,13 +20,14 @@ PYTEST_ARGS ?=
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml examples/verifiers/vf-tiny-arith/pyproject.toml $(foreach l,$(LIBS),libs/$(l)/pyproject.toml) $(foreach s,$(SERVICES),services/$(s)/pyproject.toml)
+$(STAMP): pyproject.toml examples/verifiers/vf-tiny-arith/pyproject.toml examples/agents/arith-agent/pyproject.toml $(foreach l,$(LIBS),libs/$(l)/pyproject.toml) $(foreach s,$(SERVICES),services/$(s)/pyproject.toml)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet $(TORCH_SPEC)
 	$(PIP) install --quiet -e 'libs/common[hf]' -e 'libs/cli[hf,infra,report]' -e libs/bench \
 		$(foreach s,$(SERVICES),-e services/$(s)) -e '.[dev]' \
-		-e 'services/env-gateway[verifiers]' -e examples/verifiers/vf-tiny-arith
+		-e 'services/env-gateway[verifiers]' -e examples/verifiers/vf-tiny-arith \
+		-e examples/agents/arith-agent
 	$(PY) scripts/install_kubectl.py $(VENV)  # kubectl + kustomize, for the k8s/ tests
 	touch $@
 

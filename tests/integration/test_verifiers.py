@@ -14,6 +14,7 @@ from treadle_common.proto.treadle.v1 import reward_pb2, task_pb2
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
 from treadle_reward.scorers.base import ScoreInput
 from treadle_reward.scorers.env_reward import EnvReward
+from treadle_reward.scorers.exact_match import ExactMatch
 from treadle_rollout import openai_api
 from treadle_rollout.engines.hf import HFEngine
 from treadle_rollout.episodes import EpisodeRunner
@@ -24,14 +25,15 @@ VF = {"id": "vf-tiny-arith", "args": {"num_train": 8, "num_eval": 10}}
 
 
 class EnvRewardClient:
-    """The reward service's `env_reward` scorer, called in-process."""
+    """The reward service's `env_reward` and `exact_match` scorers, called in-process."""
 
     def __init__(self):
         self.requests: list[reward_pb2.ScoreRequest] = []
 
     async def score(self, request: reward_pb2.ScoreRequest) -> reward_pb2.ScoreResult:
         self.requests.append(request)
-        score = await EnvReward().score(
+        scorer = EnvReward() if request.scorer == "env_reward" else ExactMatch()
+        score = await scorer.score(
             ScoreInput(
                 task=json.loads(request.task_json),
                 answer=request.answer,
@@ -156,3 +158,74 @@ async def test_a_broken_environment_is_an_env_error_and_the_gateway_stays_up(rol
     traj = await runner.run(task, 0)
     assert traj.status == tpb.TRAJECTORY_STATUS_ENV_ERROR and "prompt" in traj.error
     assert "verifiers" in await env.list_envs()
+
+
+async def test_an_openai_client_agent_is_played_turn_by_turn(tiny_model, gateway):
+    """`examples/agents/arith-agent`: an agent on the plain OpenAI client, registered as env
+    `arith_agent`; its retry turn is recorded into the same trajectory, the agent's own
+    messages as context."""
+    from arith_agent import RETRY
+
+    engine = HFEngine(tiny_model, "tiny")  # untrained: its replies are rarely numbers
+    frontend = openai_api.OpenAIFrontend(engine, openai_api.SessionRecorder(engine.tokenizer))
+    env = EnvClient(gateway.grpc_addr)
+    runner = EpisodeRunner(
+        engine, engine.tokenizer, env, EnvRewardClient(), "r0", frontend=frontend
+    )
+    options = {"max_operand": 9, "ops": ["+"]}
+    tasks = await env.sample_tasks("arith_agent", 4, seed=0, options=options)
+    turns = []
+    for i, row in enumerate(tasks):
+        task = make_task(row, temperature=0.0)
+        task.env, task.env_options_json = "arith_agent", json.dumps(options)
+        task.scorer = "exact_match"
+        traj = await runner.run(task, i)
+        assert traj.status == tpb.TRAJECTORY_STATUS_OK, traj.error
+        tokens, mask = list(traj.tokens), list(traj.loss_mask)
+        runs = [k for k in range(len(mask)) if mask[k] and (k == 0 or not mask[k - 1])]
+        assert len(runs) == traj.num_turns  # one generated stretch per model call
+        context = engine.tokenizer.decode([t for t, m in zip(tokens, mask, strict=True) if not m])
+        assert f"{row['a']}+{row['b']}=" in context
+        assert (RETRY in context) == (traj.num_turns == 2)
+        turns.append(traj.num_turns)
+    assert 2 in turns  # the untrained model's garbage made the agent ask again
+    await env.close()
+    await engine.close()
+
+
+async def test_play_refuses_what_it_cannot_play(gateway):
+    """A stepped env's session, an unknown session, a call that does not start with `start`:
+    clear gRPC errors, and the gateway serves on."""
+    import grpc
+
+    from treadle_common.proto.treadle.v1 import env_pb2 as pb
+
+    env = EnvClient(gateway.grpc_addr)
+
+    async def no_model(request):
+        raise AssertionError("no model call expected")
+
+    (task,) = await env.sample_tasks("arith", 1, seed=0)
+    stepped = await env.create("arith", task)
+    assert not stepped.played
+    for session_id, code, words in (
+        (stepped.session_id, grpc.StatusCode.INVALID_ARGUMENT, "stepped, not played"),
+        ("gw:nope", grpc.StatusCode.NOT_FOUND, "no session"),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await env.play(session_id, "tiny", {}, no_model)
+        assert refused.value.code() == code and words in refused.value.details()
+
+    async def wrong_first():
+        yield pb.PlayUp(response=pb.ModelResponse(id=1, status=200))
+
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        async for _ in env.stub.Play(wrong_first()):
+            pass
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "starts with `start`" in refused.value.details()
+    played = await env.create("verifiers", {"prompt": "1+1="}, options=VF)
+    assert played.played
+    assert "verifiers" in await env.list_envs()
+    await env.close_session(played.session_id)
+    await env.close()

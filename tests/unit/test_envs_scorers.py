@@ -95,6 +95,19 @@ async def test_exact_match():
     assert (await scorer.score(extracted)).reward == 1.0
 
 
+async def test_env_reward_is_the_envs_own_reward_and_never_a_silent_zero():
+    scorer = scorer_registry()["env_reward"]
+    given = ScoreInput(
+        task={}, answer="x", info={"reward": 0.75, "breakdown": {"exact": 0.5, "note": "text"}}
+    )
+    score = await scorer.score(given)
+    assert score.reward == 0.75 and score.breakdown == {"exact": 0.5}
+    service = ScoringService(scorer_registry())
+    for info in ("{}", '{"reward": "1"}', '{"reward": true}'):
+        result = await service.score(reward_pb2.ScoreRequest(scorer="env_reward", info_json=info))
+        assert result.status == reward_pb2.SCORE_STATUS_ERROR and "reward" in result.message
+
+
 async def test_scoring_service_reports_errors_not_zero():
     service = ScoringService(scorer_registry())
     unknown = await service.score(reward_pb2.ScoreRequest(scorer="nope"))
@@ -220,3 +233,13 @@ def test_safe_math_refuses_a_tower_of_small_powers_before_computing_it():
         evaluate("(1/(7**60))**64", allow_pow=True)  # a huge denominator too
     assert evaluate("(2**8)**8", allow_pow=True)[0] == 2**64
     assert evaluate("(1/2)**3", allow_pow=True)[0] == Fraction(1, 8)
+
+
+def test_verifiers_errors_the_policy_caused_are_episodes_not_env_errors():
+    from treadle_env_gateway.envs.vf import _models_doing
+
+    for name in ("EmptyModelResponseError", "OverlongPromptError", "ToolParseError"):
+        assert _models_doing({"error": name, "error_chain_str": "..."})
+    for name in ("ToolCallError", "SandboxError", "ModelError", "ValueError", "NoSuchError"):
+        assert not _models_doing({"error": name})
+    assert not _models_doing("a plain string")

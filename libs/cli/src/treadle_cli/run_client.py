@@ -405,6 +405,7 @@ class RunClient:
         self._wait_rollout_version(version)
         request = EvaluateRequest(
             env=cfg.env.name,
+            env_options=cfg.env.options,
             tasks=tasks,
             scorer=cfg.eval.scorer or cfg.scorer,
             scorer_options=cfg.scorer_options if options is None else options,

@@ -52,7 +52,7 @@ async def demonstrations(
         )
     data = []
     for task in tasks:
-        session = await env.create(config.env.name, task, seed=0)
+        session = await env.create(config.env.name, task, seed=0, options=config.env.options)
         await env.close_session(session.session_id)
         messages = [{"role": m.role, "content": m.content} for m in session.observation.messages]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

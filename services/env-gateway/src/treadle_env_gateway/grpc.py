@@ -272,9 +272,9 @@ class EnvGatewayServicer(env_pb2_grpc.EnvGatewayServicer):
                 return
             finally:
                 play.cancel()
-                relay.stop()
             metrics.REQUESTS.labels(SERVICE, "Play", "ok").inc()
         finally:
+            relay.stop()
             if session_id:
                 await self.sessions.close(session_id)
             span.end()
@@ -321,6 +321,8 @@ class _PlayRelay:
                     future = self.waiting.pop(message.response.id, None)
                     if future is not None and not future.done():
                         future.set_result(message.response)
+        except Exception:  # noqa: S110  (the call was aborted or went away: ended below)
+            pass
         finally:  # rollout is gone: the env's pending calls fail
             for future in self.waiting.values():
                 if not future.done():

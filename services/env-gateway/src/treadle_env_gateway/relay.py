@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import importlib
+import logging
 from functools import cache
 from typing import Any
 
@@ -51,6 +52,7 @@ def openai_client(model: Model) -> Any:
             httpx_module = base.__module__.split(".")[0]
             break
     httpx: Any = importlib.import_module(httpx_module)
+    logging.getLogger(httpx_module).setLevel(logging.WARNING)  # not a log line per model call
     transport = _transport_class(httpx_module)(model)
     return openai.AsyncOpenAI(
         base_url=BASE_URL,

@@ -39,6 +39,7 @@ def mount(app: FastAPI, runner: Callable[[], EpisodeRunner | None]) -> None:
         )
         eval_id = f"eval-{uuid.uuid4().hex[:8]}"
         scorer_options = json.dumps(request.scorer_options)
+        env_options = json.dumps(request.env_options)
 
         async def play(index: int, payload: dict[str, Any]) -> tpb.Trajectory:
             seeded = common_pb2.SamplingParams()
@@ -49,6 +50,7 @@ def mount(app: FastAPI, runner: Callable[[], EpisodeRunner | None]) -> None:
                 run_id=eval_id,
                 env=request.env,
                 payload_json=json.dumps(payload),
+                env_options_json=env_options,
                 group_size=1,
                 max_turns=request.max_turns,
                 sampling=seeded,

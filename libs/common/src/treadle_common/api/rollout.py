@@ -54,6 +54,9 @@ class RolloutInfo(ServiceInfo):
 
 class EvaluateRequest(BaseModel):
     env: str = Field(min_length=1, description="Environment registered in the env-gateway")
+    env_options: dict[str, Any] = Field(
+        default_factory=dict, description="The env's options (the recipe's `env.options`)"
+    )
     tasks: list[dict[str, Any]] = Field(min_length=1, max_length=MAX_EVAL_TASKS)
     scorer: str = Field("exact_match", min_length=1)
     scorer_options: dict[str, Any] = Field(default_factory=dict, description="The scorer's")

@@ -107,11 +107,13 @@ class EnvClient:
         model: str,
         sampling: dict[str, Any],
         answer: Callable[[pb.ModelRequest], Awaitable[pb.ModelResponse]],
+        timeout_s: float = 1800.0,
     ) -> pb.StepResponse:
         """Play a played session (`Session.played`): every model call the env makes is
         answered by `answer` (concurrently, each as soon as it is ready); returns the env's
-        result. The gateway closes the session when the call ends."""
-        call = self.stub.Play(metadata=tracing.grpc_metadata())
+        result. The gateway closes the session when the call ends; an episode still playing
+        after `timeout_s` ends with `DEADLINE_EXCEEDED`."""
+        call = self.stub.Play(timeout=timeout_s, metadata=tracing.grpc_metadata())
         start = pb.PlayStart(session_id=session_id, model=model, sampling_json=json.dumps(sampling))
         tracing.inject_proto(start.trace)
         writing = asyncio.Lock()

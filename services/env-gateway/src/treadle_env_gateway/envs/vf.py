@@ -26,7 +26,7 @@ from functools import cache
 from typing import Any
 
 from treadle_env_gateway.envs import register
-from treadle_env_gateway.envs.base import EnvError, Model, PlayedEnv, StepResult
+from treadle_env_gateway.envs.base import EnvError, Message, Model, PlayedEnv, StepResult
 from treadle_env_gateway.relay import openai_client
 
 ID_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,127}$")
@@ -99,11 +99,21 @@ class VerifiersEnv(PlayedEnv):
             rows = [rng.randrange(size) for _ in range(num_tasks)]
         return [_json_safe(dataset[i]) for i in rows]
 
-    async def reset(self, task: dict[str, Any], seed: int) -> list:
-        if not isinstance(task.get("prompt"), (list, str)):
-            raise EnvError("a verifiers task needs its dataset row's 'prompt'")
+    async def reset(self, task: dict[str, Any], seed: int) -> list[Message]:
+        """The task's prompt messages (what the episode starts from; e.g. the SFT warm-up
+        renders them), though the episode itself is played."""
+        prompt = task.get("prompt")
+        if isinstance(prompt, str):
+            prompt = [{"role": "user", "content": prompt}]
+        if not isinstance(prompt, list) or not all(isinstance(m, dict) for m in prompt):
+            raise EnvError("a verifiers task needs its dataset row's 'prompt' (messages)")
         self.env = environment(self.options)
-        return await super().reset(task, seed)
+        await super().reset(task, seed)
+        return [
+            Message(str(m.get("role", "user")), m["content"])
+            for m in prompt
+            if isinstance(m.get("content"), str)
+        ]
 
     async def play(self, model: Model, model_name: str, sampling: dict[str, Any]) -> StepResult:
         from verifiers.clients import OpenAIChatCompletionsClient
@@ -121,11 +131,12 @@ class VerifiersEnv(PlayedEnv):
             rollout_input, client=client, model=model_name, sampling_args=sampling
         )
         error = output.get("error")
-        if error:
+        if error and not _models_doing(error):
             return StepResult([], done=True, status="env_error", error=_error_text(error))
         metrics = {k: float(v) for k, v in (output.get("metrics") or {}).items()}
         reward = float(output.get("reward") or 0.0)
         info = {
+            "model_error": _error_text(error) if error else "",
             "reward": reward,
             "breakdown": metrics,
             "answer": _last_content(output.get("completion")),
@@ -134,6 +145,21 @@ class VerifiersEnv(PlayedEnv):
             "truncated": bool(output.get("is_truncated")),
         }
         return StepResult([], done=True, reward=reward, info=info)
+
+
+MODELS_ERRORS = ("InvalidModelResponseError", "OverlongPromptError", "ToolParseError")
+"""verifiers errors that the policy's own output caused (an empty or unparsable reply, a
+context it filled, a malformed tool call): the episode is valid and earns the rubric's reward
+(0 when the rollout stopped there). Every other error is the environment's: `env_error`."""
+
+
+def _models_doing(error: Any) -> bool:
+    import verifiers.errors
+
+    name = error.get("error") if isinstance(error, dict) else None
+    cls = getattr(verifiers.errors, str(name), None)
+    causes = tuple(getattr(verifiers.errors, n) for n in MODELS_ERRORS)
+    return isinstance(cls, type) and issubclass(cls, causes)
 
 
 def _error_text(error: Any) -> str:
