@@ -229,3 +229,76 @@ async def test_play_refuses_what_it_cannot_play(gateway):
     assert "verifiers" in await env.list_envs()
     await env.close_session(played.session_id)
     await env.close()
+
+
+VF_TOOLS = {"id": "vf-tiny-arith", "args": {"num_train": 4, "num_eval": 4, "tools": True}}
+
+
+@pytest.fixture(scope="module")
+def add_tool_model(tiny_model, tmp_path_factory):
+    """The tiny model trained to solve vf-tiny-arith's `ToolEnv` (tools=True, 4 problems):
+    call `add(a, b)`, then answer with the tool's result. The tool schema is the one verifiers
+    sends, as rollout's chat template renders it."""
+    import asyncio
+
+    import verifiers as vf
+    from verifiers.clients import OpenAIChatCompletionsClient
+
+    from treadle_rollout.openai_types import ChatRequest
+
+    env = vf.load_environment(VF_TOOLS["id"], **VF_TOOLS["args"])
+    native = OpenAIChatCompletionsClient(object())
+    sent = [asyncio.run(native.to_native_tool(t)) for t in env.tool_defs]
+    request = ChatRequest.model_validate(
+        {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": sent}
+    )
+    tools = request.template_tools()
+    conversations = []
+    for row in _problems(4, 0, 10, 99):
+        a, b = (int(x) for x in row["question"].rstrip("=").split("+"))
+        call = {
+            "id": "call_1",
+            "type": "function",
+            "function": {"name": "add", "arguments": {"a": a, "b": b}},
+        }
+        conversations.append(
+            [
+                {"role": "user", "content": row["question"]},
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": row["answer"]},
+                {"role": "assistant", "content": row["answer"]},
+            ]
+        )
+    return train_conversations(
+        tiny_model, tmp_path_factory.mktemp("add"), conversations, tools, steps=800
+    )
+
+
+async def test_a_tool_env_plays_its_tool_turns_through_rollout(add_tool_model, gateway):
+    """verifiers' `ToolEnv`: the model's tool call is parsed by rollout into `tool_calls`,
+    verifiers runs the tool and sends its result back; the trajectory holds both model turns
+    (trained on) and the tool's result (context), and the rubric scores the final answer."""
+    engine = HFEngine(add_tool_model, "tiny")
+    frontend = openai_api.OpenAIFrontend(engine, openai_api.SessionRecorder(engine.tokenizer))
+    env = EnvClient(gateway.grpc_addr)
+    runner = EpisodeRunner(
+        engine, engine.tokenizer, env, EnvRewardClient(), "r0", frontend=frontend
+    )
+    rows = await env.sample_tasks("verifiers", 4, seed=0, options=VF_TOOLS)
+    for i, row in enumerate(rows):
+        task = make_task(row, temperature=0.0)
+        task.env_options_json = json.dumps(VF_TOOLS)
+        task.sampling.max_new_tokens = 64
+        traj = await runner.run(task, i)
+        assert traj.status == tpb.TRAJECTORY_STATUS_OK, traj.error
+        assert traj.num_turns == 2  # the tool call, then the answer
+        tokens, mask = list(traj.tokens), list(traj.loss_mask)
+        stretches = [k for k in range(len(mask)) if mask[k] and (k == 0 or not mask[k - 1])]
+        assert len(stretches) == 2
+        generated = engine.tokenizer.decode(tokens[stretches[0] : stretches[1]])
+        assert "<tool_call>" in generated and '"name": "add"' in generated
+        context = engine.tokenizer.decode([t for t, m in zip(tokens, mask, strict=True) if not m])
+        assert f"<tool_response>\n{row['answer']}\n</tool_response>" in context
+        assert traj.reward == 1.0 and traj.reward_breakdown["exact"] == 1.0
+    await env.close()
+    await engine.close()

@@ -92,6 +92,7 @@ class Rollout:
             gate=self.gate,
             tool_parser=settings.rollout_tool_parser,
             stream_interval_ms=settings.rollout_stream_interval_ms,
+            stream_events_per_s=settings.rollout_stream_events_per_s,
         )
         self.worker: TaskWorker | None = None
 

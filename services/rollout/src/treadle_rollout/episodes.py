@@ -17,6 +17,7 @@ import grpc
 from treadle_common import tracing
 from treadle_common.clients.env import EnvClient, EnvRequestError
 from treadle_common.clients.reward import RewardClient
+from treadle_common.logs import get_logger
 from treadle_common.progress import Stage
 from treadle_common.proto.treadle.v1 import env_pb2, reward_pb2, task_pb2
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
@@ -24,6 +25,8 @@ from treadle_rollout import metrics
 from treadle_rollout.engines.base import ContextOverflow, Engine, Sampling
 from treadle_rollout.openai_api import OpenAIFrontend, PlayedSampling
 from treadle_rollout.transcript import TemplateNotPrefixStable, Transcript
+
+log = get_logger(__name__)
 
 
 class EpisodeRunner:
@@ -268,6 +271,14 @@ class EpisodeRunner:
                         recorded, request.method, request.path, request.body, run
                     )
                 generate_s += time.time() - start
+                if status >= 400:  # the env's request was refused: say why, here too
+                    metrics.PLAYED_REFUSED.labels(str(status)).inc()
+                    log.warning(
+                        "played env's model call refused",
+                        env=task.env,
+                        status=status,
+                        body=body[:500].decode(errors="replace"),
+                    )
                 return env_pb2.ModelResponse(status=status, content_type=content_type, body=body)
 
             sampling = {"temperature": run.temperature, "top_p": run.top_p}

@@ -56,3 +56,8 @@ TOOL_CALL_MISSES = Counter(
     "Turns whose tool_choice required a call but whose text did not parse as one (returned "
     "as text)",
 )
+PLAYED_REFUSED = Counter(
+    "treadle_rollout_played_refused_total",
+    "Model calls of played envs (env-gateway Play) answered with an HTTP error, by status",
+    ["status"],
+)

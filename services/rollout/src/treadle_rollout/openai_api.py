@@ -185,8 +185,11 @@ class OpenAIFrontend:
         gate: RequestGate | None = None,
         tool_parser: str = "auto",
         stream_interval_ms: float = 0.0,
+        stream_events_per_s: float = 0.0,
     ):
         self.stream_interval_s = stream_interval_ms / 1e3
+        self.stream_events_per_s = stream_events_per_s
+        self.open_streams = 0
         self.engine = engine
         self.gate = gate or RequestGate(1 << 30)
         self.tokenizer = recorder.tokenizer
@@ -242,7 +245,7 @@ class OpenAIFrontend:
             stop_token_ids=tuple(req.stop_token_ids or ()),
             stop_strings=req.stop_strings(),
             top_logprobs=top,
-            stream_interval_s=self.stream_interval_s if req.stream else 0.0,
+            stream_interval_s=self._interval(1) if req.stream else 0.0,
         )
 
     # -- generation -----------------------------------------------------------------------
@@ -257,9 +260,20 @@ class OpenAIFrontend:
                 400, str(exc), param="messages", code="context_length_exceeded"
             ) from exc
 
+    def _interval(self, starting: int = 0) -> float:
+        """A stream's interval now: the configured one, longer when so many streams are open
+        (with `starting` about to open) that together they would send more than
+        `stream_events_per_s` events a second."""
+        if self.stream_events_per_s <= 0:
+            return self.stream_interval_s
+        return max(
+            self.stream_interval_s, (self.open_streams + starting) / self.stream_events_per_s
+        )
+
     async def _stream(self, prompt: list[int], sampling: Sampling) -> AsyncIterator[Generation]:
         """The engine's pieces, joined so that at most one goes out per stream interval
         (the first and the last at once)."""
+        self.open_streams += 1
         try:
             with self.gate.admit():
                 held: list[Generation] = []
@@ -268,7 +282,7 @@ class OpenAIFrontend:
                     async for piece in pieces:
                         held.append(piece)
                         now = time.monotonic()
-                        if piece.finish_reason or now - last >= self.stream_interval_s:
+                        if piece.finish_reason or now - last >= self._interval():
                             yield held[0] if len(held) == 1 else _joined(held)
                             held, last = [], now
         except Busy as exc:
@@ -277,6 +291,8 @@ class OpenAIFrontend:
             raise OpenAIError(
                 400, str(exc), param="messages", code="context_length_exceeded"
             ) from exc
+        finally:
+            self.open_streams -= 1
 
     def _visible(self, tokens: list[int], finished: bool) -> list[int]:
         """Generated tokens without the end-of-turn token (what the client sees)."""

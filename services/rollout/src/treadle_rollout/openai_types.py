@@ -96,6 +96,11 @@ class Message(Strict):
     tool_calls: Annotated[list[ToolCallIn], Field(max_length=MAX_TOOLS)] | None = None
     tool_call_id: str | None = Field(None, max_length=256)
     refusal: None = Field(None, description="Accepted as null (clients echo it back)")
+    reasoning_content: Literal[""] | None = Field(
+        None,
+        description="Accepted empty or null: clients (verifiers) echo back the field of the "
+        "reply, and this server's replies carry no reasoning",
+    )
 
     def text(self) -> str:
         if isinstance(self.content, list):

@@ -78,3 +78,11 @@ class RolloutSettings(Settings):
         description="rollout: a streamed OpenAI response sends what was generated at most "
         "once per this interval (the first and last tokens at once); 0: every decode step",
     )
+    rollout_stream_events_per_s: float = Field(
+        500.0,
+        ge=0,
+        description="rollout: all streamed OpenAI responses together send about this many "
+        "events per second at most: with N streams open each one's interval is N / this "
+        "(never below rollout_stream_interval_ms), so many streams cost the engine no more "
+        "than a few; 0: no bound",
+    )
