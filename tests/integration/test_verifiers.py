@@ -154,6 +154,11 @@ async def test_a_broken_environment_is_an_env_error_and_the_gateway_stays_up(rol
     traj = await runner.run(task, 0)
     assert traj.status == tpb.TRAJECTORY_STATUS_ENV_ERROR
     assert "INVALID_ARGUMENT" in traj.error and "'no-such-env-package'" in traj.error
+    for not_an_env in ("os", "yaml", "treadle-env-gateway"):  # installed, but no environment
+        task.env_options_json = json.dumps({"id": not_an_env})
+        traj = await runner.run(task, 0)
+        assert traj.status == tpb.TRAJECTORY_STATUS_ENV_ERROR
+        assert f"no verifiers environment {not_an_env!r} is installed" in traj.error
     task = make_task({"no": "prompt"})
     traj = await runner.run(task, 0)
     assert traj.status == tpb.TRAJECTORY_STATUS_ENV_ERROR and "prompt" in traj.error

@@ -23,6 +23,7 @@ import random
 import re
 import signal
 from functools import cache
+from importlib import metadata
 from typing import Any
 
 from treadle_env_gateway.envs import register
@@ -45,6 +46,18 @@ def _key(options: dict[str, Any]) -> tuple[str, str]:
     return env_id, json.dumps(args, sort_keys=True)
 
 
+def _is_environment_package(env_id: str) -> bool:
+    """Whether `env_id` names an installed distribution that depends on verifiers: only such
+    a package is imported, never an arbitrary module a recipe names."""
+    try:
+        requirements = metadata.requires(env_id) or []
+    except metadata.PackageNotFoundError:
+        return False
+    return any(  # a hard dependency: not one of an optional extra
+        re.match(r"^verifiers\b", r) and not re.search(r";.*\bextra\s*==", r) for r in requirements
+    )
+
+
 @cache
 def _load(env_id: str, args_json: str) -> Any:
     """The environment, loaded once per (id, args) in this process."""
@@ -55,6 +68,11 @@ def _load(env_id: str, args_json: str) -> Any:
             "the verifiers env needs the verifiers package: pip install "
             "'treadle-env-gateway[verifiers]'"
         ) from exc
+    if not _is_environment_package(env_id):
+        raise EnvError(
+            f"no verifiers environment {env_id!r} is installed (an environment is a "
+            "distribution of that name that depends on verifiers)"
+        )
     module = env_id.replace("-", "_").split("/")[-1]
     # a verifiers Environment installs its own SIGTERM/SIGINT handlers (which exit at once);
     # the gateway's own, which drain it, are put back
