@@ -80,7 +80,7 @@ def main() -> None:
     parser.add_argument("--model", required=True, help="the Tinker base-model name: its dir")
     parser.add_argument("--log-path", required=True)
     parser.add_argument("--iterations", type=int, default=40)
-    parser.add_argument("--lr", type=float, default=5e-3)
+    parser.add_argument("--lr", type=float, default=2e-3)
     args = parser.parse_args()
     config = train.Config(
         learning_rate=args.lr,
