@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import time
 
 import pytest
 import torch
@@ -341,3 +342,20 @@ async def test_a_stream_is_the_generation_in_pieces_and_closing_it_cancels_the_r
             break
     assert engine.running == 0
     await engine.close()
+
+
+async def test_the_engine_steps_on_while_the_event_loop_is_busy(engine):
+    """Steps run back to back in the worker thread: a busy event loop (HTTP and gRPC work
+    under load) does not hold the engine between steps."""
+    prompt = engine.tokenizer("busy loop")["input_ids"]
+    task = asyncio.create_task(engine.generate(prompt, Sampling(1.0, 1.0, 200, seed=3)))
+    while not engine._batch.seqs:
+        await asyncio.sleep(0.001)
+    seq = engine._batch.seqs[0]
+    started_with = len(seq.tokens)
+    deadline = time.monotonic() + 60
+    while seq.finish is None and time.monotonic() < deadline:
+        time.sleep(0.005)  # blocks the event loop: it takes no turn until the end
+    assert started_with < 200 and seq.finish is not None, (started_with, len(seq.tokens))
+    gen = await task
+    assert gen.tokens == seq.tokens and gen.finish_reason == seq.finish

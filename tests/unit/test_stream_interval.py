@@ -21,3 +21,54 @@ def test_many_open_streams_share_a_bounded_event_rate():
     api.open_streams = 31
     assert api._interval(1) == pytest.approx(32 / 500)  # 32 streams: 500 events/s together
     assert frontend(10, 0)._interval(64) == pytest.approx(0.010)  # 0: no bound
+
+
+async def _writes(one, count: int, include_usage: bool = True) -> list[str]:
+    header = openai_api._ChunkHeader(
+        "chat.completion.chunk", SimpleNamespace(model_name="m", version=1)
+    )
+    return [w async for w in openai_api._sse(one, count, header, include_usage)]
+
+
+async def test_chunks_ready_together_go_out_in_one_write():
+    """The role's chunk with the first content, and a choice's last chunks with the usage
+    and [DONE]: each write costs the serving loop, and the engine shares its interpreter."""
+
+    async def one(index: int, counts: list):
+        yield ['"role"', '"a"']
+        yield []  # nothing new this time: no write
+        yield ['"b"']
+        counts.append((3, 2))
+        yield openai_api._Last(['"c"', '"finish"'])
+
+    writes = await _writes(one, 1)
+    assert writes[:2] == ['data: "role"\n\ndata: "a"\n\n', 'data: "b"\n\n']
+    assert len(writes) == 3
+    events = writes[2].split("\n\n")[:-1]
+    assert events[:2] == ['data: "c"', 'data: "finish"']
+    assert '"prompt_tokens": 3' in events[2] and '"completion_tokens": 2' in events[2]
+    assert events[3] == "data: [DONE]"
+
+
+async def test_several_choices_each_send_their_last_chunks_and_an_error_ends_the_stream():
+    async def one(index: int, counts: list):
+        yield [f'"{index}"']
+        counts.append((1 if index == 0 else 0, 1))
+        yield openai_api._Last([f'"end{index}"'])
+
+    writes = await _writes(one, 2, include_usage=False)
+    assert sorted(writes[:-1]) == [
+        'data: "0"\n\n',
+        'data: "1"\n\n',
+        'data: "end0"\n\n',
+        'data: "end1"\n\n',
+    ]
+    assert writes[-1] == "data: [DONE]\n\n"
+
+    async def failing(index: int, counts: list):
+        yield ['"a"']
+        raise openai_api.OpenAIError(400, "bad stop", param="stop")
+
+    writes = await _writes(failing, 1)
+    assert writes[0] == 'data: "a"\n\n'
+    assert '"bad stop"' in writes[1] and writes[1].endswith("data: [DONE]\n\n")

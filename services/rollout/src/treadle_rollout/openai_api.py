@@ -497,11 +497,13 @@ class OpenAIFrontend:
         header = _ChunkHeader("chat.completion.chunk", self.engine)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-        async def one(index: int, counts: list[tuple[int, int]]) -> AsyncGenerator[str, None]:
-            """Choice `index`'s chunks; then its (prompt, completion) tokens into `counts`."""
+        async def one(index: int, counts: list[tuple[int, int]]) -> AsyncGenerator[_Chunks, None]:
+            """Choice `index`'s chunks (the role's goes out with the first content, the last
+            content with the finish: one write each); its (prompt, completion) tokens into
+            `counts` before its last."""
             nonlocal prompt
             decoder = _Decoder(self, plan.prefix, plan.stops, plan.parser, req.skip_special_tokens)
-            yield header.chat(index, {"role": "assistant", "content": ""})
+            out = [header.chat(index, {"role": "assistant", "content": ""})]
             lock = session.lock if session else contextlib.nullcontext()
             async with lock:  # type: ignore[attr-defined]
                 mark = session.transcript.mark() if session else None
@@ -520,7 +522,10 @@ class OpenAIFrontend:
                             logprobs = self._chat_logprobs(piece, final)
                         if content or logprobs:
                             delta = {"content": content} if content else {}
-                            yield header.chat(index, delta, logprobs=logprobs)
+                            out.append(header.chat(index, delta, logprobs=logprobs))
+                        if not final:
+                            yield out
+                            out = []
                 except BaseException:
                     if session is not None and mark is not None:
                         session.transcript.rollback(mark)
@@ -529,14 +534,14 @@ class OpenAIFrontend:
                 reply = self._read(plan, decoder.text(), gen.finish_reason)
                 rest = decoder.rest(reply)
                 if rest:
-                    yield header.chat(index, {"content": rest})
+                    out.append(header.chat(index, {"content": rest}))
                 if reply.calls:
                     calls = [c.openai(index=k) for k, c in enumerate(reply.calls)]
-                    yield header.chat(index, {"tool_calls": calls})
+                    out.append(header.chat(index, {"tool_calls": calls}))
                 if session is not None:
                     self._close_turn(session, plan, gen, reply)
-            yield header.chat(index, {}, finish=reply.finish_reason)
             counts.append(((len(prompt) if index == 0 else 0), len(gen.tokens)))  # one prompt
+            yield _Last([*out, header.chat(index, {}, finish=reply.finish_reason)])
 
         return _sse(one, req.n, header, include_usage)
 
@@ -629,11 +634,12 @@ class OpenAIFrontend:
         header = _ChunkHeader("text_completion", self.engine)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-        async def one(index: int, counts: list[tuple[int, int]]) -> AsyncGenerator[str, None]:
+        async def one(index: int, counts: list[tuple[int, int]]) -> AsyncGenerator[_Chunks, None]:
             prompt = prompts[index // req.n]
             decoder = _Decoder(self, "", req.stop_strings(), None, req.skip_special_tokens)
             sampling = self._sampling(req, req.max_tokens, index % req.n)
             finish, count = "length", 0
+            out: list[str] = []
             async for piece in self._stream(prompt, sampling):
                 final = bool(piece.finish_reason)
                 count += len(piece.tokens)
@@ -643,9 +649,12 @@ class OpenAIFrontend:
                     finish = piece.finish_reason
                 logprobs = self._completion_logprobs(req, piece, final)
                 if text or logprobs:
-                    yield header.text(index, text, logprobs)
-            yield header.text(index, "", None, finish=finish)
+                    out.append(header.text(index, text, logprobs))
+                if not final and out:
+                    yield out
+                    out = []
             counts.append(((len(prompt) if index % req.n == 0 else 0), count))
+            yield _Last([*out, header.text(index, "", None, finish=finish)])
 
         return _sse(one, len(prompts) * req.n, header, include_usage)
 
@@ -899,34 +908,52 @@ def _event(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
+_Chunks = list[str]
+"""Chunks (serialized JSON) ready at the same time: they go out in one write."""
+
+
+class _Last(list[str]):
+    """A choice's last chunks (the one with its finish reason last)."""
+
+
 async def _sse(one, count: int, header: _ChunkHeader, include_usage: bool) -> AsyncIterator[str]:
     """The chunks of `one(index, counts)` for each choice (several at once) as SSE events,
     then the usage chunk (if asked) and `[DONE]`; an error after the first event is sent as
-    an error event. Closing the stream cancels the generations."""
+    an error event. Chunks ready together go out together, and with one choice its last
+    chunks, the usage and `[DONE]` too: each write costs the serving event loop (and the
+    engine, which shares its interpreter) about as much as building the chunk. Closing the
+    stream cancels the generations."""
     counts: list[tuple[int, int]] = []
-    chunks: AsyncGenerator[str, None] = (
+    chunks: AsyncGenerator[_Chunks, None] = (
         one(0, counts) if count == 1 else _merge([one(i, counts) for i in range(count)])
     )
+    held = ""
     try:
         async with contextlib.aclosing(chunks):
-            async for chunk in chunks:
-                yield _event(chunk)
+            async for group in chunks:
+                events = "".join(_event(chunk) for chunk in group)
+                if count == 1 and isinstance(group, _Last):
+                    held = events  # the last: it goes out with the usage and [DONE]
+                elif events:
+                    yield events
     except OpenAIError as exc:
-        yield _event(exc.body())
+        held += _event(exc.body())
     except Exception as exc:  # the stream has begun: the error goes in it
-        yield _event(OpenAIError(500, f"generation failed: {exc}", type_="server_error").body())
+        held += _event(OpenAIError(500, f"generation failed: {exc}", type_="server_error").body())
     else:
         if include_usage:
-            yield _event(header.usage(sum(p for p, _ in counts), sum(c for _, c in counts)))
-    yield _event("[DONE]")
+            held += _event(header.usage(sum(p for p, _ in counts), sum(c for _, c in counts)))
+    yield held + _event("[DONE]")
 
 
-async def _merge(generators: list[AsyncGenerator[str, None]]) -> AsyncGenerator[str, None]:
+async def _merge(
+    generators: list[AsyncGenerator[_Chunks, None]],
+) -> AsyncGenerator[_Chunks, None]:
     """Items of several async generators as they come; the first error ends it."""
     out: asyncio.Queue = asyncio.Queue()
     end = object()
 
-    async def pump(gen: AsyncGenerator[str, None]) -> None:
+    async def pump(gen: AsyncGenerator[_Chunks, None]) -> None:
         try:
             async for item in gen:
                 await out.put((item, None))
