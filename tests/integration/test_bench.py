@@ -57,9 +57,19 @@ def test_bench_reward_json_line():
 
 def test_bench_rollout_json_line():
     report = bench(
-        "rollout", "--prompts", "4", "--max-new-tokens", "4", "--rounds", "1", "--swaps", "2"
+        "rollout",
+        "--prompts",
+        "4",
+        "--max-new-tokens",
+        "4",
+        "--rounds",
+        "1",
+        "--swaps",
+        "2",
+        "--torch-threads",
+        "1",
     )
-    assert report["engine"] == "hf" and report["prompts"] == 4
+    assert report["engine"] == "hf" and report["prompts"] == 4 and report["torch_threads"] == 1
     assert report["service_tokens_per_s"] > 0 and report["raw_engine_tokens_per_s"] > 0
     assert report["ratio"] == pytest.approx(
         report["service_tokens_per_s"] / report["raw_engine_tokens_per_s"], rel=0.01

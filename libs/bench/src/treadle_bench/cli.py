@@ -97,12 +97,19 @@ def bench_rollout(
     swaps: Annotated[int, typer.Option(help="Weight versions published under load")] = 5,
     hidden_size: Annotated[int, typer.Option(help="Tiny model width (head size 64)")] = 128,
     layers: Annotated[int, typer.Option(help="Tiny model layers")] = 2,
+    torch_threads: Annotated[
+        int,
+        typer.Option(
+            help="Torch threads of the engine, in the service and in-process alike "
+            "(0: half the cores, what `treadle up` gives rollout)"
+        ),
+    ] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
 ) -> None:
     """Generation through the rollout service (hf engine) vs the same engine in-process."""
     from treadle_bench import rollout
 
-    result = rollout.run(prompts, max_new_tokens, rounds, swaps, hidden_size, layers)
+    result = rollout.run(prompts, max_new_tokens, rounds, swaps, hidden_size, layers, torch_threads)
     print(json.dumps(result, indent=None if as_json else 2))
 
 

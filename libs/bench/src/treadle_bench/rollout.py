@@ -19,11 +19,15 @@ and swaps at a step boundary.
     openai_stream_ratio      median of per-round stream / raw
     openai_stream_ttft_ms_p50  median time from sending a request to its first content chunk
     swap_pause_ms_p50        median generation pause of the service's swaps
+
+The engine runs with `torch_threads` torch threads on both sides (default: half the cores,
+what `treadle up` gives rollout, which also sets `OMP_WAIT_POLICY=PASSIVE` for it, as here).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import statistics
 import tempfile
 import time
@@ -173,8 +177,11 @@ def run(
     swaps: int = 5,
     hidden_size: int = 128,
     layers: int = 2,
+    torch_threads: int = 0,
 ) -> dict:
     configure_logging("bench", level="WARNING")
+    threads = torch_threads or max(1, (os.cpu_count() or 2) // 2)
+    torch.set_num_threads(threads)  # the in-process engine's, as the service's below
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
         model_dir = init_tiny(
@@ -194,6 +201,8 @@ def run(
                         "TREADLE_GRPC_PORT": str(ports["ro_grpc"]),
                         "TREADLE_ROLLOUT_MODEL": str(model_dir),
                         "TREADLE_ROLLOUT_MODEL_NAME": "bench-tiny",
+                        "TREADLE_TORCH_THREADS": str(threads),
+                        "OMP_WAIT_POLICY": "PASSIVE",
                     },
                     ports["ro_http"],
                     log=tmp / "rollout.log",
@@ -215,7 +224,14 @@ def run(
                 )
             )
     model = {"hidden_size": hidden_size, "layers": layers}
-    return {"bench": "rollout", "engine": "hf", "prompts": prompts, "model": model, **result}
+    return {
+        "bench": "rollout",
+        "engine": "hf",
+        "prompts": prompts,
+        "model": model,
+        "torch_threads": threads,
+        **result,
+    }
 
 
 async def _measure(model_dir, grpc_addr, http, store_addr, n, max_new, rounds, swaps) -> dict:

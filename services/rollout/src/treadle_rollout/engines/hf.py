@@ -40,6 +40,7 @@ Logprobs are those of the distribution the token was sampled from: `log_softmax(
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -534,7 +535,8 @@ class HFEngine(Engine):
             seq.ready, seq.reported_at = len(seq.tokens), now
             progressed.append(seq.progress)
         if finished or progressed:
-            loop.call_soon_threadsafe(self._deliver, finished, progressed)
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody is waiting
+                loop.call_soon_threadsafe(self._deliver, finished, progressed)
 
     @torch.inference_mode()
     def _step(self, joiners: list[_Seq]) -> None:
