@@ -54,14 +54,24 @@ def stack(infra, tmp_path, tiny_model, monkeypatch):
         monkeypatch.setenv("TINKER_TELEMETRY", "0")
         yield trainer, store, rollout
     finally:
+        # the test's SDK clients close while the stack runs: an open one heartbeats its
+        # session from a thread, and logs the failures long after the stack is gone
+        while _OPEN:
+            _OPEN.pop().close("success").result()
         for proc in reversed(procs):
             proc.stop_checked()
 
 
+_OPEN: list[tinker.ServiceClient] = []
+"""SDK clients `service_client` made; `stack` closes them."""
+
+
 def service_client(trainer: ServiceProc, token: str | None = None) -> tinker.ServiceClient:
-    return tinker.ServiceClient(
+    client = tinker.ServiceClient(
         base_url=trainer.http, api_key="tml-" + (token or TOKENS["trainer"])
     )
+    _OPEN.append(client)
+    return client
 
 
 def sft_datum(tokens: list[int], prompt_len: int) -> types.Datum:
