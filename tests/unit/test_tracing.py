@@ -42,3 +42,15 @@ def test_a_span_line_holds_ids_times_and_service():
     assert record["parent_id"] == f"0x{parent.get_span_context().span_id:016x}"
     assert record["end_time_ns"] >= record["start_time_ns"] > 0
     assert record["resource"]["attributes"]["service.name"] == "reward"
+
+
+def test_services_trace_tasks_not_each_http_request(tmp_path):
+    """FastAPI (0.165 and later) would add its own span, metrics and send wrapper to every
+    request once a tracer provider exists, as a service's tracing makes one: it is off."""
+    from treadle_common.service import ServiceRuntime
+    from treadle_common.settings import Settings
+
+    runtime = ServiceRuntime("svc", Settings(state_dir=tmp_path))
+    assert not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+    native = getattr(runtime.app, "_native_telemetry", None)
+    assert native is None or not native.enabled()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import inspect
 import json
 import signal
 import socket
@@ -78,6 +79,17 @@ class AuthConfigError(ValueError):
     """Auth is on and its token table is missing or malformed: the service does not start."""
 
 
+_NO_FASTAPI_TELEMETRY: dict[str, Any] = (
+    {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+    if "telemetry" in inspect.signature(FastAPI.__init__).parameters
+    else {}
+)
+"""FastAPI's own OpenTelemetry (0.165 and later: a span and metrics for every HTTP request,
+on by itself once a tracer provider is set, as `tracing.setup` does) is off: Treadle traces
+tasks across hops (`tracing`) and counts requests in Prometheus (`metrics`). Its wrapper
+around every send cost rollout's streamed OpenAI responses about 0.3 ms of the event loop
+per request. Older FastAPI (vLLM's venv pins one) has none to turn off."""
+
 _BEARER = HTTPBearer(auto_error=False, description="A Treadle token (`TREADLE_TOKEN`)")
 
 
@@ -119,12 +131,7 @@ class ServiceRuntime:
             openapi_url=None,  # served below, behind a token like every other route
             docs_url=None,
             redoc_url=None,
-            # FastAPI's own OpenTelemetry (a span and metrics for every HTTP request, on by
-            # itself once a tracer provider is set, as `tracing.setup` does) is off: Treadle
-            # traces tasks across hops (`tracing`) and counts requests in Prometheus
-            # (`metrics`). Its wrapper around every send cost rollout's streamed OpenAI
-            # responses about 0.3 ms of the event loop per request
-            telemetry={"tracing": False, "metrics": False, "logs": False},
+            **_NO_FASTAPI_TELEMETRY,
         )
         self.app.add_exception_handler(RequestValidationError, _invalid_request)
         self.app.add_middleware(
