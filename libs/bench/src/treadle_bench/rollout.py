@@ -11,13 +11,19 @@ and swaps at a step boundary.
     raw_engine_tokens_per_s  the same work on the engine in this process (median round)
     ratio                    median of per-round service / raw
     openai_stream_tokens_per_s  the same prompts as chat messages, streamed (SSE) through
-                             the service's OpenAI API by the official `openai` client, as
-                             a sustained load: 4 x `prompts` requests per round, `prompts`
-                             in flight at a time (median round)
+                             the service's OpenAI API, as a sustained load: 4 x `prompts`
+                             requests per round, `prompts` in flight at a time (median
+                             round). The client is a lean SSE reader (aiohttp; it parses
+                             every event's JSON), because on a small machine the client
+                             shares the cores with the service: the official `openai`
+                             client spends several times the service's CPU per request
     openai_raw_engine_tokens_per_s  the engine in this process, the same requests (chat
                              prompts, seeds) at the same concurrency (median round)
     openai_stream_ratio      median of per-round stream / raw
     openai_stream_ttft_ms_p50  median time from sending a request to its first content chunk
+    openai_sdk_stream_tokens_per_s, openai_sdk_stream_ratio  the same load sent by the
+                             official `openai` client (`AsyncOpenAI`), against the same raw
+                             rounds: what a client on the service's own cores costs it
     swap_pause_ms_p50        median generation pause of the service's swaps
 
 The engine runs with `torch_threads` torch threads on both sides (default: half the cores,
@@ -27,12 +33,14 @@ what `treadle up` gives rollout, which also sets `OMP_WAIT_POLICY=PASSIVE` for i
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+import aiohttp
 import httpx
 import openai
 import torch
@@ -129,6 +137,50 @@ async def openai_stream_load(
                 firsts.append(first)
             if chunk.usage is not None:
                 tokens.append(chunk.usage.completion_tokens)
+
+    secs = await _closed_loop(one, len(conversations), total)
+    return sum(tokens), secs, firsts
+
+
+async def sse_stream_load(
+    session: aiohttp.ClientSession, conversations, max_new: int, total: int
+) -> tuple[int, float, list[float]]:
+    """As `openai_stream_load`, with a lean client: every `data:` event parsed as JSON, the
+    tokens from the usage of the last one."""
+    tokens: list[int] = []
+    firsts: list[float] = []
+
+    async def one(i: int) -> None:
+        sent = time.perf_counter()
+        body = {
+            "model": "bench-tiny",
+            "messages": conversations[i % len(conversations)],
+            "max_tokens": max_new,
+            "temperature": 1.0,
+            "seed": i + 1,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        first, done = 0.0, False
+        async with session.post("/v1/chat/completions", json=body) as response:
+            response.raise_for_status()
+            async for line in response.content:
+                if line.startswith(b"data: [DONE]"):
+                    done = True
+                    continue
+                if not line.startswith(b"data: "):
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(f"stream error: {chunk['error']}")
+                choices = chunk["choices"]
+                if not first and choices and choices[0]["delta"].get("content"):
+                    first = time.perf_counter() - sent
+                    firsts.append(first)
+                if chunk.get("usage"):
+                    tokens.append(chunk["usage"]["completion_tokens"])
+        if not done:
+            raise RuntimeError("a stream ended without [DONE]")
 
     secs = await _closed_loop(one, len(conversations), total)
     return sum(tokens), secs, firsts
@@ -252,16 +304,27 @@ async def _measure(model_dir, grpc_addr, http, store_addr, n, max_new, rounds, s
     client = openai.AsyncOpenAI(
         base_url=f"{http}/v1", api_key=token_from_env() or "none", max_retries=0
     )
+    session = aiohttp.ClientSession(
+        base_url=http,
+        headers=bearer(token_from_env()),
+        connector=aiohttp.TCPConnector(limit=2 * n),
+    )
     await openai_stream_load(client, conversations[:4], 4, 4)  # warm-up
+    await sse_stream_load(session, conversations[:4], 4, 4)
     stream_rates, chat_raw_rates, stream_ratios, ttfts = [], [], [], []
+    sdk_rates, sdk_ratios = [], []
     for _ in range(rounds):
         total = 4 * n
-        tokens_o, secs_o, firsts = await openai_stream_load(client, conversations, max_new, total)
+        tokens_o, secs_o, firsts = await sse_stream_load(session, conversations, max_new, total)
+        tokens_k, secs_k, _ = await openai_stream_load(client, conversations, max_new, total)
         tokens_c, secs_c = await raw_load(engine, chat_prompts, max_new, total)
         stream_rates.append(tokens_o / secs_o)
+        sdk_rates.append(tokens_k / secs_k)
         chat_raw_rates.append(tokens_c / secs_c)
         stream_ratios.append(stream_rates[-1] / chat_raw_rates[-1])
+        sdk_ratios.append(sdk_rates[-1] / chat_raw_rates[-1])
         ttfts += firsts
+    await session.close()
     await client.close()
     await engine.close()
     pauses = await swap_pauses(http, grpc_addr, store_addr, Path(model_dir), swaps)
@@ -275,6 +338,8 @@ async def _measure(model_dir, grpc_addr, http, store_addr, n, max_new, rounds, s
         "openai_raw_engine_tokens_per_s": round(statistics.median(chat_raw_rates), 1),
         "openai_stream_ratio": round(statistics.median(stream_ratios), 3),
         "openai_stream_ttft_ms_p50": round(statistics.median(ttfts) * 1e3, 1) if ttfts else None,
+        "openai_sdk_stream_tokens_per_s": round(statistics.median(sdk_rates), 1),
+        "openai_sdk_stream_ratio": round(statistics.median(sdk_ratios), 3),
         "swaps": len(pauses),
         "swap_pause_ms_p50": round(statistics.median(pauses) * 1e3, 3) if pauses else None,
         "swap_pause_ms_max": round(max(pauses) * 1e3, 3) if pauses else None,

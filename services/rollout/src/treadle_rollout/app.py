@@ -10,6 +10,7 @@ gRPC Generation.Generate / HTTP /v1/info, /v1/swaps, OpenAI /v1/chat/completions
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ from treadle_common.service import Service, ServiceRuntime
 from treadle_rollout import http, openai_api
 from treadle_rollout.engines.base import Engine
 from treadle_rollout.engines.hf import HFEngine
+from treadle_rollout.engines.process import ProcessEngine
 from treadle_rollout.episodes import EpisodeRunner
 from treadle_rollout.gate import RequestGate
 from treadle_rollout.grpc import POLICY, GenerationServicer
@@ -59,14 +61,26 @@ async def build_engine(settings: RolloutSettings, model_dir: Path, model_name: s
             served_model=settings.rollout_openai_model or None,
             api_key=settings.rollout_openai_api_key,
         )
-    return HFEngine(
+    options = {
+        "swap_policy": settings.rollout_swap_policy,
+        "max_batch": settings.rollout_max_batch,
+        "max_context": settings.rollout_max_context,
+        "prefix_cache_mb": settings.rollout_prefix_cache_mb,
+    }
+    if not settings.rollout_engine_process:
+        return HFEngine(model_dir, model_name, **options)  # type: ignore[arg-type]
+    process = ProcessEngine(
         model_dir,
         model_name,
-        swap_policy=settings.rollout_swap_policy,
-        max_batch=settings.rollout_max_batch,
-        max_context=settings.rollout_max_context,
-        prefix_cache_mb=settings.rollout_prefix_cache_mb,
+        {
+            **options,
+            "torch_threads": settings.torch_threads,
+            "log_level": settings.log_level,
+            "log_json": settings.log_json,
+        },
     )
+    await process.start()
+    return process
 
 
 class Rollout:
@@ -154,4 +168,7 @@ async def build(settings: RolloutSettings) -> Service:
     runtime.add_check("env-gateway", rollout.env_check)
     runtime.add_check("weight-store", rollout.weights_check)
     http.mount(runtime, rollout)
-    return Service(runtime, loops=[rollout.work, rollout.weights], on_close=[engine.close])
+    loops: list[Callable[[], Awaitable[None]]] = [rollout.work, rollout.weights]
+    if isinstance(engine, ProcessEngine):
+        loops.append(engine.watch)  # the engine process dying stops the service
+    return Service(runtime, loops=loops, on_close=[engine.close])

@@ -44,6 +44,11 @@ class RolloutSettings(Settings):
         description="rollout: client generation requests (OpenAI API, gRPC Generate) in "
         "flight at once; more are refused with 429 / RESOURCE_EXHAUSTED",
     )
+    rollout_engine_process: bool = Field(
+        True,
+        description="rollout hf: run the engine in a process of its own, so that serving "
+        "(HTTP, SSE, gRPC) and generation do not share one Python interpreter lock",
+    )
     rollout_max_batch: int = Field(64, ge=1, description="rollout hf: sequences per decode step")
     rollout_prefix_cache_mb: int = Field(
         256, ge=0, description="rollout hf: KV of finished turns kept for reuse by prefix (0: off)"

@@ -181,6 +181,7 @@ class WeightStoreClient:
         self.address = address
         self.attempts = attempts
         self.retry_s = retry_s
+        self.token = token
         reuse_freed_memory()  # chunk-sized receive buffers reuse their pages (malloc.py)
         self.channel = grpc_options.channel(address, token)
         self.stub = weights_pb2_grpc.WeightStoreStub(self.channel)

@@ -98,6 +98,14 @@ class _Seq:
     """Streamed requests: tokens complete as of the last `progress` (the worker thread
     may be appending past it)."""
     reported_at: float = 0.0
+    on_piece: Callable[[Generation], None] | None = None
+    """`HFEngine.submit`'s callback: the tokens added since its last call."""
+    sent: int = 0
+    """Tokens passed to `on_piece` so far."""
+
+    @property
+    def streamed(self) -> bool:
+        return self.progress is not None or self.on_piece is not None
 
     def restart(self) -> None:
         self.tokens, self.logprobs, self.versions, self.top = [], [], [], []
@@ -217,6 +225,9 @@ class HFEngine(Engine):
         self.busy_s = 0.0
         self.started_at = time.perf_counter()
         self.restarted_turns = 0
+        self.prefill_forwards = 0
+        self.decode_steps = 0
+        self.decode_rows = 0
 
     # -- public API -------------------------------------------------------------------------
     async def generate(self, prompt_tokens: list[int], sampling: Sampling) -> Generation:
@@ -259,7 +270,25 @@ class HFEngine(Engine):
             if not seq.future.done():
                 seq.future.cancel()
 
-    def _submit(self, prompt_tokens: list[int], sampling: Sampling, streamed: bool = False) -> _Seq:
+    def submit(
+        self,
+        prompt_tokens: list[int],
+        sampling: Sampling,
+        on_piece: Callable[[Generation], None] | None = None,
+    ) -> asyncio.Future[Generation]:
+        """`generate` and `stream` in callback form, for a server that forwards pieces (the
+        engine process): `on_piece`, if given, is called on the event loop with the tokens
+        added since its last call (as often as `stream` yields, but never with the last
+        ones); the future holds the whole generation. Cancelling it cancels the request."""
+        return self._submit(prompt_tokens, sampling, on_piece=on_piece).future
+
+    def _submit(
+        self,
+        prompt_tokens: list[int],
+        sampling: Sampling,
+        streamed: bool = False,
+        on_piece: Callable[[Generation], None] | None = None,
+    ) -> _Seq:
         if len(prompt_tokens) >= self.max_context:
             raise ContextOverflow(
                 f"prompt of {len(prompt_tokens)} tokens leaves no room in the "
@@ -269,7 +298,7 @@ class HFEngine(Engine):
         if sampling.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
         future: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
-        seq = _Seq(list(prompt_tokens), sampling, future, generator)
+        seq = _Seq(list(prompt_tokens), sampling, future, generator, on_piece=on_piece)
         if streamed:
             seq.progress = asyncio.Event()
             future.add_done_callback(lambda _: seq.progress.set() if seq.progress else None)
@@ -354,6 +383,9 @@ class HFEngine(Engine):
             "prefix_cache_entries": len(p),
             "prefix_cache_mb": round(p.bytes / 2**20, 1),
             "prefix_cache_hit_fraction": round(p.hit_tokens / max(1, p.lookup_tokens), 4),
+            "prefill_forwards": self.prefill_forwards,
+            "decode_steps": self.decode_steps,
+            "decode_rows": self.decode_rows,
         }
 
     async def close(self) -> None:
@@ -451,7 +483,7 @@ class HFEngine(Engine):
             self.version = fetched.manifest.version
             self.prefixes.clear()  # cached KV belongs to the weights that computed it
             if self.swap_policy == "abort" and self._batch.seqs:
-                rows = [i for i, s in enumerate(self._batch.seqs) if s.progress is None]
+                rows = [i for i, s in enumerate(self._batch.seqs) if not s.streamed]
                 restarted = [self._batch.seqs[i] for i in rows]
                 for seq in restarted:
                     seq.restart()
@@ -489,7 +521,7 @@ class HFEngine(Engine):
         names = [s.sampling.adapter or self.policy_adapter for s in seqs]
         return names if any(n is not None for n in names) else None
 
-    def _deliver(self, finished: list[_Seq], progressed: list[asyncio.Event]) -> None:
+    def _deliver(self, finished: list[_Seq], progressed: list[_Seq]) -> None:
         """On the event loop: a step's finished requests get their results, and the streamed
         ones with new tokens are woken."""
         for seq in finished:
@@ -499,8 +531,21 @@ class HFEngine(Engine):
                         seq.tokens, seq.logprobs, seq.versions, seq.finish or "length", seq.top
                     )
                 )
-        for event in progressed:
-            event.set()
+        for seq in progressed:
+            if seq.on_piece is not None:
+                if seq.ready > seq.sent and not seq.future.done():
+                    start, seq.sent = seq.sent, seq.ready
+                    seq.on_piece(
+                        Generation(
+                            seq.tokens[start : seq.ready],
+                            seq.logprobs[start : seq.ready],
+                            seq.versions[start : seq.ready],
+                            "",
+                            seq.top[start : seq.ready],
+                        )
+                    )
+            elif seq.progress is not None:
+                seq.progress.set()
 
     # -- model work (runs in a worker thread) -----------------------------------------------
     def _burst(self, loop: asyncio.AbstractEventLoop, joiners: list[_Seq]) -> None:
@@ -528,12 +573,12 @@ class HFEngine(Engine):
         progressed = []
         now = time.monotonic()
         for seq in self._batch.seqs:
-            if seq.progress is None or len(seq.tokens) <= seq.ready:
+            if not seq.streamed or len(seq.tokens) <= seq.ready:
                 continue
             if seq.ready and now - seq.reported_at < seq.sampling.stream_interval_s:
                 continue
             seq.ready, seq.reported_at = len(seq.tokens), now
-            progressed.append(seq.progress)
+            progressed.append(seq)
         if finished or progressed:
             with contextlib.suppress(RuntimeError):  # the loop closed: nobody is waiting
                 loop.call_soon_threadsafe(self._deliver, finished, progressed)
@@ -541,11 +586,14 @@ class HFEngine(Engine):
     @torch.inference_mode()
     def _step(self, joiners: list[_Seq]) -> None:
         if joiners:
+            self.prefill_forwards += 1
             cache, mask_B_T, logits_B_V = self._prefill(joiners)
             self._append(joiners, logits_B_V)
             self._batch.add(joiners, cache, mask_B_T)
             self._retire()
         if self._batch.seqs:
+            self.decode_steps += 1
+            self.decode_rows += len(self._batch.seqs)
             self._append(self._batch.seqs, self._decode())
             self._retire()
 
