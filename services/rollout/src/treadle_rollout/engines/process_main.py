@@ -92,9 +92,8 @@ class EngineServer:
             result = await work
         except asyncio.CancelledError:
             return  # the service cancelled: it expects no answer
-        except Exception as exc:
-            if not isinstance(exc, ValueError):
-                log.exception("engine call failed", call=call)
+        except Exception as exc:  # the service decides what it means (and logs it)
+            log.debug("engine call failed", call=call, error=repr(exc))
             self.out.send({"id": call, "err": error_of(exc)})
         else:
             self.out.send({"id": call, "ok": result})
