@@ -173,3 +173,25 @@ async def test_the_engine_process_exits_when_the_service_side_closes(tiny_model)
     await engine.close()
     await watch  # closed by us: no error
     assert engine._proc.returncode == 0
+
+
+async def test_a_prestarted_engine_process_is_taken_by_the_engine_with_its_options(tiny_model):
+    """`__main__` starts the engine process before the service's imports; the engine with
+    the same options takes it, and one started with other options is let go (it exits)."""
+    from treadle_rollout.engines import prestart
+
+    options = {"model_dir": str(tiny_model), "model_name": "tiny", "torch_threads": 1}
+    prestart.prestart({**options, "max_batch": 3})
+    assert prestart._started is not None
+    stray = prestart._started[1]
+    assert prestart.take(options) is None
+    assert stray.wait(timeout=60) == 0  # its socket closed: it exited
+    prestart.prestart(options)  # as `__main__` does it
+    assert prestart._started is not None
+    taken = prestart._started[1]
+    engine = ProcessEngine(tiny_model, "tiny", options)
+    await engine.start()
+    assert engine.pid == taken.pid and prestart._started is None
+    gen = await engine.generate(engine.tokenizer("prestarted")["input_ids"], Sampling(seed=1))
+    assert gen.tokens
+    await engine.close()

@@ -451,12 +451,19 @@ class Service:
                 await close()
 
 
-def run_service(app_module: str, settings_class: type[Settings]) -> None:
+def run_service(
+    app_module: str,
+    settings_class: type[Settings],
+    prepare: Callable[[Any], None] | None = None,
+) -> None:
     """Entry point of every service's `__main__`: its settings (from the environment) first,
-    heavy imports after; then `await app_module.build(settings)` serves until SIGTERM."""
+    heavy imports after; then `await app_module.build(settings)` serves until SIGTERM.
+    `prepare(settings)` runs between the two (rollout starts its engine process there)."""
     import importlib
 
     settings = settings_class()
+    if prepare is not None:
+        prepare(settings)
     app = importlib.import_module(app_module)
 
     async def main() -> None:

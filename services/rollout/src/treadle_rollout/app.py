@@ -21,6 +21,7 @@ from treadle_common.clients.weights import WeightStoreClient
 from treadle_common.proto.treadle.v1 import generation_pb2_grpc
 from treadle_common.service import Service, ServiceRuntime
 from treadle_rollout import http, openai_api
+from treadle_rollout.engines import prestart
 from treadle_rollout.engines.base import Engine
 from treadle_rollout.engines.hf import HFEngine
 from treadle_rollout.engines.process import ProcessEngine
@@ -69,16 +70,8 @@ async def build_engine(settings: RolloutSettings, model_dir: Path, model_name: s
     }
     if not settings.rollout_engine_process:
         return HFEngine(model_dir, model_name, **options)  # type: ignore[arg-type]
-    process = ProcessEngine(
-        model_dir,
-        model_name,
-        {
-            **options,
-            "torch_threads": settings.torch_threads,
-            "log_level": settings.log_level,
-            "log_json": settings.log_json,
-        },
-    )
+    # the same options as `__main__`'s prestart: it then takes the process started there
+    process = ProcessEngine(model_dir, model_name, prestart.options_for(settings))
     await process.start()
     return process
 

@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
-import socket
-import sys
+import subprocess
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
@@ -40,7 +38,7 @@ from transformers import AutoTokenizer
 from treadle_common import lora
 from treadle_common.clients.weights import WeightStoreClient
 from treadle_common.logs import get_logger
-from treadle_rollout.engines import wire
+from treadle_rollout.engines import prestart, wire
 from treadle_rollout.engines.base import (
     AdapterUnsupported,
     ContextOverflow,
@@ -112,35 +110,27 @@ class ProcessEngine(Engine):
         self._stats: dict[str, float | int] = {}
         self._counted = dict.fromkeys(COUNTERS, 0.0)
         self._started_at = time.perf_counter()
-        self._proc: asyncio.subprocess.Process | None = None
+        self._proc: subprocess.Popen | None = None
         self._reader_task: asyncio.Task | None = None
         self._closing = False
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
         """Start the engine process and wait until its model is loaded."""
-        ours, theirs = socket.socketpair()
-        self._proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "treadle_rollout.engines.process_main",
-            str(theirs.fileno()),
-            json.dumps(self.options),
-            pass_fds=[theirs.fileno()],
-        )
-        theirs.close()
+        started = prestart.take(self.options) or prestart.spawn(self.options)
+        self._proc, ours = started
         self._reader, writer = await asyncio.open_connection(sock=ours)
         self._out = wire.Outbox(writer)
         self._writer = writer
         try:
             first = await wire.read_frame(self._reader)
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
-            code = await self._proc.wait()
+            code = await self._wait()
             raise EngineProcessGone(f"the engine process exited with code {code}") from exc
         ready = first[0].get("ready")
         if ready is None:
             kind, message = first[0].get("failed", ["RuntimeError", "no ready message"])
-            await self._proc.wait()
+            await self._wait()
             raise EngineProcessGone(f"the engine process failed to start: {kind}: {message}")
         self.max_context, self.device = ready["max_context"], ready["device"]
         self._held = set(ready["held"])
@@ -149,10 +139,13 @@ class ProcessEngine(Engine):
         self._reader_task = asyncio.create_task(self._read(), name="engine-process-reader")
         log.info("engine process started", pid=self._proc.pid, device=self.device)
 
+    async def _wait(self) -> int:
+        assert self._proc is not None
+        return await asyncio.to_thread(self._proc.wait)
+
     async def watch(self) -> None:
         """Returns when the engine process was closed; raises if it exited on its own."""
-        assert self._proc is not None
-        code = await self._proc.wait()
+        code = await self._wait()
         if not self._closing:
             raise EngineProcessGone(f"the engine process exited with code {code}")
 
@@ -162,11 +155,11 @@ class ProcessEngine(Engine):
         self._closing = True
         self._writer.close()  # the engine process exits when its socket closes
         try:
-            await asyncio.wait_for(self._proc.wait(), CLOSE_TIMEOUT_S)
+            await asyncio.wait_for(self._wait(), CLOSE_TIMEOUT_S)
         except TimeoutError:
             log.warning("engine process did not exit; killing it", pid=self._proc.pid)
             self._proc.kill()
-            await self._proc.wait()
+            await self._wait()
         if self._reader_task is not None:
             await self._reader_task
 
