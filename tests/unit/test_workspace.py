@@ -143,6 +143,8 @@ def test_every_service_has_the_same_shape(package):
     assert hints["return"] is Service
     assert issubclass(hints["settings"], Settings) and hints["settings"] is not Settings
     main = (root / "__main__.py").read_text()
-    assert f'run_service("{package}.app", {hints["settings"].__name__})' in main
+    # run_service(app, Settings) or run_service(app, Settings, prepare=...)
+    call = f'run_service("{package}.app", {hints["settings"].__name__}'
+    assert f"{call})" in main or f"{call}, prepare=" in main
     for module in root.rglob("*.py"):
         assert "get_settings" not in module.read_text(), module
