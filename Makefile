@@ -15,6 +15,8 @@ SERVICES := weight-store env-gateway reward rollout trainer
 LIBS := common cli bench
 STAMP := $(VENV)/.treadle-installed
 PYTEST_ARGS ?=
+# parallel pytest workers (pytest-xdist; a test file per unit, the Docker tests on one worker)
+PYTEST_WORKERS ?= 2
 
 .PHONY: setup demo test test-vllm lint bench protos nats-conf clean
 
@@ -48,7 +50,7 @@ nats-conf: setup
 test: lint
 	$(PY) scripts/gen_protos.py --check
 	scripts/setup_cookbook.sh  # the Tinker Cookbook, a client in its own venv (its test)
-	$(PY) scripts/run_pytest.py $(PYTEST_ARGS)
+	$(PY) scripts/run_pytest.py -n $(PYTEST_WORKERS) --no-loadscope-reorder $(PYTEST_ARGS)
 	$(MAKE) test-vllm
 
 # the vLLM engine, for real on CPU, in its own venv (scripts/setup_vllm.sh builds it)

@@ -46,6 +46,16 @@ def api_post(url: str, **kwargs) -> httpx.Response:
 
 
 def pytest_configure(config) -> None:
+    # parallel workers (pytest-xdist, `make test`): each chooses free ports from its own
+    # slice, so two cannot choose the same ports before either binds them
+    worker, count = (
+        os.environ.get("PYTEST_XDIST_WORKER"),
+        os.environ.get("PYTEST_XDIST_WORKER_COUNT"),
+    )
+    if worker and count:
+        span = (32768 - 10000) // int(count)
+        low = 10000 + int(worker.removeprefix("gw")) * span
+        os.environ["TREADLE_FREE_PORT_RANGE"] = f"{low}-{low + span}"
     path = Path(tempfile.mkdtemp(prefix="treadle-tokens-")) / "tokens.json"
     auth.write_private(path, json.dumps(TOKENS))
     os.environ["TREADLE_AUTH_TOKENS_FILE"] = str(path)
@@ -81,6 +91,34 @@ class InfraUrls:
 
     def nats_for(self, service: str) -> str:
         return self.nats_urls.get(service, self.nats_url)
+
+
+DOCKER_TESTS = (
+    "tests/deploy/test_compose_smoke.py",
+    "tests/integration/test_sandbox.py",
+    "tests/integration/test_bench.py::test_bench_env_json_line",
+)
+"""The tests marked `docker` (they use the Docker engine): parallel workers run them on one
+worker, in turn (the compose smoke checks that no sandbox container is left on the engine)."""
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Work units for parallel workers (`make test`): a test file (its module fixtures start
+    once) and `DOCKER_TESTS`, in collection order."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileUnits(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "docker" if nodeid.startswith(DOCKER_TESTS) else nodeid.split("::")[0]
+
+    return FileUnits(config, log)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if bool(item.get_closest_marker("docker")) != item.nodeid.startswith(DOCKER_TESTS):
+            raise pytest.UsageError(f"{item.nodeid}: marked docker <=> named in DOCKER_TESTS")
 
 
 @contextlib.contextmanager

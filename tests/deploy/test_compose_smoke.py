@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import ROOT
 
-pytestmark = [pytest.mark.compose, pytest.mark.slow]
+pytestmark = [pytest.mark.compose, pytest.mark.docker, pytest.mark.slow]
 
 
 @pytest.mark.timeout(3600)

@@ -40,6 +40,7 @@ def test_bench_weights_json_line():
     assert report["delta_bytes_ratio"] == 0.25  # 2 of 8 equal tensors changed: a quarter travels
 
 
+@pytest.mark.docker  # the docker sandbox backend's row
 def test_bench_env_json_line():
     report = bench("env", "--sessions", "4", "--seconds", "1")
     assert report["env"] == "arith" and report["sessions"] == 4

@@ -17,7 +17,7 @@ import pytest
 from treadle_env_gateway.sandbox.backends import BwrapBackend, DockerBackend, UnshareBackend
 from treadle_env_gateway.sandbox.runner import UID_BASE, UID_COUNT, Limits, Sandbox
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.docker]  # the docker backend's cases
 
 BACKENDS = ["unshare", "bwrap", "docker"]
 LOCAL_BASE = "treadle/base:bookworm"

@@ -116,16 +116,34 @@ def port_free(host: str, port: int) -> bool:
     return True
 
 
+def port_range() -> tuple[int, int]:
+    """Where `free_port_range` chooses: `TREADLE_FREE_PORT_RANGE` (`low-high`, high
+    excluded), or 10000-32768."""
+    raw = os.environ.get("TREADLE_FREE_PORT_RANGE", "")
+    if not raw:
+        return 10000, 32768
+    try:
+        low, high = (int(part) for part in raw.split("-"))
+    except ValueError:
+        raise ValueError(f"TREADLE_FREE_PORT_RANGE={raw!r}: expected low-high") from None
+    if not 1024 <= low < high <= 65536:
+        raise ValueError(f"TREADLE_FREE_PORT_RANGE={raw!r}: expected 1024 <= low < high")
+    return low, high
+
+
 def free_port_range(n: int, also_offset: int | None = None, host: str = "127.0.0.1") -> int:
     """A base port with `n` consecutive free ports (and the same `n` at `base + also_offset`).
 
     Chosen below the kernel's ephemeral range (32768+), so an outgoing connection cannot
-    take one of them between this check and the server binding it.
+    take one of them between this check and the server binding it. `TREADLE_FREE_PORT_RANGE`
+    (`low-high`) narrows the choice, so that processes choosing at once (parallel test
+    workers) cannot choose the same ports before either binds them.
     """
     rng = random.Random()
-    top = 32768 - n - (also_offset or 0)
+    low, high = port_range()
+    top = high - n - (also_offset or 0)
     for _ in range(500):
-        base = rng.randrange(10000, top)
+        base = rng.randrange(low, top)
         ports = list(range(base, base + n))
         if also_offset:
             ports += [p + also_offset for p in ports]
