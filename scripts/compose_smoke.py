@@ -39,7 +39,7 @@ TREADLE_SERVICES = ["weight-store", "env-gateway", "reward", "rollout", "trainer
 IMAGES = ["cli", "weight-store", "env-gateway", "reward", "rollout", "trainer"]
 PUBLIC_BASE = "python:3.11-slim-bookworm"
 WHEELS_PORT = 38471
-RECIPE_STEPS = 120  # recipes/compose_smoke.yaml's trainer.num_steps
+RECIPE_STEPS = 60  # recipes/compose_smoke.yaml's trainer.num_steps
 SKIP = 77
 SANDBOX_CHECK = """
 import asyncio, pathlib
@@ -313,10 +313,10 @@ def smoke(report: dict, keep: bool) -> None:
                     "/opt/treadle/recipes/compose_smoke.yaml", out=out,
                 )  # fmt: skip
                 faults = []
-                step = wait_for_step(token, 10, demo)
+                step = wait_for_step(token, 8, demo)
                 faults.append({"killed": "rollout", "pid": kill_process(stack, "rollout"),
                                "at_step": step})  # fmt: skip
-                step = wait_for_step(token, step + 15, demo)  # it went on after the kill
+                step = wait_for_step(token, step + 12, demo)  # it went on after the kill
                 stack("restart", "redis")
                 faults.append({"restarted": "redis", "at_step": step})
                 rc = demo.wait(timeout=1500)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import ssl
 import subprocess
@@ -161,10 +162,22 @@ def tiny_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tool_model(tiny_model, tmp_path_factory) -> Path:
-    """The tiny model trained to call a weather tool (`tests/tool_model.py`)."""
+    """The tiny model trained to call a weather tool (`tests/tool_model.py`); trained once
+    per run: parallel workers share it (the run's base temp dir, under a file lock)."""
+    from filelock import FileLock
+
     from tests.tool_model import train_tool_model
 
-    return train_tool_model(tiny_model, tmp_path_factory.mktemp("models") / "tool")
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the run's, above each worker's own
+    out = shared / "tool-model"
+    with FileLock(str(shared / "tool-model.lock")):
+        if not out.exists():
+            staging = shared / "tool-model.part"
+            shutil.rmtree(staging, ignore_errors=True)
+            train_tool_model(tiny_model, staging).rename(out)
+    return out
 
 
 @dataclass

@@ -57,7 +57,7 @@ def test_demo_recipe_lifts_held_out_accuracy_by_rl_and_writes_its_outputs(cli_en
 
 def test_the_same_recipe_and_seed_give_the_same_numbers_and_weights(cli_env, tmp_path):  # noqa: F811
     """Reproducible sync runs: seeded episodes, batches in feed order, greedy evaluations.
-    Shortened (a fixed warm-up, 10 RL steps, an evaluation after step 5, which the run waits
+    Shortened (a fixed warm-up, 6 RL steps, an evaluation after step 3, which the run waits
     for).
 
     Bit-equality holds up to the warm-up's weights. What remains is float rounding in the
@@ -65,12 +65,12 @@ def test_the_same_recipe_and_seed_give_the_same_numbers_and_weights(cli_env, tmp
     bits, hence the behaviour logprobs and the PPO ratio. The same tokens are sampled (the
     per-episode seeds decide), the evaluations agree, and the weights differ by rounding."""
     short = [
-        *("--set", "sft.steps=60"),
+        *("--set", "sft.steps=40"),
         *("--set", "sft.target_reward=null"),
-        *("--set", "trainer.num_steps=10"),
-        *("--set", "trainer.checkpoint_every=5"),
-        *("--set", "eval.every=5"),
-        *("--set", "eval.num_tasks=100"),
+        *("--set", "trainer.num_steps=6"),
+        *("--set", "trainer.checkpoint_every=3"),
+        *("--set", "eval.every=3"),
+        *("--set", "eval.num_tasks=50"),
         *("--set", "eval.min_rl_improvement=null"),
     ]
     runs = []
@@ -80,7 +80,7 @@ def test_the_same_recipe_and_seed_give_the_same_numbers_and_weights(cli_env, tmp
         assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
         runs.append(tmp_path / ".treadle" / "runs" / run_id)
     first, second = (json.loads((r / "summary.json").read_text()) for r in runs)
-    assert list(first["eval"]) == ["start", "after_sft", "step 5", "end"]
+    assert list(first["eval"]) == ["start", "after_sft", "step 3", "end"]
     assert first["eval"] == second["eval"]
     assert first["mean_reward_per_step"] == second["mean_reward_per_step"]
     (init_a,), (init_b,) = (list(r.glob("init-v*")) for r in runs)

@@ -128,11 +128,11 @@ def test_bench_trainer_megatron_reports_itself_next_to_single():
 
 def test_bench_e2e_runs_both_modes_on_one_stack():
     root = Path(__file__).resolve().parents[2]
-    quality = [  # the learning half, shortened: a fixed 30-step warm-up, 10 steps per mode
-        *("--quality-set", "sft.steps=30"),  # (more versions than the store keeps: the warm-up's
+    quality = [  # the learning half, shortened: a fixed 20-step warm-up, 6 steps per mode
+        *("--quality-set", "sft.steps=20"),  # (more versions than the store keeps: the warm-up's
         *("--quality-set", "sft.target_reward=null"),  # stays, pinned, for the async run)
-        *("--quality-set", "trainer.num_steps=10"),
-        *("--quality-set", "eval.num_tasks=20"),
+        *("--quality-set", "trainer.num_steps=6"),
+        *("--quality-set", "eval.num_tasks=10"),
     ]
     report = bench(
         "e2e", "--steps", "3", "--recipe", str(root / "recipes" / "agentic.yaml"), *quality
@@ -152,7 +152,7 @@ def test_bench_e2e_runs_both_modes_on_one_stack():
         summary = json.loads((runs / f"bench-{mode}" / "summary.json").read_text())
         assert summary["exactly_once"] and summary["steps"] == 3
     # the learning half: both modes trained from the sync run's warm-up version
-    assert report["quality_workload"] == "arith_latency.yaml" and report["quality_steps"] == 10
+    assert report["quality_workload"] == "arith_latency.yaml" and report["quality_steps"] == 6
     quality_runs = Path(report["outputs"]) / "quality" / "runs"
     sync_run, async_run = (quality_runs / f"bench-{mode}" for mode in ("sync", "async"))
     warmed = yaml.safe_load((sync_run / "config.yaml").read_text())["model"]["init_version"]
@@ -178,14 +178,14 @@ def test_bench_learn_reports_rl_lift_per_seed():
         *("--set", "sft.steps=20"),
         *("--set", "sft.target_reward=null"),
         *("--set", "trainer.num_steps=2"),
-        *("--set", "eval.num_tasks=30"),
+        *("--set", "eval.num_tasks=10"),
         *("--set", "eval.every=0"),
         *("--set", "eval.min_rl_improvement=null"),
     ]
     report = bench("learn", "--seeds", "0,1", *short)
     assert [s["seed"] for s in report["seeds"]] == [0, 1] and report["all_exit_zero"]
     for s in report["seeds"]:
-        assert s["held_out_tasks"] == 30 and s["sft_steps"] == 20 and s["rl_steps"] == 2
+        assert s["held_out_tasks"] == 10 and s["sft_steps"] == 20 and s["rl_steps"] == 2
         assert s["eval_start"] == 0.0  # the untrained model answers no sum right
         assert s["rl_lift"] == pytest.approx(s["eval_end"] - s["eval_after_sft"])
     assert report["min_rl_lift"] == min(s["rl_lift"] for s in report["seeds"])
