@@ -10,6 +10,7 @@ import platform
 import shutil
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -53,22 +54,46 @@ def sandbox(request):
 
 
 def sandboxed_processes() -> list[str]:
-    """Every live process running as a sandbox uid (a zombie runs nothing: an exited bwrap
-    waits a moment for the machine's init to reap it)."""
-    out = subprocess.run(["ps", "-eo", "uid=,pid=,stat=,args="], capture_output=True, text=True)
-    rows = [line.split(None, 3) for line in out.stdout.splitlines()]
+    """Every live process of this test process's tree running as a sandbox uid (a zombie runs
+    nothing: an exited bwrap waits a moment for the machine's init to reap it). Its tree: a
+    sandbox's processes live in its PID namespace, under the bwrap/unshare this process
+    started; other processes' sandboxes (a parallel worker's services) are theirs. And every
+    orphan (reparented to PID 1) running as a sandbox uid: nobody's sandbox holds it."""
+    out = subprocess.run(
+        ["ps", "-eo", "uid=,pid=,ppid=,stat=,args="], capture_output=True, text=True
+    )
+    rows = [line.split(None, 4) for line in out.stdout.splitlines()]
+    children: dict[str, list[str]] = {}
+    for r in rows:
+        children.setdefault(r[2], []).append(r[1])
+    ours, todo = set(), [str(os.getpid())]
+    while todo:
+        pid = todo.pop()
+        ours.add(pid)
+        todo += children.get(pid, [])
     return [
         " ".join(r)
         for r in rows
-        if UID_BASE <= int(r[0]) < UID_BASE + UID_COUNT and not r[2].startswith("Z")
+        if UID_BASE <= int(r[0]) < UID_BASE + UID_COUNT
+        and (r[1] in ours or r[2] == "1")
+        and not r[3].startswith("Z")
     ]
+
+
+def _settled(before: list[str], timeout_s: float = 10.0) -> list[str]:
+    """The sandboxed processes once they are back to `before`, or after `timeout_s` (a
+    process may still be exiting when its run has returned)."""
+    deadline = time.monotonic() + timeout_s
+    while (now := sandboxed_processes()) != before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return now
 
 
 @pytest.fixture(autouse=True)
 def no_leftovers(request):
     before = sandboxed_processes()
     yield
-    assert sandboxed_processes() == before, "sandboxed processes outlived their run"
+    assert _settled(before) == before, "sandboxed processes outlived their run"
     if "sandbox" in request.fixturenames:
         backend = request.getfixturevalue("sandbox").backend
         if isinstance(backend, DockerBackend):
