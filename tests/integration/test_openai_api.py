@@ -5,12 +5,15 @@ through a recorded session that stays token-exact across the tool turn."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 
+import httpx
 import openai
 import pytest
 import redis.asyncio as aioredis
+from prometheus_client import REGISTRY
 
 from tests.openai_server import serve
 from tests.tool_model import TOOL, answer, conversation
@@ -287,3 +290,35 @@ async def test_a_recorded_tool_session_is_token_exact(tool, redis_client):
     tok = served.engine.tokenizer
     assert "<tool_response>\nsunny in Rome\n</tool_response>" in tok.decode(between)
     assert '"city": "Rome"' in tok.decode(first_gen)
+
+
+async def test_a_client_that_closes_its_stream_cancels_the_generation(tiny_model):
+    """Over real HTTP: the connection closes mid-stream, and the engine drops the request
+    (the SSE response notices the disconnect and cancels the events it was sending)."""
+    async with serve(tiny_model) as served:
+        client = openai.AsyncOpenAI(base_url=served.url, api_key="unused")
+        args = dict(model="tiny", messages=USER, max_tokens=1000, temperature=1.0)
+        runs = [await client.chat.completions.create(seed=s, **args) for s in range(12)]
+        await client.close()
+        length, seed = max((r.usage.completion_tokens, s) for s, r in enumerate(runs))
+        assert length >= 300
+        finished = len(served.calls)
+        before = REGISTRY.get_sample_value("treadle_rollout_tokens_total") or 0.0
+        async with httpx.AsyncClient(base_url=served.url) as http:
+            body = {**args, "seed": seed, "stream": True}
+            async with http.stream("POST", "/chat/completions", json=body) as response:
+                assert response.status_code == 200
+                async for line in response.aiter_lines():
+                    chunk = json.loads(line[6:]) if line.startswith("data: {") else {}
+                    if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                        break  # the first content: the generation is running
+                assert served.engine.running == 1
+        for _ in range(250):  # the connection is closed
+            if served.engine.running == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert served.engine.running == 0
+        await asyncio.sleep(1.0)
+        assert len(served.calls) == finished  # the stream never finished
+        generated = (REGISTRY.get_sample_value("treadle_rollout_tokens_total") or 0.0) - before
+        assert generated < length / 2

@@ -93,7 +93,7 @@ def bench_tinker(
 def bench_rollout(
     prompts: Annotated[int, typer.Option(help="Concurrent requests per round")] = 32,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens generated per request")] = 32,
-    rounds: Annotated[int, typer.Option(help="Measured rounds per side")] = 3,
+    rounds: Annotated[int, typer.Option(help="Measured rounds per side")] = 5,
     swaps: Annotated[int, typer.Option(help="Weight versions published under load")] = 5,
     hidden_size: Annotated[int, typer.Option(help="Tiny model width (head size 64)")] = 128,
     layers: Annotated[int, typer.Option(help="Tiny model layers")] = 2,

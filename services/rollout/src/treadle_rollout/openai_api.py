@@ -42,7 +42,7 @@ from typing import Annotated, Any, cast
 
 from fastapi import APIRouter, FastAPI, Path, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from treadle_common import auth, names
@@ -59,7 +59,8 @@ from treadle_rollout.openai_types import (
     OpenAIError,
     SamplingFields,
 )
-from treadle_rollout.transcript import TemplateNotPrefixStable, Transcript, render
+from treadle_rollout.sse import EventStream, Final
+from treadle_rollout.transcript import TemplateNotPrefixStable, Transcript, encode, render
 
 SESSION_HEADER = "X-Treadle-Session"
 MAX_GENERATIONS = 256
@@ -423,7 +424,7 @@ class OpenAIFrontend:
 
     def _prompt(self, plan: ChatPlan) -> list[int]:
         text = render(self.tokenizer, plan.messages, plan.tools) + plan.prefix
-        prompt = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        prompt = encode(self.tokenizer, text)
         self._check_room(len(prompt))
         return prompt
 
@@ -553,7 +554,7 @@ class OpenAIFrontend:
         prompts: list[list[int]] = []
         for p in batch:
             if isinstance(p, str):
-                p = self.tokenizer(p, add_special_tokens=False)["input_ids"]
+                p = encode(self.tokenizer, p)
             prompts.append(cast(list[int], p))
         if not all(prompts):
             raise OpenAIError(400, "prompt is empty", param="prompt")
@@ -800,7 +801,7 @@ def _cut(text: str, stops: tuple[str, ...]) -> str:
 
 def session_free_prompt(tokenizer, messages: list[dict]) -> list[int]:
     text = render(tokenizer, messages)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return encode(tokenizer, text)
 
 
 def _joined(pieces: list[Generation]) -> Generation:
@@ -943,7 +944,7 @@ async def _sse(one, count: int, header: _ChunkHeader, include_usage: bool) -> As
     else:
         if include_usage:
             held += _event(header.usage(sum(p for p, _ in counts), sum(c for _, c in counts)))
-    yield held + _event("[DONE]")
+    yield Final(held + _event("[DONE]"))
 
 
 async def _merge(
@@ -1052,8 +1053,4 @@ def mount(app: FastAPI, frontend: OpenAIFrontend) -> None:
 def _respond(result: dict | AsyncIterator[str]) -> Any:
     if isinstance(result, dict):
         return result
-    return StreamingResponse(
-        result,
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
+    return EventStream(result)

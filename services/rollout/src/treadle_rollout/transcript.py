@@ -28,6 +28,17 @@ open with the same messages, so only the first of them renders and tokenizes the
 MAX_OPENINGS = 4096
 
 
+def encode(tokenizer: Any, text: str) -> list[int]:
+    """`tokenizer(text, add_special_tokens=False)["input_ids"]`, through a fast tokenizer's
+    own (Rust) encoder when it has one: the same ids at about half the cost, most of which
+    is transformers' per-call Python (a tenth of the serving loop's time per streamed
+    request)."""
+    fast = getattr(tokenizer, "backend_tokenizer", None)
+    if fast is not None:
+        return fast.encode(text, add_special_tokens=False).ids
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 class TemplateNotPrefixStable(RuntimeError):
     """The chat template rendered earlier turns differently: tokens cannot stay exact."""
 
@@ -65,7 +76,7 @@ class Transcript:
             del seq[length:]
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return encode(self.tokenizer, text)
 
     def add_context(self, tokens: list[int]) -> None:
         self.tokens += tokens

@@ -100,6 +100,8 @@ class _Seq:
     reported_at: float = 0.0
     on_piece: Callable[[Generation], None] | None = None
     """`HFEngine.submit`'s callback: the tokens added since its last call."""
+    on_finish: Callable[[Generation], None] | None = None
+    """`HFEngine.submit`'s callback: the finished generation, in the call that delivers it."""
     sent: int = 0
     """Tokens passed to `on_piece` so far."""
 
@@ -222,6 +224,9 @@ class HFEngine(Engine):
         adapter go through it."""
         self._wake = asyncio.Event()
         self._scheduler: asyncio.Task | None = None
+        self.on_delivered: Callable[[], None] | None = None
+        """Called on the event loop after each step's results and pieces were delivered
+        (the engine process writes them out in that same call)."""
         self.busy_s = 0.0
         self.started_at = time.perf_counter()
         self.restarted_turns = 0
@@ -275,12 +280,17 @@ class HFEngine(Engine):
         prompt_tokens: list[int],
         sampling: Sampling,
         on_piece: Callable[[Generation], None] | None = None,
+        on_finish: Callable[[Generation], None] | None = None,
     ) -> asyncio.Future[Generation]:
         """`generate` and `stream` in callback form, for a server that forwards pieces (the
         engine process): `on_piece`, if given, is called on the event loop with the tokens
         added since its last call (as often as `stream` yields, but never with the last
-        ones); the future holds the whole generation. Cancelling it cancels the request."""
-        return self._submit(prompt_tokens, sampling, on_piece=on_piece).future
+        ones); `on_finish`, if given, with the whole generation in the same call as the step's
+        other pieces (the future's callbacks run a loop turn later); the future holds the
+        whole generation (or the error). Cancelling it cancels the request."""
+        seq = self._submit(prompt_tokens, sampling, on_piece=on_piece)
+        seq.on_finish = on_finish
+        return seq.future
 
     def _submit(
         self,
@@ -526,11 +536,12 @@ class HFEngine(Engine):
         ones with new tokens are woken."""
         for seq in finished:
             if not seq.future.done():
-                seq.future.set_result(
-                    Generation(
-                        seq.tokens, seq.logprobs, seq.versions, seq.finish or "length", seq.top
-                    )
+                gen = Generation(
+                    seq.tokens, seq.logprobs, seq.versions, seq.finish or "length", seq.top
                 )
+                if seq.on_finish is not None:
+                    seq.on_finish(gen)
+                seq.future.set_result(gen)
         for seq in progressed:
             if seq.on_piece is not None:
                 if seq.ready > seq.sent and not seq.future.done():
@@ -546,6 +557,8 @@ class HFEngine(Engine):
                     )
             elif seq.progress is not None:
                 seq.progress.set()
+        if self.on_delivered is not None:
+            self.on_delivered()
 
     # -- model work (runs in a worker thread) -----------------------------------------------
     def _burst(self, loop: asyncio.AbstractEventLoop, joiners: list[_Seq]) -> None:

@@ -111,7 +111,8 @@ class ProcessEngine(Engine):
         self._counted = dict.fromkeys(COUNTERS, 0.0)
         self._started_at = time.perf_counter()
         self._proc: subprocess.Popen | None = None
-        self._reader_task: asyncio.Task | None = None
+        self._conn: wire.FrameProtocol | None = None
+        self._first: asyncio.Future[list[dict[str, Any]]] | None = None
         self._closing = False
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -119,14 +120,16 @@ class ProcessEngine(Engine):
         """Start the engine process and wait until its model is loaded."""
         started = prestart.take(self.options) or prestart.spawn(self.options)
         self._proc, ours = started
-        self._reader, writer = await asyncio.open_connection(sock=ours)
-        self._out = wire.Outbox(writer)
-        self._writer = writer
-        try:
-            first = await wire.read_frame(self._reader)
-        except (asyncio.IncompleteReadError, ConnectionError) as exc:
+        self._first = asyncio.get_running_loop().create_future()
+        self._writer, self._conn = await wire.connect(ours, self._on_messages)
+        self._conn.closed.add_done_callback(self._on_closed)
+        self._out = wire.Outbox(self._writer, immediate=True)
+        either: list[asyncio.Future[Any]] = [self._first, self._conn.closed]
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        if not self._first.done():
             code = await self._wait()
-            raise EngineProcessGone(f"the engine process exited with code {code}") from exc
+            raise EngineProcessGone(f"the engine process exited with code {code}")
+        first = self._first.result()
         ready = first[0].get("ready")
         if ready is None:
             kind, message = first[0].get("failed", ["RuntimeError", "no ready message"])
@@ -136,7 +139,6 @@ class ProcessEngine(Engine):
         self._held = set(ready["held"])
         for message in first[1:]:
             self._dispatch(message)
-        self._reader_task = asyncio.create_task(self._read(), name="engine-process-reader")
         log.info("engine process started", pid=self._proc.pid, device=self.device)
 
     async def _wait(self) -> int:
@@ -160,25 +162,29 @@ class ProcessEngine(Engine):
             log.warning("engine process did not exit; killing it", pid=self._proc.pid)
             self._proc.kill()
             await self._wait()
-        if self._reader_task is not None:
-            await self._reader_task
+        if self._conn is not None:
+            await self._conn.closed
 
     # -- the socket ---------------------------------------------------------------------------
-    async def _read(self) -> None:
-        try:
-            while True:
-                for message in await wire.read_frame(self._reader):
-                    self._dispatch(message)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            gone = EngineProcessGone("the engine process exited")
-            for call in self._calls.values():
-                if not call.future.done():
-                    call.future.set_exception(gone)
-                if call.progress is not None:
-                    call.progress.set()
-            self._calls.clear()
+    def _on_messages(self, messages: list[dict[str, Any]]) -> None:
+        """A frame from the engine process (in the callback that read it: no task hop)."""
+        if self._first is not None and not self._first.done():
+            self._first.set_result(messages)  # the ready (or failed) frame: `start` reads it
+            return
+        for message in messages:
+            self._dispatch(message)
+
+    def _on_closed(self, closed: asyncio.Future[BaseException | None]) -> None:
+        error = closed.result()
+        if error is not None and not isinstance(error, ConnectionError):
+            log.error("engine process connection failed", error=repr(error))
+        gone = EngineProcessGone("the engine process exited")
+        for call in self._calls.values():
+            if not call.future.done():
+                call.future.set_exception(gone)
+            if call.progress is not None:
+                call.progress.set()
+        self._calls.clear()
 
     def _dispatch(self, message: dict[str, Any]) -> None:
         state = message.get("state")
@@ -223,7 +229,7 @@ class ProcessEngine(Engine):
     def _call(
         self, message: dict[str, Any], request: bool = False, streamed: bool = False
     ) -> tuple[int, _Call]:
-        if self._closing or self._reader_task is None or self._reader_task.done():
+        if self._closing or self._conn is None or self._conn.closed.done():
             raise EngineProcessGone("the engine process is not running")
         id_ = next(self._ids)
         call = _Call(asyncio.get_running_loop().create_future(), request=request)

@@ -13,7 +13,6 @@ includes the service dying.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import signal
 import socket
@@ -110,30 +109,34 @@ class EngineServer:
             self.out.send({"id": call, **wire.generation_to_wire(piece)})
             self.send_state()
 
-        def on_done(future: asyncio.Future[Generation]) -> None:
+        def on_finish(gen: Generation) -> None:
+            """The rest goes out with the step's pieces (`engine.on_delivered` writes them)."""
             self.requests.pop(call, None)
-            if future.cancelled():
-                return  # the service cancelled: it expects no answer
+            rest = Generation(
+                gen.tokens[sent:],
+                gen.logprobs[sent:],
+                gen.versions[sent:],
+                gen.finish_reason,
+                gen.top_logprobs[sent:],
+            )
+            self.out.send({"id": call, **wire.generation_to_wire(rest)})
+            self.send_state(force=True)
+
+        def on_done(future: asyncio.Future[Generation]) -> None:
+            """Errors (a finished generation went out with `on_finish`)."""
+            if self.requests.pop(call, None) is None or future.cancelled():
+                return  # finished, or the service cancelled: it expects no answer
             exc = future.exception()
             if exc is not None:
                 self.out.send({"id": call, "err": error_of(exc)})
-            else:
-                gen = future.result()
-                rest = Generation(
-                    gen.tokens[sent:],
-                    gen.logprobs[sent:],
-                    gen.versions[sent:],
-                    gen.finish_reason,
-                    gen.top_logprobs[sent:],
-                )
-                self.out.send({"id": call, **wire.generation_to_wire(rest)})
-            self.send_state(force=True)
+                self.send_state(force=True)
 
         try:
             future = self.engine.submit(
                 message["prompt"],
                 wire.sampling_from_wire(message["sampling"]),
                 on_piece if message.get("stream") else None,
+                on_finish,
             )
         except Exception as exc:
             self.out.send({"id": call, "err": error_of(exc)})
@@ -212,8 +215,7 @@ class EngineServer:
 
 
 async def serve(fd: int, options: dict[str, Any]) -> None:
-    reader, writer = await asyncio.open_connection(sock=socket.socket(fileno=fd))
-    out = wire.Outbox(writer)
+    sock = socket.socket(fileno=fd)
     try:
         engine = HFEngine(
             Path(options["model_dir"]),
@@ -225,11 +227,18 @@ async def serve(fd: int, options: dict[str, Any]) -> None:
             prefix_cache_mb=options.get("prefix_cache_mb", 256),
         )
     except Exception as exc:
-        writer.write(wire.encode_frame([{"failed": error_of(exc)}]))
-        await writer.drain()
+        sock.sendall(wire.encode_frame([{"failed": error_of(exc)}]))
+        sock.close()
         raise
-    server = EngineServer(engine, out)
-    out.send(
+
+    def on_messages(messages: list[dict[str, Any]]) -> None:
+        for message in messages:
+            server.handle(message)
+
+    writer, conn = await wire.connect(sock, on_messages)
+    server = EngineServer(engine, wire.Outbox(writer))
+    engine.on_delivered = server.out.flush  # a step's pieces leave in the call that got them
+    server.out.send(
         {
             "ready": {
                 "max_context": engine.max_context,
@@ -240,19 +249,13 @@ async def serve(fd: int, options: dict[str, Any]) -> None:
     )
     reporter = asyncio.create_task(server.report_state())
     try:
-        while True:
-            try:
-                messages = await wire.read_frame(reader)
-            except (asyncio.IncompleteReadError, ConnectionError):
-                break  # the service closed the socket (or is gone)
-            for message in messages:
-                server.handle(message)
+        error = await conn.closed  # the service closed the socket (or is gone)
+        if error is not None and not isinstance(error, ConnectionError):
+            log.error("service connection failed", error=repr(error))
     finally:
         reporter.cancel()
         await server.close()
         writer.close()
-        with contextlib.suppress(Exception):
-            await writer.wait_closed()
 
 
 def main() -> None:

@@ -3,14 +3,19 @@
 Frames on a local stream socket: a 4-byte big-endian length, then a msgpack array of
 messages (maps). Each side queues its messages and writes them as one frame per event-loop
 turn (`Outbox`), so one decode step's pieces for every running request cost one write and
-one read. Only names, numbers, token ids and safetensors bytes cross: no pickle.
+one read. Each side reads with `FrameProtocol`, which hands a frame's messages over in the
+callback that received its bytes (a stream reader's task would wake a loop turn later: on
+a busy serving loop, a few ms of every request's path). Only names, numbers, token ids and
+safetensors bytes cross: no pickle.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Any
+import socket
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import msgpack
 
@@ -21,15 +26,67 @@ MAX_FRAME = 1 << 31
 """Frames are at most this long (an adapter's tensors are the largest)."""
 
 
-async def read_frame(reader: asyncio.StreamReader) -> list[dict[str, Any]]:
-    """The next frame's messages; `asyncio.IncompleteReadError` once the other side closed."""
-    size = int.from_bytes(await reader.readexactly(4), "big")
-    if size > MAX_FRAME:
-        raise ValueError(f"a {size}-byte frame is longer than {MAX_FRAME}")
-    messages = msgpack.unpackb(await reader.readexactly(size), raw=False)
+def decode_body(body: bytes | bytearray) -> list[dict[str, Any]]:
+    messages = msgpack.unpackb(body, raw=False)
     if not isinstance(messages, list):
         raise ValueError("a frame holds an array of messages")
     return messages
+
+
+class FrameProtocol(asyncio.Protocol):
+    """Reads frames as their bytes arrive: `on_messages(messages)` for each complete frame,
+    in `data_received`; `closed` is done when the connection is (its result: None, or the
+    error that ended it, including a malformed frame)."""
+
+    def __init__(self, on_messages: Callable[[list[dict[str, Any]]], None]) -> None:
+        self.on_messages = on_messages
+        self.closed: asyncio.Future[BaseException | None] = (
+            asyncio.get_running_loop().create_future()
+        )
+        self.transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        while len(self._buffer) >= 4:
+            size = int.from_bytes(self._buffer[:4], "big")
+            if size > MAX_FRAME:
+                self._fail(ValueError(f"a {size}-byte frame is longer than {MAX_FRAME}"))
+                return
+            if len(self._buffer) < 4 + size:
+                return
+            body = self._buffer[4 : 4 + size]
+            del self._buffer[: 4 + size]
+            try:
+                messages = decode_body(body)
+            except Exception as exc:  # a malformed frame ends the connection
+                self._fail(exc)
+                return
+            self.on_messages(messages)
+
+    def _fail(self, exc: BaseException) -> None:
+        if not self.closed.done():
+            self.closed.set_result(exc)
+        if self.transport is not None:
+            self.transport.abort()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.closed.done():
+            self.closed.set_result(exc)
+
+
+async def connect(
+    sock: socket.socket, on_messages: Callable[[list[dict[str, Any]]], None]
+) -> tuple[asyncio.Transport, FrameProtocol]:
+    """A connected socket as a transport that delivers frames to `on_messages`."""
+    loop = asyncio.get_running_loop()
+    transport, protocol = await loop.create_connection(
+        lambda: FrameProtocol(on_messages), sock=sock
+    )
+    return transport, protocol
 
 
 def encode_frame(messages: list[dict[str, Any]]) -> bytes:
@@ -37,19 +94,32 @@ def encode_frame(messages: list[dict[str, Any]]) -> bytes:
     return len(body).to_bytes(4, "big") + body
 
 
-class Outbox:
-    """Messages queued during one event-loop turn leave as one frame at its end."""
+class _Writer(Protocol):
+    def write(self, data: bytes) -> None: ...
 
-    def __init__(self, writer: asyncio.StreamWriter) -> None:
-        self.writer = writer
+    def is_closing(self) -> bool: ...
+
+
+class Outbox:
+    """Messages queued during one event-loop turn leave as one frame at its end; with
+    `immediate`, each leaves at once (the service's requests: a frame waiting for the end
+    of a busy serving loop's turn is a few ms more on every request's path)."""
+
+    def __init__(self, writer: _Writer, immediate: bool = False) -> None:
+        self.writer, self.immediate = writer, immediate
         self._queued: list[dict[str, Any]] = []
 
     def send(self, message: dict[str, Any]) -> None:
+        if self.immediate:
+            if not self.writer.is_closing():
+                self.writer.write(encode_frame([message]))
+            return
         if not self._queued:
-            asyncio.get_running_loop().call_soon(self._flush)
+            asyncio.get_running_loop().call_soon(self.flush)
         self._queued.append(message)
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        """Write what is queued now (the turn's end then finds nothing)."""
         messages, self._queued = self._queued, []
         if messages and not self.writer.is_closing():
             self.writer.write(encode_frame(messages))
