@@ -120,7 +120,7 @@ class EngineServer:
                 gen.top_logprobs[sent:],
             )
             self.out.send({"id": call, **wire.generation_to_wire(rest)})
-            self.send_state(force=True)
+            self.send_state(force=not self.requests)  # at once when the engine goes idle
 
         def on_done(future: asyncio.Future[Generation]) -> None:
             """Errors (a finished generation went out with `on_finish`)."""
@@ -129,7 +129,7 @@ class EngineServer:
             exc = future.exception()
             if exc is not None:
                 self.out.send({"id": call, "err": error_of(exc)})
-                self.send_state(force=True)
+                self.send_state(force=not self.requests)
 
         try:
             future = self.engine.submit(
