@@ -5,8 +5,9 @@ The rollout service's process parses requests, renders chat templates, streams S
 talks to Redis, NATS and gRPC; generation needs a core of its own. In one Python process
 the two take turns on the GIL, so the HTTP path slows the engine down. `ProcessEngine` is
 the `Engine` the service uses; it starts `process_main` (an `HFEngine`) as a child process
-and talks to it over a socket pair (`wire.py`: msgpack frames, one per event-loop turn each
-way). This is how vLLM splits its API server from its engine core.
+and talks to it over a socket pair (`wire.py`: msgpack frames; a request goes at once, a
+decode step's pieces come back as one frame). This is how vLLM splits its API server from
+its engine core.
 
 - requests (`generate`, `stream`) go as messages; their pieces come back, coalesced: a
   stream that fell behind by several steps gets them as one piece. Closing a stream or

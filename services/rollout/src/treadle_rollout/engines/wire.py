@@ -1,12 +1,14 @@
 """What crosses between the rollout service and its engine process (`process.py`).
 
 Frames on a local stream socket: a 4-byte big-endian length, then a msgpack array of
-messages (maps). Each side queues its messages and writes them as one frame per event-loop
-turn (`Outbox`), so one decode step's pieces for every running request cost one write and
-one read. Each side reads with `FrameProtocol`, which hands a frame's messages over in the
-callback that received its bytes (a stream reader's task would wake a loop turn later: on
-a busy serving loop, a few ms of every request's path). Only names, numbers, token ids and
-safetensors bytes cross: no pickle.
+messages (maps). The engine process queues its messages and writes them as one frame per
+decode step (`Outbox.flush` when the step is delivered, else at the end of the loop turn),
+so one step's pieces for every running request cost one write and one read; the service
+writes each request at once (`Outbox(immediate=True)`). Each side reads with
+`FrameProtocol`, which hands a frame's messages over in the callback that received its
+bytes (a stream reader's task would wake a loop turn later: on a busy serving loop, a few
+ms of every request's path). Only names, numbers, token ids and safetensors bytes cross:
+no pickle.
 """
 
 from __future__ import annotations
