@@ -5,6 +5,8 @@ this machine skips with the reason its own probe gives."""
 
 import ast
 import asyncio
+import contextlib
+import dataclasses
 import os
 import platform
 import shutil
@@ -294,8 +296,15 @@ async def test_a_sandbox_sees_only_its_own_processes(sandbox):
 
 async def test_a_sandbox_cannot_read_a_siblings_work_dir(sandbox):
     """While one box holds a secret, another looks for it everywhere it might be: the
-    sandboxes' base dir, and every box-like directory it can reach."""
-    holder = sandbox.run("open('secret.txt', 'w').write('mine')\nimport time\ntime.sleep(2)")
+    sandboxes' base dir, and every box-like directory it can reach. The walk reads tens of
+    thousands of entries (`/lib` is the host's `/usr/lib`), so both boxes get time for it
+    on a loaded machine, and the holder is still running when the search ends."""
+    slow = dataclasses.replace(LIMITS, wall_seconds=120, cpu_seconds=60)
+    holder = asyncio.ensure_future(
+        sandbox.run(
+            "open('secret.txt', 'w').write('mine')\nimport time\ntime.sleep(120)", limits=slow
+        )
+    )
     base = str(sandbox.base_dir)
     snoop = (
         "import glob, os, time\ntime.sleep(0.5)\nfound = []\n"
@@ -313,8 +322,12 @@ async def test_a_sandbox_cannot_read_a_siblings_work_dir(sandbox):
         "    except OSError as e:\n        found.append(type(e).__name__)\n"
         "print(found)\n"
     )
-    held, snooped = await asyncio.gather(holder, sandbox.run(snoop))
-    assert held.status == "ok" and snooped.status == "ok", (held, snooped)
+    snooped = await sandbox.run(snoop, limits=slow)
+    assert not holder.done(), holder.result()  # the secret was there for the whole search
+    holder.cancel()  # the box is killed
+    with contextlib.suppress(asyncio.CancelledError):
+        await holder
+    assert snooped.status == "ok", snooped
     assert "mine" not in snooped.stdout, snooped.stdout
 
 

@@ -400,3 +400,59 @@ async def test_a_publish_cancelled_while_its_manifest_is_written_leaves_the_vers
     assert (await store.commit(second)).version == 2
     await asyncio.wait_for(store.flush(), 10)
     assert await store.versions("m") == [1, 2] and store.persist_error is None
+
+
+class DurableAtOnce:
+    """The store as the announcer sees it: every version is durable when asked."""
+
+    async def until_durable(self, model: str, version: int) -> bool:
+        return True
+
+    async def flush(self) -> None:
+        pass
+
+    async def release_reserved(self) -> None:
+        pass
+
+
+async def test_announcements_of_a_model_go_out_in_version_order():
+    """The stream keeps one announcement per model: versions announced at once must not
+    land older-last. Version 1's announce is slow (NATS just came back), version 2's fast."""
+    from treadle_common.proto.treadle.v1 import weights_pb2 as pb
+    from treadle_weight_store.grpc import WeightStoreServicer
+
+    published: list[int] = []
+
+    async def announce(manifest: pb.WeightManifest) -> None:
+        await asyncio.sleep(0.05 if manifest.version == 1 else 0)
+        published.append(manifest.version)
+
+    servicer = WeightStoreServicer(DurableAtOnce(), announce)  # type: ignore[arg-type]
+    for version in (1, 2):
+        servicer._announce_when_durable(pb.WeightManifest(model="m", version=version))
+    await servicer.drain()
+    assert published == [1, 2]
+
+
+async def test_an_announcement_that_a_newer_one_overtook_is_not_sent():
+    from treadle_common.proto.treadle.v1 import weights_pb2 as pb
+    from treadle_weight_store.grpc import WeightStoreServicer
+
+    published: list[int] = []
+    gate = asyncio.Event()
+
+    class SlowDurable(DurableAtOnce):
+        async def until_durable(self, model: str, version: int) -> bool:
+            if version == 1:
+                await gate.wait()  # version 1 becomes durable after version 2 is out
+            return True
+
+    async def announce(manifest: pb.WeightManifest) -> None:
+        published.append(manifest.version)
+        gate.set()
+
+    servicer = WeightStoreServicer(SlowDurable(), announce)  # type: ignore[arg-type]
+    for version in (1, 2):
+        servicer._announce_when_durable(pb.WeightManifest(model="m", version=version))
+    await servicer.drain()
+    assert published == [2]

@@ -65,7 +65,11 @@ async def build(settings: WeightStoreSettings) -> Service:
             trainer_step=manifest.trainer_step,
             store_address=grpc_addr,
         )
-        await js.publish(names.weights_subject(manifest.model), message.SerializeToString())
+        try:
+            await js.publish(names.weights_subject(manifest.model), message.SerializeToString())
+        except Exception:
+            stream_ready = False  # a NATS that restarted without the stream: made again next try
+            raise
 
     servicer = WeightStoreServicer(store, announce)
     add_to_server(servicer, runtime.make_grpc_server(POLICY))

@@ -136,6 +136,9 @@ class WeightStoreServicer(weights_pb2_grpc.WeightStoreServicer):
         self._collect_wanted = False
         self._announcing: set[asyncio.Task] = set()
         self._announced: dict[str, int] = {}  # model -> newest version announced
+        self._announce_locks: dict[str, asyncio.Lock] = {}
+        """One announcement of a model at a time: the stream keeps one message per model,
+        so an older version published after a newer one would replace it."""
 
     async def drain(self) -> None:
         """SIGTERM: versions written behind reach the backend, are announced, and the next
@@ -174,10 +177,14 @@ class WeightStoreServicer(weights_pb2_grpc.WeightStoreServicer):
             if not await self.store.until_durable(model, version):
                 return  # withdrawn: never announced
             deadline, delay = time.monotonic() + ANNOUNCE_RETRY_S, 0.2
+            lock = self._announce_locks.setdefault(model, asyncio.Lock())
             while self._announced.get(model, -1) < version:
                 try:
-                    await self.announce(manifest)
-                    self._announced[model] = max(self._announced.get(model, -1), version)
+                    async with lock:  # checked again: a newer version may be out meanwhile
+                        if self._announced.get(model, -1) >= version:
+                            return
+                        await self.announce(manifest)
+                        self._announced[model] = version
                     return
                 except Exception as exc:
                     if time.monotonic() > deadline:
