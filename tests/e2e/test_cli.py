@@ -234,6 +234,18 @@ def test_up_status_down_without_orphans(cli_env, tmp_path):
             *infra_pids,
         ]
         assert len(infra_pids) == 2 and all(alive(p) for p in pids)
+        if len(os.sched_getaffinity(0)) >= 2:  # rollout's engine computes on CPUs of its own
+            rollout_pid = health["services"]["rollout"]["pid"]
+            children = Path(f"/proc/{rollout_pid}/task/{rollout_pid}/children").read_text()
+            (engine_pid,) = map(int, children.split())
+            engine_cpus = {
+                frozenset(os.sched_getaffinity(int(tid)))
+                for tid in os.listdir(f"/proc/{engine_pid}/task")
+            }
+            assert len(engine_cpus) == 1, engine_cpus  # every thread of the engine process
+            (engine,) = engine_cpus
+            serving = os.sched_getaffinity(rollout_pid)
+            assert engine and serving and not engine & serving, (engine, serving)
         # the thin clients reach the running services
         spec = json.loads((tmp_path / ".treadle" / "stack.json").read_text())["spec"]
         # the admin token `up` wrote (0600) is what a client of this stack presents

@@ -195,3 +195,61 @@ async def test_a_prestarted_engine_process_is_taken_by_the_engine_with_its_optio
     gen = await engine.generate(engine.tokenizer("prestarted")["input_ids"], Sampling(seed=1))
     assert gen.tokens
     await engine.close()
+
+
+def test_engine_cpus_are_parsed_and_split_from_the_serving_ones():
+    from treadle_rollout.engines import cpus
+
+    assert cpus.parse("0, 2-3,5") == {0, 2, 3, 5}
+    assert cpus.split("", 1, [0, 1]) is None  # no binding
+    assert cpus.split("auto", 1, [0, 1]) == ([1], [0])
+    assert cpus.split("auto", 2, [0, 1, 2, 3]) == ([2, 3], [0, 1])
+    assert cpus.split("auto", 0, [0, 1, 2, 3]) == ([2, 3], [0, 1])  # half, as torch threads
+    assert cpus.split("auto", 2, [0, 1]) is None  # nothing would be left to serve
+    assert cpus.split("0,2", 2, [0, 1, 2, 3]) == ([0, 2], [1, 3])
+    for bad, says in (
+        ("7", "not among"),
+        ("0-3", "leaves no CPU"),
+        ("x", "not a CPU list"),
+        ("3-1", "not a CPU range"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            cpus.split(bad, 1, [0, 1, 2, 3])
+
+
+def thread_cpus(pid: int) -> dict[int, set[int]]:
+    """Each thread of `pid` and the CPUs it may run on."""
+    return {int(tid): os.sched_getaffinity(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to dedicate one")
+async def test_the_engine_process_computes_on_its_cpus_only(tiny_model):
+    engine_cpu = max(os.sched_getaffinity(0))
+    e = ProcessEngine(
+        tiny_model, "tiny", {"torch_threads": 1, "log_level": "WARNING", "cpus": [engine_cpu]}
+    )
+    await e.start()
+    try:
+        gen = await e.generate([1, 2, 3], Sampling(1.0, 1.0, 4, seed=1))
+        assert len(gen.tokens) == 4
+        assert e._proc is not None
+        threads = thread_cpus(e._proc.pid)
+        assert len(threads) >= 2  # the event loop and the engine's thread at least
+        assert all(c == {engine_cpu} for c in threads.values()), threads
+    finally:
+        await e.close()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to dedicate one")
+async def test_an_in_process_engine_computes_on_its_cpus_and_leaves_the_callers(tiny_model):
+    engine_cpu = max(os.sched_getaffinity(0))
+    before = thread_cpus(os.getpid())
+    e = HFEngine(tiny_model, "tiny", cpus=[engine_cpu])
+    try:
+        await e.generate([1, 2, 3], Sampling(1.0, 1.0, 4, seed=1))
+        after = thread_cpus(os.getpid())
+        new = {tid: c for tid, c in after.items() if tid not in before}
+        assert {engine_cpu} in new.values(), new  # the engine's thread
+        assert os.sched_getaffinity(0) == before[os.getpid()]  # this thread: as it was
+    finally:
+        await e.close()

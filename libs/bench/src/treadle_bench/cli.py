@@ -104,12 +104,21 @@ def bench_rollout(
             "(0: half the cores, what `treadle up` gives rollout)"
         ),
     ] = 0,
+    engine_cpus: Annotated[
+        str,
+        typer.Option(
+            help="CPUs of the engine, in the service and in-process alike, the rest for "
+            "serving and the load (auto: as `treadle up`; '': no binding)"
+        ),
+    ] = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
 ) -> None:
     """Generation through the rollout service (hf engine) vs the same engine in-process."""
     from treadle_bench import rollout
 
-    result = rollout.run(prompts, max_new_tokens, rounds, swaps, hidden_size, layers, torch_threads)
+    result = rollout.run(
+        prompts, max_new_tokens, rounds, swaps, hidden_size, layers, torch_threads, engine_cpus
+    )
     print(json.dumps(result, indent=None if as_json else 2))
 
 

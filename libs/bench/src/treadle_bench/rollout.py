@@ -51,6 +51,7 @@ from treadle_common.auth import bearer, token_from_env
 from treadle_common.clients.rollout import GenerationClient
 from treadle_common.clients.torch_weights import TorchWeightClient
 from treadle_common.logs import configure_logging
+from treadle_rollout.engines import cpus
 from treadle_rollout.engines.base import Sampling
 from treadle_rollout.engines.hf import HFEngine
 from treadle_rollout.openai_api import session_free_prompt
@@ -230,9 +231,11 @@ def run(
     hidden_size: int = 128,
     layers: int = 2,
     torch_threads: int = 0,
+    engine_cpus: str = "auto",
 ) -> dict:
     configure_logging("bench", level="WARNING")
     threads = torch_threads or max(1, (os.cpu_count() or 2) // 2)
+    split = cpus.split(engine_cpus, threads)
     torch.set_num_threads(threads)  # the in-process engine's, as the service's below
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
@@ -254,6 +257,7 @@ def run(
                         "TREADLE_ROLLOUT_MODEL": str(model_dir),
                         "TREADLE_ROLLOUT_MODEL_NAME": "bench-tiny",
                         "TREADLE_TORCH_THREADS": str(threads),
+                        "TREADLE_ROLLOUT_ENGINE_CPUS": engine_cpus,
                         "OMP_WAIT_POLICY": "PASSIVE",
                     },
                     ports["ro_http"],
@@ -273,6 +277,7 @@ def run(
                     max_new_tokens,
                     rounds,
                     swaps,
+                    split,
                 )
             )
     model = {"hidden_size": hidden_size, "layers": layers}
@@ -282,12 +287,19 @@ def run(
         "prompts": prompts,
         "model": model,
         "torch_threads": threads,
+        "engine_cpus": split[0] if split else None,
+        "serving_cpus": split[1] if split else None,
         **result,
     }
 
 
-async def _measure(model_dir, grpc_addr, http, store_addr, n, max_new, rounds, swaps) -> dict:
-    engine = HFEngine(model_dir, "bench-tiny")
+async def _measure(
+    model_dir, grpc_addr, http, store_addr, n, max_new, rounds, swaps, split
+) -> dict:
+    # as in the service: the engine's thread on its CPUs, and here the load (the clients)
+    # where the service serves, off them
+    engine = HFEngine(model_dir, "bench-tiny", cpus=split[0] if split else None)
+    cpus.bind(split[1] if split else None)
     prompts = make_prompts(engine.tokenizer, n)
     await service_round(grpc_addr, prompts[:4], 4)  # warm-up: connections, first batch
     await raw_round(engine, prompts[:4], 4)

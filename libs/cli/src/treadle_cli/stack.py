@@ -133,6 +133,8 @@ class StackSpec:
             env.setdefault("TREADLE_TRAINER_ROLLOUT_URL", self.http_url("rollout"))
         if service == "rollout":  # generation and training share the cores (async runs)
             env.setdefault("TREADLE_TORCH_THREADS", str(max(1, (os.cpu_count() or 2) // 2)))
+            # the engine computes on its cores, rollout's serving threads on the others
+            env.setdefault("TREADLE_ROLLOUT_ENGINE_CPUS", "auto")
         env.update(self.auth_env(service))
         env.pop("TREADLE_GRPC_PORT", None)
         if "grpc" in ports[service]:

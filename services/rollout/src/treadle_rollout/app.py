@@ -69,7 +69,8 @@ async def build_engine(settings: RolloutSettings, model_dir: Path, model_name: s
         "prefix_cache_mb": settings.rollout_prefix_cache_mb,
     }
     if not settings.rollout_engine_process:
-        return HFEngine(model_dir, model_name, **options)  # type: ignore[arg-type]
+        cpus = prestart.options_for(settings)["cpus"]
+        return HFEngine(model_dir, model_name, **options, cpus=cpus)  # type: ignore[arg-type]
     # the same options as `__main__`'s prestart: it then takes the process started there
     process = ProcessEngine(model_dir, model_name, prestart.options_for(settings))
     await process.start()

@@ -49,6 +49,12 @@ class RolloutSettings(Settings):
         description="rollout hf: run the engine in a process of its own, so that serving "
         "(HTTP, SSE, gRPC) and generation do not share one Python interpreter lock",
     )
+    rollout_engine_cpus: str = Field(
+        "",
+        description="rollout hf: CPUs the engine computes on, the service's own threads on the "
+        "rest: auto (the last torch_threads CPUs, if one is left), a list (2,3 or 2-3), or "
+        "empty (no binding; treadle up sets auto)",
+    )
     rollout_max_batch: int = Field(64, ge=1, description="rollout hf: sequences per decode step")
     rollout_prefix_cache_mb: int = Field(
         256, ge=0, description="rollout hf: KV of finished turns kept for reuse by prefix (0: off)"

@@ -41,12 +41,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
+import functools
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol, cast
+from typing import Any, Literal, Protocol, cast
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
@@ -55,6 +58,7 @@ from treadle_common import lora
 from treadle_common.clients.torch_weights import ChunkCache, apply_fetch, tensors_of
 from treadle_common.clients.weights import FetchResult, WeightStoreClient
 from treadle_rollout import metrics
+from treadle_rollout.engines import cpus as cpus_mod
 from treadle_rollout.engines import prefix_cache
 from treadle_rollout.engines.base import (
     ContextOverflow,
@@ -177,7 +181,9 @@ class HFEngine(Engine):
         max_batch: int = 64,
         max_context: int | None = None,
         prefix_cache_mb: int = 256,
+        cpus: list[int] | None = None,
     ):
+        """`cpus`: the CPUs the engine's thread (all its model work) runs on (`cpus.py`)."""
         self.model_name = model_name
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -224,6 +230,10 @@ class HFEngine(Engine):
         adapter go through it."""
         self._wake = asyncio.Event()
         self._scheduler: asyncio.Task | None = None
+        self._thread = ThreadPoolExecutor(
+            1, thread_name_prefix="hf-engine", initializer=cpus_mod.bind, initargs=(cpus,)
+        )
+        """The engine's one thread: bursts, swaps and adapter changes, one at a time."""
         self.on_delivered: Callable[[], None] | None = None
         """Called on the event loop after each step's results and pieces were delivered
         (the engine process writes them out in that same call)."""
@@ -402,6 +412,12 @@ class HFEngine(Engine):
         self._closed = True  # a running burst ends after its step
         if self._scheduler is not None:
             self._scheduler.cancel()
+        self._thread.shutdown(wait=False)
+
+    async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` on the engine's thread (as `asyncio.to_thread`, context included)."""
+        call = functools.partial(contextvars.copy_context().run, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._thread, call)
 
     # -- the scheduler ------------------------------------------------------------------------
     def _ensure_scheduler(self) -> None:
@@ -427,7 +443,7 @@ class HFEngine(Engine):
             loop = asyncio.get_running_loop()
             started = time.perf_counter()
             try:
-                await asyncio.to_thread(self._burst, loop, joiners)
+                await self._in_thread(self._burst, loop, joiners)
             except Exception as exc:  # a failed forward fails its requests, not the engine
                 for seq in [*self._batch.seqs, *self._joining, *self._finished]:
                     if not seq.future.done():
@@ -486,7 +502,7 @@ class HFEngine(Engine):
         for fetched, future in swaps:
             paused = time.perf_counter()
             try:
-                await asyncio.to_thread(self._apply, fetched)
+                await self._in_thread(self._apply, fetched)
             except Exception as exc:
                 future.set_exception(exc)
                 continue
@@ -511,7 +527,7 @@ class HFEngine(Engine):
         ops, self._adapter_ops = self._adapter_ops, []
         for apply, future in ops:
             try:
-                await asyncio.to_thread(apply)
+                await self._in_thread(apply)
             except Exception as exc:
                 future.set_exception(exc)
             else:

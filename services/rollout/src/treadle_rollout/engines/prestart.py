@@ -6,11 +6,14 @@ module is imported before them."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from treadle_rollout.engines import cpus
 
 _started: tuple[str, subprocess.Popen, socket.socket] | None = None
 
@@ -18,6 +21,7 @@ _started: tuple[str, subprocess.Popen, socket.socket] | None = None
 def options_for(settings: Any) -> dict[str, Any]:
     """The engine process's options from `RolloutSettings` (what `ProcessEngine` sends)."""
     model_dir = Path(settings.rollout_model)
+    split = cpus.split(settings.rollout_engine_cpus, settings.torch_threads)
     return {
         "model_dir": str(model_dir),
         "model_name": settings.rollout_model_name or model_dir.name,
@@ -26,6 +30,7 @@ def options_for(settings: Any) -> dict[str, Any]:
         "max_context": settings.rollout_max_context,
         "prefix_cache_mb": settings.rollout_prefix_cache_mb,
         "torch_threads": settings.torch_threads,
+        "cpus": split[0] if split else None,
         "log_level": settings.log_level,
         "log_json": settings.log_json,
     }
@@ -48,6 +53,8 @@ def spawn(options: dict[str, Any]) -> tuple[subprocess.Popen, socket.socket]:
         ],
         pass_fds=[theirs.fileno()],
     )
+    if options.get("cpus"):  # at once, before its interpreter starts threads
+        os.sched_setaffinity(proc.pid, options["cpus"])
     theirs.close()
     return proc, ours
 

@@ -27,7 +27,7 @@ from safetensors.torch import load as load_safetensors
 from treadle_common.clients.weights import WeightStoreClient
 from treadle_common.logs import configure_logging, get_logger
 from treadle_rollout import metrics
-from treadle_rollout.engines import wire
+from treadle_rollout.engines import cpus, wire
 from treadle_rollout.engines.base import AdapterUnsupported, ContextOverflow, Generation, SwapStats
 from treadle_rollout.engines.hf import HFEngine
 
@@ -262,6 +262,7 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     fd, options = int(sys.argv[1]), json.loads(sys.argv[2])
+    cpus.bind(options.get("cpus"))  # the service set it at spawn; every thread follows
     configure_logging(
         "rollout-engine", options.get("log_level", "INFO"), options.get("log_json", False)
     )
