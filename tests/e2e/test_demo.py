@@ -13,6 +13,7 @@ from tests.e2e.test_cli import cli_env, treadle  # noqa: F401  (fixture)
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
+@pytest.mark.timeout(960)  # the run's own limit (900 s) decides, not the suite's 600 s
 def test_demo_recipe_lifts_held_out_accuracy_by_rl_and_writes_its_outputs(cli_env, tmp_path):  # noqa: F811
     recipe = yaml.safe_load((ROOT / "recipes/demo.yaml").read_text())
     result = treadle("run", str(ROOT / "recipes/demo.yaml"), env=cli_env, cwd=tmp_path, timeout=900)
