@@ -12,7 +12,6 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
-from tests.event_loops import uses_uvloop
 from treadle_common import lora
 from treadle_rollout.engines.base import ContextOverflow, Sampling
 from treadle_rollout.engines.hf import HFEngine
@@ -252,20 +251,5 @@ async def test_an_in_process_engine_computes_on_its_cpus_and_leaves_the_callers(
         new = {tid: c for tid, c in after.items() if tid not in before}
         assert {engine_cpu} in new.values(), new  # the engine's thread
         assert os.sched_getaffinity(0) == before[os.getpid()]  # this thread: as it was
-    finally:
-        await e.close()
-
-
-@pytest.mark.parametrize("kind", ["uvloop", "asyncio"])
-async def test_the_engine_process_runs_on_the_event_loop_it_is_given(tiny_model, kind):
-    e = ProcessEngine(
-        tiny_model, "tiny", {"torch_threads": 1, "log_level": "WARNING", "event_loop": kind}
-    )
-    await e.start()
-    try:
-        gen = await e.generate([1, 2, 3], Sampling(1.0, 1.0, 4, seed=1))
-        assert len(gen.tokens) == 4
-        assert e._proc is not None
-        assert uses_uvloop(e._proc.pid) == (kind == "uvloop")
     finally:
         await e.close()

@@ -46,9 +46,7 @@ import openai
 import torch
 
 from treadle_bench.harness import free_port, infra_with_weight_store, start_service
-from treadle_cli.settings import get_settings
 from treadle_cli.tiny_model import init_tiny
-from treadle_common import aio
 from treadle_common.auth import bearer, token_from_env
 from treadle_common.clients.rollout import GenerationClient
 from treadle_common.clients.torch_weights import TorchWeightClient
@@ -269,7 +267,7 @@ def run(
             )
             http = f"http://127.0.0.1:{ports['ro_http']}"
             grpc_addr = f"127.0.0.1:{ports['ro_grpc']}"
-            result = aio.run(  # the event loop the service and its engine process run on
+            result = asyncio.run(
                 _measure(
                     model_dir,
                     grpc_addr,
@@ -280,8 +278,7 @@ def run(
                     rounds,
                     swaps,
                     split,
-                ),
-                get_settings().event_loop,
+                )
             )
     model = {"hidden_size": hidden_size, "layers": layers}
     return {

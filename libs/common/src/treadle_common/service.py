@@ -40,7 +40,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from nats.aio.client import Client as NATS
 from nats.js.kv import KeyValue
 
-from treadle_common import __version__, aio, auth, metrics, names, tls, tracing
+from treadle_common import __version__, auth, metrics, names, tls, tracing
 from treadle_common.api.ops import Readiness, ServiceInfo
 from treadle_common.body_limit import BodyLimit
 from treadle_common.clients import grpc_options
@@ -471,6 +471,6 @@ def run_service(
         await service.serve()
 
     try:
-        aio.run(main(), settings.event_loop)
+        asyncio.run(main())
     except (PortInUseError, AuthConfigError) as exc:
         raise SystemExit(f"error: {exc}") from exc

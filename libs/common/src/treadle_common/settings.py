@@ -19,7 +19,6 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from treadle_common import names
-from treadle_common.aio import EventLoop
 from treadle_common.auth import TokenTable, load_table, read_token
 from treadle_common.infra_auth import has_credentials
 
@@ -102,11 +101,6 @@ class Settings(BaseSettings):
         description="CPU threads torch may use in this process (rollout's engine, the "
         "trainer); 0: one per core. `treadle up` gives rollout half the cores, so an async "
         "run's generation and training do not fight over them",
-    )
-    event_loop: EventLoop = Field(
-        "uvloop",
-        description="The process's asyncio event loop: uvloop (C, faster under load) or "
-        "asyncio (the standard library's)",
     )
     log_level: str = Field("INFO", description="Python log level")
     log_json: bool = Field(False, description="Log JSON lines instead of console text")

@@ -33,7 +33,6 @@ def options_for(settings: Any) -> dict[str, Any]:
         "cpus": split[0] if split else None,
         "log_level": settings.log_level,
         "log_json": settings.log_json,
-        "event_loop": settings.event_loop,
     }
 
 

@@ -24,7 +24,6 @@ from typing import Any
 import torch
 from safetensors.torch import load as load_safetensors
 
-from treadle_common import aio
 from treadle_common.clients.weights import WeightStoreClient
 from treadle_common.logs import configure_logging, get_logger
 from treadle_rollout import metrics
@@ -269,7 +268,7 @@ def main() -> None:
     )
     if options.get("torch_threads"):  # before any torch work
         torch.set_num_threads(options["torch_threads"])
-    aio.run(serve(fd, options), options.get("event_loop", "uvloop"))
+    asyncio.run(serve(fd, options))
 
 
 if __name__ == "__main__":
