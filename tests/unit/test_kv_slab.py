@@ -59,3 +59,40 @@ def test_rows_join_leave_and_decode_keeping_every_token_in_order():
         if rows:  # the view starts at the first column some row uses
             assert slab.mask[: slab.rows, slab.start].any()
     assert slab.capacity[1] > 64  # the columns grew and moved along the way
+
+
+def test_a_steady_batch_moves_back_to_the_left_edge_without_new_buffers():
+    """Sequences of a bounded length come and go for many steps: once the buffers are large
+    enough the view moves back within them, again and again, and nothing is allocated."""
+    slab = KVSlab(layers=1, heads=1, head_dim=1, dtype=torch.float32, device="cpu", max_rows=8)
+    rows: list[tuple[int, int]] = []  # (sequence id, tokens cached) per slab row
+    next_id, moves, allocations = 1, 0, -1
+    for step in range(600):
+        if step % 5 == 0:
+            oldest = min(range(len(rows)), key=lambda r: rows[r][0], default=None)
+            if oldest is not None and rows[oldest][1] >= 40:  # it leaves; the last row moves in
+                slab.remove([oldest])
+                last = rows.pop()
+                if oldest < len(rows):
+                    rows[oldest] = last
+            if len(rows) < 8:  # a new one joins with 20 tokens
+                keys = kv_of(next_id, range(20))
+                slab.add([keys], [keys], torch.ones(1, 20, dtype=torch.long))
+                rows.append((next_id, 20))
+                next_id += 1
+        end = slab.end
+        cache, _, positions_B_1 = slab.begin_step()
+        moves += slab.end < end
+        assert positions_B_1[:, 0].tolist() == [n for _, n in rows]
+        new = torch.stack([kv_of(i, range(n, n + 1)) for i, n in rows])
+        cache.update(new, new, 0)
+        slab.end_step()
+        rows = [(i, n + 1) for i, n in rows]
+        if step == 200:
+            allocations = slab.allocations
+    assert slab.allocations == allocations  # none after the first 200 steps
+    assert moves >= 3  # the view reached the last column and moved back, several times
+    for row, (seq_id, n) in enumerate(rows):
+        keys, values = slab.row_kv(row)
+        assert torch.equal(keys[0], kv_of(seq_id, range(n)))
+        assert torch.equal(values[0], kv_of(seq_id, range(n)))

@@ -406,6 +406,7 @@ class HFEngine(Engine):
             "prefill_forwards": self.prefill_forwards,
             "decode_steps": self.decode_steps,
             "decode_rows": self.decode_rows,
+            "kv_slab_allocations": self._batch.slab.allocations,
         }
 
     async def close(self) -> None:
