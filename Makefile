@@ -50,7 +50,10 @@ nats-conf: setup
 test: lint
 	$(PY) scripts/gen_protos.py --check
 	scripts/setup_cookbook.sh  # the Tinker Cookbook, a client in its own venv (its test)
-	$(PY) scripts/run_pytest.py -n $(PYTEST_WORKERS) --no-loadscope-reorder $(PYTEST_ARGS)
+	@# vLLM's venv builds (pip: mostly download and unpack) while the suite runs
+	scripts/setup_vllm.sh > $(VENV)/vllm-setup.log 2>&1 & setup=$$!; \
+	$(PY) scripts/run_pytest.py -n $(PYTEST_WORKERS) --no-loadscope-reorder $(PYTEST_ARGS); \
+	rc=$$?; wait $$setup || { cat $(VENV)/vllm-setup.log; exit 1; }; exit $$rc
 	$(MAKE) test-vllm
 
 # the vLLM engine, for real on CPU, in its own venv (scripts/setup_vllm.sh builds it)

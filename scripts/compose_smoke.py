@@ -39,7 +39,7 @@ TREADLE_SERVICES = ["weight-store", "env-gateway", "reward", "rollout", "trainer
 IMAGES = ["cli", "weight-store", "env-gateway", "reward", "rollout", "trainer"]
 PUBLIC_BASE = "python:3.11-slim-bookworm"
 WHEELS_PORT = 38471
-RECIPE_STEPS = 60  # recipes/compose_smoke.yaml's trainer.num_steps
+RECIPE_STEPS = 36  # recipes/compose_smoke.yaml's trainer.num_steps
 SKIP = 77
 SANDBOX_CHECK = """
 import asyncio, pathlib
