@@ -360,3 +360,16 @@ async def test_the_engine_steps_on_while_the_event_loop_is_busy(engine):
     assert started_with < 200 and seq.finish is not None, (started_with, len(seq.tokens))
     gen = await task
     assert gen.tokens == seq.tokens and gen.finish_reason == seq.finish
+
+
+async def test_the_engine_passes_its_cache_under_the_name_transformers_expects(engine):
+    """transformers renamed the forward's `past_key_values` to `cache` (the old name warns
+    on every call, then goes away): the engine uses the name its transformers has."""
+    import warnings
+
+    prompt = engine.tokenizer("no deprecated names in the hot loop")["input_ids"]
+    with warnings.catch_warnings():  # the forwards run in the engine's thread: filters are global
+        warnings.simplefilter("error", FutureWarning)
+        gen = await engine.generate(prompt, Sampling(1.0, 1.0, 4, seed=0))
+        again = await engine.generate(prompt + gen.tokens, Sampling(1.0, 1.0, 4, seed=0))
+    assert len(gen.tokens) == 4 and len(again.tokens) == 4

@@ -43,6 +43,7 @@ import asyncio
 import contextlib
 import contextvars
 import functools
+import inspect
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -189,6 +190,13 @@ class HFEngine(Engine):
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.model = model.to(self.device)  # type: ignore[arg-type]  # transformers' `to` typing
+        # transformers 5.2x renamed the forward's `past_key_values` to `cache` (the old name
+        # warns on every call and goes in 5.40); older releases know only the old one
+        self._cache_arg = (
+            "cache"
+            if "cache" in inspect.signature(self.model.forward).parameters
+            else "past_key_values"
+        )
         self.model.eval()
         self.eos_id = self.tokenizer.eos_token_id
         self.pad_id = (
@@ -708,11 +716,11 @@ class HFEngine(Engine):
                 input_ids=ids_B_T,
                 attention_mask=mask_B_T,
                 position_ids=positions_B_T.to(self.device),
-                past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=1,
+                **{self._cache_arg: cache},
             )
-        cache = out.past_key_values
+        cache = getattr(out, self._cache_arg)
         if past:
             mask_B_T = _right_align(cache, mask_B_T)
         return cache, mask_B_T, out.logits[:, -1, :]
@@ -741,8 +749,8 @@ class HFEngine(Engine):
                 input_ids=last_B_1,
                 attention_mask=mask_B_T,
                 position_ids=positions_B_1,
-                past_key_values=cache,
                 use_cache=True,
+                **{self._cache_arg: cache},
             )
         slab.end_step()
         return out.logits[:, -1, :]
