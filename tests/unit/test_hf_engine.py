@@ -140,6 +140,63 @@ async def test_next_turn_reuses_the_cached_prefix_with_exact_logprobs(engine):
     assert len(engine.prefixes) == 1  # the second turn's entry replaced the first's
 
 
+async def test_a_prompt_the_prefix_cache_holds_joins_a_decode_step_with_no_prefill(engine):
+    """A prompt whose KV is cached but for its last token joins the running batch with that
+    KV and feeds the token in the next decode step, beside rows mid-decode and a fresh
+    prompt that does need a prefill."""
+    tok = engine.tokenizer
+    prompts = [tok(f"say {i} again and again " * (1 + i))["input_ids"] for i in range(3)]
+    fresh = tok("a prompt nobody has seen")["input_ids"]
+    first = await asyncio.gather(
+        *(engine.generate(p, Sampling(1.0, 1.0, 6, seed=i)) for i, p in enumerate(prompts))
+    )
+    before = engine.stats()
+
+    async def later(prompt: list[int], seed: int):
+        await asyncio.sleep(0.02)  # the long generation below is mid-decode by then
+        return await engine.generate(prompt, Sampling(1.0, 1.0, 6, seed=seed))
+
+    long, fresh_gen, *gens = await asyncio.gather(
+        engine.generate(fresh + fresh, Sampling(1.0, 1.0, 40, seed=7)),
+        later(fresh, 8),
+        *(later(p, i) for i, p in enumerate(prompts)),
+    )
+    after = engine.stats()
+    assert after["folded_joins"] - before["folded_joins"] == 3
+    # the long request's and the fresh prompt's prefills: none for the cached ones
+    assert after["prefill_forwards"] - before["prefill_forwards"] <= 2
+    for prompt, gen, earlier in zip(prompts, gens, first, strict=True):
+        assert gen.tokens == earlier.tokens  # the seed decides, not where the KV came from
+        reference = teacher_forced_logprobs(engine.model, prompt, gen.tokens, temperature=1.0)
+        assert gen.logprobs == pytest.approx(reference, abs=1e-4)
+    for prompt, gen in ((fresh + fresh, long), (fresh, fresh_gen)):
+        reference = teacher_forced_logprobs(engine.model, prompt, gen.tokens, temperature=1.0)
+        assert gen.logprobs == pytest.approx(reference, abs=1e-4)
+
+
+async def test_a_streams_interval_starts_once_its_tokens_form_text(engine):
+    """A first token that is part of a character shows the client nothing: the engine
+    reports every step until the tokens form some text, and only then waits its interval
+    (60 s here: nothing more until the end)."""
+    tok = engine.tokenizer
+    prompt = tok("stream me something")["input_ids"]
+
+    def forms_text(tokens: list[int]) -> bool:
+        return bool(tok.decode(tokens, skip_special_tokens=True).rstrip("\ufffd"))
+
+    waited = 0
+    for seed in range(12):
+        sampling = Sampling(1.0, 1.0, 10, seed=seed, stream_interval_s=60.0)
+        pieces = [p async for p in engine.stream(prompt, sampling)]
+        assert pieces[-1].finish_reason and not any(p.finish_reason for p in pieces[:-1])
+        early, tokens = pieces[:-1], []
+        for k, piece in enumerate(early):
+            tokens += piece.tokens
+            assert forms_text(tokens) == (k == len(early) - 1), (seed, k, tokens)
+        waited += len(early) > 1
+    assert waited  # some first tokens did not form text on their own
+
+
 async def test_siblings_and_batch_mates_share_a_prompt_prefix(engine):
     tok = engine.tokenizer
     shared = tok("Solve: 12 + 30 = ? Think, then answer with one number only please.")["input_ids"]

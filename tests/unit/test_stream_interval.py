@@ -72,3 +72,29 @@ async def test_several_choices_each_send_their_last_chunks_and_an_error_ends_the
     writes = await _writes(failing, 1)
     assert writes[0] == 'data: "a"\n\n'
     assert '"bad stop"' in writes[1] and writes[1].endswith("data: [DONE]\n\n")
+
+
+async def test_pieces_go_at_once_until_the_client_has_some_text():
+    """A first piece that shows the client nothing (part of a character, a held-back stop
+    string's start) must not hold the first text back a whole interval: the interval
+    applies once the client has some text; the last piece goes at once."""
+    from treadle_rollout.engines.base import Generation, Sampling
+
+    pieces = [Generation([t], [0.0], [1], "") for t in (1, 2, 3)]
+    pieces.append(Generation([4], [0.0], [1], "length"))
+
+    class Engine:
+        async def stream(self, prompt, sampling):
+            for piece in pieces:
+                yield piece
+
+    api = frontend(60_000, 0)  # a minute
+    api.engine = Engine()  # type: ignore[assignment]
+    got: list[list[int]] = []
+
+    def shown() -> bool:  # the second piece completes a character
+        return [2] in got
+
+    async for piece in api._stream([0], Sampling(1.0, 1.0, 4), shown):
+        got.append(piece.tokens)
+    assert got == [[1], [2], [3, 4]]

@@ -36,7 +36,7 @@ import inspect
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, cast
 
@@ -271,9 +271,11 @@ class OpenAIFrontend:
             self.stream_interval_s, (self.open_streams + starting) / self.stream_events_per_s
         )
 
-    async def _stream(self, prompt: list[int], sampling: Sampling) -> AsyncIterator[Generation]:
+    async def _stream(
+        self, prompt: list[int], sampling: Sampling, shown: Callable[[], bool]
+    ) -> AsyncIterator[Generation]:
         """The engine's pieces, joined so that at most one goes out per stream interval
-        (the first and the last at once)."""
+        (the last at once, and every piece until `shown()`: the client has some text)."""
         self.open_streams += 1
         try:
             with self.gate.admit():
@@ -283,7 +285,8 @@ class OpenAIFrontend:
                     async for piece in pieces:
                         held.append(piece)
                         now = time.monotonic()
-                        if piece.finish_reason or now - last >= self._interval():
+                        interval = self._interval() if shown() else 0.0
+                        if piece.finish_reason or now - last >= interval:
                             yield held[0] if len(held) == 1 else _joined(held)
                             held, last = [], now
         except Busy as exc:
@@ -514,7 +517,8 @@ class OpenAIFrontend:
                         prompt = self._open_turn(session, session_id, plan)
                     sampling = self._sampling(req, plan.max_tokens, index)
                     pieces: list[Generation] = []
-                    async for piece in self._stream(prompt, sampling):
+                    shown = lambda: decoder.sent > 0  # noqa: E731  (the client has some text)
+                    async for piece in self._stream(prompt, sampling, shown):
                         pieces.append(piece)
                         final = bool(piece.finish_reason)
                         content = decoder.add(piece.tokens, final)
@@ -524,7 +528,7 @@ class OpenAIFrontend:
                         if content or logprobs:
                             delta = {"content": content} if content else {}
                             out.append(header.chat(index, delta, logprobs=logprobs))
-                        if not final:
+                        if not final and (content or logprobs):  # the role waits for them
                             yield out
                             out = []
                 except BaseException:
@@ -641,7 +645,8 @@ class OpenAIFrontend:
             sampling = self._sampling(req, req.max_tokens, index % req.n)
             finish, count = "length", 0
             out: list[str] = []
-            async for piece in self._stream(prompt, sampling):
+            shown = lambda: decoder.sent > 0  # noqa: E731  (the client has some text)
+            async for piece in self._stream(prompt, sampling, shown):
                 final = bool(piece.finish_reason)
                 count += len(piece.tokens)
                 text = decoder.add(piece.tokens, final)
