@@ -6,6 +6,7 @@ engine's finish callback (`HFEngine.submit(on_finish=)`, `on_delivered`)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 
 import msgpack
@@ -187,6 +188,34 @@ def test_the_fast_encoder_gives_the_tokenizers_ids(tiny_model):
     ]
     for text in texts:
         assert encode(tokenizer, text) == tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_an_opening_renders_and_tokenizes_once_and_stays_exact(tiny_model, monkeypatch):
+    from treadle_rollout import transcript
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    renders: list[int] = []
+    real = transcript.render
+    monkeypatch.setattr(transcript, "render", lambda *a: renders.append(1) or real(*a))
+    monkeypatch.setattr(transcript, "_OPENINGS", type(transcript._OPENINGS)())
+    monkeypatch.setattr(transcript, "_opening_tokens", 0)
+    messages = [{"role": "user", "content": "12+36= what is the answer"}]
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
+    for suffix in ("", "<tool_call>"):
+        for _ in range(3):
+            text, tokens = transcript.opening(tokenizer, messages, tools, suffix)
+            assert text == real(tokenizer, messages, tools) + suffix
+            assert list(tokens) == tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(renders) == 2  # once per distinct opening
+    # the token budget holds: the oldest openings leave first
+    asked = len(transcript.opening(tokenizer, [{"role": "user", "content": "question 0"}])[1])
+    monkeypatch.setattr(transcript, "MAX_OPENING_TOKENS", 8 * (asked + 1))
+    for i in range(20):
+        transcript.opening(tokenizer, [{"role": "user", "content": f"question {i}"}])
+    assert transcript._opening_tokens <= transcript.MAX_OPENING_TOKENS
+    assert transcript._opening_tokens == sum(len(t) for _, t in transcript._OPENINGS.values())
+    kept = [json.loads(key[1])[0][0]["content"] for key in transcript._OPENINGS]
+    assert kept == [f"question {i}" for i in range(20 - len(kept), 20)]
 
 
 # -- the engine's finish callback -------------------------------------------------------------

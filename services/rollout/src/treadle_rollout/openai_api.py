@@ -60,7 +60,7 @@ from treadle_rollout.openai_types import (
     SamplingFields,
 )
 from treadle_rollout.sse import EventStream, Final
-from treadle_rollout.transcript import TemplateNotPrefixStable, Transcript, encode, render
+from treadle_rollout.transcript import TemplateNotPrefixStable, Transcript, encode, opening, render
 
 SESSION_HEADER = "X-Treadle-Session"
 MAX_GENERATIONS = 256
@@ -426,8 +426,7 @@ class OpenAIFrontend:
         return list(t.tokens)
 
     def _prompt(self, plan: ChatPlan) -> list[int]:
-        text = render(self.tokenizer, plan.messages, plan.tools) + plan.prefix
-        prompt = encode(self.tokenizer, text)
+        prompt = list(opening(self.tokenizer, plan.messages, plan.tools, plan.prefix)[1])
         self._check_room(len(prompt))
         return prompt
 
