@@ -13,10 +13,11 @@ and swaps at a step boundary.
     openai_stream_tokens_per_s  the same prompts as chat messages, streamed (SSE) through
                              the service's OpenAI API, as a sustained load: 4 x `prompts`
                              requests per round, `prompts` in flight at a time (median
-                             round). The client is a lean SSE reader (aiohttp; it parses
-                             every event's JSON), because on a small machine the client
-                             shares the cores with the service: the official `openai`
-                             client spends several times the service's CPU per request
+                             round). The client is a lean SSE reader (`sse_client`:
+                             HTTP/1.1 keep-alive over httptools; it parses every event's
+                             JSON), because on a small machine the client shares the cores
+                             with the service: the official `openai` client spends about
+                             twice the service's CPU per request, aiohttp about half
     openai_raw_engine_tokens_per_s  the engine in this process, the same requests (chat
                              prompts, seeds) at the same concurrency (median round)
     openai_stream_ratio      median of per-round stream / raw
@@ -40,12 +41,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import aiohttp
 import httpx
 import openai
 import torch
 
 from treadle_bench.harness import free_port, infra_with_weight_store, start_service
+from treadle_bench.sse_client import SSEClient
 from treadle_cli.tiny_model import init_tiny
 from treadle_common.auth import bearer, token_from_env
 from treadle_common.clients.rollout import GenerationClient
@@ -144,15 +145,31 @@ async def openai_stream_load(
 
 
 async def sse_stream_load(
-    session: aiohttp.ClientSession, conversations, max_new: int, total: int
+    client: SSEClient, conversations, max_new: int, total: int
 ) -> tuple[int, float, list[float]]:
-    """As `openai_stream_load`, with a lean client: every `data:` event parsed as JSON, the
-    tokens from the usage of the last one."""
+    """As `openai_stream_load`, with a lean client (`sse_client`): every event's JSON
+    parsed, the tokens from the usage of the last one."""
     tokens: list[int] = []
     firsts: list[float] = []
 
     async def one(i: int) -> None:
         sent = time.perf_counter()
+        state = {"first": 0.0, "done": False}
+
+        def on_data(data: bytes) -> None:
+            if data.startswith(b"[DONE]"):
+                state["done"] = True
+                return
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise RuntimeError(f"stream error: {chunk['error']}")
+            choices = chunk["choices"]
+            if not state["first"] and choices and choices[0]["delta"].get("content"):
+                state["first"] = time.perf_counter() - sent
+                firsts.append(state["first"])
+            if chunk.get("usage"):
+                tokens.append(chunk["usage"]["completion_tokens"])
+
         body = {
             "model": "bench-tiny",
             "messages": conversations[i % len(conversations)],
@@ -162,25 +179,8 @@ async def sse_stream_load(
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        first, done = 0.0, False
-        async with session.post("/v1/chat/completions", json=body) as response:
-            response.raise_for_status()
-            async for line in response.content:
-                if line.startswith(b"data: [DONE]"):
-                    done = True
-                    continue
-                if not line.startswith(b"data: "):
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    raise RuntimeError(f"stream error: {chunk['error']}")
-                choices = chunk["choices"]
-                if not first and choices and choices[0]["delta"].get("content"):
-                    first = time.perf_counter() - sent
-                    firsts.append(first)
-                if chunk.get("usage"):
-                    tokens.append(chunk["usage"]["completion_tokens"])
-        if not done:
+        await client.post("/v1/chat/completions", body, on_data)
+        if not state["done"]:
             raise RuntimeError("a stream ended without [DONE]")
 
     secs = await _closed_loop(one, len(conversations), total)
@@ -316,20 +316,17 @@ async def _measure(
     client = openai.AsyncOpenAI(
         base_url=f"{http}/v1", api_key=token_from_env() or "none", max_retries=0
     )
-    session = aiohttp.ClientSession(
-        base_url=http,
-        headers=bearer(token_from_env()),
-        connector=aiohttp.TCPConnector(limit=2 * n),
-    )
+    host, port = http.removeprefix("http://").rsplit(":", 1)
+    lean = SSEClient(host, int(port), bearer(token_from_env()))
     await openai_stream_load(client, conversations[:4], 4, 4)  # warm-up
-    await sse_stream_load(session, conversations[:4], 4, 4)
+    await sse_stream_load(lean, conversations[:4], 4, 4)
     stream_rates, chat_raw_rates, stream_ratios, ttfts = [], [], [], []
     sdk_rates, sdk_ratios = [], []
     for _ in range(rounds):
         total = 4 * n
         # the raw side right after the stream it is compared with: this machine's speed
         # drifts by 10-20% within seconds, and the SDK's round is compared with it too
-        tokens_o, secs_o, firsts = await sse_stream_load(session, conversations, max_new, total)
+        tokens_o, secs_o, firsts = await sse_stream_load(lean, conversations, max_new, total)
         tokens_c, secs_c = await raw_load(engine, chat_prompts, max_new, total)
         tokens_k, secs_k, _ = await openai_stream_load(client, conversations, max_new, total)
         stream_rates.append(tokens_o / secs_o)
@@ -338,7 +335,7 @@ async def _measure(
         stream_ratios.append(stream_rates[-1] / chat_raw_rates[-1])
         sdk_ratios.append(sdk_rates[-1] / chat_raw_rates[-1])
         ttfts += firsts
-    await session.close()
+    await lean.close()
     await client.close()
     await engine.close()
     pauses = await swap_pauses(http, grpc_addr, store_addr, Path(model_dir), swaps)
