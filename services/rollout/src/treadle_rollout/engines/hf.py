@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol, cast
 
 import torch
+from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from treadle_common import lora
@@ -190,7 +191,10 @@ class HFEngine(Engine):
         self.model_name = model_name
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self._text_decoder = getattr(self.tokenizer, "backend_tokenizer", None) or self.tokenizer
+        fast = getattr(self.tokenizer, "backend_tokenizer", None)
+        # the worker thread's own copy (`_forms_text`): never borrowed by the event loop's
+        # tokenizer calls
+        self._text_decoder = Tokenizer.from_str(fast.to_str()) if fast else self.tokenizer
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.model = model.to(self.device)  # type: ignore[arg-type]  # transformers' `to` typing
         # transformers 5.2x renamed the forward's `past_key_values` to `cache` (the old name
