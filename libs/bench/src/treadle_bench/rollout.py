@@ -301,8 +301,11 @@ async def _measure(
     engine = HFEngine(model_dir, "bench-tiny", cpus=split[0] if split else None)
     cpus.bind(split[1] if split else None)
     prompts = make_prompts(engine.tokenizer, n)
-    await service_round(grpc_addr, prompts[:4], 4)  # warm-up: connections, first batch
-    await raw_round(engine, prompts[:4], 4)
+    # warm-up, a whole round on each side: connections, the first batch, and the caches
+    # (prefix KV, chat openings) that every later round finds warm; without it the first
+    # round measured a cold start, which a sustained load sees once
+    await service_round(grpc_addr, prompts, max_new)
+    await raw_round(engine, prompts, max_new)
     service_rates, raw_rates, ratios = [], [], []
     for _ in range(rounds):
         tokens_s, secs_s = await service_round(grpc_addr, prompts, max_new)
@@ -318,8 +321,9 @@ async def _measure(
     )
     host, port = http.removeprefix("http://").rsplit(":", 1)
     lean = SSEClient(host, int(port), bearer(token_from_env()))
-    await openai_stream_load(client, conversations[:4], 4, 4)  # warm-up
-    await sse_stream_load(lean, conversations[:4], 4, 4)
+    await openai_stream_load(client, conversations[:4], 4, 4)  # warm-up, as above
+    await sse_stream_load(lean, conversations, max_new, n)
+    await raw_load(engine, chat_prompts, max_new, n)
     stream_rates, chat_raw_rates, stream_ratios, ttfts = [], [], [], []
     sdk_rates, sdk_ratios = [], []
     for _ in range(rounds):
