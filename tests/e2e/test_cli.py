@@ -73,9 +73,10 @@ def test_skeleton_recipe_runs_three_steps_through_every_service(cli_env, tmp_pat
 
 
 def test_skeleton_recipe_trains_a_lora_adapter_and_moves_only_the_adapter(cli_env, tmp_path):
-    """`trainer.lora`: the run publishes its base weights once and then adapter versions
-    (only the adapter's tensors); rollout serves each adapter on those base weights; the
-    exported final model has the adapter merged in."""
+    """`trainer.lora`: the run publishes its base weights once (under the model) and then
+    adapter versions under its own policy model (only the adapter's tensors); rollout serves
+    each as an adapter on those base weights; the exported final model has the adapter merged
+    in."""
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -93,9 +94,9 @@ def test_skeleton_recipe_trains_a_lora_adapter_and_moves_only_the_adapter(cli_en
     summary = json.loads(summary_path.read_text())
     assert summary["state"] == "succeeded" and summary["exactly_once"] is True
     assert summary["trajectories_trained"] == 48
-    # version 1: the full base weights; 2: the new adapter; 3..5: one adapter per step
-    assert summary["versions_published"] == summary["weight_store_versions"] == [1, 2, 3, 4, 5]
-    assert summary["rollout_policy_version"] == 5
+    # tiny@1: the full base weights; tiny.{run}@1: the new adapter, 2..4: one per step
+    assert summary["versions_published"] == summary["weight_store_versions"] == [1, 2, 3, 4]
+    assert summary["rollout_policy_version"] == 4
     log = (tmp_path / ".treadle" / "logs" / "trainer.log").read_text()
     ready = next(line for line in log.splitlines() if "backend ready" in line)
     assert "backend=LoraBackend" in ready and "lora_rank=4" in ready, ready
@@ -103,7 +104,7 @@ def test_skeleton_recipe_trains_a_lora_adapter_and_moves_only_the_adapter(cli_en
     sizes = [
         float(line.split("fetched_mb=")[1].split()[0])
         for line in rollout_log.splitlines()
-        if "weights swapped" in line
+        if "adapter policy swapped" in line
     ]
     full_mb = (tmp_path / ".treadle/models/tiny/model.safetensors").stat().st_size / 2**20
     assert len(sizes) >= 4 and max(sizes) < 0.1 * full_mb, (sizes, full_mb)  # adapters only

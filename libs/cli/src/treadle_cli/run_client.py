@@ -267,7 +267,9 @@ class RunClient:
                     if step.step % every == 0 and step.step != evaluated and not last_step:
                         evaluated = step.step
                         try:
-                            self._evaluate(held_out, f"step {evaluated}", step.version, report)
+                            self._evaluate(
+                                held_out, f"step {evaluated}", step.version, report, own=True
+                            )
                         finally:  # a sync run waits there until told
                             self._evaluation_done(evaluated)
                 live.update(self._table(run, report))
@@ -278,7 +280,7 @@ class RunClient:
         ended = False
         try:
             if held_out and lost_contact is None:
-                self._evaluate(held_out, "end", last, report)
+                self._evaluate(held_out, "end", last, report, own=True)
                 summary = summary.model_copy(update=report.eval_summary().model_dump())
             if run.state == "succeeded":
                 summary.final_model_dir = str(asyncio.run(self._export(last, out_dir)))
@@ -398,12 +400,19 @@ class RunClient:
         version: int,
         report: RunReport,
         kind: Literal["eval", "sft_val"] = "eval",
+        own: bool = False,
     ) -> EvaluateResult:
         """Greedy episodes on `tasks` with `version`, scored by the eval scorer; recorded as
-        `kind` (`eval` on the held-out set, `sft_val` on the warm-up's validation set)."""
+        `kind` (`eval` on the held-out set, `sft_val` on the warm-up's validation set).
+        `own`: a version the run published (of its own policy model: a LoRA run's adapter,
+        which rollout loads for the evaluation), else one of the model itself."""
         cfg, options = self.config, self.config.eval.scorer_options
-        self._wait_rollout_version(version)
+        adapter = own and cfg.policy_model != cfg.model.name
+        if not adapter:
+            self._wait_rollout_version(version)
         request = EvaluateRequest(
+            model=cfg.policy_model if adapter else None,
+            min_version=max(0, version) if adapter else 0,
             env=cfg.env.name,
             env_options=cfg.env.options,
             tasks=tasks,
@@ -432,7 +441,9 @@ class RunClient:
     async def _export(self, version: int, out_dir: Path) -> Path:
         client = WeightStoreClient(self._grpc("weight-store"), token=self.settings.client_token())
         try:
-            return await export_hf(client, self.config.model.name, version, out_dir / "final-model")
+            return await export_hf(
+                client, self.config.policy_model, version, out_dir / "final-model"
+            )
         finally:
             await client.close()
 
@@ -504,7 +515,7 @@ class RunClient:
             exactly_once=run.exactly_once,
             versions_published=run.versions,
             weight_store_versions=stored,
-            rollout_policy_version=rollout.policy_version if rollout else -1,
+            rollout_policy_version=rollout.version_of(self.config.policy_model) if rollout else -1,
             rollout_swaps=rollout.swaps if rollout else 0,
             mean_reward_per_step=[round(s.mean_reward, 4) for s in run.steps],
         )
@@ -512,7 +523,7 @@ class RunClient:
     async def _stored_versions(self) -> list[int]:
         store = WeightStoreClient(self._grpc("weight-store"), token=self.settings.client_token())
         try:
-            return [v.version for v in await store.list_versions(self.config.model.name)]
+            return [v.version for v in await store.list_versions(self.config.policy_model)]
         finally:
             await store.close()
 

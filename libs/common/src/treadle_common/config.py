@@ -257,6 +257,21 @@ class EvalConfig(Strict):
     )
 
 
+class SchedulingConfig(Strict):
+    """How this run shares a fleet with other runs (`treadle_common.scheduling`)."""
+
+    weight: float = Field(
+        1.0, gt=0, le=1000, description="Share of contended capacity relative to other runs"
+    )
+    priority: int = Field(
+        0,
+        ge=-100,
+        le=100,
+        description="Higher-priority runs' tasks are admitted first; equal priorities share "
+        "by weight",
+    )
+
+
 class RunConfig(Strict):
     """A run: model, environment, scorer, rollout and trainer settings."""
 
@@ -279,7 +294,25 @@ class RunConfig(Strict):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    scheduling: SchedulingConfig = Field(default_factory=SchedulingConfig)
     output_dir: Path = Field(Path(".treadle/runs"), description="Where run outputs are written")
+
+    @property
+    def policy_model(self) -> str:
+        """The weight-store model this run's versions go to (and its tasks name): the model
+        itself for a full-weight run, its own adapter model for a LoRA run."""
+        if self.trainer.lora is not None:
+            return names.adapter_policy(self.model.name, self.run_id)
+        return self.model.name
+
+    @model_validator(mode="after")
+    def _policy_name_fits(self) -> RunConfig:
+        if not names.valid_name(self.policy_model):
+            raise ValueError(
+                f"the LoRA run's model {self.policy_model!r} (model.name.run_id) is longer "
+                f"than {names.NAME_MAX} characters"
+            )
+        return self
 
     @model_validator(mode="after")
     def _staleness_covers_publishing(self) -> RunConfig:

@@ -37,7 +37,19 @@ def valid_file_name(value: str) -> bool:
 
 # --- Redis (durable work queues and small run state) -------------------------------------
 RUNS_KEY = "treadle:runs"
-"""Set of active run ids. The trainer adds its run; rollout consumes tasks of every member."""
+"""Set of active run ids. The trainer adds its run; rollout consumes tasks of every member
+whose policy's base model it serves (`RUN_POLICIES`)."""
+RUN_POLICIES = "treadle:runs:policies"
+"""Hash: run id -> its `fleet.RunPolicy` as JSON (the policy its tasks name, the base model
+rollout must serve, its tenant, weight and priority). Written by the run's owner before the
+run joins `RUNS_KEY`, removed when it ends."""
+
+
+def adapter_policy(base: str, run: str) -> str:
+    """The weight-store model a LoRA run publishes its adapter versions under: its own, so
+    runs on one base never share a version sequence (`{base}.{run}`; the base's full-weight
+    versions stay under `base`, shared and deduplicated)."""
+    return f"{base}.{run}"
 
 
 def tasks_stream(run: str) -> str:

@@ -20,7 +20,8 @@ TORCH_DTYPES = {
 
 async def export_hf(client: WeightStoreClient, model: str, version: int, out_dir: Path) -> Path:
     """A LoRA run's adapter version exports merged into the full-weight version it applies to
-    (`lora_base_version`): the directory serves the adapter's policy without LoRA code."""
+    (`lora_base_version` of `lora_base_model`, or of `model` itself when no base model is
+    named): the directory serves the adapter's policy without LoRA code."""
     fetched = await client.fetch(model, version)
     metadata = dict(fetched.manifest.metadata)
     if "lora_rank" not in metadata:
@@ -28,7 +29,7 @@ async def export_hf(client: WeightStoreClient, model: str, version: int, out_dir
     base_version = int(metadata.get("lora_base_version", "0"))
     if base_version < 1:
         raise ValueError(f"{model}@{version} is a LoRA adapter with no base version in the store")
-    base = await client.fetch(model, base_version)
+    base = await client.fetch(metadata.get("lora_base_model", model), base_version)
     return await asyncio.to_thread(write_hf, base, out_dir, fetched)
 
 

@@ -35,7 +35,7 @@ def mount(app: FastAPI, engine: Engine, store: WeightStoreClient) -> None:
         try:
             manifest, tensors = await fetch_state_dict(store, request.model, request.version)
             config = lora.from_metadata(dict(manifest.metadata))
-            await engine.load_adapter(request.name, tensors, config)
+            await engine.load_adapter(request.name, tensors, config, version=request.version)
         except (AdapterUnsupported, ValueError) as exc:
             raise HTTPException(400, f"adapter {request.name}: {exc}") from exc
         except grpc.aio.AioRpcError as exc:

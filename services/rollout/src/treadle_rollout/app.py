@@ -5,6 +5,7 @@ Redis tasks --TaskWorker--> EpisodeRunner --generate--> Engine (hf | vllm)
                                  |--score (NATS req/reply)--> reward
                                  '--trajectory--> Redis trajectories
 NATS treadle.weights.{model} --WeightSync--fetch delta (gRPC)--> weight-store --> Engine swap
+NATS treadle.weights.{model}.{run} --RunPolicies--> a LoRA run's adapter, beside the others
 gRPC Generation.Generate / HTTP /v1/info, /v1/swaps, OpenAI /v1/chat/completions, ...
 """
 
@@ -28,6 +29,7 @@ from treadle_rollout.engines.process import ProcessEngine
 from treadle_rollout.episodes import EpisodeRunner
 from treadle_rollout.gate import RequestGate
 from treadle_rollout.grpc import POLICY, GenerationServicer
+from treadle_rollout.policies import RunPolicies
 from treadle_rollout.settings import RolloutSettings
 from treadle_rollout.weight_sync import WeightSync
 from treadle_rollout.worker import SERVICE, TaskWorker
@@ -93,6 +95,7 @@ class Rollout:
         # a group's hops together
         self.env = EnvClient(settings.env_gateway_addr, batch=True, token=token)
         self.sync = WeightSync(engine, self.store)
+        self.policies = RunPolicies(engine, self.store)  # LoRA runs' adapters on this base
         self.gate = RequestGate(settings.rollout_max_queued)
         self.frontend = openai_api.OpenAIFrontend(
             engine,
@@ -114,7 +117,10 @@ class Rollout:
     async def work(self) -> None:
         """Play the tasks of every active run (once NATS answers: rewards go over it)."""
         runtime, settings = self.runtime, self.settings
-        reward = RewardClient(await runtime.wait_nats(), settings.reward_timeout_s, batch=True)
+        nc = await runtime.wait_nats()
+        reward = RewardClient(nc, settings.reward_timeout_s, batch=True)
+        if self.engine.name != "openai":  # adapter policies follow their announcements
+            self.policies.js = nc.jetstream()
         self.frontend.redis, self.frontend.reward = runtime.redis, reward
         runner = EpisodeRunner(
             self.engine,
@@ -124,6 +130,7 @@ class Rollout:
             settings.instance,
             generate_stage=runtime.progress.stage("generate", liveness=True),
             frontend=self.frontend,
+            policies=self.policies,
         )
         worker = TaskWorker(
             runtime.redis,
@@ -133,6 +140,7 @@ class Rollout:
             max_concurrent_tasks=settings.rollout_max_concurrent_tasks,
             reclaim_idle_ms=settings.rollout_reclaim_idle_ms,
             max_deliveries=settings.rollout_max_deliveries,
+            policies=self.policies,
         )
         self.worker = worker
         tasks = runtime.progress.stage("tasks", lambda: len(worker.in_flight))

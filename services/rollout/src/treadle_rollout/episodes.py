@@ -24,6 +24,7 @@ from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
 from treadle_rollout import metrics
 from treadle_rollout.engines.base import ContextOverflow, Engine, Sampling
 from treadle_rollout.openai_api import OpenAIFrontend, PlayedSampling
+from treadle_rollout.policies import RunPolicies
 from treadle_rollout.transcript import TemplateNotPrefixStable, Transcript
 
 log = get_logger(__name__)
@@ -39,16 +40,24 @@ class EpisodeRunner:
         replica: str,
         generate_stage: Stage | None = None,
         frontend: OpenAIFrontend | None = None,
+        policies: RunPolicies | None = None,
     ):
         """`frontend`: the OpenAI API that answers the model calls of played envs' episodes
         (`Session.played`, e.g. `verifiers` environments); without it they fail."""
         self.frontend = frontend
+        self.policies = policies
         self.generate_stage = generate_stage or Stage("rollout", "generate")
         self.engine = engine
         self.tokenizer = tokenizer
         self.env = env
         self.reward = reward
         self.replica = replica
+
+    def _adapter(self, task: task_pb2.Task) -> str | None:
+        """The adapter a task's run samples through (a LoRA run's policy), or None."""
+        if self.policies is not None and self.policies.is_adapter(task.model):
+            return task.model
+        return None
 
     async def run(
         self, task: task_pb2.Task, sample_index: int, gate: asyncio.Future | None = None
@@ -185,6 +194,7 @@ class EpisodeRunner:
             seed=task.sampling.seed + sample_index if task.sampling.seed else None,
             priority=task.created_at or time.time(),  # oldest task first
             last_turn=task.max_turns <= 1,
+            adapter=self._adapter(task),
         )
         info: dict = {}
         closed = False
@@ -257,6 +267,7 @@ class EpisodeRunner:
                 top_p=task.sampling.top_p or 1.0,
                 max_tokens=task.sampling.max_new_tokens or 16,
                 seed=task.sampling.seed + sample_index if task.sampling.seed else None,
+                model=self._adapter(task),
             )
             recorded = f"played-{uuid.uuid4().hex}"
             frontend.open_played(recorded, t)
@@ -285,9 +296,8 @@ class EpisodeRunner:
             sampling["max_tokens"] = run.max_tokens
             played = True
             try:
-                result = await self.env.play(
-                    gateway_session, frontend.engine.model_name, sampling, answer
-                )
+                model = self._adapter(task) or frontend.engine.model_name
+                result = await self.env.play(gateway_session, model, sampling, answer)
             finally:
                 traj.num_turns = frontend.close_played(recorded)
                 traj.timings.generate_s += generate_s

@@ -22,14 +22,29 @@ from treadle_common.api.rollout import EvaluateRequest, EvaluateResult
 from treadle_common.proto.treadle.v1 import common_pb2, task_pb2
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
 from treadle_rollout.episodes import EpisodeRunner
+from treadle_rollout.policies import PolicyError, RunPolicies
 
 
-def mount(app: FastAPI, runner: Callable[[], EpisodeRunner | None]) -> None:
+def mount(app: FastAPI, runner: Callable[[], EpisodeRunner | None], policies: RunPolicies) -> None:
     @app.post("/v1/evaluate", tags=["evaluate"], openapi_extra=auth.roles(auth.WORKERS))
     async def evaluate(request: EvaluateRequest) -> EvaluateResult:
         episodes = runner()
         if episodes is None:
             raise HTTPException(503, "rollout is still connecting to NATS; retry shortly")
+        model = request.model or ""
+        if model and model != policies.engine.model_name:
+            if not policies.is_adapter(model):
+                raise HTTPException(
+                    404,
+                    f"rollout serves {policies.engine.model_name} and its runs' adapters, "
+                    f"not {model}",
+                )
+            try:
+                await asyncio.wait_for(policies.ensure(model, request.min_version), 60.0)
+            except TimeoutError as exc:
+                raise HTTPException(404, f"no version {request.min_version} of {model}") from exc
+            except PolicyError as exc:
+                raise HTTPException(409, str(exc)) from exc
         started = time.perf_counter()
         gate = asyncio.Semaphore(request.concurrency)
         sampling = common_pb2.SamplingParams(
@@ -57,6 +72,7 @@ def mount(app: FastAPI, runner: Callable[[], EpisodeRunner | None]) -> None:
                 scorer=request.scorer,
                 scorer_options_json=scorer_options,
                 created_at=time.time(),
+                model=model,
             )
             async with gate:
                 return await episodes.run(task, 0)

@@ -22,7 +22,7 @@ def mount(runtime: ServiceRuntime, rollout: Rollout) -> None:
     app: FastAPI = runtime.app
     openai_api.mount(app, rollout.frontend)
     adapters.mount(app, rollout.engine, rollout.store)
-    evaluate.mount(app, lambda: rollout.worker.runner if rollout.worker else None)
+    evaluate.mount(app, lambda: rollout.worker.runner if rollout.worker else None, rollout.policies)
     runtime.set_info(lambda: info(rollout), RolloutInfo)
 
     @app.get("/v1/swaps", tags=["weights"], openapi_extra=auth.roles(auth.ANY))
@@ -40,6 +40,7 @@ def info(rollout: Rollout) -> dict[str, Any]:
         "engine": engine.name,
         "swap_policy": rollout.settings.rollout_swap_policy,
         "policy_version": engine.version,
+        "policies": rollout.policies.info(),
         "version_lag": sync.version_lag,
         "weight_sync_error": sync.last_error,
         "swaps": len(sync.swaps),

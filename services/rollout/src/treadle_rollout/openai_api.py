@@ -102,6 +102,8 @@ class PlayedSampling:
     top_p: float
     max_tokens: int
     seed: int | None = None
+    model: str | None = None
+    """The run's policy when it is an adapter (a LoRA run's); None: the engine's own."""
 
 
 @dataclass
@@ -756,7 +758,7 @@ class OpenAIFrontend:
             asked = req.max_completion_tokens or req.max_tokens or run.max_tokens
             req = req.model_copy(
                 update={
-                    "model": self.engine.model_name,
+                    "model": run.model or self.engine.model_name,
                     "temperature": run.temperature,
                     "top_p": run.top_p,
                     "seed": run.seed,

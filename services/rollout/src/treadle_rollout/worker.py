@@ -32,12 +32,13 @@ from collections.abc import Callable
 import redis.asyncio as aioredis
 from opentelemetry.trace import SpanKind
 
-from treadle_common import admission, metrics, names, tracing
+from treadle_common import admission, fleet, metrics, names, tracing
 from treadle_common.clients import streams
 from treadle_common.logs import get_logger
 from treadle_common.proto.treadle.v1 import task_pb2
 from treadle_rollout import metrics as rollout_metrics
 from treadle_rollout.episodes import EpisodeRunner
+from treadle_rollout.policies import RunPolicies
 from treadle_rollout.weight_sync import WeightSync
 
 log = get_logger(__name__)
@@ -76,8 +77,10 @@ class TaskWorker:
         max_concurrent_tasks: int = 8,
         reclaim_idle_ms: int = 60_000,
         max_deliveries: int = 3,
+        policies: RunPolicies | None = None,
     ):
         self.r = r
+        self.policies = policies
         self.runner = runner
         self.sync = sync
         self.consumer = consumer
@@ -99,7 +102,12 @@ class TaskWorker:
         self.on_task_done: Callable[[], None] = lambda: None
 
     async def active_streams(self) -> list[str]:
+        """The task streams of the active runs this replica can serve: those whose policy's
+        base model is its engine's (`fleet.RunPolicy`; a run that registered none: all)."""
         runs = sorted(streams.text(m) for m in await self.r.smembers(names.RUNS_KEY))
+        policies = await fleet.active(self.r)
+        model = self.sync.engine.model_name
+        runs = [run for run in runs if run not in policies or policies[run].base == model]
         out = []
         for run in runs:
             stream = names.tasks_stream(run)
@@ -277,8 +285,8 @@ class TaskWorker:
         its episodes at once: they open their env sessions and render their prompts, then
         wait for that version before their first generation (`EpisodeRunner.run`'s gate)."""
         gate = None
-        if self.sync.engine.version < task.min_policy_version:
-            gate = asyncio.ensure_future(self._weights(task.min_policy_version))
+        if self._version(task) < task.min_policy_version:
+            gate = asyncio.ensure_future(self._weights(task))
         try:
             return await asyncio.gather(
                 *(self.runner.run(task, i, gate) for i in range(task.group_size))
@@ -287,9 +295,22 @@ class TaskWorker:
             if gate is not None and not gate.done():
                 gate.cancel()
 
-    async def _weights(self, version: int) -> None:
+    def _version(self, task: task_pb2.Task) -> int:
+        """The version of the task's policy this replica serves now."""
+        return self.policies.version(task.model) if self.policies else self.sync.engine.version
+
+    async def _weights(self, task: task_pb2.Task) -> None:
         with tracing.tracer().start_as_current_span("rollout.wait_for_weights"):
-            await self.sync.ensure_version(version)
+            if self.policies is not None and self.policies.is_adapter(task.model):
+                await self.policies.ensure(task.model, task.min_policy_version)
+            else:
+                await self.sync.ensure_version(task.min_policy_version)
+
+    async def _wait_for_newer(self, task: task_pb2.Task, version: int) -> None:
+        if self.policies is not None and self.policies.is_adapter(task.model):
+            await self.policies.get(task.model).wait_for_newer(version, timeout_s=2.0)
+        else:
+            await self.sync.wait_for_newer(version, timeout_s=2.0)
 
     async def _reject(
         self, stream: str, entry_id: str, task: task_pb2.Task | streams.InvalidEntry, reason: str
@@ -358,7 +379,7 @@ class TaskWorker:
         so that version, when the engine holds an older one, is what the bound is checked
         against: a sync run's next step is admitted before its weights arrive."""
         while True:
-            version = max(self.sync.engine.version, task.min_policy_version)
+            version = max(self._version(task), task.min_policy_version)
             decision = await admission.admit(self.r, task.run_id, task.task_id, version)
             if decision.closed:
                 return False
@@ -366,7 +387,7 @@ class TaskWorker:
                 return True
             self.admission_waits += 1
             rollout_metrics.ADMISSION_WAITS.inc()
-            await self.sync.wait_for_newer(version, timeout_s=2.0)
+            await self._wait_for_newer(task, version)
 
     async def drain(self) -> None:
         """Stop taking tasks; finish the ones in flight (their trajectories land, then ack)."""

@@ -24,7 +24,7 @@ from typing import Annotated
 
 from fastapi import FastAPI, HTTPException, Path, Query
 
-from treadle_common import auth, names
+from treadle_common import auth, fleet, names
 from treadle_common.api.runs import Backlog, EvaluationDone, RunState, RunStatus, StepRecord
 from treadle_common.clients import streams
 from treadle_common.clients.env import EnvClient
@@ -37,6 +37,7 @@ from treadle_trainer.backends import check_backend
 from treadle_trainer.paths import confine
 from treadle_trainer.run import RunOwner
 from treadle_trainer.run.lease import Lease
+from treadle_trainer.run.owner import policy_of
 from treadle_trainer.settings import TrainerSettings
 
 log = get_logger(__name__)
@@ -212,8 +213,28 @@ class Runs:
             raise HTTPException(
                 409, f"run {config.run_id} already has state in Redis; use a new run_id"
             )
+        if (why := await self._claim_model(config)) is not None:
+            await lease.release()
+            raise HTTPException(409, why)
         self._launch(config, lease)
         return self.owners[config.run_id].status
+
+    async def _claim_model(self, config: RunConfig) -> str | None:
+        """Register the run's policy unless it conflicts with an active run's (a full-weight
+        run needs its model alone, `fleet.conflict`): why not, or None. Registered first and
+        checked after, so of two conflicting runs started at once neither slips through."""
+        redis, policy = self.runtime.redis, policy_of(config)
+        await fleet.register(redis, policy)
+        active = await fleet.active(redis)
+        live = {streams.text(m) for m in await redis.smembers(names.RUNS_KEY)}
+        others = [  # a policy left by a run that neither runs nor is starting is stale
+            p
+            for run, p in active.items()
+            if run != config.run_id and (run in live or await redis.exists(names.run_owner(run)))
+        ]
+        if (why := fleet.conflict(policy, others)) is not None:
+            await fleet.unregister(redis, config.run_id)
+        return why
 
     async def stored_status(self, run_id: str, steps_from: int = 0) -> RunStatus:
         """The run's status as its owner last wrote it to Redis; 404 if there is none, 503

@@ -44,12 +44,23 @@ class RolloutInfo(ServiceInfo):
     engine_stats: dict[str, float] = Field(
         default_factory=dict, description="Engine-specific counters (e.g. prefix-cache use)"
     )
+    policies: dict[str, int] = Field(
+        default_factory=dict,
+        description="LoRA runs' policies served as adapters on this model: version of each",
+    )
     tasks_done: int = 0
     tasks_invalid: int = 0
     tasks_cancelled: int = 0
     admission_waits: int = 0
     trajectories_pushed: int = 0
     recorded_sessions: int = 0
+
+    def version_of(self, policy: str) -> int:
+        """The version of `policy` rollout serves: its own policy's or a LoRA run's (-1:
+        not loaded)."""
+        if policy == self.model:
+            return self.policy_version
+        return self.policies.get(policy, -1)
 
 
 class EvaluateRequest(BaseModel):
@@ -67,6 +78,14 @@ class EvaluateRequest(BaseModel):
     concurrency: int = Field(64, ge=1, le=1024, description="Episodes in flight at once")
     seed: int = Field(
         0, ge=0, description="Task i samples with seed + i when nonzero (temperature > 0)"
+    )
+    model: str | None = Field(
+        None,
+        description="The policy to evaluate: a LoRA run's policy model (served as an adapter "
+        "on rollout's model); None: rollout's own policy",
+    )
+    min_version: int = Field(
+        0, ge=0, description="The policy's version to evaluate at least (rollout loads it)"
     )
 
 

@@ -137,9 +137,12 @@ class Engine(abc.ABC):
     def held_chunks(self) -> set[str]:
         """Chunk hashes of the loaded weights (what a delta fetch can skip)."""
 
-    async def load_adapter(self, name: str, tensors: dict[str, Any], config: Any) -> None:
+    async def load_adapter(
+        self, name: str, tensors: dict[str, Any], config: Any, version: int = 0
+    ) -> None:
         """Serve LoRA adapter `name` (`treadle_common.lora` tensors and `AdapterConfig`) on
-        the base model, next to the others; replaces an adapter of the same name."""
+        the base model, next to the others; replaces an adapter of the same name. Tokens
+        sampled through it are tagged with `version` (a run's policy version)."""
         raise AdapterUnsupported(f"the {self.name} engine does not serve LoRA adapters")
 
     async def unload_adapter(self, name: str) -> None:

@@ -237,7 +237,8 @@ class HFEngine(Engine):
         self._closed = False
         self._swaps: list[tuple[FetchResult, asyncio.Future[float]]] = []
         self._adapter_ops: list[tuple[Callable[[], None], asyncio.Future[None]]] = []
-        self._adapters: set[str] = set()
+        self._adapters: dict[str, int] = {}
+        """Adapters served: name -> the version their tokens are tagged with."""
         self.base_version = 0
         """The full-weight version the model holds (0: the model directory)."""
         self.policy_adapter: str | None = None
@@ -378,19 +379,21 @@ class HFEngine(Engine):
     def held_chunks(self) -> set[str]:
         return self.cache.have()
 
-    async def load_adapter(self, name: str, tensors: dict, config: lora.AdapterConfig) -> None:
+    async def load_adapter(
+        self, name: str, tensors: dict, config: lora.AdapterConfig, version: int = 0
+    ) -> None:
         def apply() -> None:
             lora.inject(self.model, lora.ATTENTION + lora.MLP + lora.UNEMBED)
             state = {k: t.to(self.device) for k, t in tensors.items()}
             lora.load_adapter(self.model, name, state, config)
-            self._adapters.add(name)
+            self._adapters[name] = version
 
         await self._adapter_op(apply)
 
     async def unload_adapter(self, name: str) -> None:
         def apply() -> None:
             lora.remove_adapter(self.model, name)
-            self._adapters.discard(name)
+            self._adapters.pop(name, None)
 
         await self._adapter_op(apply)
 
@@ -816,7 +819,8 @@ class HFEngine(Engine):
             seq.logprobs.append(logprob)
             if top is not None:
                 seq.top.append(top)
-            seq.versions.append(self.version)
+            adapter = seq.sampling.adapter
+            seq.versions.append(self._adapters.get(adapter, 0) if adapter else self.version)
             if token == self.eos_id or token in seq.sampling.stop_token_ids:
                 seq.finish = "stop"
             elif seq.sampling.stop_strings and self._stopped_by_text(seq):

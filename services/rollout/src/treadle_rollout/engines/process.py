@@ -316,11 +316,14 @@ class ProcessEngine(Engine):
     def held_chunks(self) -> set[str]:
         return self._held
 
-    async def load_adapter(self, name: str, tensors: dict, config: lora.AdapterConfig) -> None:
+    async def load_adapter(
+        self, name: str, tensors: dict, config: lora.AdapterConfig, version: int = 0
+    ) -> None:
         self._adapters = await self._command(
             {
                 "op": "load_adapter",
                 "name": name,
+                "version": version,
                 "tensors": save_safetensors({k: t.contiguous() for k, t in tensors.items()}),
                 "config": wire.adapter_config_to_wire(config),
             }

@@ -165,7 +165,9 @@ class EngineServer:
     async def load_adapter(self, message: dict[str, Any]) -> list[str]:
         tensors = load_safetensors(message["tensors"])
         config = wire.adapter_config_from_wire(message["config"])
-        await self.engine.load_adapter(message["name"], tensors, config)
+        await self.engine.load_adapter(
+            message["name"], tensors, config, version=int(message.get("version", 0))
+        )
         return self.engine.adapters()
 
     async def unload_adapter(self, message: dict[str, Any]) -> list[str]:

@@ -83,6 +83,7 @@ class VLLMEngine(Engine):
         self._max_lora_rank, self._max_loras = max_lora_rank, max_loras
         self._adapter_dir = adapter_dir or Path(tempfile.mkdtemp(prefix="treadle-adapters-"))
         self._loras: dict[str, Any] = {}  # name -> vllm LoRARequest
+        self._lora_versions: dict[str, int] = {}  # name -> the version its tokens carry
         self._lora_ids = itertools.count(1)
         self._policy_lora: Any = None
         self._retired: Any = None  # the previous policy adapter, dropped at the next swap
@@ -177,6 +178,11 @@ class VLLMEngine(Engine):
                     if sampling.adapter is not None
                     else self._policy_lora
                 )
+                version = (  # a named adapter's requests: its version for their whole life
+                    self._lora_versions.get(sampling.adapter, 0)
+                    if sampling.adapter is not None
+                    else None
+                )
                 held: list[Generation] = []  # not streamed: kept until the attempt ends
                 sent = 0
                 finish = "length"
@@ -187,7 +193,7 @@ class VLLMEngine(Engine):
                     priority=round(sampling.priority * 1000),  # vLLM takes an int: ms
                     lora_request=lora_request,
                 ):
-                    piece = self._piece(out.outputs[0], sampling.top_logprobs)
+                    piece = self._piece(out.outputs[0], sampling.top_logprobs, version)
                     if out.finished:
                         finish = out.outputs[0].finish_reason or "length"
                     if streamed and finish != "abort" and piece.tokens and not out.finished:
@@ -213,7 +219,7 @@ class VLLMEngine(Engine):
                 yield last
                 return
 
-    def _piece(self, output: Any, top_k: int) -> Generation:
+    def _piece(self, output: Any, top_k: int, version: int | None = None) -> Generation:
         """One vLLM delta output as a (not yet finished) Generation piece."""
         tokens = list(output.token_ids)
         logprobs: list[float] = []
@@ -227,7 +233,8 @@ class VLLMEngine(Engine):
                     key=lambda item: item[1].rank,
                 )
                 tops.append([(t, lp.logprob) for t, lp in ranked][:top_k])
-        return Generation(tokens, logprobs, [self.version] * len(tokens), "", tops)
+        tag = self.version if version is None else version
+        return Generation(tokens, logprobs, [tag] * len(tokens), "", tops)
 
     # --- LoRA adapters (vLLM's LoRARequest, from a PEFT-format directory) -------------------
     def _check_lora(self, config: Any) -> None:
@@ -253,14 +260,16 @@ class VLLMEngine(Engine):
         await self.llm.add_lora(request)
         return request
 
-    async def load_adapter(self, name: str, tensors: dict, config: Any) -> None:
+    async def load_adapter(self, name: str, tensors: dict, config: Any, version: int = 0) -> None:
         request = await self._lora_request(name, tensors, config)
         old = self._loras.get(name)
         self._loras[name] = request
+        self._lora_versions[name] = version
         if old is not None:
             await self._drop_lora(old)
 
     async def unload_adapter(self, name: str) -> None:
+        self._lora_versions.pop(name, None)
         await self._drop_lora(self._loras.pop(name))
 
     def adapters(self) -> list[str]:

@@ -138,7 +138,7 @@ class Feeder:
             ),
             scorer=cfg.scorer,
             scorer_options_json=json.dumps(cfg.scorer_options),
-            model=cfg.model.name,
+            model=cfg.policy_model,
             min_policy_version=min_version,
             created_at=time.time(),
             env_options_json=json.dumps(cfg.env.options),

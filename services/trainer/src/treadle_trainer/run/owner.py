@@ -25,7 +25,7 @@ import httpx
 import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 
-from treadle_common import admission, names, retention
+from treadle_common import admission, fleet, names, retention
 from treadle_common.api.runs import FINAL_STATES, RunState, RunStatus
 from treadle_common.clients import streams
 from treadle_common.clients.env import EnvClient
@@ -88,6 +88,19 @@ def retryable(exc: BaseException) -> bool:
         TimeoutError,
     )
     return isinstance(exc, transient)
+
+
+def policy_of(config: RunConfig, tenant: str = "default") -> fleet.RunPolicy:
+    """What the fleet must serve for `config` (`treadle_common.fleet`)."""
+    return fleet.RunPolicy(
+        run_id=config.run_id,
+        policy=config.policy_model,
+        base=config.model.name,
+        lora=config.trainer.lora is not None,
+        tenant=tenant,
+        weight=config.scheduling.weight,
+        priority=config.scheduling.priority,
+    )
 
 
 def _being_cancelled() -> bool:
@@ -232,6 +245,7 @@ class RunOwner:
 
         async def final(pipe) -> None:
             pipe.srem(names.RUNS_KEY, run)
+            pipe.hdel(names.RUN_POLICIES, run)
             pipe.hset(names.run_state(run), "state", outcome)
             self._queue_status(pipe)
             await retention.expire_run(pipe, run, self.retention_s)
@@ -293,7 +307,10 @@ class RunOwner:
         if isinstance(self.backend, LoraBackend):  # versions are adapters on a full base
             full = await on_torch_thread(self.backend.base_state_cpu)
             base = await self.versions.full_base_version(full)
-            self.versions.metadata = self.backend.publish_metadata(base)
+            self.versions.metadata = {
+                **self.backend.publish_metadata(base),
+                "lora_base_model": cfg.model.name,
+            }
         if restored:
             version = await self._publish_now(step=self.status.step)  # rollout goes back to it
         else:
@@ -313,6 +330,7 @@ class RunOwner:
             max_staleness=self.max_staleness,
             base_version=self._v0,
         )
+        await fleet.register(self.r, policy_of(cfg))  # before rollout may look for it
         await self.r.sadd(names.RUNS_KEY, cfg.run_id)
         await self.collector.replay_pending()
         while self.status.step < t.num_steps and not self.handing_off:

@@ -1,5 +1,10 @@
 """A run's weight versions: step s publishes version V0 + s, every `publish_every` steps.
 
+They go to the run's policy model (`RunConfig.policy_model`): the model itself for a
+full-weight run; for a LoRA run its own adapter model (`{model}.{run}`), whose versions apply
+to a full-weight version of the shared base model (`full_base_version`), so that runs on one
+base never number versions of the same model.
+
 Published off the step's critical path by the background, newest-first `Publisher`
 (`treadle_trainer/publisher.py`); the weight-store announces each version on NATS. A step's
 record gets its publish's duration and size once both exist (the publish may end after the
@@ -54,7 +59,7 @@ class RunVersions:
         """The version rollout must hold before generating for step 1, given the run's
         initial weights: 0 (the model directory itself) when the store has no version of
         this model; the latest when it holds exactly these weights; else these, published."""
-        name = self.config.model.name
+        name = self.config.policy_model
         versions = await self.store.list_versions(name)
         if not versions:
             return 0
@@ -84,7 +89,6 @@ class RunVersions:
             assets=self.assets,
             metadata={"run_id": self.config.run_id, "lora_base": "1"},
         )
-        self.status.versions.append(response.version)
         return response.version
 
     async def submit(self, snapshot: Snapshot, wait: bool) -> None:
@@ -102,7 +106,7 @@ class RunVersions:
         self, state: dict[str, torch.Tensor], step: int, version: int
     ) -> weights_pb2.PublishResponse:
         response = await self.store.publish(
-            self.config.model.name,
+            self.config.policy_model,
             state_dict_to_raw(state),
             version=version,
             trainer_step=step,
