@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import ROOT, free_port_range, free_ports
+from tests.conftest import ROOT
 from treadle_cli.infra import alive
 from treadle_common import auth
 from treadle_common.clients.rollout import GenerationClient
@@ -21,27 +21,6 @@ from treadle_common.clients.trainer import TrainerClient
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 TREADLE = str(Path(sys.executable).parent / "treadle")
-
-
-@pytest.fixture
-def cli_env(tmp_path) -> dict[str, str]:
-    """A new user's environment: no token and no token table (`treadle up` makes them under
-    the state dir and the CLI finds its admin token there)."""
-    redis_port, nats_port = free_ports(2)
-    user = (
-        "TREADLE_TOKEN",
-        "TREADLE_TOKEN_FILE",
-        "TREADLE_AUTH_TOKENS",
-        "TREADLE_AUTH_TOKENS_FILE",
-    )
-    return {
-        **{k: v for k, v in os.environ.items() if k not in user},
-        "TREADLE_STATE_DIR": str(tmp_path / ".treadle"),
-        "TREADLE_REDIS_URL": f"redis://127.0.0.1:{redis_port}",
-        "TREADLE_NATS_URL": f"nats://127.0.0.1:{nats_port}",
-        "TREADLE_BASE_PORT": str(free_port_range(8)),
-        "TREADLE_TRACE_SAMPLE": "1",  # every task traced: the skeleton run checks one trace
-    }
 
 
 def treadle(*args: str, env: dict, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -116,9 +116,9 @@ async def test_an_adapter_loaded_across_the_socket_changes_what_its_requests_sam
     local = HFEngine(tiny_model, "tiny")
     config = lora.AdapterConfig(rank=4, alpha=8.0, targets=lora.ATTENTION + lora.MLP)
     lora.inject(local.model, config.targets)
-    lora.add_adapter(local.model, "probe", config)
-    with torch.no_grad():
-        for p in lora.adapter_state(local.model, "probe").values():
+    params = lora.add_adapter(local.model, "probe", config)
+    with torch.no_grad():  # (adapter_state copies: the parameters themselves, B = 0 fresh)
+        for p in params:
             p.normal_(0, 0.3)
     tensors = {k: v.detach().clone() for k, v in lora.adapter_state(local.model, "probe").items()}
     await engine.load_adapter("probe", tensors, config)
@@ -126,11 +126,45 @@ async def test_an_adapter_loaded_across_the_socket_changes_what_its_requests_sam
     await local.load_adapter("probe", tensors, config)
     prompt = engine.tokenizer("adapt")["input_ids"]
     sampling = Sampling(0.0, 1.0, 8, adapter="probe")
-    assert (await engine.generate(prompt, sampling)).tokens == (
-        await local.generate(prompt, sampling)
-    ).tokens
+    adapted = await engine.generate(prompt, sampling)
+    assert adapted.tokens == (await local.generate(prompt, sampling)).tokens
+    plain = await engine.generate(prompt, Sampling(0.0, 1.0, 8))
+    assert adapted.logprobs != pytest.approx(plain.logprobs, abs=1e-3)  # it changed them
     await engine.unload_adapter("probe")
     assert engine.adapters() == []
+    await local.close()
+
+
+async def test_runs_adapters_share_a_batch_and_tag_tokens_with_their_own_versions(
+    engine, tiny_model
+):
+    """Many runs, one engine: two LoRA runs' policies loaded as adapters with their versions
+    (3 and 7) sample in the same batches as the engine's own policy (version 0); each row's
+    tokens carry its run's version, and a reload moves only that run's."""
+    local = HFEngine(tiny_model, "tiny")
+    config = lora.AdapterConfig(rank=4, alpha=8.0, targets=lora.ATTENTION + lora.MLP)
+    lora.inject(local.model, config.targets)
+    tensors = {}
+    for name in ("tiny.ra", "tiny.rb"):
+        params = lora.add_adapter(local.model, name, config)  # B = 0: give it an effect
+        with torch.no_grad():
+            for p in params:
+                p.normal_(0, 0.3)
+        tensors[name] = {
+            k: v.detach().clone() for k, v in lora.adapter_state(local.model, name).items()
+        }
+    await engine.load_adapter("tiny.ra", tensors["tiny.ra"], config, version=3)
+    await engine.load_adapter("tiny.rb", tensors["tiny.rb"], config, version=7)
+    prompt = engine.tokenizer("runs")["input_ids"]
+    rows = [Sampling(0.0, 1.0, 6, adapter=a) for a in ("tiny.ra", "tiny.rb", None)] * 3
+    gens = await asyncio.gather(*(engine.generate(prompt, s) for s in rows))
+    for s, gen in zip(rows, gens, strict=True):
+        want = {"tiny.ra": 3, "tiny.rb": 7, None: 0}[s.adapter]
+        assert gen.versions == [want] * len(gen.tokens), (s.adapter, gen.versions)
+    assert gens[0].logprobs != pytest.approx(gens[1].logprobs, abs=1e-3)  # their own adapters
+    await engine.load_adapter("tiny.ra", tensors["tiny.ra"], config, version=4)
+    again = await asyncio.gather(*(engine.generate(prompt, s) for s in rows[:2]))
+    assert [g.versions[0] for g in again] == [4, 7]
     await local.close()
 
 
