@@ -5,6 +5,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -13,8 +14,12 @@ from safetensors.torch import load_file
 
 from tests.conftest import ROOT
 from tests.e2e.test_cli import TREADLE, treadle
+from treadle_cli.tiny_model import init_tiny
 from treadle_common import auth
+from treadle_common.clients.http import ApiError
+from treadle_common.clients.trainer import TrainerClient
 from treadle_common.clients.weights import WeightStoreClient, chunk_positions
+from treadle_common.config import RunConfig
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -89,3 +94,62 @@ def test_two_lora_runs_at_once_on_one_stack_each_train_and_export_their_own(cli_
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_full_weight_runs_of_two_models_each_use_their_own_replica(cli_env, tmp_path):
+    """`treadle up --serve tiny-b=DIR`: a rollout replica per model. Two full-weight runs, one
+    per model, started at once, each train exactly once and each replica swaps to its own
+    model's versions only. While one trains `tiny`, the trainer refuses a LoRA run on it
+    (409: a full-weight run needs its model alone), and a run of a model no replica serves
+    waits, counted in `treadle status` (`unserved`)."""
+    other = tmp_path / "models" / "tiny-b"
+    up = treadle(
+        "up", "--detach", "--serve", f"tiny-b={other}", env=cli_env, cwd=tmp_path, timeout=300
+    )
+    try:
+        assert up.returncode == 0, up.stdout[-4000:] + up.stderr[-4000:]
+        spec = json.loads((tmp_path / ".treadle" / "stack.json").read_text())["spec"]
+        token = (tmp_path / ".treadle" / "auth" / "admin.token").read_text()
+        http = httpx.Client(headers=auth.bearer(token))
+        trainer = TrainerClient(f"http://127.0.0.1:{spec['ports']['trainer']['http']}", http)
+        steps = "trainer.num_steps=12"
+        procs = {
+            "fa": _run("fa", 0, cli_env, tmp_path, steps),
+            "fb": _run("fb", 1, cli_env, tmp_path, "model.name=tiny-b", f"model.path={other}"),
+        }
+        deadline = time.monotonic() + 120
+        while "fa" not in {r.run_id for r in trainer.list_runs()}:
+            assert time.monotonic() < deadline and procs["fa"].poll() is None
+            time.sleep(0.2)
+        base = {"model": {"path": spec["model_dir"], "name": "tiny"}, "run_id": "lc"}
+        lora = RunConfig.model_validate({**base, "trainer": {"lora": {"rank": 4}}})
+        with pytest.raises(ApiError) as refused:
+            trainer.start_run(lora)
+        assert refused.value.status_code == 409 and "run fa is a full-weight run of tiny" in str(
+            refused.value
+        )
+        orphan_dir = tmp_path / ".treadle" / "models" / "tiny-c"
+        init_tiny(orphan_dir)
+        orphan = {"model": {"path": str(orphan_dir), "name": "tiny-c"}, "run_id": "fc"}
+        trainer.start_run(RunConfig.model_validate(orphan))
+        outs = {rid: p.communicate(timeout=400)[0] for rid, p in procs.items()}
+        for rid, p in procs.items():
+            assert p.returncode == 0, outs[rid][-4000:]
+        runs = tmp_path / ".treadle" / "runs"
+        for rid, versions in (("fa", 12), ("fb", 3)):
+            summary = json.loads((runs / rid / "summary.json").read_text())
+            assert summary["state"] == "succeeded" and summary["exactly_once"] is True
+            assert summary["rollout_policy_version"] == versions  # its own replica's model
+        status = json.loads(treadle("status", "--json", env=cli_env, cwd=tmp_path).stdout)
+        assert set(status["services"]) >= {"rollout", "rollout-tiny-b"}
+        assert status["unserved"].get("tiny-c", 0) > 0, status["unserved"]
+        infos = {
+            name: http.get(f"http://127.0.0.1:{spec['ports'][name]['http']}/v1/info").json()
+            for name in ("rollout", "rollout-tiny-b")
+        }
+        assert infos["rollout"]["model"] == "tiny" and infos["rollout-tiny-b"]["model"] == "tiny-b"
+        assert infos["rollout"]["policy_version"] == 12
+        assert infos["rollout-tiny-b"]["policy_version"] == 3
+    finally:
+        down = treadle("down", env=cli_env, cwd=tmp_path)
+        assert down.returncode == 0, down.stdout + down.stderr

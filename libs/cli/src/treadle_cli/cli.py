@@ -28,6 +28,7 @@ from rich.table import Table
 from treadle_cli import stack
 from treadle_cli.infra import Infra, InfraError, states_json
 from treadle_cli.settings import get_settings
+from treadle_common import names
 from treadle_common.config import RecipeError, load_recipe
 
 app = typer.Typer(
@@ -95,6 +96,9 @@ def status_table(current: stack.StackStatus) -> Table:
         if stalls:
             detail = "; ".join(stalls + [f"{k}: {v}" for k, v in bad.items()])
         table.add_row(name, "service", _mark(s.healthy), str(s.pid), str(s.restarts), detail[:80])
+    for model, waiting in current.unserved.items():
+        detail = f"[red]no rollout replica serves it[/red]: {waiting} tasks waiting"
+        table.add_row(model, "model", _mark(False), "", "", detail)
     return table
 
 
@@ -122,12 +126,32 @@ def up(
             "tensor_parallel x data parallel; fsdp: FSDP2 shards)",
         ),
     ] = 1,
+    serve: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="NAME=DIR: also serve this model, with a rollout replica of its own (repeat "
+            "for more; full-weight runs of NAME use it; a tiny model is built where DIR has "
+            "none)"
+        ),
+    ] = None,
 ) -> None:
     """Start infrastructure and the five services as supervised local processes."""
     settings = get_settings()
+    served = {}
+    for item in serve or []:
+        name, sep, path = item.partition("=")
+        if not sep or not names.valid_name(name) or not path:
+            fail(f"--serve {item!r}: not NAME=DIR with a valid model name")
+        served[name] = Path(path)
     try:
         spec = stack.prepare(
-            settings, model, model_name, base_port, with_s3=s3, trainer_ranks=trainer_ranks
+            settings,
+            model,
+            model_name,
+            base_port,
+            with_s3=s3,
+            trainer_ranks=trainer_ranks,
+            serve=served,
         )
     except (stack.StackError, InfraError) as exc:
         fail(str(exc))

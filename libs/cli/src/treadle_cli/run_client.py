@@ -204,7 +204,8 @@ class RunClient:
             assert s.trainer_url is not None
             return Urls(trainer=s.trainer_url, rollout=s.rollout_url)
         spec = self._spec()
-        return Urls(trainer=spec.http_url("trainer"), rollout=spec.http_url("rollout"))
+        rollout = spec.rollout_urls().get(self.config.model.name, spec.http_url("rollout"))
+        return Urls(trainer=spec.http_url("trainer"), rollout=rollout)
 
     def _grpc(self, service: str) -> str:
         if self.remote:

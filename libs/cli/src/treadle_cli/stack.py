@@ -66,11 +66,29 @@ class StackSpec:
     trainer_ranks: int = 1
     """Processes the trainer runs as (`torchrun`; rank 0 serves): megatron's tensor-parallel
     ranks, or FSDP2's."""
+    served: dict[str, str] = field(default_factory=dict)
+    """More models rollout serves, one replica each (`up --serve NAME=DIR`): weight-store
+    name -> model directory; supervised as `rollout-NAME`."""
+
+    def processes(self) -> list[str]:
+        """Every supervised process: the five services, then a rollout replica per extra
+        model."""
+        return [*names.SERVICES, *(replica_name(m) for m in self.served)]
+
+    @staticmethod
+    def kind(process: str) -> str:
+        """The service a supervised process runs (`rollout-NAME` is a rollout)."""
+        return "rollout" if process.startswith("rollout-") else process
+
+    def rollout_urls(self) -> dict[str, str]:
+        """Model name -> the HTTP URL of the rollout replica that serves it."""
+        urls = {self.model_name: self.http_url("rollout")}
+        return urls | {m: self.http_url(replica_name(m)) for m in self.served}
 
     def command(self, service: str) -> list[str]:
         """How `service` is started: `python -m MODULE`, the trainer under `torchrun` when it
         has several ranks."""
-        module = names.module_of(service)
+        module = names.module_of(self.kind(service))
         if service == "trainer" and self.trainer_ranks > 1:
             ranks = str(self.trainer_ranks)
             run = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -98,8 +116,12 @@ class StackSpec:
                 nxt += 1
         return ports
 
-    def env(self, service: str) -> dict[str, str]:
-        ports = self.ports
+    def env(self, process: str) -> dict[str, str]:
+        ports, service = self.ports, self.kind(process)
+        model_dir, model_name = self.model_dir, self.model_name
+        for name, path in self.served.items():
+            if process == replica_name(name):
+                model_dir, model_name = path, name
         env = {
             **os.environ,
             "TREADLE_STATE_DIR": self.state_dir,
@@ -108,10 +130,10 @@ class StackSpec:
             "TREADLE_HOST": self.host,
             "TREADLE_WEIGHT_STORE_ADDR": self.grpc_addr("weight-store"),
             "TREADLE_ENV_GATEWAY_ADDR": self.grpc_addr("env-gateway"),
-            "TREADLE_ROLLOUT_MODEL": self.model_dir,
-            "TREADLE_ROLLOUT_MODEL_NAME": self.model_name,
-            "TREADLE_HTTP_PORT": str(self.port(service, "http")),
-            "TREADLE_INSTANCE": f"{service}-local",
+            "TREADLE_ROLLOUT_MODEL": model_dir,
+            "TREADLE_ROLLOUT_MODEL_NAME": model_name,
+            "TREADLE_HTTP_PORT": str(self.port(process, "http")),
+            "TREADLE_INSTANCE": f"{process}-local",
         }
         # the services share this machine's cores: OpenMP workers that spin while idle would
         # take them from the other services (override by setting it yourself). The trainer's
@@ -137,8 +159,8 @@ class StackSpec:
             env.setdefault("TREADLE_ROLLOUT_ENGINE_CPUS", "auto")
         env.update(self.auth_env(service))
         env.pop("TREADLE_GRPC_PORT", None)
-        if "grpc" in ports[service]:
-            env["TREADLE_GRPC_PORT"] = str(self.port(service, "grpc"))
+        if "grpc" in ports[process]:
+            env["TREADLE_GRPC_PORT"] = str(self.port(process, "grpc"))
         return env
 
     def auth_env(self, service: str) -> dict[str, str]:
@@ -162,6 +184,11 @@ class StackSpec:
     def port(self, service: str, kind: str) -> int:
         """`service`'s port for `kind` (`http` | `grpc`); KeyError names what it lacks."""
         return self.ports[service][kind]
+
+
+def replica_name(model: str) -> str:
+    """The supervised process of the rollout replica that serves `model` (`up --serve`)."""
+    return f"rollout-{model}"
 
 
 def stack_file(state_dir: Path) -> Path:
@@ -210,7 +237,7 @@ class Supervisor:
     def __init__(self, spec: StackSpec):
         self.spec = spec
         self.state_dir = Path(spec.state_dir)
-        self.services = {name: Managed(name) for name in names.SERVICES}
+        self.services = {name: Managed(name) for name in spec.processes()}
         self.stopping = False
 
     def _start(self, m: Managed) -> None:
@@ -402,6 +429,11 @@ class StackStatus(BaseModel):
     infra: dict[str, InfraHealth] = Field(default_factory=dict)
     services: dict[str, ServiceHealth] = Field(default_factory=dict)
     stalled: dict[str, list[str]] = Field(default_factory=dict)
+    unserved: dict[str, int] = Field(
+        default_factory=dict,
+        description="Models active runs need that no rollout replica of this stack serves: "
+        "their tasks waiting (they wait until one does: `treadle up --serve NAME=DIR`)",
+    )
     time: TimeBreakdown | None = Field(None, description="With detail: where the time goes")
 
 
@@ -454,13 +486,16 @@ def status(state_dir: Path, detail: bool = False) -> StackStatus:
         infra[name] = InfraHealth(url=redact(url), healthy=why is None, detail=why or "ok")
     services: dict[str, ServiceHealth] = {}
     rollout_info: RolloutInfo | None = None
+    served: set[str] = set()
     token = token_for(state_dir)
     for name, svc in record.services.items():
         url = spec.http_url(name)
         health = service_health(url)
-        service = service_info(url, RolloutInfo if name == "rollout" else ServiceInfo, token)
+        kind = RolloutInfo if spec.kind(name) == "rollout" else ServiceInfo
+        service = service_info(url, kind, token)
         if isinstance(service, RolloutInfo):
-            rollout_info = service
+            served.add(service.model)
+            rollout_info = service if name == "rollout" else rollout_info
         progress = service.progress if service is not None else {}
         up = svc.pid is not None and alive(svc.pid)
         services[name] = ServiceHealth(
@@ -483,8 +518,18 @@ def status(state_dir: Path, detail: bool = False) -> StackStatus:
         infra=infra,
         services=services,
         stalled={n: s.stalled for n, s in services.items() if s.stalled},
+        unserved=unserved_models(spec, served, token),
         time=time_breakdown(spec, rollout_info, token) if detail else None,
     )
+
+
+def unserved_models(spec: StackSpec, served: set[str], token: str | None) -> dict[str, int]:
+    """Models with tasks waiting that none of `served` is (the trainer's backlog by model)."""
+    try:
+        backlog = TrainerClient(spec.http_url("trainer"), http(token), timeout_s=2.0).backlog()
+    except (httpx.HTTPError, ValueError, ApiError):
+        return {}
+    return {m: n for m, n in backlog.tasks_by_model.items() if m and m not in served}
 
 
 def wait_healthy(state_dir: Path, timeout_s: float) -> StackStatus:
@@ -505,10 +550,12 @@ def prepare(
     with_s3: bool = False,
     path_roots: Sequence[Path] = (),
     trainer_ranks: int = 1,
+    serve: dict[str, Path] | None = None,
 ) -> StackSpec:
     """Start infrastructure, make sure the model exists and every service port is free.
     `path_roots`: more directories the trainer lets runs name paths under; `trainer_ranks`:
-    the trainer's `torchrun` processes."""
+    the trainer's `torchrun` processes; `serve`: more models (name -> directory), a rollout
+    replica each (a tiny one is built where a directory has no model)."""
     state_dir = settings.state_dir.resolve()
     record = read_stack(state_dir)
     if record is not None:
@@ -516,6 +563,9 @@ def prepare(
             raise StackError(f"a stack is already running from {state_dir} (treadle down stops it)")
         stack_file(state_dir).unlink(missing_ok=True)  # left by a supervisor that died
     ports = StackSpec.ports_from(base_port if base_port is not None else settings.base_port)
+    serve = dict(serve or {})
+    for i, model in enumerate(serve, start=1):  # after every service's ports
+        ports[replica_name(model)] = {k: p + 10 * i for k, p in ports["rollout"].items()}
     for service, kinds in ports.items():
         for kind, port in kinds.items():
             if not port_free(settings.host, port):
@@ -526,10 +576,11 @@ def prepare(
     started = [s.name for s in infra if s.detail == "started"]
     if model_dir is None:
         model_dir = state_dir / "models" / "tiny"
-    if not (model_dir / "config.json").exists():
-        from treadle_cli.tiny_model import init_tiny
+    for path in (model_dir, *serve.values()):
+        if not (path / "config.json").exists():
+            from treadle_cli.tiny_model import init_tiny
 
-        init_tiny(model_dir)
+            init_tiny(path)
     return StackSpec(
         state_dir=str(state_dir),
         cwd=os.getcwd(),
@@ -545,6 +596,7 @@ def prepare(
         secured_infra=[s.name for s in infra if s.managed and s.name in ("redis", "nats")],
         path_roots=[str(Path(p).resolve()) for p in path_roots],
         trainer_ranks=trainer_ranks,
+        served={name: str(path.resolve()) for name, path in serve.items()},
     )
 
 

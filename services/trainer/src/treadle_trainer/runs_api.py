@@ -264,8 +264,16 @@ class Runs:
             await streams.backlog(r, names.trajectories_stream(run), names.TRAINER_GROUP)
             for run in active
         ]
+        policies = await fleet.active(r)
+        by_model: dict[str, int] = {}
+        for run, waiting in zip(active, tasks, strict=True):
+            model = policies[run].base if run in policies else ""
+            by_model[model] = by_model.get(model, 0) + waiting
         return Backlog(
-            runs=len(active), tasks_waiting=sum(tasks), trajectories_waiting=sum(trajectories)
+            runs=len(active),
+            tasks_waiting=sum(tasks),
+            trajectories_waiting=sum(trajectories),
+            tasks_by_model=by_model,
         )
 
     def mount(self, app: FastAPI) -> None:

@@ -125,6 +125,11 @@ class Backlog(BaseModel):
     runs: int
     tasks_waiting: int
     trajectories_waiting: int
+    tasks_by_model: dict[str, int] = Field(
+        default_factory=dict,
+        description="Tasks waiting, by the model a rollout replica must serve for them (a "
+        "replica pool per model scales on its own; a model no replica serves waits)",
+    )
 
 
 class TrainerInfo(ServiceInfo):
