@@ -78,3 +78,34 @@ def test_lora_is_refused_where_it_cannot_run(model_dir):
     tied = {**LORA, "targets": ["lm_head"]}
     with pytest.raises(ValueError, match="ties it"):
         build_backend(BackendSpec(model_dir=model_dir, lora=tied))
+
+
+def test_runs_share_one_frozen_base_and_train_as_if_alone(model_dir):
+    """Many runs, one trainer: LoRA backends of one model directory share its frozen base
+    (one copy), and a run's adapter after steps interleaved with another run's equals the
+    same steps taken with no other run; closing releases the base."""
+    from treadle_trainer.backends.lora import SHARED_BASES
+
+    alone = build_backend(BackendSpec(model_dir=model_dir, lora=LORA, seed=3))
+    step(alone)
+    step(alone)
+    expected = alone.state_dict_cpu()
+    alone.close()
+    a = build_backend(BackendSpec(model_dir=model_dir, lora=LORA, seed=3))
+    users = SHARED_BASES.users(a._key)  # (earlier tests' backends, never closed, count too)
+    b = build_backend(BackendSpec(model_dir=model_dir, lora={**LORA, "rank": 2}, seed=4))
+    assert a.base is b.base and a.layout_info()["base_shared_by"] == users + 1
+    base_before = {k: v.clone() for k, v in a.base_state_cpu().items()}
+    for _ in range(2):
+        step(a)
+        step(b, loss="importance_sampling")
+    got = a.state_dict_cpu()
+    assert set(got) == set(expected)
+    assert all(torch.allclose(got[k], expected[k], atol=1e-6) for k in expected)
+    assert any(not torch.equal(v, 0 * v) for v in b.state_dict_cpu().values())
+    assert all(torch.equal(v, base_before[k]) for k, v in b.base_state_cpu().items())
+    key = a._key
+    a.close()
+    assert SHARED_BASES.users(key) == users
+    b.close()
+    assert SHARED_BASES.users(key) == users - 1
