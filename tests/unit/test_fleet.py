@@ -44,3 +44,53 @@ def test_scheduling_fields_are_validated():
     assert (cfg.scheduling.weight, cfg.scheduling.priority) == (2.0, 5)
     with pytest.raises(ValueError):
         RunConfig.model_validate({**base, "scheduling": {"weight": 0}})
+
+
+def test_weighted_fair_share_gives_shares_by_weight_and_priority_first():
+    from treadle_common import scheduling
+
+    policy = scheduling.WeightedFairShare()
+    claims = [scheduling.Claim("a", 2.0), scheduling.Claim("b"), scheduling.Claim("c")]
+    picks = []
+    for _ in range(40):
+        chosen = policy.pick(claims)
+        policy.charge(chosen, 1.0)
+        picks.append(chosen.run_id)
+    assert {k: picks.count(k) for k in "abc"} == {"a": 20, "b": 10, "c": 10}
+    urgent = scheduling.Claim("u", priority=1)
+    assert policy.pick([*claims, urgent]) is urgent
+    late = scheduling.Claim("late")  # joins at the least-served peer's time: no banked credit
+    policy.pick([*claims, late])
+    assert policy.vtime["late"] == min(policy.vtime[c] for c in "abc")
+
+
+async def test_fair_turns_hand_the_thread_to_the_policys_pick():
+    import asyncio
+
+    from treadle_common import scheduling
+
+    turns = scheduling.FairTurns(scheduling.WeightedFairShare())
+    order = []
+
+    async def step(claim):
+        async with turns.turn(claim):
+            order.append(claim.run_id)
+            await asyncio.sleep(0.001)
+
+    hold = asyncio.Event()
+
+    async def first():
+        async with turns.turn(scheduling.Claim("x")):
+            await hold.wait()
+
+    holder = asyncio.create_task(first())
+    await asyncio.sleep(0)
+    waiting = [
+        asyncio.create_task(step(scheduling.Claim(r, priority=p)))
+        for r, p in (("low", 0), ("high", 2), ("mid", 1))
+    ]
+    await asyncio.sleep(0.01)
+    hold.set()
+    await asyncio.gather(holder, *waiting)
+    assert order == ["high", "mid", "low"]
+    assert turns.granted == {"x": 1, "high": 1, "mid": 1, "low": 1}

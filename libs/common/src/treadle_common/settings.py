@@ -44,6 +44,11 @@ class Settings(BaseSettings):
     s3_endpoint: str = Field(
         f"127.0.0.1:{names.DEFAULT_INFRA_PORTS['s3']}", description="S3 endpoint host:port"
     )
+    scheduling_policy: Literal["fair", "fifo"] = Field(
+        "fair",
+        description="How runs share rollout's task slots and the trainer's torch thread "
+        "(`treadle_common.scheduling`): fair (priority, then weighted fair share) or fifo",
+    )
     s3_access_key: str = Field(LOCAL_SECRET, description="S3 access key")
     s3_secret_key: str = Field(LOCAL_SECRET, description="S3 secret key")
 

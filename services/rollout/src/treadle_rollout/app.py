@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from treadle_common import scheduling
 from treadle_common.clients.env import EnvClient
 from treadle_common.clients.reward import RewardClient
 from treadle_common.clients.weights import WeightStoreClient
@@ -141,6 +142,8 @@ class Rollout:
             reclaim_idle_ms=settings.rollout_reclaim_idle_ms,
             max_deliveries=settings.rollout_max_deliveries,
             policies=self.policies,
+            policy=scheduling.make(settings.scheduling_policy),
+            model=self.engine.model_name,
         )
         self.worker = worker
         tasks = runtime.progress.stage("tasks", lambda: len(worker.in_flight))

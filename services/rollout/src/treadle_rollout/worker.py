@@ -1,7 +1,9 @@
 """Task worker: Redis tasks in, a group of episodes per task, trajectories out.
 
     treadle:runs (set) -> for each active run: XREADGROUP treadle:{run}:tasks (group `rollout`)
-      -> validate (a malformed task is acked and counted as invalid, with its reason)
+      -> one task read per run and held ready; when a slot frees, the scheduling policy
+       (`treadle_common.scheduling`: priority, then weighted fair share) picks whose starts
+    -> validate (a malformed task is acked and counted as invalid, with its reason)
       -> staleness admission (shared Redis bound; a refused group waits for a newer version)
       -> group_size episodes concurrently; each waits for the task's minimum policy version
          (if the engine lacks it) after opening its env session, before generating
@@ -32,7 +34,7 @@ from collections.abc import Callable
 import redis.asyncio as aioredis
 from opentelemetry.trace import SpanKind
 
-from treadle_common import admission, fleet, metrics, names, tracing
+from treadle_common import admission, fleet, metrics, names, scheduling, tracing
 from treadle_common.clients import streams
 from treadle_common.logs import get_logger
 from treadle_common.proto.treadle.v1 import task_pb2
@@ -78,9 +80,19 @@ class TaskWorker:
         reclaim_idle_ms: int = 60_000,
         max_deliveries: int = 3,
         policies: RunPolicies | None = None,
+        policy: scheduling.Policy | None = None,
+        model: str | None = None,
     ):
         self.r = r
+        self.model = model
+        """The base model this replica serves (None: it takes every run's tasks)."""
         self.policies = policies
+        self.policy = policy or scheduling.WeightedFairShare()
+        """Which run's ready task starts when a slot frees (`treadle_common.scheduling`)."""
+        self._claims: dict[str, scheduling.Claim] = {}
+        self._ready: dict[str, list[tuple[str, object, float]]] = {}
+        """Per task stream: tasks read (ours, pending) waiting for the policy's turn."""
+        self.started_by_run: dict[str, int] = {}
         self.runner = runner
         self.sync = sync
         self.consumer = consumer
@@ -103,17 +115,24 @@ class TaskWorker:
 
     async def active_streams(self) -> list[str]:
         """The task streams of the active runs this replica can serve: those whose policy's
-        base model is its engine's (`fleet.RunPolicy`; a run that registered none: all)."""
+        base model is its engine's (`fleet.RunPolicy`; a run that registered none: all).
+        Each one's scheduling claim (weight, priority, tenant) is kept for `_dispatch`."""
         runs = sorted(streams.text(m) for m in await self.r.smembers(names.RUNS_KEY))
         policies = await fleet.active(self.r)
-        model = self.sync.engine.model_name
-        runs = [run for run in runs if run not in policies or policies[run].base == model]
+        model = self.model
+        runs = [r for r in runs if model is None or r not in policies or policies[r].base == model]
         out = []
         for run in runs:
             stream = names.tasks_stream(run)
             if stream not in self._groups:
                 await streams.ensure_group(self.r, stream, names.ROLLOUT_GROUP)
                 self._groups.add(stream)
+            p = policies.get(run)
+            self._claims[stream] = (
+                scheduling.Claim(run, p.weight, p.priority, p.tenant)
+                if p is not None
+                else scheduling.Claim(run)
+            )
             out.append(stream)
         return out
 
@@ -132,33 +151,85 @@ class TaskWorker:
                 backoff = min(backoff * 2, 10.0)
 
     async def _take(self) -> None:
-        """One round: reclaim abandoned tasks, read new ones, start them."""
+        """One round: reclaim abandoned tasks and start them; read a task of each active run
+        that has none ready; once a slot is free, start the ready task of the run the
+        scheduling policy picks (`_dispatch`)."""
         stream_keys = await self.active_streams()
-        if not stream_keys:
+        if not stream_keys and not any(self._ready.values()):
             await asyncio.sleep(0.2)
             return
-        entries = []
+        owed = []
         for stream in stream_keys:
             if stream not in self._resumed:  # once per stream and process: our past life's
-                entries += await self._resume_own(stream)
+                owed += await self._resume_own(stream)
                 self._resumed.add(stream)
-            entries += await self._reclaim(stream)
+            owed += await self._reclaim(stream)
+        for stream, entry_id, task in owed:  # already ours: no turn to wait for
+            await self._start(stream, entry_id, task)
         await self.slots.acquire()
         self.slots.release()
-        entries += await streams.read_group(  # as many as there are free slots
+        await self._keep_ready_claims()
+        empty = [s for s in stream_keys if not self._ready.get(s)]
+        got = await streams.read_group(  # one per run: the policy chooses among them
             self.r,
-            stream_keys,
+            empty,
             names.ROLLOUT_GROUP,
             self.consumer,
             task_pb2.Task,
-            count=max(1, self.max_concurrent_tasks - len(self.in_flight) - len(entries)),
-            block_ms=500,
+            count=1,
+            block_ms=None if any(self._ready.values()) else 500,
         )
-        for stream, entry_id, task in entries:  # task may be an InvalidEntry
-            await self.slots.acquire()
-            job = asyncio.create_task(self._run_task(stream, entry_id, task))
-            self.in_flight.add(job)
-            job.add_done_callback(self.in_flight.discard)
+        now = time.monotonic()
+        for stream, entry_id, task in got:
+            self._ready.setdefault(stream, []).append((entry_id, task, now))
+        await self._dispatch(set(stream_keys))
+
+    async def _dispatch(self, active: set[str]) -> None:
+        """Start ready tasks while slots are free: the scheduling policy picks whose (a run
+        that ended: at once, its tasks are cancelled), and charges the run the group's
+        token budget (episodes x new tokens x turns)."""
+        while any(self._ready.values()) and not self.slots.locked():
+            ready = sorted((s for s, q in self._ready.items() if q), key=self._created)
+            gone = [s for s in ready if s not in active]
+            if gone:
+                stream = gone[0]
+            else:
+                chosen = self.policy.pick([self._claims[s] for s in ready])
+                stream = names.tasks_stream(chosen.run_id)
+            entry_id, task, _ = self._ready[stream].pop(0)
+            if isinstance(task, task_pb2.Task):
+                cost = task.group_size * max(1, task.sampling.max_new_tokens)
+                self.policy.charge(self._claims[stream], cost * max(1, task.max_turns))
+                self.started_by_run[task.run_id] = self.started_by_run.get(task.run_id, 0) + 1
+            await self._start(stream, entry_id, task)
+
+    def _created(self, stream: str) -> float:
+        """When the task waiting first in `stream` was fed (the claims' order: oldest first,
+        which is all a first-come policy looks at)."""
+        task = self._ready[stream][0][1]
+        return task.created_at if isinstance(task, task_pb2.Task) else 0.0
+
+    async def _keep_ready_claims(self) -> None:
+        """Ready tasks waiting their turn are ours: heartbeat them like running ones (one
+        reclaimed meanwhile by another replica is dropped here: that replica plays it)."""
+        now, every = time.monotonic(), self.reclaim_idle_ms / 4000
+        for stream, queue in self._ready.items():
+            for item in list(queue):
+                entry_id, task, since = item
+                if now - since < every:
+                    continue
+                owned = await streams.heartbeat(
+                    self.r, stream, names.ROLLOUT_GROUP, self.consumer, entry_id
+                )
+                queue.remove(item)
+                if owned:
+                    queue.append((entry_id, task, now))
+
+    async def _start(self, stream: str, entry_id: str, task) -> None:
+        await self.slots.acquire()
+        job = asyncio.create_task(self._run_task(stream, entry_id, task))
+        self.in_flight.add(job)
+        job.add_done_callback(self.in_flight.discard)
 
     async def _resume_own(self, stream: str) -> list:
         """Tasks still pending for this consumer name when the process starts were left by

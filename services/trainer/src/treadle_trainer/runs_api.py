@@ -24,7 +24,7 @@ from typing import Annotated
 
 from fastapi import FastAPI, HTTPException, Path, Query
 
-from treadle_common import auth, fleet, names
+from treadle_common import auth, fleet, names, scheduling
 from treadle_common.api.runs import Backlog, EvaluationDone, RunState, RunStatus, StepRecord
 from treadle_common.clients import streams
 from treadle_common.clients.env import EnvClient
@@ -60,6 +60,8 @@ class Runs:
         self.owners: dict[str, RunOwner] = {}
         self._tasks: set[asyncio.Task] = set()
         self._lease_ms = int(settings.trainer_lease_s * 1000)
+        self.turns = scheduling.FairTurns(scheduling.make(settings.scheduling_policy))
+        """Whose step gets the torch thread next, when several runs' steps wait for it."""
 
     @property
     def collecting(self) -> int:
@@ -136,6 +138,7 @@ class Runs:
             lease,
             stages=self.stages,
             retention_s=self.settings.trainer_run_retention_s,
+            turns=self.turns,
         )
 
     def _launch(self, config: RunConfig, lease: Lease) -> None:

@@ -25,7 +25,7 @@ import httpx
 import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 
-from treadle_common import admission, fleet, names, retention
+from treadle_common import admission, fleet, names, retention, scheduling
 from treadle_common.api.runs import FINAL_STATES, RunState, RunStatus
 from treadle_common.clients import streams
 from treadle_common.clients.env import EnvClient
@@ -132,7 +132,13 @@ class RunOwner:
         consumer: str = names.TRAINER_CONSUMER,
         stages: tuple[Stage, Stage] | None = None,
         retention_s: float = 7 * 24 * 3600.0,
+        turns: scheduling.FairTurns | None = None,
     ):
+        self.turns = turns or scheduling.FairTurns(scheduling.Fifo())
+        """The trainer process's torch thread, shared with its other runs' steps."""
+        self.claim = scheduling.Claim(
+            config.run_id, config.scheduling.weight, config.scheduling.priority
+        )
         read_stage, self.step_stage = stages or (
             Stage("trainer", "trajectories"),
             Stage("trainer", "step"),
@@ -476,10 +482,11 @@ class RunOwner:
                 # cores and the GIL from training, which then ran 75 % slower on the 2-core dev
                 # VM (`treadle bench step`); on a GPU they overlap
                 await self.versions.publisher.flush()
-            train_start = time.perf_counter()
-            with self.step_stage.track():
-                stats = await on_torch_thread(self._train, batch.data)
-            train_s = time.perf_counter() - train_start
+            async with self.turns.turn(self.claim):  # runs share the torch thread fairly
+                train_start = time.perf_counter()
+                with self.step_stage.track():
+                    stats = await on_torch_thread(self._train, batch.data)
+                train_s = time.perf_counter() - train_start
             publish_start = time.perf_counter()
             if feed_next is not None and feeding is None:
                 feeding = asyncio.ensure_future(feed_next())

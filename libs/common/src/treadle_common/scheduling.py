@@ -1,0 +1,147 @@
+"""Who gets the next slot when runs contend: one explicit, pluggable policy.
+
+Every shared resource that several runs queue for asks a `Policy` which waiting run goes
+next: rollout's task slots (`treadle_rollout.worker`: which run's group starts next, hence
+its env sessions, engine rows and reward calls) and the trainer's torch thread
+(`FairTurns`: whose step runs next). A `Claim` is a run with work waiting, its weight and
+priority (from the recipe's `scheduling` section) and its tenant.
+
+`WeightedFairShare` (the default) is start-time fair queueing over virtual time:
+
+    pick:   the highest priority among the claims; within it, the least virtual time
+            (ties: the run id, so the choice is deterministic)
+    charge: a run's virtual time grows by cost / weight for what it was granted (rollout: a
+            group's episodes x their token budget; trainer: the step's seconds)
+    join:   a run that was idle starts at the smallest virtual time of the runs active at its
+            priority, so idling banks no credit and a newcomer does not starve the others
+
+so runs of equal priority get shares of the contended capacity proportional to their
+weights, and a higher priority's work always goes first. `Fifo` (first come, first served)
+is the baseline it is measured against (`treadle bench multirun`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A run with work waiting for the resource."""
+
+    run_id: str
+    weight: float = 1.0
+    priority: int = 0
+    tenant: str = "default"
+
+
+class Policy(Protocol):
+    def pick(self, claims: Sequence[Claim]) -> Claim:
+        """The claim that gets the next slot (`claims` is not empty; the one whose work
+        waited longest first)."""
+        ...
+
+    def charge(self, claim: Claim, cost: float) -> None:
+        """`claim` was granted a slot costing `cost` (its unit is the resource's)."""
+        ...
+
+
+class WeightedFairShare:
+    """Strict priority, then weighted fair share by virtual time (see the module)."""
+
+    def __init__(self) -> None:
+        self.vtime: dict[str, float] = {}
+
+    def _start(self, claim: Claim, claims: Sequence[Claim]) -> float:
+        if claim.run_id in self.vtime:
+            return self.vtime[claim.run_id]
+        peers = [self.vtime[c.run_id] for c in claims if c.run_id in self.vtime]
+        return min(peers, default=0.0)
+
+    def pick(self, claims: Sequence[Claim]) -> Claim:
+        top = max(c.priority for c in claims)
+        level = [c for c in claims if c.priority == top]
+        for claim in level:  # joiners start level with the least-served active run
+            self.vtime[claim.run_id] = self._start(claim, level)
+        return min(level, key=lambda c: (self.vtime[c.run_id], c.run_id))
+
+    def charge(self, claim: Claim, cost: float) -> None:
+        self.vtime[claim.run_id] = self.vtime.get(claim.run_id, 0.0) + cost / claim.weight
+
+    def forget(self, run_id: str) -> None:
+        """The run ended: its virtual time goes (a run id is never reused)."""
+        self.vtime.pop(run_id, None)
+
+
+class Fifo:
+    """First come, first served: the claim listed first (callers list the claim whose work
+    waited longest first): the baseline, blind to weights and priorities."""
+
+    def pick(self, claims: Sequence[Claim]) -> Claim:
+        return claims[0]
+
+    def charge(self, claim: Claim, cost: float) -> None:
+        pass
+
+
+POLICIES = {"fair": WeightedFairShare, "fifo": Fifo}
+"""Policies by name (`TREADLE_SCHEDULING_POLICY`)."""
+
+
+def make(name: str) -> Policy:
+    if name not in POLICIES:
+        raise ValueError(f"unknown scheduling policy {name!r}; one of {sorted(POLICIES)}")
+    return POLICIES[name]()
+
+
+class FairTurns:
+    """One resource used by one holder at a time (the trainer's torch thread), handed to the
+    waiting claim the policy picks and charged the seconds it was held."""
+
+    def __init__(self, policy: Policy):
+        self.policy = policy
+        self._waiting: list[tuple[Claim, asyncio.Future[None]]] = []
+        self._busy = False
+        self.granted: dict[str, int] = {}
+        self.held_s: dict[str, float] = {}
+
+    @contextlib.asynccontextmanager
+    async def turn(self, claim: Claim) -> AsyncIterator[None]:
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.append((claim, future))
+        self._next()
+        try:
+            await future
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():  # granted as we were cancelled
+                self._release(claim, 0.0)
+            else:
+                self._waiting = [(c, f) for c, f in self._waiting if f is not future]
+            raise
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._release(claim, time.perf_counter() - started)
+
+    def _release(self, claim: Claim, held_s: float) -> None:
+        self.policy.charge(claim, held_s)
+        self.held_s[claim.run_id] = self.held_s.get(claim.run_id, 0.0) + held_s
+        self._busy = False
+        self._next()
+
+    def _next(self) -> None:
+        self._waiting = [(c, f) for c, f in self._waiting if not f.done()]
+        if self._busy or not self._waiting:
+            return
+        chosen = self.policy.pick([c for c, _ in self._waiting])
+        index = next(i for i, (c, _) in enumerate(self._waiting) if c is chosen)
+        claim, future = self._waiting.pop(index)
+        self._busy = True
+        self.granted[claim.run_id] = self.granted.get(claim.run_id, 0) + 1
+        future.set_result(None)

@@ -1,0 +1,116 @@
+"""Many runs, one fleet, on a real Redis: which run's task a rollout replica starts next
+(`treadle_common.scheduling` in `TaskWorker`), and which runs it serves at all."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+import redis.asyncio as aioredis
+
+from treadle_common import fleet, names, scheduling
+from treadle_common.clients import streams
+from treadle_common.proto.treadle.v1 import task_pb2
+from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
+from treadle_rollout.worker import TaskWorker
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+async def redis_client(infra):
+    r = aioredis.from_url(infra.redis_url)
+    yield r
+    await r.aclose()
+
+
+class Recorded:
+    """Episodes that record which run's task started, in order, and take a moment."""
+
+    def __init__(self) -> None:
+        self.started: list[str] = []
+
+    async def run(self, task, index, gate=None):
+        if index == 0:
+            self.started.append(task.run_id.split("-")[0])
+        await asyncio.sleep(0.001)
+        return tpb.Trajectory(trajectory_id=f"{task.task_id}/{index}", run_id=task.run_id)
+
+
+class Held:
+    class engine:  # noqa: N801
+        version = 0
+
+
+async def add_run(r, run: str, base: str, tasks: int, weight=1.0, priority=0, at=0.0) -> None:
+    """A registered run with `tasks` tasks fed at `at`, `at` + 1, ... (created_at)."""
+    policy = fleet.RunPolicy(run_id=run, policy=base, base=base, weight=weight, priority=priority)
+    await fleet.register(r, policy)
+    stream = names.tasks_stream(run)
+    for i in range(tasks):
+        task = task_pb2.Task(
+            task_id=f"{run}-{i}",
+            run_id=run,
+            env="e",
+            scorer="s",
+            group_size=2,
+            model=base,
+            created_at=at + i,
+        )
+        task.sampling.max_new_tokens = 4
+        await streams.add(r, stream, task)
+    await r.sadd(names.RUNS_KEY, run)
+
+
+async def started_order(r, policy: scheduling.Policy, runs: dict, until: int) -> list[str]:
+    episodes = Recorded()
+    worker = TaskWorker(
+        r, episodes, Held(), consumer="c1", max_concurrent_tasks=1, policy=policy, model="tiny"
+    )
+    job = asyncio.create_task(worker.run())
+    try:
+        for _ in range(400):
+            if len(episodes.started) >= until:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        await worker.drain()
+        job.cancel()
+        for run in runs:
+            await r.srem(names.RUNS_KEY, run)
+            await fleet.unregister(r, run)
+    return episodes.started
+
+
+async def test_priority_first_then_shares_by_weight_and_other_models_untouched(redis_client):
+    tag = uuid.uuid4().hex[:6]
+    runs = {
+        f"hi-{tag}": dict(priority=1),
+        f"a-{tag}": dict(weight=2.0),
+        f"b-{tag}": {},
+        f"c-{tag}": {},
+    }
+    for run, kw in runs.items():
+        await add_run(redis_client, run, "tiny", 20 if run.startswith("hi") else 40, **kw)
+    other = f"o-{tag}"
+    await add_run(redis_client, other, "tiny-b", 5)  # a model this replica does not serve
+    order = await started_order(redis_client, scheduling.WeightedFairShare(), runs, 60)
+    assert order[:20] == ["hi"] * 20  # the high-priority run's tasks go first
+    shares = {k: order[20:60].count(k) for k in ("a", "b", "c")}
+    assert shares == {"a": 20, "b": 10, "c": 10}, shares  # weights 2:1:1, to the task
+    assert "o" not in order
+    assert await redis_client.xlen(names.trajectories_stream(other)) == 0
+    info = await redis_client.xinfo_groups(names.tasks_stream(other))
+    assert not info or info[0]["entries-read"] in (None, 0)  # never read
+
+
+async def test_fifo_is_the_baseline_and_goes_by_feeding_time_alone(redis_client):
+    """First come, first served: the oldest task first, whatever the weights and priorities
+    (a's tasks fed at 0, 1, 2, ...; b's at 0.5, 1.5, ...: they alternate)."""
+    tag = uuid.uuid4().hex[:6]
+    runs = {f"a-{tag}": dict(weight=2.0, at=0.0), f"b-{tag}": dict(priority=5, at=0.5)}
+    for run, kw in runs.items():
+        await add_run(redis_client, run, "tiny", 10, **kw)
+    order = await started_order(redis_client, scheduling.Fifo(), runs, 20)
+    assert order == ["a", "b"] * 10, order
