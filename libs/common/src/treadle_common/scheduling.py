@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -89,7 +89,7 @@ class Fifo:
         pass
 
 
-POLICIES = {"fair": WeightedFairShare, "fifo": Fifo}
+POLICIES: dict[str, Callable[[], Policy]] = {"fair": WeightedFairShare, "fifo": Fifo}
 """Policies by name (`TREADLE_SCHEDULING_POLICY`)."""
 
 
