@@ -1,7 +1,7 @@
 """`treadle bench ...`: added to the `treadle` command through the `treadle.commands`
 entry-point group (see `treadle_cli.cli.add_plugins`).
 
-treadle bench weights|env|reward|rollout|trainer|tinker|e2e|learn|step|chaos [--json]
+treadle bench weights|env|reward|rollout|trainer|tinker|e2e|learn|multirun|step|chaos [--json]
     our path vs a baseline, or learning per seed, as JSON
 """
 
@@ -194,6 +194,28 @@ def bench_learn(
     from treadle_bench import learn
 
     result = learn.run([int(s) for s in seeds.split(",")], recipe, overrides)
+    print(json.dumps(result, indent=None if as_json else 2))
+
+
+@app.command("multirun")
+def bench_multirun(
+    runs: Annotated[int, typer.Option(min=2, help="LoRA runs (seeds 0..N-1)")] = 4,
+    recipe: Annotated[Path, typer.Option(help="Workload recipe")] = Path("recipes/demo.yaml"),
+    lora_rank: Annotated[int, typer.Option(help="Every run's LoRA rank")] = 8,
+    steps: Annotated[
+        int | None, typer.Option(help="RL steps of each alone/together run (default: recipe's)")
+    ] = None,
+    share_steps: Annotated[
+        int | None, typer.Option(help="RL steps of each weighted/priority run")
+    ] = None,
+    overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a.b=c")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
+) -> None:
+    """N LoRA runs of the recipe on one stack at once vs one after another on it: speedup,
+    RL lift per run, fairness, weighted shares, priority, memory, lost and trained twice."""
+    from treadle_bench import multirun
+
+    result = multirun.run(runs, recipe.resolve(), lora_rank, steps, share_steps, overrides)
     print(json.dumps(result, indent=None if as_json else 2))
 
 
