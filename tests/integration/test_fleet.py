@@ -4,13 +4,17 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 
+import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from treadle_common import fleet, names, scheduling
+from tests.conftest import TOKENS, start_service
+from treadle_common import auth, fleet, names, scheduling
 from treadle_common.clients import streams
+from treadle_common.config import RunConfig
 from treadle_common.proto.treadle.v1 import task_pb2
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
 from treadle_rollout.worker import TaskWorker
@@ -114,3 +118,73 @@ async def test_fifo_is_the_baseline_and_goes_by_feeding_time_alone(redis_client)
         await add_run(redis_client, run, "tiny", 10, **kw)
     order = await started_order(redis_client, scheduling.Fifo(), runs, 20)
     assert order == ["a", "b"] * 10, order
+
+
+@pytest.fixture(scope="module")
+def tenants_trainer(infra, tiny_model, tmp_path_factory):
+    """A trainer (with its weight-store and env-gateway) whose token table gives two tenants
+    a trainer token each, and lets a tenant have one active run."""
+    tmp = tmp_path_factory.mktemp("tenants")
+    table = {
+        "admin": TOKENS["admin"],
+        "trainer": [
+            TOKENS["trainer"],
+            {"token": "tenant-a-token-0123456789", "tenant": "a"},
+            {"token": "tenant-b-token-0123456789", "tenant": "b"},
+        ],
+        "read": TOKENS["read"],
+        "rollout": TOKENS["rollout"],
+        "agent": TOKENS["agent"],
+    }
+    env = {"TREADLE_AUTH_TOKENS": json.dumps(table), "TREADLE_AUTH_TOKENS_FILE": ""}
+    store = start_service("weight-store", infra, tmp, TREADLE_WEIGHT_STORE_DIR=str(tmp / "ws"))
+    gateway = start_service("env-gateway", infra, tmp)
+    trainer = start_service(
+        "trainer",
+        infra,
+        tmp,
+        TREADLE_WEIGHT_STORE_ADDR=store.grpc_addr or "",
+        TREADLE_ENV_GATEWAY_ADDR=gateway.grpc_addr or "",
+        TREADLE_TRAINER_TENANT_MAX_RUNS="1",
+        **env,
+    )
+    yield trainer
+    for proc in (trainer, gateway, store):
+        proc.stop_checked()
+
+
+def _as(token: str, base: str) -> httpx.Client:
+    return httpx.Client(base_url=base, headers=auth.bearer(token), timeout=30)
+
+
+def test_a_tenant_sees_and_controls_only_its_runs_and_is_held_to_its_run_quota(
+    tenants_trainer, tiny_model, tmp_path
+):
+    base = tenants_trainer.http
+    a, b = _as("tenant-a-token-0123456789", base), _as("tenant-b-token-0123456789", base)
+    admin = _as(TOKENS["admin"], base)
+    tag = uuid.uuid4().hex[:6]
+
+    def recipe(run: str) -> dict:
+        return RunConfig.model_validate(
+            {
+                "run_id": run,
+                "model": {"path": str(tiny_model), "name": f"m-{run}"},
+                "trainer": {"num_steps": 50, "batch_timeout_s": 600},
+                "output_dir": str(tmp_path),
+            }
+        ).model_dump(mode="json")
+
+    ra, rb = f"ra-{tag}", f"rb-{tag}"
+    started = a.post("/v1/runs", json=recipe(ra))
+    assert started.status_code == 202 and started.json()["tenant"] == "a", started.text
+    assert b.post("/v1/runs", json=recipe(rb)).json()["tenant"] == "b"
+    assert [r["run_id"] for r in a.get("/v1/runs").json()] == [ra]
+    assert a.get(f"/v1/runs/{ra}").status_code == 200
+    refused = a.get(f"/v1/runs/{rb}")
+    assert refused.status_code == 403 and "another tenant" in refused.text
+    assert a.post(f"/v1/runs/{rb}/evaluations", json={"step": 1}).status_code == 403
+    over = a.post("/v1/runs", json=recipe(f"rc-{tag}"))
+    assert over.status_code == 429 and "quota runs" in over.text and "'a'" in over.text
+    assert {r["run_id"] for r in admin.get("/v1/runs").json()} >= {ra, rb}
+    assert admin.get(f"/v1/runs/{rb}").status_code == 200

@@ -23,6 +23,10 @@ compose secret mounted as a file). A caller presents `TREADLE_TOKEN`, or the con
 (`TokenTable.generate`) and hands each service its role's token, so local use stays one
 command. `TREADLE_AUTH=off` turns checking off; only `TREADLE_ENVIRONMENT=local` allows it.
 Tokens are compared in constant time (`hmac.compare_digest`, against every entry).
+
+Tenants: a token may belong to a tenant, `{"trainer": [{"token": "...", "tenant": "acme"}]}`
+(a plain string belongs to `DEFAULT_TENANT`). A tenant's token sees and controls only its
+own tenant's runs (`Identity.may_see`); `admin` sees every tenant's.
 """
 
 from __future__ import annotations
@@ -95,6 +99,26 @@ def grpc_policy(pb2: ModuleType, service: str, **methods: frozenset[Role]) -> Gr
     return {f"/{descriptor.full_name}/{name}": allowed for name, allowed in methods.items()}
 
 
+DEFAULT_TENANT = "default"
+"""The tenant of tokens that name none (and of everything when auth is off)."""
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who a caller is: its role and its tenant."""
+
+    role: Role | None
+    """None when auth is off (local development: anyone may call anything)."""
+    tenant: str = DEFAULT_TENANT
+
+    def may_see(self, tenant: str) -> bool:
+        """Whether this caller may see and control what belongs to `tenant`."""
+        return self.role in (None, Role.admin) or tenant == self.tenant
+
+
+ANONYMOUS = Identity(None)
+
+
 class AuthError(Exception):
     """A refused call: `status` is 401 (who are you?) or 403 (not you)."""
 
@@ -107,8 +131,10 @@ class AuthError(Exception):
 class TokenTable:
     """Tokens by role: who a presented token is."""
 
-    def __init__(self, tokens: dict[Role, list[str]]):
+    def __init__(self, tokens: dict[Role, list[str]], tenants: dict[str, str] | None = None):
+        """`tenants`: token -> its tenant (tokens not in it: `DEFAULT_TENANT`)."""
         self.entries = [(role, tok.encode()) for role, toks in tokens.items() for tok in toks]
+        self.tenants = {tok.encode(): tenant for tok, tenant in (tenants or {}).items()}
         if not self.entries:
             raise ValueError("the token table is empty")
         if any(len(tok) < 16 for _, tok in self.entries):
@@ -122,13 +148,12 @@ class TokenTable:
             raw = json.loads(text)
             if not isinstance(raw, dict):
                 raise ValueError("expected a JSON object of role -> token(s)")
-            tokens = {
-                Role(role): [value] if isinstance(value, str) else list(value)
-                for role, value in raw.items()
-            }
-            if not all(isinstance(t, str) for toks in tokens.values() for t in toks):
-                raise ValueError("tokens must be strings")
-            return cls(tokens)
+            tokens: dict[Role, list[str]] = {}
+            tenants: dict[str, str] = {}
+            for role, value in raw.items():
+                items = [value] if isinstance(value, str | dict) else list(value)
+                tokens[Role(role)] = [_entry(item, tenants) for item in items]
+            return cls(tokens, tenants)
         except ValueError as exc:
             raise ValueError(f"auth tokens from {source}: {exc}") from None
 
@@ -141,6 +166,13 @@ class TokenTable:
         """The first token of `role` (what a launcher hands the service it starts)."""
         return next((tok.decode() for r, tok in self.entries if r is role), None)
 
+    def identify(self, token: str) -> Identity | None:
+        """The presented token's role and tenant; None for an unknown token."""
+        role = self.role_of(token)
+        if role is None:
+            return None
+        return Identity(role, self.tenants.get(token.encode(), DEFAULT_TENANT))
+
     def role_of(self, token: str) -> Role | None:
         """The presented token's role; every entry is compared (constant time per entry), so
         the time taken does not say which entry or how much of one matched."""
@@ -150,6 +182,19 @@ class TokenTable:
             if hmac.compare_digest(presented, known):
                 found = role
         return found
+
+
+def _entry(item: Any, tenants: dict[str, str]) -> str:
+    """One token of a role: a string, or `{"token": ..., "tenant": ...}` (noted in `tenants`)."""
+    if isinstance(item, str):
+        return item
+    if not isinstance(item, dict) or not isinstance(item.get("token"), str):
+        raise ValueError('tokens must be strings or {"token": "...", "tenant": "..."}')
+    tenant = item.get("tenant", DEFAULT_TENANT)
+    if not isinstance(tenant, str) or not tenant:
+        raise ValueError("a token's tenant must be a non-empty string")
+    tenants[item["token"]] = tenant
+    return item["token"]
 
 
 @dataclass(frozen=True)
@@ -166,19 +211,25 @@ class Authorizer:
         """The caller's role; raise `AuthError` unless the bearer `token` names a role in
         `allowed`. `allowed` None: `what` declared no policy, refused (fail closed). None
         when auth is off (anyone may call anything)."""
+        return self.identify(token, allowed, what).role
+
+    def identify(self, token: str | None, allowed: frozenset[Role] | None, what: str) -> Identity:
+        """`check`, returning the caller's role and tenant."""
         if allowed is None:
             raise AuthError(403, f"{what} has no access policy; refused")
         if self.table is None:
-            return None
+            return ANONYMOUS
         if not token:
             raise AuthError(401, f"{what} needs a bearer token (Authorization: Bearer <token>)")
-        role = self.table.role_of(token)
-        if role is None:
+        who = self.table.identify(token)
+        if who is None or who.role is None:
             raise AuthError(401, f"{what}: the bearer token is not valid")
-        if role not in allowed and role is not Role.admin:
+        if who.role not in allowed and who.role is not Role.admin:
             names = ", ".join(sorted(allowed))
-            raise AuthError(403, f"{what}: role {role.value!r} may not call it (allowed: {names})")
-        return role
+            raise AuthError(
+                403, f"{what}: role {who.role.value!r} may not call it (allowed: {names})"
+            )
+        return who
 
 
 def bearer_token(authorization: str | None) -> str | None:

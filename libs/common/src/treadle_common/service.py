@@ -229,15 +229,17 @@ class ServiceRuntime:
         route = request.scope.get("route")
         declared = (getattr(route, "openapi_extra", None) or {}).get(auth.ROLES_KEY)
         request.state.role = None
+        request.state.identity = auth.ANONYMOUS
         if declared == [auth.PUBLIC]:
             return
         path = getattr(route, "path", request.url.path)
         token = credentials.credentials if credentials else None
         token = token or auth.api_key_token(request.headers.get("x-api-key"))
         try:
-            request.state.role = self.authorizer.check(
+            who = self.authorizer.identify(
                 token, auth.parse_roles(declared), f"{request.method} {path}"
             )
+            request.state.role, request.state.identity = who.role, who
         except auth.AuthError as error:
             metrics.AUTH_REFUSED.labels(self.service, "http", str(error.status)).inc()
             headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None

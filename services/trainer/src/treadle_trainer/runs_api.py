@@ -22,7 +22,7 @@ import random
 import time
 from typing import Annotated
 
-from fastapi import FastAPI, HTTPException, Path, Query
+from fastapi import FastAPI, HTTPException, Path, Query, Request
 
 from treadle_common import auth, fleet, names, scheduling
 from treadle_common.api.runs import Backlog, EvaluationDone, RunState, RunStatus, StepRecord
@@ -70,10 +70,12 @@ class Runs:
     def states(self) -> dict[str, str]:
         return {rid: o.status.state for rid, o in self.owners.items()}
 
-    def _owner(self, run_id: str) -> RunOwner:
+    def _owner(self, run_id: str, who: auth.Identity = auth.ANONYMOUS) -> RunOwner:
         if run_id not in self.owners:
             raise HTTPException(404, f"no run {run_id}")
-        return self.owners[run_id]
+        owner = self.owners[run_id]
+        _visible(owner.status, who)
+        return owner
 
     def _lease(self, run_id: str) -> Lease:
         return Lease(self.runtime.redis, run_id, self.settings.instance, self._lease_ms)
@@ -92,7 +94,7 @@ class Runs:
             if not await self._wait_holding(lease, delay):
                 owner.status.state = "lost"
                 break
-            owner = self._owner_for(owner.config, lease)
+            owner = self._owner_for(owner.config, lease, owner.status.tenant)
             self.owners[run] = owner
         try:
             await lease.release()
@@ -129,7 +131,7 @@ class Runs:
                 work.cancel()
                 await asyncio.wait([work])
 
-    def _owner_for(self, config: RunConfig, lease: Lease) -> RunOwner:
+    def _owner_for(self, config: RunConfig, lease: Lease, tenant: str) -> RunOwner:
         return RunOwner(
             config,
             self.runtime.redis,
@@ -139,10 +141,11 @@ class Runs:
             stages=self.stages,
             retention_s=self.settings.trainer_run_retention_s,
             turns=self.turns,
+            tenant=tenant,
         )
 
-    def _launch(self, config: RunConfig, lease: Lease) -> None:
-        owner = self._owner_for(config, lease)
+    def _launch(self, config: RunConfig, lease: Lease, tenant: str) -> None:
+        owner = self._owner_for(config, lease, tenant)
         self.owners[config.run_id] = owner
         task = asyncio.create_task(self._own(owner))
         self._tasks.add(task)
@@ -178,7 +181,9 @@ class Runs:
             if not await (lease.reclaim_own() if mine else lease.acquire()):
                 continue
             log.info("resuming run", run=run)
-            self._launch(RunConfig.model_validate_json(raw), lease)
+            policy = (await fleet.active(redis)).get(run)
+            tenant = policy.tenant if policy is not None else auth.DEFAULT_TENANT
+            self._launch(RunConfig.model_validate_json(raw), lease, tenant)
 
     async def drain(self) -> None:
         """Hand every run off at its next step boundary (checkpointed, lease released)."""
@@ -187,7 +192,9 @@ class Runs:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    async def start(self, config: RunConfig) -> RunStatus:
+    async def start(self, config: RunConfig, request: Request) -> RunStatus:
+        """Start a run owned by the caller's tenant (429 past the tenant's run quota)."""
+        tenant = request.state.identity.tenant
         if self.runtime.draining:
             raise HTTPException(503, "trainer is draining")
         roots = self.settings.path_roots()
@@ -216,25 +223,43 @@ class Runs:
             raise HTTPException(
                 409, f"run {config.run_id} already has state in Redis; use a new run_id"
             )
-        if (why := await self._claim_model(config)) is not None:
+        if (why := await self._quota(tenant)) is not None:
+            await lease.release()
+            raise HTTPException(429, why)
+        if (why := await self._claim_model(config, tenant)) is not None:
             await lease.release()
             raise HTTPException(409, why)
-        self._launch(config, lease)
+        self._launch(config, lease, tenant)
         return self.owners[config.run_id].status
 
-    async def _claim_model(self, config: RunConfig) -> str | None:
+    async def _active_policies(self) -> list[fleet.RunPolicy]:
+        """The policies of runs that run or are starting (an owner holds their lease); one
+        left by a run that does neither is stale and ignored."""
+        redis = self.runtime.redis
+        live = {streams.text(m) for m in await redis.smembers(names.RUNS_KEY)}
+        return [
+            p
+            for run, p in (await fleet.active(redis)).items()
+            if run in live or await redis.exists(names.run_owner(run))
+        ]
+
+    async def _quota(self, tenant: str) -> str | None:
+        """Why `tenant` may start no more runs now, or None (`trainer_tenant_max_runs`)."""
+        limit = self.settings.trainer_tenant_max_runs
+        if not limit:
+            return None
+        mine = [p for p in await self._active_policies() if p.tenant == tenant]
+        if len(mine) < limit:
+            return None
+        return f"quota runs: tenant {tenant!r} has {len(mine)} active runs, the most it may"
+
+    async def _claim_model(self, config: RunConfig, tenant: str) -> str | None:
         """Register the run's policy unless it conflicts with an active run's (a full-weight
         run needs its model alone, `fleet.conflict`): why not, or None. Registered first and
         checked after, so of two conflicting runs started at once neither slips through."""
-        redis, policy = self.runtime.redis, policy_of(config)
+        redis, policy = self.runtime.redis, policy_of(config, tenant)
         await fleet.register(redis, policy)
-        active = await fleet.active(redis)
-        live = {streams.text(m) for m in await redis.smembers(names.RUNS_KEY)}
-        others = [  # a policy left by a run that neither runs nor is starting is stale
-            p
-            for run, p in active.items()
-            if run != config.run_id and (run in live or await redis.exists(names.run_owner(run)))
-        ]
+        others = [p for p in await self._active_policies() if p.run_id != config.run_id]
         if (why := fleet.conflict(policy, others)) is not None:
             await fleet.unregister(redis, config.run_id)
         return why
@@ -291,11 +316,14 @@ class Runs:
             return await self.backlog()
 
         @app.get("/v1/runs", tags=["runs"], openapi_extra=auth.roles(auth.ANY))
-        async def list_runs() -> list[RunStatus]:
-            return [o.status for o in self.owners.values()]
+        async def list_runs(request: Request) -> list[RunStatus]:
+            """The caller's tenant's runs this trainer owns (admin: every tenant's)."""
+            who: auth.Identity = request.state.identity
+            return [o.status for o in self.owners.values() if who.may_see(o.status.tenant)]
 
         @app.get("/v1/runs/{run_id}", tags=["runs"], openapi_extra=auth.roles(auth.ANY))
         async def get_run(
+            request: Request,
             run_id: RunId,
             steps_from: int = Query(
                 0,
@@ -306,22 +334,31 @@ class Runs:
         ) -> RunStatus:
             """Any trainer answers for any run: the owner from memory, the others from the
             status its owner keeps in Redis (so a client rides through the owner's restart
-            or a handoff to another trainer)."""
+            or a handoff to another trainer). Another tenant's run: 403."""
             owner = self.owners.get(run_id)
             if owner is not None and owner.status.state not in MOVED:
-                status = owner.status
+                status = _visible(owner.status, request.state.identity)
                 if not steps_from:
                     return status
                 return status.model_copy(update={"steps": status.steps[steps_from:]})
-            return await self.stored_status(run_id, steps_from)
+            stored = await self.stored_status(run_id, steps_from)
+            return _visible(stored, request.state.identity)
 
         @app.post(
             "/v1/runs/{run_id}/evaluations", tags=["runs"], openapi_extra=auth.roles(auth.TRAINER)
         )
-        async def evaluated(run_id: RunId, report: EvaluationDone) -> RunStatus:
+        async def evaluated(request: Request, run_id: RunId, report: EvaluationDone) -> RunStatus:
             """The client evaluated the weights of `step`: a sync run holding there goes on."""
-            owner = self._owner(run_id)
+            owner = self._owner(run_id, request.state.identity)
             if owner.status.state in MOVED:
                 raise HTTPException(409, f"run {run_id} moved to another trainer")
             await owner.holds.mark_evaluated(report.step)
             return owner.status
+
+
+def _visible(status: RunStatus, who: auth.Identity) -> RunStatus:
+    """`status`, unless the caller's tenant may not see it (403, naming neither owner nor
+    anything of the run but its id)."""
+    if not who.may_see(status.tenant):
+        raise HTTPException(403, f"run {status.run_id} belongs to another tenant")
+    return status

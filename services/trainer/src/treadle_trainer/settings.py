@@ -18,6 +18,12 @@ class TrainerSettings(Settings):
         description="trainer: a finished run's Redis keys (ledger, dead letters, state) expire "
         "after this",
     )
+    trainer_tenant_max_runs: int = Field(
+        0,
+        ge=0,
+        description="trainer: active runs one tenant may have at once; one more is refused "
+        "with 429 naming the quota (0: no limit)",
+    )
     trainer_run_retries: int = Field(
         8,
         ge=0,

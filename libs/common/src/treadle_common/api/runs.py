@@ -55,6 +55,7 @@ class StepRecord(BaseModel):
 
 class RunStatus(BaseModel):
     run_id: str
+    tenant: str = Field("default", description="Who the run belongs to (its starter's token)")
     state: RunState = "pending"
     error: str | None = None
     owner: str | None = Field(

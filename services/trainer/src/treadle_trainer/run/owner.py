@@ -133,6 +133,7 @@ class RunOwner:
         stages: tuple[Stage, Stage] | None = None,
         retention_s: float = 7 * 24 * 3600.0,
         turns: scheduling.FairTurns | None = None,
+        tenant: str = "default",
     ):
         self.turns = turns or scheduling.FairTurns(scheduling.Fifo())
         """The trainer process's torch thread, shared with its other runs' steps."""
@@ -151,7 +152,7 @@ class RunOwner:
         self._rolled_back = 0
         self._steps_saved = 0  # status.steps[:this] are in Redis (run_steps)
         self._kept: list[Path] = []  # committed checkpoints kept, newest first
-        self.status = RunStatus(run_id=config.run_id)
+        self.status = RunStatus(run_id=config.run_id, tenant=tenant)
         self.backend: TorchBackend | None = None
         self.run_dir = config.output_dir / config.run_id
         self.ledger = Ledger(r, config.run_id, lease)
@@ -336,7 +337,7 @@ class RunOwner:
             max_staleness=self.max_staleness,
             base_version=self._v0,
         )
-        await fleet.register(self.r, policy_of(cfg))  # before rollout may look for it
+        await fleet.register(self.r, policy_of(cfg, self.status.tenant))  # before rollout looks
         await self.r.sadd(names.RUNS_KEY, cfg.run_id)
         await self.collector.replay_pending()
         while self.status.step < t.num_steps and not self.handing_off:
