@@ -92,8 +92,8 @@ async def test_recorded_session_becomes_a_token_exact_trajectory(openai_server, 
     messages = [{"role": "user", "content": "guess a number"}]
     replies = []
     for follow_up in ("lower", None):
-        reply = await client.chat.completions.create(
-            model="tiny", messages=messages, max_tokens=5, extra_headers=headers
+        reply = await client.chat.completions.create(  # seeded: the same replies every run
+            model="tiny", messages=messages, max_tokens=5, extra_headers=headers, seed=11
         )
         replies.append(reply.choices[0].message.content)
         messages.append({"role": "assistant", "content": reply.choices[0].message.content})

@@ -25,20 +25,21 @@ from treadle_rollout.episodes import EpisodeRunner
 from treadle_rollout.policies import PolicyError, RunPolicies
 
 
-def mount(app: FastAPI, runner: Callable[[], EpisodeRunner | None], policies: RunPolicies) -> None:
+def mount(
+    app: FastAPI, runner: Callable[[], EpisodeRunner | None], policies: RunPolicies | None = None
+) -> None:
+    """`policies`: the LoRA runs' policies a request may name (`model`); None: only the
+    served policy."""
+
     @app.post("/v1/evaluate", tags=["evaluate"], openapi_extra=auth.roles(auth.WORKERS))
     async def evaluate(request: EvaluateRequest) -> EvaluateResult:
         episodes = runner()
         if episodes is None:
             raise HTTPException(503, "rollout is still connecting to NATS; retry shortly")
         model = request.model or ""
-        if model and model != policies.engine.model_name:
-            if not policies.is_adapter(model):
-                raise HTTPException(
-                    404,
-                    f"rollout serves {policies.engine.model_name} and its runs' adapters, "
-                    f"not {model}",
-                )
+        if model and (policies is None or model != policies.engine.model_name):
+            if policies is None or not policies.is_adapter(model):
+                raise HTTPException(404, f"rollout serves no policy {model}")
             try:
                 await asyncio.wait_for(policies.ensure(model, request.min_version), 60.0)
             except TimeoutError as exc:
