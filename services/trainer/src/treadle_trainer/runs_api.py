@@ -1,9 +1,14 @@
 """The trainer's run API and the runs it owns.
 
-    POST /v1/runs (a recipe as JSON) --> lease treadle:{run}:owner --> RunOwner.execute
-    GET  /v1/runs, /v1/runs/{id}      status, steps (from `steps_from`), counters, drops
+    POST /v1/runs (a recipe as JSON) --> lease treadle:{run}:owner --> the tenant's quota and
+         the run's model claimed (`run/claims.py`: 429, 409) --> RunOwner.execute
+    GET  /v1/runs, /v1/runs/{id}      status, steps (from `steps_from`), counters, drops: the
+                                      caller's tenant's runs only (admin: all; else 403)
     POST /v1/runs/{id}/evaluations    the client evaluated a step: a sync run held there goes on
-    GET  /v1/backlog                  work waiting in Redis (KEDA scales rollout on it)
+    GET  /v1/backlog                  work waiting in Redis, by model (KEDA scales rollout on it)
+
+Runs share this process's torch thread through one scheduling policy (`turns`: priority,
+then weighted fair share of step seconds; `treadle_common.scheduling`).
 
 A run is owned by one trainer at a time, through a fenced lease (`run/lease.py`): created
 with SET NX, renewed by compare-and-PEXPIRE while the owner executes the run; an owner whose
@@ -35,9 +40,8 @@ from treadle_common.progress import Stage
 from treadle_common.service import ServiceRuntime
 from treadle_trainer.backends import check_backend
 from treadle_trainer.paths import confine
-from treadle_trainer.run import RunOwner
+from treadle_trainer.run import RunOwner, claims
 from treadle_trainer.run.lease import Lease
-from treadle_trainer.run.owner import policy_of
 from treadle_trainer.settings import TrainerSettings
 
 log = get_logger(__name__)
@@ -74,7 +78,7 @@ class Runs:
         if run_id not in self.owners:
             raise HTTPException(404, f"no run {run_id}")
         owner = self.owners[run_id]
-        _visible(owner.status, who)
+        claims.visible(owner.status, who)
         return owner
 
     def _lease(self, run_id: str) -> Lease:
@@ -223,46 +227,15 @@ class Runs:
             raise HTTPException(
                 409, f"run {config.run_id} already has state in Redis; use a new run_id"
             )
-        if (why := await self._quota(tenant)) is not None:
+        max_runs = self.settings.trainer_tenant_max_runs
+        if (why := await claims.over_quota(redis, tenant, max_runs)) is not None:
             await lease.release()
             raise HTTPException(429, why)
-        if (why := await self._claim_model(config, tenant)) is not None:
+        if (why := await claims.claim_model(redis, config, tenant)) is not None:
             await lease.release()
             raise HTTPException(409, why)
         self._launch(config, lease, tenant)
         return self.owners[config.run_id].status
-
-    async def _active_policies(self) -> list[fleet.RunPolicy]:
-        """The policies of runs that run or are starting (an owner holds their lease); one
-        left by a run that does neither is stale and ignored."""
-        redis = self.runtime.redis
-        live = {streams.text(m) for m in await redis.smembers(names.RUNS_KEY)}
-        return [
-            p
-            for run, p in (await fleet.active(redis)).items()
-            if run in live or await redis.exists(names.run_owner(run))
-        ]
-
-    async def _quota(self, tenant: str) -> str | None:
-        """Why `tenant` may start no more runs now, or None (`trainer_tenant_max_runs`)."""
-        limit = self.settings.trainer_tenant_max_runs
-        if not limit:
-            return None
-        mine = [p for p in await self._active_policies() if p.tenant == tenant]
-        if len(mine) < limit:
-            return None
-        return f"quota runs: tenant {tenant!r} has {len(mine)} active runs, the most it may"
-
-    async def _claim_model(self, config: RunConfig, tenant: str) -> str | None:
-        """Register the run's policy unless it conflicts with an active run's (a full-weight
-        run needs its model alone, `fleet.conflict`): why not, or None. Registered first and
-        checked after, so of two conflicting runs started at once neither slips through."""
-        redis, policy = self.runtime.redis, policy_of(config, tenant)
-        await fleet.register(redis, policy)
-        others = [p for p in await self._active_policies() if p.run_id != config.run_id]
-        if (why := fleet.conflict(policy, others)) is not None:
-            await fleet.unregister(redis, config.run_id)
-        return why
 
     async def stored_status(self, run_id: str, steps_from: int = 0) -> RunStatus:
         """The run's status as its owner last wrote it to Redis; 404 if there is none, 503
@@ -282,28 +255,6 @@ class Runs:
         status.steps = [StepRecord.model_validate_json(r) for r in records if r is not None]
         return status
 
-    async def backlog(self) -> Backlog:
-        r = self.runtime.redis
-        active = [streams.text(m) for m in await r.smembers(names.RUNS_KEY)]
-        tasks = [
-            await streams.backlog(r, names.tasks_stream(run), names.ROLLOUT_GROUP) for run in active
-        ]
-        trajectories = [
-            await streams.backlog(r, names.trajectories_stream(run), names.TRAINER_GROUP)
-            for run in active
-        ]
-        policies = await fleet.active(r)
-        by_model: dict[str, int] = {}
-        for run, waiting in zip(active, tasks, strict=True):
-            model = policies[run].base if run in policies else ""
-            by_model[model] = by_model.get(model, 0) + waiting
-        return Backlog(
-            runs=len(active),
-            tasks_waiting=sum(tasks),
-            trajectories_waiting=sum(trajectories),
-            tasks_by_model=by_model,
-        )
-
     def mount(self, app: FastAPI) -> None:
         app.post(
             "/v1/runs", status_code=202, tags=["runs"], openapi_extra=auth.roles(auth.TRAINER)
@@ -313,7 +264,7 @@ class Runs:
         async def backlog() -> Backlog:
             """Work waiting in Redis for the active runs (KEDA scales rollout on
             `tasks_waiting`)."""
-            return await self.backlog()
+            return await claims.backlog(self.runtime.redis)
 
         @app.get("/v1/runs", tags=["runs"], openapi_extra=auth.roles(auth.ANY))
         async def list_runs(request: Request) -> list[RunStatus]:
@@ -337,12 +288,12 @@ class Runs:
             or a handoff to another trainer). Another tenant's run: 403."""
             owner = self.owners.get(run_id)
             if owner is not None and owner.status.state not in MOVED:
-                status = _visible(owner.status, request.state.identity)
+                status = claims.visible(owner.status, request.state.identity)
                 if not steps_from:
                     return status
                 return status.model_copy(update={"steps": status.steps[steps_from:]})
             stored = await self.stored_status(run_id, steps_from)
-            return _visible(stored, request.state.identity)
+            return claims.visible(stored, request.state.identity)
 
         @app.post(
             "/v1/runs/{run_id}/evaluations", tags=["runs"], openapi_extra=auth.roles(auth.TRAINER)
@@ -354,11 +305,3 @@ class Runs:
                 raise HTTPException(409, f"run {run_id} moved to another trainer")
             await owner.holds.mark_evaluated(report.step)
             return owner.status
-
-
-def _visible(status: RunStatus, who: auth.Identity) -> RunStatus:
-    """`status`, unless the caller's tenant may not see it (403, naming neither owner nor
-    anything of the run but its id)."""
-    if not who.may_see(status.tenant):
-        raise HTTPException(403, f"run {status.run_id} belongs to another tenant")
-    return status

@@ -7,6 +7,7 @@
     publishing.py  the run's weight versions, published in the background
     ledger.py      every entry acked and ledgered exactly once, with its checkpoint
     lease.py       the run's fenced lease: only its owner's writes land
+    claims.py      what a run claims of the fleet: its model (conflicts), its tenant's quota
 
     dataset / env generator --cursor--> fenced MULTI: XADD treadle:{run}:tasks + cursor + fed ids
         (fed up to (step + max_staleness) * tasks_per_step; rollout admission does the rest;

@@ -46,6 +46,7 @@ from treadle_trainer.backends.single import CorruptCheckpoint, verify_checkpoint
 from treadle_trainer.batches import Datum, Group
 from treadle_trainer.losses import LossParams
 from treadle_trainer.publisher import Snapshot
+from treadle_trainer.run import claims
 from treadle_trainer.run.collector import Collector, Stopping
 from treadle_trainer.run.feeder import Feeder, task_source
 from treadle_trainer.run.lease import Fenced, Lease
@@ -88,19 +89,6 @@ def retryable(exc: BaseException) -> bool:
         TimeoutError,
     )
     return isinstance(exc, transient)
-
-
-def policy_of(config: RunConfig, tenant: str = "default") -> fleet.RunPolicy:
-    """What the fleet must serve for `config` (`treadle_common.fleet`)."""
-    return fleet.RunPolicy(
-        run_id=config.run_id,
-        policy=config.policy_model,
-        base=config.model.name,
-        lora=config.trainer.lora is not None,
-        tenant=tenant,
-        weight=config.scheduling.weight,
-        priority=config.scheduling.priority,
-    )
 
 
 def _being_cancelled() -> bool:
@@ -337,7 +325,7 @@ class RunOwner:
             max_staleness=self.max_staleness,
             base_version=self._v0,
         )
-        await fleet.register(self.r, policy_of(cfg, self.status.tenant))  # before rollout looks
+        await fleet.register(self.r, claims.policy_of(cfg, self.status.tenant))  # before rollout
         await self.r.sadd(names.RUNS_KEY, cfg.run_id)
         await self.collector.replay_pending()
         while self.status.step < t.num_steps and not self.handing_off:
