@@ -67,6 +67,11 @@ def test_two_lora_runs_at_once_on_one_stack_each_train_and_export_their_own(cli_
             # its own version sequence: the new adapter, then one per step
             assert summary["weight_store_versions"] == [1, 2, 3, 4]
             assert summary["rollout_policy_version"] == 4
+            used = summary["usage"]  # accounted per run, on both sides
+            assert used["episodes"] == summary["trajectories_produced"] == used["reward_calls"]
+            assert used["generated_tokens"] > 0 and used["prompt_tokens"] > 0
+            assert used["trained_tokens"] > 0 and used["trainer_s"] > 0 and used["env_s"] > 0
+            assert used["weight_bytes_published"] > 0 and used["weight_bytes_fetched"] > 0
         spec = json.loads((tmp_path / ".treadle" / "stack.json").read_text())["spec"]
         token = (tmp_path / ".treadle" / "auth" / "admin.token").read_text()
         info = httpx.get(
@@ -83,6 +88,15 @@ def test_two_lora_runs_at_once_on_one_stack_each_train_and_export_their_own(cli_
         moved = {rid: [k for k in base if not (m[k] == base[k]).all()] for rid, m in merged.items()}
         assert moved["la"] and moved["lb"], moved  # each exported its adapter, merged
         assert any(not (merged["la"][k] == merged["lb"][k]).all() for k in moved["la"])
+        trainer_url = f"http://127.0.0.1:{spec['ports']['trainer']['http']}"
+        by_tenant = httpx.get(f"{trainer_url}/v1/usage", headers=auth.bearer(token)).json()
+        episodes = sum(s["usage"]["episodes"] for s in summaries.values())
+        assert by_tenant["default"]["episodes"] == episodes, by_tenant
+        metrics = httpx.get(
+            f"http://127.0.0.1:{spec['ports']['rollout']['http']}/metrics",
+            headers=auth.bearer(token),
+        ).text
+        assert 'treadle_rollout_tenant_usage_total{kind="episodes",tenant="default"}' in metrics
         # the base, published by each run that found none, is one set of chunks
         addr = f"127.0.0.1:{spec['ports']['weight-store']['grpc']}"
         bases = asyncio.run(_chunk_positions(addr, token, "tiny"))

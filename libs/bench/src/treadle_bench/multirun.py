@@ -361,7 +361,7 @@ def run(
         "lost": sum(
             r.status.trajectories_produced
             - r.status.trajectories_consumed
-            + r.status.pending_after_run
+            + (r.status.pending_after_run or 0)
             for r in every
         ),
         "trained_twice": sum(r.trained_twice for r in every),

@@ -36,7 +36,7 @@ from treadle_cli.report import EvalRow, EvalSummary, RunReport, SftRow, StepRow
 from treadle_cli.settings import CliSettings
 from treadle_cli.warmup import TrainingSession, demonstrations, validation_tasks
 from treadle_common.api.rollout import EvaluateRequest, EvaluateResult, RolloutInfo
-from treadle_common.api.runs import RunState, RunStatus
+from treadle_common.api.runs import RunState, RunStatus, Usage
 from treadle_common.clients.env import EnvClient
 from treadle_common.clients.http import ApiError
 from treadle_common.clients.rollout import RolloutClient
@@ -70,6 +70,7 @@ class RunSummary(EvalSummary):
     duplicates: int
     pending_after_run: int | None
     dropped: dict[str, int]
+    usage: Usage = Field(default_factory=Usage, description="What the run used of the fleet")
     exactly_once: bool
     versions_published: list[int]
     weight_store_versions: list[int]
@@ -508,6 +509,7 @@ class RunClient:
                 "duplicates",
                 "pending_after_run",
                 "dropped",
+                "usage",
             }
         )
         return RunSummary(

@@ -33,7 +33,7 @@ from treadle_cli.settings import CliSettings, admin_token_file, auth_dir
 from treadle_common import auth, infra_auth, names, tls
 from treadle_common.api.ops import Readiness, ServiceInfo, StageProgress
 from treadle_common.api.rollout import RolloutInfo
-from treadle_common.api.runs import RunStatus
+from treadle_common.api.runs import RunStatus, Usage
 from treadle_common.clients.http import ApiError, info, readiness
 from treadle_common.clients.trainer import TrainerClient
 from treadle_common.infra_auth import InfraSecrets, redact
@@ -394,6 +394,8 @@ class RunTime(BaseModel):
     max_staleness: int
     tasks_dead: int = 0
     dead_lettered: dict[str, int] = Field(default_factory=dict)
+    tenant: str = "default"
+    usage: Usage = Field(default_factory=Usage)
 
     @classmethod
     def of(cls, run: RunStatus) -> RunTime | None:
@@ -410,6 +412,8 @@ class RunTime(BaseModel):
             max_staleness=max(s.max_staleness for s in steps),
             tasks_dead=run.tasks_dead,
             dead_lettered=run.dead_lettered,
+            tenant=run.tenant,
+            usage=run.usage,
         )
 
 

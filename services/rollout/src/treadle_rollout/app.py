@@ -16,13 +16,13 @@ from pathlib import Path
 
 import torch
 
-from treadle_common import scheduling
+from treadle_common import auth, scheduling
 from treadle_common.clients.env import EnvClient
 from treadle_common.clients.reward import RewardClient
 from treadle_common.clients.weights import WeightStoreClient
 from treadle_common.proto.treadle.v1 import generation_pb2_grpc
 from treadle_common.service import Service, ServiceRuntime
-from treadle_rollout import http, openai_api
+from treadle_rollout import http, openai_api, usage
 from treadle_rollout.engines import prestart
 from treadle_rollout.engines.base import Engine
 from treadle_rollout.engines.hf import HFEngine
@@ -122,6 +122,14 @@ class Rollout:
         reward = RewardClient(nc, settings.reward_timeout_s, batch=True)
         if self.engine.name != "openai":  # adapter policies follow their announcements
             self.policies.js = nc.jetstream()
+        redis = runtime.redis
+
+        async def fetched(policy: str, size: int) -> None:  # a LoRA run's policy's bytes
+            run = policy.removeprefix(self.engine.model_name + ".")
+            tenant = self.worker.tenant_of(run) if self.worker else auth.DEFAULT_TENANT
+            await usage.record(redis, run, tenant, {"weight_bytes_fetched": size})
+
+        self.policies.on_fetched = fetched
         self.frontend.redis, self.frontend.reward = runtime.redis, reward
         runner = EpisodeRunner(
             self.engine,

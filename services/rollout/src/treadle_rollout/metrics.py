@@ -61,3 +61,9 @@ PLAYED_REFUSED = Counter(
     "Model calls of played envs (env-gateway Play) answered with an HTTP error, by status",
     ["status"],
 )
+TENANT_USAGE = Counter(
+    "treadle_rollout_tenant_usage_total",
+    "What each tenant's runs used of rollout, by kind (prompt_tokens, generated_tokens, "
+    "episodes, reward_calls, env_s, weight_bytes_fetched); per run: GET /v1/runs/{id} usage",
+    ["tenant", "kind"],
+)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Awaitable, Callable
 
 from treadle_common import lora
 from treadle_common.clients.torch_weights import fetch_state_dict
@@ -51,6 +52,8 @@ class AdapterPolicy:
         self._changed = asyncio.Condition()
         self._announced = -1
         self._subscription: object | None = None
+        self.on_fetched: Callable[[str, int], Awaitable[None]] | None = None
+        """Told the bytes of each version fetched (usage accounting)."""
 
     async def ensure(self, version: int) -> None:
         """Until the engine serves at least `version` of this policy."""
@@ -98,6 +101,9 @@ class AdapterPolicy:
         self.swaps += 1
         fetched = sum(c.size for t in manifest.tensors for c in t.chunks)
         self.bytes_fetched += fetched
+        if self.on_fetched is not None:
+            with contextlib.suppress(Exception):  # accounting only
+                await self.on_fetched(self.name, fetched)
         self.last_error = None
         async with self._changed:
             self._changed.notify_all()
@@ -142,6 +148,8 @@ class RunPolicies:
         self.policies: dict[str, AdapterPolicy] = {}
         self.js: object | None = None
         """JetStream, once NATS is connected: each policy then follows its announcements."""
+        self.on_fetched: Callable[[str, int], Awaitable[None]] | None = None
+        """Told (policy model, bytes) of each adapter version fetched (usage accounting)."""
 
     def is_adapter(self, model: str) -> bool:
         """Tasks naming `model` sample through an adapter: a LoRA run's policy on this
@@ -154,6 +162,7 @@ class RunPolicies:
             policy = self.policies[model] = AdapterPolicy(
                 model, self.engine, self.store, self.poll_s
             )
+            policy.on_fetched = self.on_fetched
             if self.js is not None:
                 policy._subscription = asyncio.ensure_future(
                     watch(self.js, model, policy.on_announcement)

@@ -39,6 +39,7 @@ from treadle_common.clients import streams
 from treadle_common.logs import get_logger
 from treadle_common.proto.treadle.v1 import task_pb2
 from treadle_rollout import metrics as rollout_metrics
+from treadle_rollout import usage
 from treadle_rollout.episodes import EpisodeRunner
 from treadle_rollout.policies import RunPolicies
 from treadle_rollout.weight_sync import WeightSync
@@ -203,6 +204,11 @@ class TaskWorker:
                 self.started_by_run[task.run_id] = self.started_by_run.get(task.run_id, 0) + 1
             await self._start(stream, entry_id, task)
 
+    def tenant_of(self, run: str) -> str:
+        """The tenant of an active run (from its claim; `default` when it named none)."""
+        claim = self._claims.get(names.tasks_stream(run))
+        return claim.tenant if claim is not None else "default"
+
     def _created(self, stream: str) -> float:
         """When the task waiting first in `stream` was fed (the claims' order: oldest first,
         which is all a first-come policy looks at)."""
@@ -312,6 +318,9 @@ class TaskWorker:
                 return
             self.tasks_done += 1
             self.trajectories_pushed += len(group)
+            tenant = self.tenant_of(task.run_id)
+            with contextlib.suppress(Exception):  # accounting never fails a committed task
+                await usage.record(self.r, task.run_id, tenant, usage.of_group(group))
             self.on_task_done()
         except asyncio.CancelledError:
             if not heartbeat.done() or heartbeat.cancelled() or not heartbeat.result():

@@ -30,7 +30,14 @@ from typing import Annotated
 from fastapi import FastAPI, HTTPException, Path, Query, Request
 
 from treadle_common import auth, fleet, names, scheduling
-from treadle_common.api.runs import Backlog, EvaluationDone, RunState, RunStatus, StepRecord
+from treadle_common.api.runs import (
+    Backlog,
+    EvaluationDone,
+    RunState,
+    RunStatus,
+    StepRecord,
+    Usage,
+)
 from treadle_common.clients import streams
 from treadle_common.clients.env import EnvClient
 from treadle_common.clients.weights import WeightStoreClient
@@ -265,6 +272,13 @@ class Runs:
             """Work waiting in Redis for the active runs (KEDA scales rollout on
             `tasks_waiting`)."""
             return await claims.backlog(self.runtime.redis)
+
+        @app.get("/v1/usage", tags=["runs"], openapi_extra=auth.roles(auth.ANY))
+        async def usage(request: Request) -> dict[str, Usage]:
+            """What the runs this trainer owns used, summed by tenant (the caller's only;
+            admin: every tenant's)."""
+            who: auth.Identity = request.state.identity
+            return claims.usage_by_tenant([o.status for o in self.owners.values()], who)
 
         @app.get("/v1/runs", tags=["runs"], openapi_extra=auth.roles(auth.ANY))
         async def list_runs(request: Request) -> list[RunStatus]:

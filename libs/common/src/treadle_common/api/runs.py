@@ -53,6 +53,43 @@ class StepRecord(BaseModel):
     )
 
 
+USAGE_PREFIX = "usage:"
+"""Rollout's usage counts of a run live in its state hash as `usage:<field>` (HINCRBY)."""
+ROLLOUT_USAGE = ("prompt_tokens", "generated_tokens", "episodes", "reward_calls", "env_s",
+                 "weight_bytes_fetched")  # fmt: skip
+"""The `Usage` fields rollout counts; the trainer counts the others."""
+
+
+class Usage(BaseModel):
+    """What a run used of the fleet (accounted per run; `GET /v1/usage` sums them by tenant)."""
+
+    prompt_tokens: int = Field(0, description="Tokens of prompts and env turns rollout fed")
+    generated_tokens: int = Field(0, description="Tokens the policy generated")
+    episodes: int = Field(0, description="Episodes played (trajectories produced)")
+    reward_calls: int = Field(0, description="Trajectories the reward service scored")
+    env_s: float = Field(0.0, description="Seconds in env-gateway calls, over all episodes")
+    trained_tokens: int = Field(0, description="Tokens the trainer's steps trained on")
+    trainer_s: float = Field(0.0, description="Seconds the trainer's steps computed")
+    weight_bytes_published: int = Field(0, description="Bytes this run's publishes sent")
+    weight_bytes_fetched: int = Field(0, description="Bytes rollout fetched of its policy")
+
+    def add_step(self, record: StepRecord) -> None:
+        self.trained_tokens += int(record.num_tokens)
+        self.trainer_s += record.train_s
+
+    def take_rollout(self, state: dict[str, str]) -> None:
+        """Rollout's counts from the run's state hash (`usage:<field>` -> value)."""
+        for name in ROLLOUT_USAGE:
+            raw = state.get(USAGE_PREFIX + name)
+            if raw is not None:
+                kind = type(getattr(self, name))
+                setattr(self, name, kind(float(raw)))
+
+    def __add__(self, other: Usage) -> Usage:
+        mine, theirs = self.model_dump(), other.model_dump()
+        return Usage(**{k: mine[k] + theirs[k] for k in mine})
+
+
 class RunStatus(BaseModel):
     run_id: str
     tenant: str = Field("default", description="Who the run belongs to (its starter's token)")
@@ -89,6 +126,7 @@ class RunStatus(BaseModel):
     )
     dropped: dict[str, int] = Field(default_factory=dict)
     pending_after_run: int | None = None
+    usage: Usage = Field(default_factory=Usage, description="What the run used of the fleet")
     steps: list[StepRecord] = Field(
         default_factory=list, description="Step records (from `steps_from` when asked)"
     )

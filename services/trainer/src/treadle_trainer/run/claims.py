@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from fastapi import HTTPException
 
 from treadle_common import auth, fleet, names
-from treadle_common.api.runs import Backlog, RunStatus
+from treadle_common.api.runs import Backlog, RunStatus, Usage
 from treadle_common.clients import streams
 from treadle_common.config import RunConfig
 
@@ -93,3 +93,12 @@ async def backlog(r: aioredis.Redis) -> Backlog:
         trajectories_waiting=sum(trajectories),
         tasks_by_model=by_model,
     )
+
+
+def usage_by_tenant(runs: list[RunStatus], who: auth.Identity) -> dict[str, Usage]:
+    """The runs' usage summed by tenant, for the tenants `who` may see."""
+    out: dict[str, Usage] = {}
+    for run in runs:
+        if who.may_see(run.tenant):
+            out[run.tenant] = out.get(run.tenant, Usage()) + run.usage
+    return out

@@ -112,6 +112,7 @@ class Feeder:
         """Read rollout's counts of this run's cancelled and dead-lettered tasks into the
         status; how many fed tasks will never produce a group a step can train."""
         state = await self.r.hgetall(names.run_state(self.config.run_id))
+        self.status.usage.take_rollout({streams.text(k): streams.text(v) for k, v in state.items()})
         counts = {streams.text(k): int(v) for k, v in state.items() if _is_count(k, v)}
         self.status.tasks_cancelled = counts.get("tasks_cancelled", 0)
         self.status.tasks_dead = counts.get("tasks_dead", 0)

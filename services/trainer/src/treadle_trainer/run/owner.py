@@ -505,6 +505,7 @@ class RunOwner:
         record = step_record(step, version, batch, timings, stats)
         self.status.step = step
         self.status.steps.append(record)
+        self.status.usage.add_step(record)
         if self.versions.publishes(step):
             self.versions.record(record)
         observe(self.config.run_id, record, batch.stale)

@@ -129,6 +129,7 @@ class RunVersions:
 
     def _published(self, done: Published) -> None:
         self.status.versions.append(done.version)
+        self.status.usage.weight_bytes_published += done.bytes_sent
         self.status.publishes_coalesced = self.publisher.coalesced
         self._done[done.step] = done
         self._fill(done.step)
