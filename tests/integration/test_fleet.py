@@ -30,15 +30,18 @@ async def redis_client(infra):
 
 
 class Recorded:
-    """Episodes that record which run's task started, in order, and take a moment."""
+    """Episodes that record which run's task started, in order, and take a moment (longer
+    for runs named in `slow_s`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, slow_s: dict[str, float] | None = None) -> None:
         self.started: list[str] = []
+        self.slow_s = slow_s or {}
 
     async def run(self, task, index, gate=None):
+        name = task.run_id.split("-")[0]
         if index == 0:
-            self.started.append(task.run_id.split("-")[0])
-        await asyncio.sleep(0.001)
+            self.started.append(name)
+        await asyncio.sleep(self.slow_s.get(name, 0.001))
         return tpb.Trajectory(trajectory_id=f"{task.task_id}/{index}", run_id=task.run_id)
 
 
@@ -67,10 +70,12 @@ async def add_run(r, run: str, base: str, tasks: int, weight=1.0, priority=0, at
     await r.sadd(names.RUNS_KEY, run)
 
 
-async def started_order(r, policy: scheduling.Policy, runs: dict, until: int) -> list[str]:
-    episodes = Recorded()
+async def started_order(
+    r, policy: scheduling.Policy, runs: dict, until: int, slow_s=None, slots: int = 1
+) -> list[str]:
+    episodes = Recorded(slow_s)
     worker = TaskWorker(
-        r, episodes, Held(), consumer="c1", max_concurrent_tasks=1, policy=policy, model="tiny"
+        r, episodes, Held(), consumer="c1", max_concurrent_tasks=slots, policy=policy, model="tiny"
     )
     job = asyncio.create_task(worker.run())
     try:
@@ -102,11 +107,25 @@ async def test_priority_first_then_shares_by_weight_and_other_models_untouched(r
     order = await started_order(redis_client, scheduling.WeightedFairShare(), runs, 60)
     assert order[:20] == ["hi"] * 20  # the high-priority run's tasks go first
     shares = {k: order[20:60].count(k) for k in ("a", "b", "c")}
-    assert shares == {"a": 20, "b": 10, "c": 10}, shares  # weights 2:1:1, to the task
+    # weights 2:1:1 of slot-seconds; equal tasks, so of tasks too (up to their jitter)
+    assert abs(shares["a"] - 20) <= 2 and all(abs(shares[k] - 10) <= 2 for k in "bc"), shares
     assert "o" not in order
     assert await redis_client.xlen(names.trajectories_stream(other)) == 0
     info = await redis_client.xinfo_groups(names.tasks_stream(other))
     assert not info or info[0]["entries-read"] in (None, 0)  # never read
+
+
+async def test_a_run_whose_tasks_hold_slots_long_pays_for_the_time(redis_client):
+    """Slot-seconds are what is shared: a run whose episodes take 10x longer (slow tools, a
+    reward timeout storm) gets about a tenth of the task starts of an equal-weight run, not
+    half of them, so it cannot crowd the other out of the slots."""
+    tag = uuid.uuid4().hex[:6]
+    runs = {f"slow-{tag}": {}, f"fast-{tag}": {}}
+    for run in runs:
+        await add_run(redis_client, run, "tiny", 60)
+    slow = {"slow": 0.05, "fast": 0.005}
+    order = await started_order(redis_client, scheduling.WeightedFairShare(), runs, 50, slow, 2)
+    assert order[:50].count("fast") >= 2 * order[:50].count("slow"), order
 
 
 async def test_fifo_is_the_baseline_and_goes_by_feeding_time_alone(redis_client):

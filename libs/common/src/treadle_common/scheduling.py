@@ -10,8 +10,9 @@ priority (from the recipe's `scheduling` section) and its tenant.
 
     pick:   the highest priority among the claims; within it, the least virtual time
             (ties: the run id, so the choice is deterministic)
-    charge: a run's virtual time grows by cost / weight for what it was granted (rollout: a
-            group's episodes x their token budget; trainer: the step's seconds)
+    charge: a run's virtual time grows by cost / weight for what it was granted (rollout: the
+            seconds its task holds a slot, estimated at dispatch and settled at the end;
+            trainer: the step's seconds)
     join:   a run that was idle starts at the smallest virtual time of the runs active at its
             priority, so idling banks no credit and a newcomer does not starve the others
 

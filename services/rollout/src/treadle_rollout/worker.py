@@ -2,7 +2,8 @@
 
     treadle:runs (set) -> for each active run: XREADGROUP treadle:{run}:tasks (group `rollout`)
       -> one task read per run and held ready; when a slot frees, the scheduling policy
-       (`treadle_common.scheduling`: priority, then weighted fair share) picks whose starts
+       (`treadle_common.scheduling`: priority, then weighted fair share of slot-seconds)
+       picks whose starts
     -> validate (a malformed task is acked and counted as invalid, with its reason)
       -> staleness admission (shared Redis bound; a refused group waits for a newer version)
       -> group_size episodes concurrently; each waits for the task's minimum policy version
@@ -94,6 +95,8 @@ class TaskWorker:
         self._ready: dict[str, list[tuple[str, object, float]]] = {}
         """Per task stream: tasks read (ours, pending) waiting for the policy's turn."""
         self.started_by_run: dict[str, int] = {}
+        self._slot_s: dict[str, float] = {}  # per run: mean seconds a task held its slot
+        self._mean_slot_s = 1.0
         self.runner = runner
         self.sync = sync
         self.consumer = consumer
@@ -198,11 +201,29 @@ class TaskWorker:
                 chosen = self.policy.pick([self._claims[s] for s in ready])
                 stream = names.tasks_stream(chosen.run_id)
             entry_id, task, _ = self._ready[stream].pop(0)
+            charge = None
             if isinstance(task, task_pb2.Task):
-                cost = task.group_size * max(1, task.sampling.max_new_tokens)
-                self.policy.charge(self._claims[stream], cost * max(1, task.max_turns))
+                charge = self._charge(self._claims[stream])
                 self.started_by_run[task.run_id] = self.started_by_run.get(task.run_id, 0) + 1
-            await self._start(stream, entry_id, task)
+            await self._start(stream, entry_id, task, charge)
+
+    def _charge(self, claim: scheduling.Claim) -> Callable[[], None]:
+        """Charge `claim` a slot now, at its run's mean slot-seconds per task so far; the
+        returned callback, when the task ends, charges the difference to what it held. A
+        run whose tasks hold slots long (slow tools, a reward timeout storm) pays for the
+        time, not for the count, so it cannot crowd the others out of the slots."""
+        estimate = self._slot_s.get(claim.run_id, self._mean_slot_s)
+        self.policy.charge(claim, estimate)
+        started = time.monotonic()
+
+        def settle() -> None:
+            held = time.monotonic() - started
+            self.policy.charge(claim, held - estimate)
+            mean = self._slot_s.get(claim.run_id, held)
+            self._slot_s[claim.run_id] = 0.8 * mean + 0.2 * held
+            self._mean_slot_s = 0.9 * self._mean_slot_s + 0.1 * held
+
+        return settle
 
     def tenant_of(self, run: str) -> str:
         """The tenant of an active run (from its claim; `default` when it named none)."""
@@ -231,11 +252,15 @@ class TaskWorker:
                 if owned:
                     queue.append((entry_id, task, now))
 
-    async def _start(self, stream: str, entry_id: str, task) -> None:
+    async def _start(
+        self, stream: str, entry_id: str, task, settle: Callable[[], None] | None = None
+    ) -> None:
         await self.slots.acquire()
         job = asyncio.create_task(self._run_task(stream, entry_id, task))
         self.in_flight.add(job)
         job.add_done_callback(self.in_flight.discard)
+        if settle is not None:
+            job.add_done_callback(lambda _: settle())
 
     async def _resume_own(self, stream: str) -> list:
         """Tasks still pending for this consumer name when the process starts were left by
