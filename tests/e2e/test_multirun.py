@@ -3,6 +3,7 @@ real services, private infrastructure and free ports)."""
 
 import asyncio
 import json
+import math
 import subprocess
 import sys
 import time
@@ -165,5 +166,62 @@ def test_full_weight_runs_of_two_models_each_use_their_own_replica(cli_env, tmp_
         assert infos["rollout"]["policy_version"] == 12
         assert infos["rollout-tiny-b"]["policy_version"] == 3
     finally:
+        down = treadle("down", env=cli_env, cwd=tmp_path)
+        assert down.returncode == 0, down.stdout + down.stderr
+
+
+def test_a_poisoned_run_and_a_broken_run_leave_two_others_exactly_once(cli_env, tmp_path):
+    """Failure containment: four LoRA runs share one stack. `nan` trains with an absurd
+    learning rate (its loss and weights go NaN, and rollout serves its NaN adapter in the
+    same batches as the others'); `broken` has an env whose every session fails (each of its
+    episodes an env error, its groups unusable, its tasks fed again and again). The other two
+    train exactly once, with finite losses (PPO: their recorded behaviour logprobs are
+    finite), and each exports a finite adapter."""
+    up = treadle("up", "--detach", env=cli_env, cwd=tmp_path, timeout=240)
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        assert up.returncode == 0, up.stdout[-4000:] + up.stderr[-4000:]
+        lora = ("trainer.lora.rank=4", "trainer.num_steps=6", "trainer.loss=ppo")
+        procs = {
+            "ok-a": _run("ok-a", 0, cli_env, tmp_path, *lora),
+            "ok-b": _run("ok-b", 1, cli_env, tmp_path, *lora),
+            "nan": _run("nan", 2, cli_env, tmp_path, *lora, "trainer.lr=1e30"),
+            "broken": _run(
+                "broken",
+                3,
+                cli_env,
+                tmp_path,
+                *lora,
+                "env.options.latency.distribution=bogus",
+                "trainer.batch_timeout_s=600",
+            ),
+        }
+        outs = {rid: procs[rid].communicate(timeout=600)[0] for rid in ("ok-a", "ok-b")}
+        runs = tmp_path / ".treadle" / "runs"
+        spec = json.loads((tmp_path / ".treadle" / "stack.json").read_text())["spec"]
+        token = (tmp_path / ".treadle" / "auth" / "admin.token").read_text()
+        trainer = TrainerClient(
+            f"http://127.0.0.1:{spec['ports']['trainer']['http']}",
+            httpx.Client(headers=auth.bearer(token)),
+        )
+        for rid in ("ok-a", "ok-b"):
+            assert procs[rid].returncode == 0, outs[rid][-4000:]
+            summary = json.loads((runs / rid / "summary.json").read_text())
+            assert summary["state"] == "succeeded" and summary["exactly_once"] is True
+            assert summary["trajectories_trained"] == 96 and summary["dropped"] == {}
+            # PPO's ratios use the behaviour logprobs rollout recorded: a NaN one (a row of
+            # the NaN adapter's leaking into theirs) would make a step's loss NaN
+            steps = trainer.get_run(rid).steps
+            assert len(steps) == 6 and all(math.isfinite(s.loss) for s in steps), rid
+            assert all(math.isfinite(x) for x in summary["mean_reward_per_step"])
+            merged = load_file(str(tmp_path / summary["final_model_dir"] / "model.safetensors"))
+            assert all(bool(t.isfinite().all()) for t in merged.values())
+        broken = trainer.get_run("broken")
+        assert broken.step < 6 and broken.trajectories_trained == 0  # never a usable group
+        assert trainer.get_run("nan").step >= 1  # it trained (into NaN) beside the others
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
         down = treadle("down", env=cli_env, cwd=tmp_path)
         assert down.returncode == 0, down.stdout + down.stderr

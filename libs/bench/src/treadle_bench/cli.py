@@ -209,13 +209,17 @@ def bench_multirun(
         int | None, typer.Option(help="RL steps of each weighted/priority run")
     ] = None,
     overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a.b=c")] = None,
+    slots: Annotated[int, typer.Option(help="Rollout's tasks in flight (the stack's)")] = 16,
+    max_batch: Annotated[int, typer.Option(help="Rollout's rows per decode step")] = 128,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
 ) -> None:
     """N LoRA runs of the recipe on one stack at once vs one after another on it: speedup,
     RL lift per run, fairness, weighted shares, priority, memory, lost and trained twice."""
     from treadle_bench import multirun
 
-    result = multirun.run(runs, recipe.resolve(), lora_rank, steps, share_steps, overrides)
+    result = multirun.run(
+        runs, recipe.resolve(), lora_rank, steps, share_steps, overrides, slots, max_batch
+    )
     print(json.dumps(result, indent=None if as_json else 2))
 
 

@@ -156,9 +156,14 @@ class Bench:
         self.after_sft: dict[int, float] = {}
 
     # --- the stack and the shared warm-up ---------------------------------------------------
-    def up(self) -> None:
+    def up(self, slots: int, max_batch: int) -> None:
+        """The stack, its rollout sized for many runs: `slots` tasks in flight (contended by
+        N sync runs of 8 tasks a step, so the policy decides), `max_batch` rows a decode
+        step (every run's rows in one step). The alone runs use the same stack."""
         m = self.base.model
         init_for(self.model_dir, m, self.base.trainer.seed)
+        os.environ["TREADLE_ROLLOUT_MAX_CONCURRENT_TASKS"] = str(slots)
+        os.environ["TREADLE_ROLLOUT_MAX_BATCH"] = str(max_batch)
         spec = stack.prepare(self.settings, self.model_dir, m.name, None, path_roots=[self.tmp])
         stack.launch_detached(spec)
         if not stack.wait_healthy(self.state_dir, 180).healthy:
@@ -306,6 +311,8 @@ def run(
     steps: int | None = None,
     share_steps: int | None = None,
     overrides: list[str] | None = None,
+    slots: int = 16,
+    max_batch: int = 128,
 ) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="treadle-bench-multirun-"))
     bench = Bench(tmp, recipe, list(overrides or []))
@@ -313,7 +320,7 @@ def run(
     seeds = list(range(runs))
     previous = signal.signal(signal.SIGTERM, _interrupted)
     try:
-        bench.up()
+        bench.up(slots, max_batch)
         asyncio.run(bench.warm_up(seeds))
         alone = [bench.phase([RunSpec(f"alone-{i}", i, steps=steps)], lora) for i in seeds]
         together = bench.phase([RunSpec(f"together-{i}", i, steps=steps) for i in seeds], lora)
@@ -340,6 +347,8 @@ def run(
         "runs": runs,
         "recipe": recipe.name,
         "lora_rank": lora_rank,
+        "rollout_slots": slots,
+        "rollout_max_batch": max_batch,
         "init_version": bench.init_version,
         "eval_after_sft": bench.after_sft,
         "aggregate_speedup": round(sum(p.wall_s for p in alone) / together.wall_s, 3),

@@ -42,6 +42,10 @@ class Claim:
 
 
 class Policy(Protocol):
+    strict_priority: bool
+    """Lower priorities wait while a higher one has work (callers that see work come and
+    go, like rollout's task slots, hold them back for a moment after it)."""
+
     def pick(self, claims: Sequence[Claim]) -> Claim:
         """The claim that gets the next slot (`claims` is not empty; the one whose work
         waited longest first)."""
@@ -54,6 +58,8 @@ class Policy(Protocol):
 
 class WeightedFairShare:
     """Strict priority, then weighted fair share by virtual time (see the module)."""
+
+    strict_priority = True
 
     def __init__(self) -> None:
         self.vtime: dict[str, float] = {}
@@ -82,6 +88,8 @@ class WeightedFairShare:
 class Fifo:
     """First come, first served: the claim listed first (callers list the claim whose work
     waited longest first): the baseline, blind to weights and priorities."""
+
+    strict_priority = False
 
     def pick(self, claims: Sequence[Claim]) -> Claim:
         return claims[0]

@@ -26,6 +26,7 @@ the run's state (`tasks_dead`, `dead:{reason}`); the trainer feeds a task in its
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import random
@@ -48,6 +49,9 @@ from treadle_rollout.weight_sync import WeightSync
 log = get_logger(__name__)
 SERVICE = "rollout"
 MAX_GROUP_SIZE = 1024
+PRIORITY_HOLD_S = 2.0
+"""A run that had work this recently still holds its priority: lower-priority runs wait
+(a sync run's next tasks come after its training step)."""
 
 
 def invalid_reason(task: task_pb2.Task | streams.InvalidEntry) -> str | None:
@@ -96,6 +100,8 @@ class TaskWorker:
         """Per task stream: tasks read (ours, pending) waiting for the policy's turn."""
         self.started_by_run: dict[str, int] = {}
         self._slot_s: dict[str, float] = {}  # per run: mean seconds a task held its slot
+        self._busy_at: dict[str, float] = {}  # per task stream: when it last had work
+        self._running: collections.Counter[str] = collections.Counter()  # tasks in flight
         self._mean_slot_s = 1.0
         self.runner = runner
         self.sync = sync
@@ -186,19 +192,24 @@ class TaskWorker:
         now = time.monotonic()
         for stream, entry_id, task in got:
             self._ready.setdefault(stream, []).append((entry_id, task, now))
-        await self._dispatch(set(stream_keys))
+        if not await self._dispatch(set(stream_keys)) and any(self._ready.values()):
+            await asyncio.sleep(0.05)  # only lower priorities ready: wait, do not spin
 
-    async def _dispatch(self, active: set[str]) -> None:
+    async def _dispatch(self, active: set[str]) -> int:
         """Start ready tasks while slots are free: the scheduling policy picks whose (a run
-        that ended: at once, its tasks are cancelled), and charges the run the group's
-        token budget (episodes x new tokens x turns)."""
-        while any(self._ready.values()) and not self.slots.locked():
+        that ended: at once, its tasks are cancelled), among the runs of the highest
+        priority that has work (`_eligible`); how many started."""
+        started = 0
+        while not self.slots.locked():
             ready = sorted((s for s, q in self._ready.items() if q), key=self._created)
             gone = [s for s in ready if s not in active]
+            eligible = gone or self._eligible(ready)
+            if not eligible:
+                break
             if gone:
                 stream = gone[0]
             else:
-                chosen = self.policy.pick([self._claims[s] for s in ready])
+                chosen = self.policy.pick([self._claims[s] for s in eligible])
                 stream = names.tasks_stream(chosen.run_id)
             entry_id, task, _ = self._ready[stream].pop(0)
             charge = None
@@ -206,6 +217,26 @@ class TaskWorker:
                 charge = self._charge(self._claims[stream])
                 self.started_by_run[task.run_id] = self.started_by_run.get(task.run_id, 0) + 1
             await self._start(stream, entry_id, task, charge)
+            started += 1
+        return started
+
+    def _eligible(self, ready: list[str]) -> list[str]:
+        """The ready streams whose run has the highest priority among the runs with work:
+        ready, in flight, or either within the last `PRIORITY_HOLD_S` (a sync run between
+        two steps, training). Lower-priority runs wait meanwhile: a higher priority's tasks
+        never queue behind theirs, and their in-flight episodes end without successors."""
+        now = time.monotonic()
+        for stream in ready:
+            self._busy_at[stream] = now
+        if not self.policy.strict_priority:
+            return ready
+        working = [
+            s for s, at in self._busy_at.items() if now - at < PRIORITY_HOLD_S or self._running[s]
+        ]
+        if not working:
+            return ready
+        top = max(self._claims[s].priority for s in working if s in self._claims)
+        return [s for s in ready if self._claims[s].priority >= top]
 
     def _charge(self, claim: scheduling.Claim) -> Callable[[], None]:
         """Charge `claim` a slot now, at its run's mean slot-seconds per task so far; the
@@ -216,7 +247,12 @@ class TaskWorker:
         self.policy.charge(claim, estimate)
         started = time.monotonic()
 
+        stream = names.tasks_stream(claim.run_id)
+        self._running[stream] += 1
+
         def settle() -> None:
+            self._running[stream] -= 1
+            self._busy_at[stream] = time.monotonic()
             held = time.monotonic() - started
             self.policy.charge(claim, held - estimate)
             mean = self._slot_s.get(claim.run_id, held)
