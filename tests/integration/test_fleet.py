@@ -207,3 +207,18 @@ def test_a_tenant_sees_and_controls_only_its_runs_and_is_held_to_its_run_quota(
     assert over.status_code == 429 and "quota runs" in over.text and "'a'" in over.text
     assert {r["run_id"] for r in admin.get("/v1/runs").json()} >= {ra, rb}
     assert admin.get(f"/v1/runs/{rb}").status_code == 200
+    # a training session may not publish other weights under the model of an active run
+    admin_trainer = _as(TOKENS["admin"], base)
+    sid = admin_trainer.post(
+        "/v1/training/sessions",
+        json={"model_path": str(tiny_model), "model_name": f"m-{ra}", "seed": 0},
+    ).json()["session_id"]
+    assert admin_trainer.post(f"/v1/training/sessions/{sid}/save_weights").status_code == 200
+    datum = {"model_input": [5, 6, 7], "target_tokens": [6, 7, 8]}
+    body = {"loss_fn": "cross_entropy", "aggregation": "token", "data": [datum]}
+    assert admin_trainer.post(f"/v1/training/sessions/{sid}/forward_backward", json=body).is_success
+    adam = {"learning_rate": 0.1}
+    assert admin_trainer.post(f"/v1/training/sessions/{sid}/optim_step", json=adam).is_success
+    changed = admin_trainer.post(f"/v1/training/sessions/{sid}/save_weights")
+    assert changed.status_code == 409 and f"base of active runs ['{ra}']" in changed.text
+    admin_trainer.delete(f"/v1/training/sessions/{sid}")

@@ -53,6 +53,7 @@ async def build(settings: TrainerSettings) -> Service:
         settings.state_dir,
         settings.path_roots(),
         max_sessions=settings.trainer_max_training_sessions,
+        redis=runtime.redis,
     )
     tinker_api.mount(
         runtime.app,

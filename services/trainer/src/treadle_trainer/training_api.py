@@ -20,6 +20,7 @@ import asyncio
 import uuid
 from pathlib import Path
 
+import redis.asyncio as aioredis
 from fastapi import FastAPI, HTTPException
 
 from treadle_common import auth
@@ -52,6 +53,7 @@ from treadle_trainer.backends.single import (
 )
 from treadle_trainer.batches import Datum, pack
 from treadle_trainer.paths import confine
+from treadle_trainer.run import claims
 
 
 def _datum(d: DatumIn) -> Datum:
@@ -81,9 +83,11 @@ def mount(
     roots: list[Path],
     *,
     max_sessions: int = 4,
+    redis: aioredis.Redis | None = None,
 ) -> None:
     """The training API; clients name server paths only inside `roots` (`paths.confine`);
-    at most `max_sessions` sessions (each a model and its optimizer) are open at once."""
+    at most `max_sessions` sessions (each a model and its optimizer) are open at once. With
+    `redis`, saving weights that would change the base model of active runs is refused."""
     sessions: dict[str, Session] = {}
     opening = 0  # sessions being built (a model load takes a while): they count too
 
@@ -167,9 +171,15 @@ def mount(
         session = get(sid)
         async with session.lock:
             state = await on_torch_thread(session.backend.state_dict_cpu)
+        raw = state_dict_to_raw(state)
+        model = session.request.model_name
+        if redis is not None and (
+            why := await claims.base_change_refused(redis, store, model, raw)
+        ):
+            raise HTTPException(409, why)
         response = await store.publish(
             session.request.model_name,
-            state_dict_to_raw(state),
+            raw,
             trainer_step=session.steps,
             parent_version=session.versions[-1] if session.versions else -1,
             assets=model_assets(Path(session.request.model_path)),

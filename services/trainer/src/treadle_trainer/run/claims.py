@@ -18,6 +18,7 @@ from fastapi import HTTPException
 from treadle_common import auth, fleet, names
 from treadle_common.api.runs import Backlog, RunStatus, Usage
 from treadle_common.clients import streams
+from treadle_common.clients.weights import WeightStoreClient, build_manifest, chunk_positions
 from treadle_common.config import RunConfig
 
 
@@ -102,3 +103,25 @@ def usage_by_tenant(runs: list[RunStatus], who: auth.Identity) -> dict[str, Usag
         if who.may_see(run.tenant):
             out[run.tenant] = out.get(run.tenant, Usage()) + run.usage
     return out
+
+
+async def base_change_refused(
+    r: aioredis.Redis, store: WeightStoreClient, model: str, raw: dict, me: str = ""
+) -> str | None:
+    """Why full weights `raw` may not be published as `model` now, or None: other than its
+    newest version's while active runs (but `me`) train on it (LoRA runs' adapters apply to
+    those weights; a full-weight run owns them), rollout would swap every run's base under
+    them. The same weights again (an untrained session's, a run's unchanged base) pass."""
+    users = sorted(p.run_id for p in await active_policies(r) if p.base == model and p.run_id != me)
+    if not users:
+        return None
+    versions = await store.list_versions(model)
+    if not versions:  # none yet: the first publish sets the base (rollout checks adapters)
+        return None
+    latest = await store.get_manifest(model, versions[-1].version)
+    if chunk_positions(latest) == chunk_positions(build_manifest(model, raw)[0]):
+        return None
+    return (
+        f"model {model} is the base of active runs {users}: other weights published under "
+        "its name would change theirs; use another model name"
+    )

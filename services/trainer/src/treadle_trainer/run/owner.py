@@ -300,12 +300,7 @@ class RunOwner:
         await self.r.set(names.run_config(cfg.run_id), cfg.model_dump_json())
         restored = await self._restore()
         if isinstance(self.backend, LoraBackend):  # versions are adapters on a full base
-            full = await on_torch_thread(self.backend.base_state_cpu)
-            base = await self.versions.full_base_version(full)
-            self.versions.metadata = {
-                **self.backend.publish_metadata(base),
-                "lora_base_model": cfg.model.name,
-            }
+            await self.versions.adapter_base(self.backend, self.r)
         if restored:
             version = await self._publish_now(step=self.status.step)  # rollout goes back to it
         else:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import redis.asyncio as aioredis
 import torch
 from opentelemetry.context import Context
 
@@ -26,7 +27,14 @@ from treadle_common.config import RunConfig
 from treadle_common.proto.treadle.v1 import weights_pb2
 from treadle_common.weights_export import export_hf
 from treadle_trainer import metrics as tm
+from treadle_trainer.backends import on_torch_thread
+from treadle_trainer.backends.lora import LoraBackend
 from treadle_trainer.publisher import Published, Publisher, Snapshot
+from treadle_trainer.run import claims
+
+
+class BaseInUse(RuntimeError):
+    """A LoRA run's base weights differ from those other active runs of its model train on."""
 
 
 class RunVersions:
@@ -68,6 +76,18 @@ class RunVersions:
         if chunk_positions(latest) == chunk_positions(ours):
             return latest.version
         return await self.publish_now(state, step=0)
+
+    async def adapter_base(self, backend: LoraBackend, r: aioredis.Redis) -> None:
+        """A LoRA run's versions are adapters over its base's full weights: those published
+        (or found) as a version of the model, unless other active runs of the model train on
+        other weights (`BaseInUse`); recorded in every version's metadata."""
+        cfg = self.config
+        full = await on_torch_thread(backend.base_state_cpu)
+        raw = state_dict_to_raw(full)
+        if why := await claims.base_change_refused(r, self.store, cfg.model.name, raw, cfg.run_id):
+            raise BaseInUse(why)
+        base = await self.full_base_version(full)
+        self.metadata = {**backend.publish_metadata(base), "lora_base_model": cfg.model.name}
 
     async def full_base_version(self, state: dict[str, torch.Tensor]) -> int:
         """A LoRA run's base: the newest full-weight version of the model if it holds exactly
