@@ -8,13 +8,13 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 from tests.conftest import ROOT
-from tests.e2e.test_cli import cli_env, treadle  # noqa: F401  (fixture)
+from tests.e2e.test_cli import treadle
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 @pytest.mark.timeout(960)  # the run's own limit (900 s) decides, not the suite's 600 s
-def test_demo_recipe_lifts_held_out_accuracy_by_rl_and_writes_its_outputs(cli_env, tmp_path):  # noqa: F811
+def test_demo_recipe_lifts_held_out_accuracy_by_rl_and_writes_its_outputs(cli_env, tmp_path):
     recipe = yaml.safe_load((ROOT / "recipes/demo.yaml").read_text())
     result = treadle("run", str(ROOT / "recipes/demo.yaml"), env=cli_env, cwd=tmp_path, timeout=900)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
@@ -56,7 +56,7 @@ def test_demo_recipe_lifts_held_out_accuracy_by_rl_and_writes_its_outputs(cli_en
     assert any(moved)
 
 
-def test_the_same_recipe_and_seed_give_the_same_numbers_and_weights(cli_env, tmp_path):  # noqa: F811
+def test_the_same_recipe_and_seed_give_the_same_numbers_and_weights(cli_env, tmp_path):
     """Reproducible sync runs: seeded episodes, batches in feed order, greedy evaluations.
     Shortened (a fixed warm-up, 6 RL steps, an evaluation after step 3, which the run waits
     for).

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from tests.conftest import ROOT
-from tests.e2e.test_cli import cli_env, treadle  # noqa: F401  (cli_env is a fixture)
+from tests.e2e.test_cli import treadle
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -29,7 +29,7 @@ def assert_trained_exactly_once(summary: dict, steps: int, trajectories: int) ->
     assert len(summary["versions_published"]) == steps
 
 
-def test_a_verifiers_environment_trains_through_treadle_run(cli_env, tmp_path):  # noqa: F811
+def test_a_verifiers_environment_trains_through_treadle_run(cli_env, tmp_path):
     summary, records = run_summary(
         tmp_path,
         "recipes/verifiers.yaml",
@@ -47,7 +47,7 @@ def test_a_verifiers_environment_trains_through_treadle_run(cli_env, tmp_path): 
     assert [s["step"] for s in steps] == [1, 2, 3]
 
 
-def test_an_openai_client_agent_trains_through_treadle_run(cli_env, tmp_path):  # noqa: F811
+def test_an_openai_client_agent_trains_through_treadle_run(cli_env, tmp_path):
     summary, records = run_summary(tmp_path, "recipes/openai_agent.yaml", env=cli_env)
     assert_trained_exactly_once(summary, steps=3, trajectories=48)
     steps = [r for r in records if r.get("kind") == "step"]

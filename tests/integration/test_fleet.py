@@ -9,6 +9,7 @@ import uuid
 
 import httpx
 import pytest
+import redis
 import redis.asyncio as aioredis
 
 from tests.conftest import TOKENS, start_service
@@ -170,6 +171,15 @@ def tenants_trainer(infra, tiny_model, tmp_path_factory):
     yield trainer
     for proc in (trainer, gateway, store):
         proc.stop_checked()
+    # its runs never end by themselves: out of the shared Redis's active runs, so no other
+    # test's trainer resumes them (their lease lapsed with this trainer)
+    r = redis.Redis.from_url(infra.redis_url)
+    for run in [m.decode() for m in r.smembers(names.RUNS_KEY)]:
+        policy = r.hget(names.RUN_POLICIES, run)
+        if policy is not None and b'"tenant":"default"' not in policy:
+            r.srem(names.RUNS_KEY, run)
+            r.hdel(names.RUN_POLICIES, run)
+    r.close()
 
 
 def _as(token: str, base: str) -> httpx.Client:

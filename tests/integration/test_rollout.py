@@ -320,12 +320,14 @@ async def _until(predicate, timeout_s: float = 20.0) -> None:
 
 
 async def test_a_task_waiting_longer_than_the_reclaim_time_is_not_run_twice(redis_client):
-    """The task waits 2 s for its version, 5x the reclaim idle time: its replica's heartbeat
-    keeps it, so the second replica never reclaims and replays it."""
+    """The task waits 4 s for its version, 4x the reclaim idle time: its replica's heartbeat
+    keeps it, so the second replica never reclaims and replays it. (A reclaim time of 1 s:
+    with 0.4 s a loaded machine delayed a beat past it, and the replicas passed the task back
+    and forth.)"""
     run, stream = await _one_task(redis_client)
     episodes = CountingEpisodes()
     workers = [
-        TaskWorker(redis_client, episodes, SlowVersion(2.0), consumer=c, reclaim_idle_ms=400)
+        TaskWorker(redis_client, episodes, SlowVersion(4.0), consumer=c, reclaim_idle_ms=1000)
         for c in ("c1", "c2")
     ]
     jobs = [asyncio.create_task(w.run()) for w in workers]
