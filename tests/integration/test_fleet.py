@@ -10,7 +10,6 @@ import uuid
 import httpx
 import pytest
 import redis
-import redis.asyncio as aioredis
 
 from tests.conftest import TOKENS, start_service
 from treadle_common import auth, fleet, names, scheduling
@@ -21,13 +20,6 @@ from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
 from treadle_rollout.worker import TaskWorker
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-async def redis_client(infra):
-    r = aioredis.from_url(infra.redis_url)
-    yield r
-    await r.aclose()
 
 
 class Recorded:
@@ -176,7 +168,7 @@ def tenants_trainer(infra, tiny_model, tmp_path_factory):
     r = redis.Redis.from_url(infra.redis_url)
     for run in [m.decode() for m in r.smembers(names.RUNS_KEY)]:
         policy = r.hget(names.RUN_POLICIES, run)
-        if policy is not None and b'"tenant":"default"' not in policy:
+        if policy is not None and fleet.RunPolicy.model_validate_json(policy).tenant in ("a", "b"):
             r.srem(names.RUNS_KEY, run)
             r.hdel(names.RUN_POLICIES, run)
     r.close()

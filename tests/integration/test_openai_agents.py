@@ -9,7 +9,6 @@ import uuid
 
 import openai
 import pytest
-import redis.asyncio as aioredis
 
 from tests.openai_server import serve
 from tests.tool_model import INSTRUCTIONS, TOOL, answer, weather
@@ -19,13 +18,6 @@ from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
 from treadle_rollout import openai_api
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-async def redis_client(infra):
-    r = aioredis.from_url(infra.redis_url)
-    yield r
-    await r.aclose()
 
 
 def _agent(client: openai.AsyncOpenAI, tool_calls: list[str]):

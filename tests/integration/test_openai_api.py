@@ -12,7 +12,6 @@ import uuid
 import httpx
 import openai
 import pytest
-import redis.asyncio as aioredis
 from prometheus_client import REGISTRY
 
 from tests.openai_server import serve
@@ -24,13 +23,6 @@ from treadle_rollout import openai_api
 
 pytestmark = pytest.mark.integration
 USER = [{"role": "user", "content": "12+7="}]
-
-
-@pytest.fixture
-async def redis_client(infra):
-    r = aioredis.from_url(infra.redis_url)
-    yield r
-    await r.aclose()
 
 
 @pytest.fixture

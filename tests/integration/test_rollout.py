@@ -9,7 +9,6 @@ import uuid
 
 import openai
 import pytest
-import redis.asyncio as aioredis
 import uvicorn
 from fastapi import FastAPI
 
@@ -23,13 +22,6 @@ from treadle_rollout.engines.hf import HFEngine
 from treadle_rollout.worker import TaskWorker
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-async def redis_client(infra):
-    r = aioredis.from_url(infra.redis_url)
-    yield r
-    await r.aclose()
 
 
 @pytest.fixture

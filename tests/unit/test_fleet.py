@@ -94,3 +94,22 @@ async def test_fair_turns_hand_the_thread_to_the_policys_pick():
     await asyncio.gather(holder, *waiting)
     assert order == ["high", "mid", "low"]
     assert turns.granted == {"x": 1, "high": 1, "mid": 1, "low": 1}
+
+
+def test_the_multirun_bench_measures_fairness_and_shares_as_defined():
+    from types import SimpleNamespace
+
+    from treadle_bench.multirun import jain, share_error, window_rates
+
+    assert jain([1.0, 1.0, 1.0, 1.0]) == 1.0 and jain([4.0, 0.0, 0.0, 0.0]) == 0.25
+    assert share_error([2.0, 1.0, 1.0, 1.0], [2, 1, 1, 1]) == pytest.approx(0.0)
+    assert share_error([1.0, 1.0], [2, 1]) == pytest.approx(0.5)  # b got 1/2, owed 1/3
+
+    def run(finished: list[float]):
+        steps = [SimpleNamespace(finished_at=t, duration_s=1.0) for t in finished]
+        return SimpleNamespace(status=SimpleNamespace(steps=steps), finished_at=lambda: finished)
+
+    # both run during (1, 4] (b's first step starts at 1, b ends at 4): a finishes 3 steps
+    # in it, b (half as fast) 2
+    rates = window_rates([run([1.0, 2.0, 3.0, 4.0, 5.0]), run([2.0, 4.0])])
+    assert rates == pytest.approx([3 / 3, 2 / 3])

@@ -202,12 +202,15 @@ def bench_multirun(
     runs: Annotated[int, typer.Option(min=2, help="LoRA runs (seeds 0..N-1)")] = 4,
     recipe: Annotated[Path, typer.Option(help="Workload recipe")] = Path("recipes/demo.yaml"),
     lora_rank: Annotated[int, typer.Option(help="Every run's LoRA rank")] = 8,
+    lora_lr: Annotated[
+        float, typer.Option(help="Every run's learning rate (an adapter wants ~10x full weights')")
+    ] = 3e-4,
     steps: Annotated[
         int | None, typer.Option(help="RL steps of each alone/together run (default: recipe's)")
     ] = None,
     share_steps: Annotated[
-        int | None, typer.Option(help="RL steps of each weighted/priority run")
-    ] = None,
+        int | None, typer.Option(help="RL steps of each weighted/priority run (None: recipe's)")
+    ] = 100,
     overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a.b=c")] = None,
     slots: Annotated[int, typer.Option(help="Rollout's tasks in flight (the stack's)")] = 16,
     max_batch: Annotated[int, typer.Option(help="Rollout's rows per decode step")] = 128,
@@ -217,8 +220,9 @@ def bench_multirun(
     RL lift per run, fairness, weighted shares, priority, memory, lost and trained twice."""
     from treadle_bench import multirun
 
+    sets = [f"trainer.lr={lora_lr}", *(overrides or [])]
     result = multirun.run(
-        runs, recipe.resolve(), lora_rank, steps, share_steps, overrides, slots, max_batch
+        runs, recipe.resolve(), lora_rank, steps, share_steps, sets, slots, max_batch
     )
     print(json.dumps(result, indent=None if as_json else 2))
 

@@ -347,6 +347,7 @@ def run(
         "runs": runs,
         "recipe": recipe.name,
         "lora_rank": lora_rank,
+        "overrides": bench.overrides,
         "rollout_slots": slots,
         "rollout_max_batch": max_batch,
         "init_version": bench.init_version,

@@ -117,7 +117,6 @@ class FairTurns:
         self._waiting: list[tuple[Claim, asyncio.Future[None]]] = []
         self._busy = False
         self.granted: dict[str, int] = {}
-        self.held_s: dict[str, float] = {}
 
     @contextlib.asynccontextmanager
     async def turn(self, claim: Claim) -> AsyncIterator[None]:
@@ -140,7 +139,6 @@ class FairTurns:
 
     def _release(self, claim: Claim, held_s: float) -> None:
         self.policy.charge(claim, held_s)
-        self.held_s[claim.run_id] = self.held_s.get(claim.run_id, 0.0) + held_s
         self._busy = False
         self._next()
 

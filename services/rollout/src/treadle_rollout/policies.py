@@ -44,10 +44,7 @@ class AdapterPolicy:
         self.name, self.engine, self.store, self.poll_s = name, engine, store, poll_s
         self.version = -1
         """The version loaded (-1: none yet)."""
-        self.swaps = 0
-        self.bytes_fetched = 0
         self.last_used = time.monotonic()
-        self.last_error: str | None = None
         self._lock = asyncio.Lock()
         self._changed = asyncio.Condition()
         self._announced = -1
@@ -86,8 +83,7 @@ class AdapterPolicy:
             async with self._lock:
                 if self.version < ann.version:
                     await self._load(ann.version)
-        except Exception as exc:
-            self.last_error = f"loading {self.name}@{ann.version} failed: {exc!r}"
+        except Exception as exc:  # a task that demands it asks the store itself
             log.warning("adapter policy update failed", policy=self.name, error=repr(exc))
 
     async def _load(self, version: int) -> None:
@@ -98,13 +94,10 @@ class AdapterPolicy:
         config = lora.from_metadata(metadata)
         await self.engine.load_adapter(self.name, tensors, config, version=version)
         self.version = version
-        self.swaps += 1
         fetched = sum(c.size for t in manifest.tensors for c in t.chunks)
-        self.bytes_fetched += fetched
         if self.on_fetched is not None:
             with contextlib.suppress(Exception):  # accounting only
                 await self.on_fetched(self.name, fetched)
-        self.last_error = None
         async with self._changed:
             self._changed.notify_all()
         log.info(

@@ -98,7 +98,6 @@ class TaskWorker:
         self._claims: dict[str, scheduling.Claim] = {}
         self._ready: dict[str, list[tuple[str, object, float]]] = {}
         """Per task stream: tasks read (ours, pending) waiting for the policy's turn."""
-        self.started_by_run: dict[str, int] = {}
         self._slot_s: dict[str, float] = {}  # per run: mean seconds a task held its slot
         self._busy_at: dict[str, float] = {}  # per task stream: when it last had work
         self._running: collections.Counter[str] = collections.Counter()  # tasks in flight
@@ -215,7 +214,6 @@ class TaskWorker:
             charge = None
             if isinstance(task, task_pb2.Task):
                 charge = self._charge(self._claims[stream])
-                self.started_by_run[task.run_id] = self.started_by_run.get(task.run_id, 0) + 1
             await self._start(stream, entry_id, task, charge)
             started += 1
         return started
