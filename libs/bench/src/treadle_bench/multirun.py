@@ -332,24 +332,35 @@ def run(
         first = RunSpec("priority-alone", 0, steps=share_steps)
         prio_alone = bench.phase([first], lora).results[0]
         prio = bench.phase(
-            [
-                RunSpec(f"priority-{i}", i, priority=10 if i == 0 else 0, steps=share_steps)
-                for i in seeds
-            ],  # fmt: skip
+            [RunSpec(f"priority-{i}", i, priority=10 * (i == 0), steps=share_steps) for i in seeds],
             lora,
         )
     finally:
         signal.signal(signal.SIGTERM, previous)
         bench.stop()
+    report = _report(bench, alone, together, weighted, prio, prio_alone, weights)
+    setup = {"lora_rank": lora_rank, "rollout_slots": slots, "rollout_max_batch": max_batch}
+    return setup | report
+
+
+def _report(
+    bench: Bench,
+    alone: list[Phase],
+    together: Phase,
+    weighted: Phase,
+    prio: Phase,
+    prio_alone: RunResult,
+    weights: list[float],
+) -> dict[str, Any]:
+    """The bench's JSON from its phases."""
+    seeds = [r.spec.seed for p in alone for r in p.results]
+    runs = len(seeds)
     every = [r for p in (*alone, together, weighted, prio) for r in p.results] + [prio_alone]
     lone = {r.spec.seed: r for p in alone for r in p.results}
     return {
         "runs": runs,
-        "recipe": recipe.name,
-        "lora_rank": lora_rank,
+        "recipe": bench.recipe.name,
         "overrides": bench.overrides,
-        "rollout_slots": slots,
-        "rollout_max_batch": max_batch,
         "init_version": bench.init_version,
         "eval_after_sft": bench.after_sft,
         "aggregate_speedup": round(sum(p.wall_s for p in alone) / together.wall_s, 3),
@@ -376,7 +387,7 @@ def run(
         ),
         "trained_twice": sum(r.trained_twice for r in every),
         "all_succeeded": all(r.exit_code == 0 and r.status.state == "succeeded" for r in every),
-        "outputs": str(tmp),
+        "outputs": str(bench.tmp),
     }
 
 

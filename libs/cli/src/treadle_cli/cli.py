@@ -102,6 +102,17 @@ def status_table(current: stack.StackStatus) -> Table:
     return table
 
 
+def _served(items: list[str]) -> dict[str, Path]:
+    """`up --serve NAME=DIR ...` as model name -> directory (a bad item ends the command)."""
+    served = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not names.valid_name(name) or not path:
+            fail(f"--serve {item!r}: not NAME=DIR with a valid model name")
+        served[name] = Path(path)
+    return served
+
+
 def _mark(ok: bool) -> str:
     return "[green]yes[/green]" if ok else "[red]no[/red]"
 
@@ -137,12 +148,7 @@ def up(
 ) -> None:
     """Start infrastructure and the five services as supervised local processes."""
     settings = get_settings()
-    served = {}
-    for item in serve or []:
-        name, sep, path = item.partition("=")
-        if not sep or not names.valid_name(name) or not path:
-            fail(f"--serve {item!r}: not NAME=DIR with a valid model name")
-        served[name] = Path(path)
+    served = _served(serve or [])
     try:
         spec = stack.prepare(
             settings,
