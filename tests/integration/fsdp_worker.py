@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from treadle_trainer.backends import AdamParams, BackendSpec, build_backend
 from treadle_trainer.backends.fsdp import FSDPBackend
-from treadle_trainer.backends.ranks import follow, shutdown_followers
+from treadle_trainer.backends.ranks import follow, leave, shutdown_followers
 from treadle_trainer.batches import Datum, pack
 from treadle_trainer.losses import LossParams
 
@@ -108,3 +108,5 @@ if __name__ == "__main__":
     parser.add_argument("--megatron", type=int, default=0, metavar="TP")
     parser.add_argument("--weights", default=None)
     main(parser.parse_args(sys.argv[1:]))
+    if "RANK" in os.environ:  # under torchrun: see `leave`
+        leave(0)

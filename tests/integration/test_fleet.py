@@ -97,7 +97,11 @@ async def test_priority_first_then_shares_by_weight_and_other_models_untouched(r
         await add_run(redis_client, run, "tiny", 20 if run.startswith("hi") else 40, **kw)
     other = f"o-{tag}"
     await add_run(redis_client, other, "tiny-b", 5)  # a model this replica does not serve
-    order = await started_order(redis_client, scheduling.WeightedFairShare(), runs, 60)
+    try:
+        order = await started_order(redis_client, scheduling.WeightedFairShare(), runs, 60)
+    finally:  # the shared Redis's other tests run workers that serve every model
+        await redis_client.srem(names.RUNS_KEY, other)
+        await fleet.unregister(redis_client, other)
     assert order[:20] == ["hi"] * 20  # the high-priority run's tasks go first
     shares = {k: order[20:60].count(k) for k in ("a", "b", "c")}
     # weights 2:1:1 of slot-seconds; equal tasks, so of tasks too (up to their jitter)

@@ -17,13 +17,16 @@ def main() -> None:
 
         follow()
         return
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        run_service("treadle_trainer.app", TrainerSettings)
+        return
+    from treadle_trainer.backends.ranks import leave, shutdown_followers
+
     try:
         run_service("treadle_trainer.app", TrainerSettings)
     finally:
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            from treadle_trainer.backends.ranks import shutdown_followers
-
-            shutdown_followers()
+        shutdown_followers()
+    leave(0)
 
 
 if __name__ == "__main__":

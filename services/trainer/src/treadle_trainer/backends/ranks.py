@@ -242,6 +242,7 @@ def follow() -> None:
             backend = None
     dist.barrier()  # both sides leave together; a one-sided teardown aborts gloo's peer
     dist.destroy_process_group()
+    leave(0)
 
 
 def shutdown_followers() -> None:
@@ -249,3 +250,18 @@ def shutdown_followers() -> None:
         _send("shutdown", {})
         dist.barrier()
         dist.destroy_process_group()
+
+
+def leave(code: int) -> None:
+    """End a rank's process once its work is done and its process group torn down, without
+    the interpreter's finalisation: gloo's loop threads outlive `destroy_process_group` (FSDP's
+    sharded parameters still hold the group), and on a loaded machine their C++ destructors
+    abort the process at exit ("terminate called without an active exception", SIGABRT), which
+    torchrun reports as the job failing."""
+    import logging
+    import sys
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
