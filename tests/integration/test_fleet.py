@@ -7,15 +7,19 @@ import asyncio
 import json
 import uuid
 
+import grpc
 import httpx
 import pytest
 import redis
+import torch
 
 from tests.conftest import TOKENS, start_service
 from treadle_common import auth, fleet, names, scheduling
 from treadle_common.clients import streams
+from treadle_common.clients.torch_weights import state_dict_to_raw
+from treadle_common.clients.weights import WeightStoreClient
 from treadle_common.config import RunConfig
-from treadle_common.proto.treadle.v1 import task_pb2
+from treadle_common.proto.treadle.v1 import task_pb2, weights_pb2
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
 from treadle_rollout.worker import TaskWorker
 
@@ -136,24 +140,36 @@ async def test_fifo_is_the_baseline_and_goes_by_feeding_time_alone(redis_client)
     assert order == ["a", "b"] * 10, order
 
 
+A_TOKEN, B_TOKEN = "tenant-a-token-0123456789", "tenant-b-token-0123456789"
+A_AGENT, B_AGENT = "tenant-a-agent-0123456789", "tenant-b-agent-0123456789"
+
+
 @pytest.fixture(scope="module")
-def tenants_trainer(infra, tiny_model, tmp_path_factory):
+def tenants(infra, tiny_model, tmp_path_factory):
     """A trainer (with its weight-store and env-gateway) whose token table gives two tenants
-    a trainer token each, and lets a tenant have one active run."""
+    a trainer token each, and lets a tenant have one active run; its Tinker API trains the
+    tiny model; and a rollout whose agent tokens are the two tenants' too. Yields (trainer,
+    weight-store, rollout)."""
     tmp = tmp_path_factory.mktemp("tenants")
     table = {
         "admin": TOKENS["admin"],
         "trainer": [
             TOKENS["trainer"],
-            {"token": "tenant-a-token-0123456789", "tenant": "a"},
-            {"token": "tenant-b-token-0123456789", "tenant": "b"},
+            {"token": A_TOKEN, "tenant": "a"},
+            {"token": B_TOKEN, "tenant": "b"},
         ],
         "read": TOKENS["read"],
         "rollout": TOKENS["rollout"],
-        "agent": TOKENS["agent"],
+        "agent": [
+            TOKENS["agent"],
+            {"token": A_AGENT, "tenant": "a"},
+            {"token": B_AGENT, "tenant": "b"},
+        ],
     }
     env = {"TREADLE_AUTH_TOKENS": json.dumps(table), "TREADLE_AUTH_TOKENS_FILE": ""}
-    store = start_service("weight-store", infra, tmp, TREADLE_WEIGHT_STORE_DIR=str(tmp / "ws"))
+    store = start_service(
+        "weight-store", infra, tmp, TREADLE_WEIGHT_STORE_DIR=str(tmp / "ws"), **env
+    )
     gateway = start_service("env-gateway", infra, tmp)
     trainer = start_service(
         "trainer",
@@ -162,10 +178,21 @@ def tenants_trainer(infra, tiny_model, tmp_path_factory):
         TREADLE_WEIGHT_STORE_ADDR=store.grpc_addr or "",
         TREADLE_ENV_GATEWAY_ADDR=gateway.grpc_addr or "",
         TREADLE_TRAINER_TENANT_MAX_RUNS="1",
+        TREADLE_TRAINER_TINKER_MODELS=json.dumps({"tiny": str(tiny_model)}),
         **env,
     )
-    yield trainer
-    for proc in (trainer, gateway, store):
+    rollout = start_service(
+        "rollout",
+        infra,
+        tmp,
+        TREADLE_ROLLOUT_MODEL=str(tiny_model),
+        TREADLE_ROLLOUT_MODEL_NAME=f"tenants-{uuid.uuid4().hex[:6]}",  # serves no other run
+        TREADLE_WEIGHT_STORE_ADDR=store.grpc_addr or "",
+        TREADLE_ENV_GATEWAY_ADDR=gateway.grpc_addr or "",
+        **env,
+    )
+    yield trainer, store, rollout
+    for proc in (rollout, trainer, gateway, store):
         proc.stop_checked()
     # its runs never end by themselves: out of the shared Redis's active runs, so no other
     # test's trainer resumes them (their lease lapsed with this trainer)
@@ -183,10 +210,10 @@ def _as(token: str, base: str) -> httpx.Client:
 
 
 def test_a_tenant_sees_and_controls_only_its_runs_and_is_held_to_its_run_quota(
-    tenants_trainer, tiny_model, tmp_path
+    tenants, tiny_model, tmp_path
 ):
-    base = tenants_trainer.http
-    a, b = _as("tenant-a-token-0123456789", base), _as("tenant-b-token-0123456789", base)
+    base = tenants[0].http
+    a, b = _as(A_TOKEN, base), _as(B_TOKEN, base)
     admin = _as(TOKENS["admin"], base)
     tag = uuid.uuid4().hex[:6]
 
@@ -228,3 +255,149 @@ def test_a_tenant_sees_and_controls_only_its_runs_and_is_held_to_its_run_quota(
     changed = admin_trainer.post(f"/v1/training/sessions/{sid}/save_weights")
     assert changed.status_code == 409 and f"base of active runs ['{ra}']" in changed.text
     admin_trainer.delete(f"/v1/training/sessions/{sid}")
+
+
+def _future(client: httpx.Client, answer: httpx.Response) -> dict:
+    """A Tinker future's result (it long-polls: try_again until done)."""
+    assert answer.status_code == 200, answer.text
+    request_id = answer.json()["request_id"]
+    for _ in range(60):
+        got = client.post("/api/v1/retrieve_future", json={"request_id": request_id}).json()
+        if got.get("type") != "try_again":
+            assert "error" not in got, got
+            return got
+    raise AssertionError("the future never finished")
+
+
+def test_a_tenant_reaches_only_its_own_tinker_sessions_clients_futures_and_checkpoints(tenants):
+    from tinker import types
+
+    def body(request) -> dict:
+        return request.model_dump(mode="json")
+
+    base = tenants[0].http
+    a, b, admin = _as(A_TOKEN, base), _as(B_TOKEN, base), _as(TOKENS["admin"], base)
+    session = body(types.CreateSessionRequest(tags=[], user_metadata=None, sdk_version="0.38.0"))
+    sid = a.post("/api/v1/create_session", json=session).json()["session_id"]
+    create = body(
+        types.CreateModelRequest(
+            session_id=sid, model_seq_id=0, base_model="tiny", lora_config=types.LoraConfig(rank=4)
+        )
+    )
+    model_id = _future(a, a.post("/api/v1/create_model", json=create))["model_id"]
+    save = body(types.SaveWeightsRequest(model_id=model_id, path="c1"))
+    path = _future(a, a.post("/api/v1/save_weights", json=save))["path"]
+    adam = body(
+        types.OptimStepRequest(
+            model_id=model_id, seq_id=7, adam_params=types.AdamParams(learning_rate=1e-3)
+        )
+    )
+    stepped = a.post("/api/v1/optim_step", json=adam).json()["request_id"]
+    load = body(types.LoadWeightsRequest(model_id=model_id, path=path, optimizer=False))
+    sampling = body(
+        types.CreateSamplingSessionRequest(
+            session_id=sid, sampling_session_seq_id=0, base_model="tiny"
+        )
+    )
+
+    refused = {
+        "get_info": b.post("/api/v1/get_info", json={"model_id": model_id}),
+        "heartbeat": b.post("/api/v1/session_heartbeat", json={"session_id": sid}),
+        "create_model": b.post("/api/v1/create_model", json={**create, "model_seq_id": 1}),
+        "optim_step": b.post("/api/v1/optim_step", json={**adam, "seq_id": 9}),
+        "retrieve_future": b.post("/api/v1/retrieve_future", json={"request_id": stepped}),
+        "weights_info": b.post("/api/v1/weights_info", json={"tinker_path": path}),
+        "load_weights": b.post("/api/v1/load_weights", json=load),
+        "sampling": b.post("/api/v1/create_sampling_session", json=sampling),
+        "finish": b.post(f"/api/v1/sessions/{sid}/finish"),
+    }
+    assert {k: r.status_code for k, r in refused.items()} == dict.fromkeys(refused, 403)
+    assert all("another tenant" in r.text for r in refused.values()), refused
+    # b's own session may not load a's checkpoint into a client of its own
+    b_sid = b.post("/api/v1/create_session", json=session).json()["session_id"]
+    stolen = {**load, "model_id": None, "session_id": b_sid, "model_seq_id": 0}
+    assert b.post("/api/v1/load_weights", json=stolen).status_code == 403
+    # a, and admin, still reach it all: nothing of a's was touched
+    got = a.post("/api/v1/retrieve_future", json={"request_id": stepped})
+    assert got.status_code == 200 and "metrics" in got.json(), got.text
+    assert admin.post("/api/v1/get_info", json={"model_id": model_id}).status_code == 200
+    assert a.post("/api/v1/weights_info", json={"tinker_path": path}).status_code == 200
+    assert a.post(f"/api/v1/sessions/{sid}/finish").status_code == 204
+    b.post(f"/api/v1/sessions/{b_sid}/finish")
+
+
+async def test_a_tenant_reaches_only_its_own_and_the_fleets_weights(tenants):
+    store = tenants[1]
+    tag = uuid.uuid4().hex[:6]
+    a = WeightStoreClient(store.grpc_addr or "", token=A_TOKEN, attempts=1)
+    b = WeightStoreClient(store.grpc_addr or "", token=B_TOKEN, attempts=1)
+    fleet_token = WeightStoreClient(store.grpc_addr or "", token=TOKENS["trainer"], attempts=1)
+    raw = state_dict_to_raw({"w": torch.ones(4)})
+    try:
+        await a.publish(f"a-own-{tag}", raw, metadata={names.WEIGHTS_TENANT_KEY: "b"})
+        # the trainer service publishes a run's versions for its tenant
+        await fleet_token.publish(f"run-of-a-{tag}", raw, metadata={names.WEIGHTS_TENANT_KEY: "a"})
+        await fleet_token.publish(f"fleet-{tag}", raw)  # a base model: the fleet's
+        for model in (f"a-own-{tag}", f"run-of-a-{tag}"):
+            assert (await a.get_manifest(model)).metadata[names.WEIGHTS_TENANT_KEY] == "a"
+            for call in (
+                b.get_manifest(model),
+                b.list_versions(model),
+                b.fetch(model, -1),
+                b.delete_version(model, 1),
+                b.publish(model, raw),
+            ):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await call
+                assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        with pytest.raises(grpc.aio.AioRpcError) as refused:  # a tenant writes no fleet model
+            await a.publish(f"fleet-{tag}", raw)
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert (await b.get_manifest(f"fleet-{tag}")).model == f"fleet-{tag}"  # bases: all read
+        seen_by_b = await b.stub.ListModels(weights_pb2.ListModelsRequest())
+        assert f"fleet-{tag}" in seen_by_b.models
+        assert not {f"a-own-{tag}", f"run-of-a-{tag}"} & set(seen_by_b.models)
+        http = _as(B_TOKEN, store.http)
+        assert http.get(f"/v1/models/a-own-{tag}/versions").status_code == 403
+        assert f"a-own-{tag}" not in http.get("/v1/models").json()["models"]
+    finally:
+        for client in (a, b, fleet_token):
+            await client.close()
+
+
+async def test_a_tenant_reaches_only_its_own_openai_sessions_and_runs(tenants, redis_client):
+    rollout = tenants[2]
+    a, b, admin = (_as(t, rollout.http) for t in (A_AGENT, B_AGENT, TOKENS["admin"]))
+    a_trainer = _as(A_TOKEN, rollout.http)  # a's trainer token may set a reward (an agent not)
+    sid = f"s-{uuid.uuid4().hex[:8]}"
+    model = a.get("/v1/models").json()["data"][0]["id"]
+    chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    header = {"X-Treadle-Session": sid}
+    assert a.post("/v1/chat/completions", json=chat, headers=header).status_code == 200
+    b_run, a_run = f"rb-{uuid.uuid4().hex[:6]}", f"ra-{uuid.uuid4().hex[:6]}"
+    for run, tenant in ((b_run, "b"), (a_run, "a")):
+        policy = fleet.RunPolicy(run_id=run, policy="m", base="m", tenant=tenant)
+        await fleet.register(redis_client, policy)
+        await redis_client.sadd(names.RUNS_KEY, run)
+    try:
+        refused = {
+            "continue": b.post("/v1/chat/completions", json=chat, headers=header),
+            "read": b.get(f"/v1/sessions/{sid}"),
+            "finish": b.post(f"/v1/sessions/{sid}/finish", json={"run_id": b_run, "scorer": "s"}),
+            "delete": b.delete(f"/v1/sessions/{sid}"),
+            # a's own session, but into b's run: b's trajectories are b's alone
+            "into another's run": a_trainer.post(
+                f"/v1/sessions/{sid}/finish", json={"run_id": b_run, "reward": 1.0}
+            ),
+        }
+        assert {k: r.status_code for k, r in refused.items()} == dict.fromkeys(refused, 403)
+        assert all("another tenant" in r.text for r in refused.values()), refused
+        assert await redis_client.xlen(names.trajectories_stream(b_run)) == 0
+        assert admin.get(f"/v1/sessions/{sid}").json()["turns"] == 1  # untouched by b
+        done = a_trainer.post(f"/v1/sessions/{sid}/finish", json={"run_id": a_run, "reward": 1.0})
+        assert done.status_code == 200, done.text
+        assert await redis_client.xlen(names.trajectories_stream(a_run)) == 1
+    finally:
+        for run in (a_run, b_run):
+            await redis_client.srem(names.RUNS_KEY, run)
+            await fleet.unregister(redis_client, run)

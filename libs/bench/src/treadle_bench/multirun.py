@@ -89,6 +89,7 @@ class Phase:
     results: list[RunResult] = field(default_factory=list)
     wall_s: float = 0.0
     peak_rss_mb: float = 0.0
+    cpu_s: dict[str, float] = field(default_factory=dict)
 
 
 def jain(rates: list[float]) -> float:
@@ -114,20 +115,37 @@ def window_rates(results: list[RunResult]) -> list[float]:
 
 
 class RssSampler:
-    """The peak summed RSS of the stack's service processes and their children."""
+    """The peak summed RSS of the stack's service processes and their children, and the CPU
+    seconds each service (with its children) spent meanwhile (where a phase's cores go)."""
 
     def __init__(self, state_dir: Path):
         self.state_dir, self.peak = state_dir, 0
+        self.cpu_s: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
     def __enter__(self) -> RssSampler:
+        self._cpu0 = self._cpu()
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+        cpu1 = self._cpu()
+        self.cpu_s = {k: round(v - self._cpu0.get(k, 0.0), 1) for k, v in cpu1.items()}
+
+    def _cpu(self) -> dict[str, float]:
+        record = stack.read_stack(self.state_dir)
+        out: dict[str, float] = {}
+        for name, svc in record.services.items() if record else ():
+            try:
+                proc = psutil.Process(svc.pid or -1)
+                procs = [proc, *proc.children(True)]
+                out[name] = sum(sum(p.cpu_times()[:2]) for p in procs)
+            except psutil.Error:
+                continue
+        return out
 
     def _loop(self) -> None:
         while not self._stop.wait(0.5):
@@ -260,6 +278,7 @@ class Bench:
             procs = [(s, self.launch(s, lora), time.perf_counter()) for s in specs]
             codes = {s.run_id: (p.wait(), time.perf_counter() - t) for s, p, t in procs}
         out = Phase(wall_s=time.perf_counter() - started, peak_rss_mb=rss.peak / 2**20)
+        out.cpu_s = rss.cpu_s
         for spec in specs:
             code, wall = codes[spec.run_id]
             path = self.tmp / "runs" / spec.run_id / "summary.json"
@@ -374,6 +393,10 @@ def _report(
         "priority_slowdown": round(prio.results[0].s_per_step / prio_alone.s_per_step, 3),
         "s_per_step_alone": [round(lone[i].s_per_step, 3) for i in seeds],
         "s_per_step_together": [round(r.s_per_step, 3) for r in together.results],
+        "cpu_s": {
+            "alone": {k: round(sum(p.cpu_s.get(k, 0.0) for p in alone), 1) for k in together.cpu_s},
+            "together": together.cpu_s,
+        },  # fmt: skip
         "memory_ratio": round(together.peak_rss_mb / max(p.peak_rss_mb for p in alone), 3),
         "peak_rss_mb": {
             "alone": round(max(p.peak_rss_mb for p in alone), 1),

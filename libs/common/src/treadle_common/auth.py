@@ -24,9 +24,12 @@ compose secret mounted as a file). A caller presents `TREADLE_TOKEN`, or the con
 command. `TREADLE_AUTH=off` turns checking off; only `TREADLE_ENVIRONMENT=local` allows it.
 Tokens are compared in constant time (`hmac.compare_digest`, against every entry).
 
-Tenants: a token may belong to a tenant, `{"trainer": [{"token": "...", "tenant": "acme"}]}`
-(a plain string belongs to `DEFAULT_TENANT`). A tenant's token sees and controls only its
-own tenant's runs (`Identity.may_see`); `admin` sees every tenant's.
+Tenants: a token may belong to a tenant, `{"trainer": [{"token": "...", "tenant": "acme"}]}`.
+A tenant's token sees and controls only its own tenant's runs, sessions, futures, checkpoints
+and weights (`Identity.may_see`; 403 otherwise). A plain string is a fleet token: what it
+starts belongs to `DEFAULT_TENANT`, and it acts for every tenant within its role, as the
+services' own tokens must (rollout fetches every tenant's adapters) and as one team's stack
+wants; `admin` sees every tenant's too. Give each tenant's people tokens that name it.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import hmac
 import json
 import os
 import secrets
+from contextvars import ContextVar
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -110,13 +114,30 @@ class Identity:
     role: Role | None
     """None when auth is off (local development: anyone may call anything)."""
     tenant: str = DEFAULT_TENANT
+    scoped: bool = False
+    """Whether the token names its tenant (a fleet token does not: it acts for every one)."""
 
     def may_see(self, tenant: str) -> bool:
         """Whether this caller may see and control what belongs to `tenant`."""
-        return self.role in (None, Role.admin) or tenant == self.tenant
+        return self.role in (None, Role.admin) or not self.scoped or tenant == self.tenant
 
 
 ANONYMOUS = Identity(None)
+
+CALLER: ContextVar[Identity] = ContextVar("treadle_caller", default=ANONYMOUS)
+"""The identity of the request being served (set by the service's authorization step, so
+code below a route asks `caller()` instead of threading the request through)."""
+
+
+def caller() -> Identity:
+    return CALLER.get()
+
+
+def refuse_unless_sees(tenant: str | None, what: str) -> None:
+    """403 (`AuthError`) unless the caller may see `what`, which belongs to `tenant` (None:
+    unowned, e.g. made before tenants existed)."""
+    if tenant is not None and not caller().may_see(tenant):
+        raise AuthError(403, f"{what} belongs to another tenant")
 
 
 class AuthError(Exception):
@@ -171,7 +192,8 @@ class TokenTable:
         role = self.role_of(token)
         if role is None:
             return None
-        return Identity(role, self.tenants.get(token.encode(), DEFAULT_TENANT))
+        tenant = self.tenants.get(token.encode())
+        return Identity(role, tenant or DEFAULT_TENANT, scoped=tenant is not None)
 
     def role_of(self, token: str) -> Role | None:
         """The presented token's role; every entry is compared (constant time per entry), so

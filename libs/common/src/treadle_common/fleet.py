@@ -68,3 +68,9 @@ async def active(r: aioredis.Redis) -> dict[str, RunPolicy]:
         except ValueError:
             continue
     return out
+
+
+async def tenant_of(r: aioredis.Redis, run_id: str) -> str | None:
+    """The tenant of a registered run (None: not registered)."""
+    raw = await r.hget(names.RUN_POLICIES, run_id)
+    return None if raw is None else RunPolicy.model_validate_json(raw).tenant

@@ -137,6 +137,9 @@ STREAM_FIELD = "pb"
 # --- NATS ---------------------------------------------------------------------------------
 WEIGHTS_STREAM = "TREADLE_WEIGHTS"
 """JetStream stream holding weight announcements (last message per subject kept)."""
+WEIGHTS_TENANT_KEY = "treadle.tenant"
+"""A weight version's metadata key naming the tenant its model belongs to (the weight-store's
+`tenancy.py`; a run's versions carry its tenant)."""
 
 
 def weights_subject(model: str) -> str:

@@ -101,6 +101,13 @@ async def _invalid_request(_request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"detail": detail}, status_code=422)
 
 
+async def _refused(_request: Request, exc: Exception) -> JSONResponse:
+    """An `auth.AuthError` raised below a route (e.g. another tenant's resource): its status
+    and message."""
+    assert isinstance(exc, auth.AuthError)
+    return JSONResponse({"detail": exc.message}, status_code=exc.status)
+
+
 class _Uvicorn(uvicorn.Server):
     """uvicorn without its own signal handling: the runtime owns SIGTERM/SIGINT."""
 
@@ -134,6 +141,7 @@ class ServiceRuntime:
             **_NO_FASTAPI_TELEMETRY,
         )
         self.app.add_exception_handler(RequestValidationError, _invalid_request)
+        self.app.add_exception_handler(auth.AuthError, _refused)
         self.app.add_middleware(
             BodyLimit,
             max_bytes=int(settings.max_body_mb * 1024 * 1024),
@@ -230,6 +238,7 @@ class ServiceRuntime:
         declared = (getattr(route, "openapi_extra", None) or {}).get(auth.ROLES_KEY)
         request.state.role = None
         request.state.identity = auth.ANONYMOUS
+        auth.CALLER.set(auth.ANONYMOUS)
         if declared == [auth.PUBLIC]:
             return
         path = getattr(route, "path", request.url.path)
@@ -240,6 +249,7 @@ class ServiceRuntime:
                 token, auth.parse_roles(declared), f"{request.method} {path}"
             )
             request.state.role, request.state.identity = who.role, who
+            auth.CALLER.set(who)
         except auth.AuthError as error:
             metrics.AUTH_REFUSED.labels(self.service, "http", str(error.status)).inc()
             headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None

@@ -45,7 +45,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from treadle_common import auth, names
+from treadle_common import auth, fleet, names
 from treadle_common.clients import streams
 from treadle_common.proto.treadle.v1 import reward_pb2
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
@@ -113,6 +113,8 @@ class RecordedSession:
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
     turns: int = 0
+    tenant: str = auth.DEFAULT_TENANT
+    """Its creator's: another tenant's token may not continue, read, finish or delete it."""
 
 
 class SessionRecorder:
@@ -134,7 +136,12 @@ class SessionRecorder:
                 raise OpenAIError(404, f"no recorded session {session_id!r}", code="not_found")
             if len(self.sessions) >= self.max_sessions:
                 raise OpenAIError(429, "too many recorded sessions", code="rate_limit_exceeded")
-            session = self.sessions[session_id] = RecordedSession(Transcript(self.tokenizer))
+            session = RecordedSession(Transcript(self.tokenizer), tenant=auth.caller().tenant)
+            self.sessions[session_id] = session
+        if not auth.caller().may_see(session.tenant):
+            raise OpenAIError(
+                403, f"session {session_id!r} belongs to another tenant", code="permission_denied"
+            )
         session.last_used = now
         return session
 
@@ -681,6 +688,9 @@ class OpenAIFrontend:
         if not await self.redis.sismember(names.RUNS_KEY, body.run_id):
             raise OpenAIError(404, f"no active run {body.run_id!r}", param="run_id")
         session = self.recorder.get(session_id)
+        run_tenant = await fleet.tenant_of(self.redis, body.run_id)
+        if run_tenant is not None and not auth.caller().may_see(run_tenant):
+            raise OpenAIError(403, f"run {body.run_id!r} belongs to another tenant", param="run_id")
         async with session.lock:
             t = session.transcript
             traj = tpb.Trajectory(

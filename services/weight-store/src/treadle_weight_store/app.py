@@ -84,7 +84,7 @@ async def build(settings: WeightStoreSettings) -> Service:
             "readers": store.readers(),
         }
     )
-    http.mount(runtime.app, store)
+    http.mount(runtime.app, store, servicer.tenancy)
     return Service(runtime, loops=[lambda: gc_loop(runtime, store)])
 
 

@@ -37,6 +37,7 @@ from treadle_weight_store.errors import (
     VersionConflict,
 )
 from treadle_weight_store.store import WeightStore
+from treadle_weight_store.tenancy import Tenancy
 
 log = get_logger(__name__)
 
@@ -84,6 +85,9 @@ async def _as_status(context: grpc.aio.ServicerContext, method: str):
     except StoreError as exc:
         metrics.REQUESTS.labels(SERVICE, method, type(exc).__name__).inc()
         await context.abort(_STATUS[type(exc)], str(exc))
+    except auth.AuthError as exc:  # another tenant's model (`tenancy.py`)
+        metrics.REQUESTS.labels(SERVICE, method, "refused").inc()
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, exc.message)
 
 
 def as_chunk(item: ChunkView | pb.PublishRequest) -> ChunkView | None:
@@ -131,6 +135,7 @@ class WeightStoreServicer(weights_pb2_grpc.WeightStoreServicer):
         self, store: WeightStore, announce: Callable[[pb.WeightManifest], Awaitable[None]]
     ):
         self.store = store
+        self.tenancy = Tenancy(store)
         self.announce = announce
         self._collector: asyncio.Task | None = None
         self._collect_wanted = False
@@ -215,9 +220,11 @@ class WeightStoreServicer(weights_pb2_grpc.WeightStoreServicer):
                     received.add(chunk.hash)
                     num_bytes += len(chunk.data)
                     continue
+                await self.tenancy.stamp(item.manifest)
                 manifest = await self.store.commit(
                     item.manifest, stored=received, durable=item.durable
                 )
+                self.tenancy.committed(manifest)
                 log.info(
                     "committed",
                     model=manifest.model,
@@ -238,6 +245,8 @@ class WeightStoreServicer(weights_pb2_grpc.WeightStoreServicer):
             raise BadRequest("publish stream ended without a manifest; nothing was committed")
 
     async def Fetch(self, request: pb.FetchRequest, context):
+        async with _as_status(context, "Fetch"):
+            await self.tenancy.check(request.model)
         async with (
             _as_status(context, "Fetch"),
             self.store.reading(request.model, request.version) as manifest,
@@ -265,10 +274,12 @@ class WeightStoreServicer(weights_pb2_grpc.WeightStoreServicer):
 
     async def GetManifest(self, request: pb.VersionRef, context):
         async with _as_status(context, "GetManifest"):
+            await self.tenancy.check(request.model)
             return await self.store.get_manifest(request.model, request.version)
 
     async def WaitForVersion(self, request: pb.WaitForVersionRequest, context):
         async with _as_status(context, "WaitForVersion"):
+            await self.tenancy.check(request.model)
             if not 0 <= request.timeout_s:
                 raise BadRequest(f"timeout_s must be >= 0, not {request.timeout_s}")
             latest = await self.store.wait_for_version(
@@ -278,20 +289,24 @@ class WeightStoreServicer(weights_pb2_grpc.WeightStoreServicer):
 
     async def ListVersions(self, request: pb.ListVersionsRequest, context):
         async with _as_status(context, "ListVersions"):
+            await self.tenancy.check(request.model)
             return pb.ListVersionsResponse(versions=await self.store.infos(request.model))
 
     async def ListModels(self, request, context):
         async with _as_status(context, "ListModels"):
-            return pb.ListModelsResponse(models=await self.store.models())
+            models = await self.tenancy.visible(await self.store.models())
+            return pb.ListModelsResponse(models=models)
 
     async def DeleteVersion(self, request: pb.VersionRef, context):
         async with _as_status(context, "DeleteVersion"):
-            return pb.DeleteVersionResponse(
-                chunks_deleted=await self.store.delete_version(request.model, request.version)
-            )
+            await self.tenancy.check(request.model)
+            deleted = await self.store.delete_version(request.model, request.version)
+            self.tenancy.forget(request.model)
+            return pb.DeleteVersionResponse(chunks_deleted=deleted)
 
     async def SetPin(self, request: pb.PinRequest, context):
         async with _as_status(context, "SetPin"):
+            await self.tenancy.check(request.model)
             return await self.store.set_pin(request.model, request.version, request.pinned)
 
     async def GarbageCollect(self, request, context):

@@ -3,6 +3,8 @@
 GET /v1/models                            model names
 GET /v1/models/{model}/versions           every version's info
 GET /v1/models/{model}/versions/{version} the manifest (-1 = latest)
+
+A tenant's token lists and reads only its tenant's models and the fleet's (`tenancy.py`).
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ from treadle_common import auth
 from treadle_common.api.weights import Models, VersionInfo, Versions
 from treadle_weight_store.errors import BadRequest, NotFound, Precondition, StoreError
 from treadle_weight_store.store import WeightStore
+from treadle_weight_store.tenancy import Tenancy
 
 
-def mount(app: FastAPI, store: WeightStore) -> None:
+def mount(app: FastAPI, store: WeightStore, tenancy: Tenancy) -> None:
 
     async def guard(coro):
         try:
@@ -35,10 +38,11 @@ def mount(app: FastAPI, store: WeightStore) -> None:
 
     @app.get("/v1/models", tags=["weights"], openapi_extra=auth.roles(auth.ANY))
     async def list_models() -> Models:
-        return Models(models=await guard(store.models()))
+        return Models(models=await tenancy.visible(await guard(store.models())))
 
     @app.get("/v1/models/{model}/versions", tags=["weights"], openapi_extra=auth.roles(auth.ANY))
     async def list_versions(model: str) -> Versions:
+        await tenancy.check(model)
         infos = await guard(store.infos(model))
         return Versions(model=model, versions=[VersionInfo.from_proto(i) for i in infos])
 
@@ -49,4 +53,5 @@ def mount(app: FastAPI, store: WeightStore) -> None:
     )
     async def get_version(model: str, version: int) -> dict:
         """The manifest (tensors, dtypes, shapes, chunk hashes); -1 = latest."""
+        await tenancy.check(model)
         return as_dict(await guard(store.get_manifest(model, version)))

@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 import torch
 from opentelemetry.context import Context
 
-from treadle_common import lora, tracing
+from treadle_common import lora, names, tracing
 from treadle_common.api.runs import RunStatus, StepRecord
 from treadle_common.clients.torch_weights import model_assets, state_dict_to_raw
 from treadle_common.clients.weights import WeightStoreClient, build_manifest, chunk_positions
@@ -132,7 +132,11 @@ class RunVersions:
             trainer_step=step,
             parent_version=self.status.versions[-1] if self.status.versions else -1,
             assets=self.assets,
-            metadata={"run_id": self.config.run_id, **self.metadata},
+            metadata={
+                "run_id": self.config.run_id,
+                names.WEIGHTS_TENANT_KEY: self.status.tenant,
+                **self.metadata,
+            },
         )
         if version >= 0 and response.version != version:
             raise RuntimeError(f"published version {response.version}, wanted {version}")

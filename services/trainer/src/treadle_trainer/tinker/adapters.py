@@ -83,10 +83,14 @@ class LoraClient:
     params: list[torch.nn.Parameter] = field(default_factory=list)
     optimizer: torch.optim.AdamW | None = None
     steps: int = 0
+    tenant: str | None = None
+    """Its session's tenant (written into its checkpoints' meta)."""
 
     @classmethod
-    def create(cls, model_id: str, base: BaseModel, config: lora.AdapterConfig) -> LoraClient:
-        client = cls(model_id, base, config)
+    def create(
+        cls, model_id: str, base: BaseModel, config: lora.AdapterConfig, tenant: str | None = None
+    ) -> LoraClient:
+        client = cls(model_id, base, config, tenant=tenant)
         client.params = lora.add_adapter(base.model, model_id, config)
         for p in client.params:
             p.requires_grad_(True)
@@ -239,6 +243,7 @@ class LoraClient:
                 "targets": list(self.config.targets),
             },
             "step": self.steps,
+            "tenant": self.tenant,
         }
 
     def save(self, path: Path, optimizer: bool = True) -> None:

@@ -6,7 +6,8 @@ SDK asks again). A failed request answers `{"error", "category"}`: `user` for ba
 SDK raises at once), `server` otherwise. A request re-sent with the same (model, seq_id) (the
 SDK retries a POST whose answer was lost) gets the first one's request id: nothing runs twice.
 Results are kept until fetched and then for `KEEP_S` more (a retried fetch finds them), and
-never more than `MAX_KEPT` at once (oldest dropped first).
+never more than `MAX_KEPT` at once (oldest dropped first). A request id belongs to the tenant
+that submitted it: another tenant's `retrieve_future` of it is refused (403).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from treadle_common import auth
 from treadle_common.logs import get_logger
 from treadle_trainer.tinker.adapters import BadRequest
 
@@ -44,13 +46,14 @@ class Result:
 class _Entry:
     task: asyncio.Task[Result]
     fetched_at: float | None = None
-    key: tuple[str, int] | None = None
+    key: tuple[str, str, int] | None = None
+    tenant: str = auth.DEFAULT_TENANT
 
 
 @dataclass
 class Futures:
     entries: OrderedDict[str, _Entry] = field(default_factory=OrderedDict)
-    by_key: dict[tuple[str, int], str] = field(default_factory=dict)
+    by_key: dict[tuple[str, str, int], str] = field(default_factory=dict)
     queues: dict[str, asyncio.Lock] = field(default_factory=dict)
 
     def submit(
@@ -59,10 +62,11 @@ class Futures:
         queue: str,
         seq_id: int | None = None,
         ordered: bool = True,
+        tenant: str = auth.DEFAULT_TENANT,
     ) -> str:
         """Run `work` after the earlier work of `queue` (a model) or, not `ordered` (a
-        sampler's requests), at once; its request id."""
-        key = (queue, seq_id) if seq_id is not None else None
+        sampler's requests), at once; its request id, `tenant`'s."""
+        key = (tenant, queue, seq_id) if seq_id is not None else None
         if key is not None and key in self.by_key and self.by_key[key] in self.entries:
             return self.by_key[key]
         lock = self.queues.setdefault(queue, asyncio.Lock()) if ordered else None
@@ -78,15 +82,17 @@ class Futures:
                     return Result(error=f"{type(exc).__name__}: {exc}", category="server")
 
         request_id = uuid.uuid4().hex
-        self.entries[request_id] = _Entry(asyncio.create_task(run()), key=key)
+        self.entries[request_id] = _Entry(asyncio.create_task(run()), key=key, tenant=tenant)
         if key is not None:
             self.by_key[key] = request_id
         self._expire()
         return request_id
 
     async def retrieve(self, request_id: str, wait_s: float = POLL_S) -> Result | None:
-        """The result, or None while it is still running after `wait_s`; KeyError if unknown."""
+        """The result, or None while it is still running after `wait_s`; KeyError if unknown,
+        `auth.AuthError` (403) if another tenant's."""
         entry = self.entries[request_id]
+        auth.refuse_unless_sees(entry.tenant, f"request {request_id}")
         done, _ = await asyncio.wait({entry.task}, timeout=wait_s)
         if not done:
             return None

@@ -1,0 +1,125 @@
+"""What the Tinker surface holds between requests (`TinkerState`), and who owns it.
+
+Everything a session makes is named after it (`<session>:train:<seq>`, `<session>:sample:<seq>`)
+and belongs to the tenant that created the session (`auth.caller()`); checkpoints carry their
+tenant in `meta.json`. A tenant's token that names another tenant's session, client, sampler,
+future or checkpoint is refused with 403; `admin` sees every tenant's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import HTTPException
+
+from treadle_common import auth
+from treadle_common.clients.weights import WeightStoreClient
+from treadle_trainer.backends import on_torch_thread
+from treadle_trainer.tinker.adapters import BadRequest, BaseModel, LoraClient, read_meta
+from treadle_trainer.tinker.futures import Futures, Result
+from treadle_trainer.tinker.sampling import RolloutSampler, Sampler, SamplerWeights
+
+ROLES = auth.roles(auth.TRAINER)
+CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+TINKER_PATH = re.compile(r"^tinker://([^/]+)/(weights|sampler_weights)/([^/]+)$")
+
+
+@dataclass
+class TinkerState:
+    models: dict[str, str]
+    """Base-model name -> HF directory (`TREADLE_TRAINER_TINKER_MODELS`)."""
+    root: Path
+    store: WeightStoreClient
+    max_clients: int
+    rollout: RolloutSampler | None
+    bases: dict[str, BaseModel] = field(default_factory=dict)
+    clients: dict[str, LoraClient] = field(default_factory=dict)
+    session_ttl_s: float = 300.0
+    sessions: dict[str, float] = field(default_factory=dict)
+    """Open sessions -> when the last heartbeat (or creation) was seen (monotonic)."""
+    tenants: dict[str, str] = field(default_factory=dict)
+    """Open sessions -> the tenant that created them."""
+    sampler_weights: dict[str, SamplerWeights] = field(default_factory=dict)
+    samplers: dict[str, Sampler] = field(default_factory=dict)
+    futures: Futures = field(default_factory=Futures)
+    loading: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    # --- ownership --------------------------------------------------------------------------
+    def owned(self, name: str) -> str:
+        """`name` (a session id, or an id made in one) if the caller may use it, else 403."""
+        session_id = name.split(":", 1)[0]
+        auth.refuse_unless_sees(self.tenants.get(session_id), f"tinker session {session_id!r}")
+        return name
+
+    def session(self, session_id: str) -> str:
+        if session_id not in self.sessions:
+            raise HTTPException(404, f"no session {session_id!r} (create_session first)")
+        return self.owned(session_id)
+
+    # --- models, clients, samplers ----------------------------------------------------------
+    def check_served(self, name: str) -> None:
+        if name not in self.models:
+            known = ", ".join(sorted(self.models)) or "none (set TREADLE_TRAINER_TINKER_MODELS)"
+            raise HTTPException(400, f"base model {name!r} is not served here; served: {known}")
+
+    async def base(self, name: str) -> BaseModel:
+        async with self.loading:
+            if name not in self.bases:
+                self.bases[name] = await on_torch_thread(BaseModel, name, self.models[name])
+        return self.bases[name]
+
+    def client(self, model_id: str) -> LoraClient:
+        if model_id not in self.clients:
+            raise HTTPException(404, f"no training client {model_id!r}")
+        return self.clients[self.owned(model_id)]
+
+    def sampler(self, sampler_id: str) -> Sampler:
+        if sampler_id not in self.samplers:
+            raise HTTPException(404, f"no sampler {sampler_id!r}")
+        return self.samplers[self.owned(sampler_id)]
+
+    # --- checkpoints ------------------------------------------------------------------------
+    def checkpoint_dir(self, model_id: str, kind: str, name: str) -> Path:
+        return self.root / model_id.replace(":", "_") / kind / name
+
+    def resolve(self, path: str, kind: str = "weights") -> Path:
+        """The directory of a `tinker://<model id>/weights/<name>` checkpoint (403 if another
+        tenant's)."""
+        match = TINKER_PATH.match(path)
+        if not match or match.group(2) != kind:
+            raise BadRequest(f"{path!r} is not a tinker://<model id>/{kind}/<name> path")
+        directory = self.checkpoint_dir(match.group(1), kind, match.group(3))
+        if not (directory / "meta.json").exists():
+            raise BadRequest(f"no checkpoint at {path}")
+        auth.refuse_unless_sees(read_meta(directory).get("tenant"), f"checkpoint {path}")
+        return directory
+
+    def sampler_weights_of(self, path: str) -> SamplerWeights:
+        directory = self.resolve(path, "sampler_weights")  # checks the tenant, every time
+        if path not in self.sampler_weights:
+            meta = read_meta(directory)  # after a restart
+            self.sampler_weights[path] = SamplerWeights(
+                meta["base_model"], meta["store_model"], meta["version"]
+            )
+        return self.sampler_weights[path]
+
+    # --- futures ----------------------------------------------------------------------------
+    def submit(self, work: Any, queue: str, seq_id: int | None = None, **kw: Any) -> str:
+        """`Futures.submit` in the caller's tenant (its request ids are the tenant's)."""
+        return self.futures.submit(work, queue, seq_id, tenant=auth.caller().tenant, **kw)
+
+
+def json_result(result: Any) -> Result:
+    return Result(json=result.model_dump(mode="json", exclude_none=True))
+
+
+def checkpoint_name(name: str | None, client: LoraClient) -> str:
+    name = name or f"step-{client.steps:06d}-{uuid.uuid4().hex[:6]}"
+    if not CHECKPOINT_NAME.match(name) or ".." in name:
+        raise BadRequest(f"checkpoint name {name!r}: letters, digits, '.', '_', '-' only")
+    return name
