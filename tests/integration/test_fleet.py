@@ -21,6 +21,7 @@ from treadle_common.clients.weights import WeightStoreClient
 from treadle_common.config import RunConfig
 from treadle_common.proto.treadle.v1 import task_pb2, weights_pb2
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
+from treadle_common.quotas import TenantQuotas
 from treadle_rollout.worker import TaskWorker
 
 pytestmark = pytest.mark.integration
@@ -47,9 +48,13 @@ class Held:
         version = 0
 
 
-async def add_run(r, run: str, base: str, tasks: int, weight=1.0, priority=0, at=0.0) -> None:
+async def add_run(
+    r, run: str, base: str, tasks: int, weight=1.0, priority=0, at=0.0, tenant="default"
+) -> None:
     """A registered run with `tasks` tasks fed at `at`, `at` + 1, ... (created_at)."""
-    policy = fleet.RunPolicy(run_id=run, policy=base, base=base, weight=weight, priority=priority)
+    policy = fleet.RunPolicy(
+        run_id=run, policy=base, base=base, weight=weight, priority=priority, tenant=tenant
+    )
     await fleet.register(r, policy)
     stream = names.tasks_stream(run)
     for i in range(tasks):
@@ -144,6 +149,56 @@ A_TOKEN, B_TOKEN = "tenant-a-token-0123456789", "tenant-b-token-0123456789"
 A_AGENT, B_AGENT = "tenant-a-agent-0123456789", "tenant-b-agent-0123456789"
 
 
+class Overlapping:
+    """Episodes that take a moment and record the most of each tenant's at once."""
+
+    def __init__(self, tenant_of: dict[str, str]) -> None:
+        self.tenant_of, self.now, self.most = tenant_of, {}, {}
+        self.done = 0
+
+    async def run(self, task, index, gate=None):
+        t = self.tenant_of[task.run_id]
+        self.now[t] = self.now.get(t, 0) + 1
+        self.most[t] = max(self.most.get(t, 0), self.now[t])
+        self.most["all"] = max(self.most.get("all", 0), sum(self.now.values()))
+        await asyncio.sleep(0.3)
+        self.now[t] -= 1
+        self.done += 1
+        return tpb.Trajectory(trajectory_id=f"{task.task_id}/{index}", run_id=task.run_id)
+
+
+async def test_a_tenant_past_its_episode_quota_waits_and_the_other_does_not(redis_client):
+    """`tenant_max_episodes` = 2 (fleet-wide, in Redis): tenant x's two runs (a task of each
+    would be 4 episodes) never have more than two episodes in flight on a replica with 8
+    slots; tenant y's run goes on beside them."""
+    tag = uuid.uuid4().hex[:6]
+    x, y = f"x-{tag}", f"y-{tag}"
+    tenant_of = {f"x1-{tag}": x, f"x2-{tag}": x, f"y1-{tag}": y}
+    for run, tenant in tenant_of.items():
+        await add_run(redis_client, run, "tiny", 6, tenant=tenant)
+    episodes = Overlapping(tenant_of)
+    quotas = TenantQuotas(redis_client, max_episodes=2)
+    worker = TaskWorker(
+        redis_client, episodes, Held(), consumer="c1", max_concurrent_tasks=8, quotas=quotas
+    )
+    job = asyncio.create_task(worker.run())
+    try:
+        for _ in range(400):
+            if episodes.done >= 36:  # 18 tasks of 2 episodes
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        await worker.drain()
+        job.cancel()
+        for run in tenant_of:
+            await redis_client.srem(names.RUNS_KEY, run)
+            await fleet.unregister(redis_client, run)
+    assert episodes.done == 36
+    assert episodes.most[x] == 2 and episodes.most["all"] == 4, episodes.most
+    assert worker.quota_waits > 0
+    assert await redis_client.zcard(names.tenant_episodes(x)) == 0  # every lease released
+
+
 @pytest.fixture(scope="module")
 def tenants(infra, tiny_model, tmp_path_factory):
     """A trainer (with its weight-store and env-gateway) whose token table gives two tenants
@@ -168,7 +223,12 @@ def tenants(infra, tiny_model, tmp_path_factory):
     }
     env = {"TREADLE_AUTH_TOKENS": json.dumps(table), "TREADLE_AUTH_TOKENS_FILE": ""}
     store = start_service(
-        "weight-store", infra, tmp, TREADLE_WEIGHT_STORE_DIR=str(tmp / "ws"), **env
+        "weight-store",
+        infra,
+        tmp,
+        TREADLE_WEIGHT_STORE_DIR=str(tmp / "ws"),
+        TREADLE_TENANT_MAX_STORED_BYTES="100",
+        **env,
     )
     gateway = start_service("env-gateway", infra, tmp)
     trainer = start_service(
@@ -189,6 +249,7 @@ def tenants(infra, tiny_model, tmp_path_factory):
         TREADLE_ROLLOUT_MODEL_NAME=f"tenants-{uuid.uuid4().hex[:6]}",  # serves no other run
         TREADLE_WEIGHT_STORE_ADDR=store.grpc_addr or "",
         TREADLE_ENV_GATEWAY_ADDR=gateway.grpc_addr or "",
+        TREADLE_TENANT_MAX_TOKENS_PER_MINUTE="12",
         **env,
     )
     yield trainer, store, rollout
@@ -401,3 +462,36 @@ async def test_a_tenant_reaches_only_its_own_openai_sessions_and_runs(tenants, r
         for run in (a_run, b_run):
             await redis_client.srem(names.RUNS_KEY, run)
             await fleet.unregister(redis_client, run)
+
+
+async def test_past_a_tenants_quota_its_requests_are_refused_naming_it(tenants):
+    """Generated tokens per minute (rollout: 429) and stored bytes (weight-store:
+    RESOURCE_EXHAUSTED); the other tenant is not held to what the first used."""
+    _, store, rollout = tenants
+    b = _as(B_AGENT, rollout.http)
+    model = b.get("/v1/models").json()["data"][0]["id"]
+    chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    # 4 tokens each, fewer where the model ends early: some request past 12 tokens is refused
+    answers = [b.post("/v1/chat/completions", json=chat) for _ in range(20)]
+    codes = [a.status_code for a in answers]
+    assert 429 in codes and set(codes) == {200, 429}, codes
+    refused = answers[codes.index(429)]
+    assert "quota tokens_per_minute" in refused.text and "'b'" in refused.text
+    assert refused.json()["error"]["code"] == "quota_exceeded"
+    a = _as(A_AGENT, rollout.http)
+    assert a.post("/v1/chat/completions", json={**chat, "max_tokens": 1}).status_code == 200
+
+    tag = uuid.uuid4().hex[:6]
+    client = WeightStoreClient(store.grpc_addr or "", token=B_TOKEN, attempts=1)
+    other = WeightStoreClient(store.grpc_addr or "", token=A_TOKEN, attempts=1)
+    try:
+        for i in range(2):  # 40 bytes each: two fit in the quota of 100
+            await client.publish(f"b-q-{tag}", state_dict_to_raw({"w": torch.full((10,), float(i))}))
+        with pytest.raises(grpc.aio.AioRpcError) as over:
+            await client.publish(f"b-q-{tag}", state_dict_to_raw({"w": torch.full((10,), 9.0)}))
+        assert over.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "quota stored_bytes" in (over.value.details() or "")
+        await other.publish(f"a-q-{tag}", state_dict_to_raw({"w": torch.zeros(10)}))
+    finally:
+        await client.close()
+        await other.close()

@@ -45,6 +45,18 @@ rollout must serve, its tenant, weight and priority). Written by the run's owner
 run joins `RUNS_KEY`, removed when it ends."""
 
 
+def tenant_episodes(tenant: str) -> str:
+    """Sorted set: a tenant's episodes in flight across the fleet (member: one episode,
+    score: when its lease lapses), for `quotas.TenantQuotas`."""
+    return f"treadle:tenants:{tenant}:episodes"
+
+
+def tenant_tokens(tenant: str, minute: int) -> str:
+    """Counter: the tokens a tenant's episodes and requests generated in one minute (since
+    the epoch), for `quotas.TenantQuotas`; expires after two."""
+    return f"treadle:tenants:{tenant}:tokens:{minute}"
+
+
 def adapter_policy(base: str, run: str) -> str:
     """The weight-store model a LoRA run publishes its adapter versions under: its own, so
     runs on one base never share a version sequence (`{base}.{run}`; the base's full-weight

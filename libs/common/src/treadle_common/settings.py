@@ -107,6 +107,24 @@ class Settings(BaseSettings):
         "trainer); 0: one per core. `treadle up` gives rollout half the cores, so an async "
         "run's generation and training do not fight over them",
     )
+    tenant_max_episodes: int = Field(
+        0,
+        ge=0,
+        description="Quota: episodes a tenant may have in flight across the fleet (rollout's "
+        "RL tasks wait; its OpenAI requests get 429); 0: no limit",
+    )
+    tenant_max_tokens_per_minute: int = Field(
+        0,
+        ge=0,
+        description="Quota: tokens a tenant's episodes and requests may generate per minute "
+        "(past it, RL tasks wait and OpenAI requests get 429 until the next minute); 0: none",
+    )
+    tenant_max_stored_bytes: int = Field(
+        0,
+        ge=0,
+        description="Quota: bytes of weights the weight-store keeps for a tenant's models (a "
+        "publish past it is refused: RESOURCE_EXHAUSTED, a run fails naming it); 0: none",
+    )
     log_level: str = Field("INFO", description="Python log level")
     log_json: bool = Field(False, description="Log JSON lines instead of console text")
     liveness_stall_s: float = Field(

@@ -21,6 +21,7 @@ from treadle_common.clients.env import EnvClient
 from treadle_common.clients.reward import RewardClient
 from treadle_common.clients.weights import WeightStoreClient
 from treadle_common.proto.treadle.v1 import generation_pb2_grpc
+from treadle_common.quotas import TenantQuotas
 from treadle_common.service import Service, ServiceRuntime
 from treadle_rollout import http, openai_api, usage
 from treadle_rollout.engines import prestart
@@ -31,6 +32,7 @@ from treadle_rollout.episodes import EpisodeRunner
 from treadle_rollout.gate import RequestGate
 from treadle_rollout.grpc import POLICY, GenerationServicer
 from treadle_rollout.policies import RunPolicies
+from treadle_rollout.quota_gate import QuotaGate
 from treadle_rollout.settings import RolloutSettings
 from treadle_rollout.weight_sync import WeightSync
 from treadle_rollout.worker import SERVICE, TaskWorker
@@ -131,6 +133,12 @@ class Rollout:
 
         self.policies.on_fetched = fetched
         self.frontend.redis, self.frontend.reward = runtime.redis, reward
+        quotas = None
+        if settings.tenant_max_episodes or settings.tenant_max_tokens_per_minute:
+            quotas = TenantQuotas(
+                redis, settings.tenant_max_episodes, settings.tenant_max_tokens_per_minute
+            )
+            self.frontend.quota = QuotaGate(quotas)
         runner = EpisodeRunner(
             self.engine,
             self.engine.tokenizer,
@@ -152,6 +160,7 @@ class Rollout:
             policies=self.policies,
             policy=scheduling.make(settings.scheduling_policy),
             model=self.engine.model_name,
+            quotas=quotas,
         )
         self.worker = worker
         tasks = runtime.progress.stage("tasks", lambda: len(worker.in_flight))

@@ -59,6 +59,7 @@ from treadle_rollout.openai_types import (
     OpenAIError,
     SamplingFields,
 )
+from treadle_rollout.quota_gate import REQUEST_TENANT, QuotaGate
 from treadle_rollout.sse import EventStream, Final
 from treadle_rollout.transcript import TemplateNotPrefixStable, Transcript, encode, opening, render
 
@@ -193,6 +194,7 @@ class OpenAIFrontend:
         redis=None,
         reward=None,
         gate: RequestGate | None = None,
+        quota: QuotaGate | None = None,
         tool_parser: str = "auto",
         stream_interval_ms: float = 0.0,
         stream_events_per_s: float = 0.0,
@@ -202,6 +204,7 @@ class OpenAIFrontend:
         self.open_streams = 0
         self.engine = engine
         self.gate = gate or RequestGate(1 << 30)
+        self.quota = quota or QuotaGate()
         self.tokenizer = recorder.tokenizer
         self.recorder = recorder
         self.redis = redis
@@ -261,8 +264,11 @@ class OpenAIFrontend:
     # -- generation -----------------------------------------------------------------------
     async def _generate(self, prompt: list[int], sampling: Sampling) -> Generation:
         try:
-            with self.gate.admit():
-                return await self.engine.generate(prompt, sampling)
+            async with self.quota.generation() as counted:
+                with self.gate.admit():
+                    gen = await self.engine.generate(prompt, sampling)
+                counted[0] = len(gen.tokens)
+                return gen
         except Busy as exc:
             raise OpenAIError(429, str(exc), code="rate_limit_exceeded") from exc
         except ContextOverflow as exc:
@@ -287,11 +293,13 @@ class OpenAIFrontend:
         (the last at once, and every piece until `shown()`: the client has some text)."""
         self.open_streams += 1
         try:
-            with self.gate.admit():
+            async with self.quota.generation() as counted, contextlib.AsyncExitStack() as stack:
+                stack.enter_context(self.gate.admit())
                 held: list[Generation] = []
                 last = -1e9
                 async with contextlib.aclosing(self.engine.stream(prompt, sampling)) as pieces:
                     async for piece in pieces:
+                        counted[0] += len(piece.tokens)
                         held.append(piece)
                         now = time.monotonic()
                         interval = self._interval() if shown() else 0.0
@@ -1038,12 +1046,14 @@ def mount(app: FastAPI, frontend: OpenAIFrontend) -> None:
 
     @router.post("/v1/chat/completions", openapi_extra=auth.roles(auth.AGENT), response_model=None)
     async def chat(req: ChatRequest, request: Request) -> Any:
+        REQUEST_TENANT.set(auth.caller().tenant)  # its generations count to its quotas
         return _respond(await frontend.chat(req, request.headers.get(SESSION_HEADER)))
 
     @router.post(
         "/v1/completions", openapi_extra=auth.roles(auth.AGENT, auth.TRAINER), response_model=None
     )
     async def completions(req: CompletionRequest) -> Any:
+        REQUEST_TENANT.set(auth.caller().tenant)
         return _respond(await frontend.completions(req))
 
     @router.get("/v1/sessions/{session_id}", openapi_extra=auth.roles(auth.AGENT))

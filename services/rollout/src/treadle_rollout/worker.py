@@ -40,6 +40,7 @@ from treadle_common import admission, fleet, metrics, names, scheduling, tracing
 from treadle_common.clients import streams
 from treadle_common.logs import get_logger
 from treadle_common.proto.treadle.v1 import task_pb2
+from treadle_common.quotas import QuotaExceeded, TenantQuotas
 from treadle_rollout import metrics as rollout_metrics
 from treadle_rollout import usage
 from treadle_rollout.episodes import EpisodeRunner
@@ -88,8 +89,12 @@ class TaskWorker:
         policies: RunPolicies | None = None,
         policy: scheduling.Policy | None = None,
         model: str | None = None,
+        quotas: TenantQuotas | None = None,
     ):
         self.r = r
+        self.quotas = quotas
+        """Tenants' episode and token quotas: a run whose tenant is at one waits its turn."""
+        self.quota_waits = 0
         self.model = model
         """The base model this replica serves (None: it takes every run's tasks)."""
         self.policies = policies
@@ -205,18 +210,51 @@ class TaskWorker:
             eligible = gone or self._eligible(ready)
             if not eligible:
                 break
+            if not gone:
+                eligible = await self._within_quota(eligible)
+                if not eligible:
+                    break
             if gone:
                 stream = gone[0]
             else:
                 chosen = self.policy.pick([self._claims[s] for s in eligible])
                 stream = names.tasks_stream(chosen.run_id)
-            entry_id, task, _ = self._ready[stream].pop(0)
+            entry_id, task, _ = self._ready[stream][0]
+            lease = await self._lease(stream, entry_id, task) if not gone else []
+            if lease is None:  # its tenant's last episodes went to another replica
+                break
+            self._ready[stream].pop(0)
             charge = None
             if isinstance(task, task_pb2.Task):
                 charge = self._charge(self._claims[stream])
-            await self._start(stream, entry_id, task, charge)
+            await self._start(stream, entry_id, task, charge, lease)
             started += 1
         return started
+
+    async def _within_quota(self, ready: list[str]) -> list[str]:
+        """The ready streams whose tenant is at none of its quotas (the others wait)."""
+        if self.quotas is None:
+            return ready
+        blocked: dict[str, str | None] = {}
+        for tenant in {self._claims[s].tenant for s in ready}:
+            blocked[tenant] = await self.quotas.blocked(tenant)
+        within = [s for s in ready if blocked[self._claims[s].tenant] is None]
+        self.quota_waits += len(within) < len(ready)
+        return within
+
+    async def _lease(self, stream: str, entry_id: str, task) -> list[str] | None:
+        """Count the task's episodes against its tenant's quota: their ids, or None."""
+        if self.quotas is None or not self.quotas.max_episodes:
+            return []
+        if not isinstance(task, task_pb2.Task):
+            return []
+        ids = [f"{entry_id}/{i}" for i in range(max(1, task.group_size))]
+        try:
+            await self.quotas.take_episodes(self._claims[stream].tenant, ids)
+        except QuotaExceeded:
+            self.quota_waits += 1
+            return None
+        return ids
 
     def _eligible(self, ready: list[str]) -> list[str]:
         """The ready streams whose run has the highest priority among the runs with work:
@@ -287,10 +325,15 @@ class TaskWorker:
                     queue.append((entry_id, task, now))
 
     async def _start(
-        self, stream: str, entry_id: str, task, settle: Callable[[], None] | None = None
+        self,
+        stream: str,
+        entry_id: str,
+        task,
+        settle: Callable[[], None] | None = None,
+        lease: list[str] | None = None,
     ) -> None:
         await self.slots.acquire()
-        job = asyncio.create_task(self._run_task(stream, entry_id, task))
+        job = asyncio.create_task(self._run_task(stream, entry_id, task, lease or []))
         self.in_flight.add(job)
         job.add_done_callback(self.in_flight.discard)
         if settle is not None:
@@ -335,7 +378,11 @@ class TaskWorker:
         return out
 
     async def _run_task(
-        self, stream: str, entry_id: str, task: task_pb2.Task | streams.InvalidEntry
+        self,
+        stream: str,
+        entry_id: str,
+        task: task_pb2.Task | streams.InvalidEntry,
+        lease: list[str] | None = None,
     ) -> None:
         heartbeat = asyncio.create_task(self._heartbeat(stream, entry_id, asyncio.current_task()))
         try:
@@ -379,7 +426,10 @@ class TaskWorker:
             self.trajectories_pushed += len(group)
             tenant = self.tenant_of(task.run_id)
             with contextlib.suppress(Exception):  # accounting never fails a committed task
-                await usage.record(self.r, task.run_id, tenant, usage.of_group(group))
+                counts = usage.of_group(group)
+                await usage.record(self.r, task.run_id, tenant, counts)
+                if self.quotas is not None:
+                    await self.quotas.add_tokens(tenant, int(counts["generated_tokens"]))
             self.on_task_done()
         except asyncio.CancelledError:
             if not heartbeat.done() or heartbeat.cancelled() or not heartbeat.result():
@@ -394,6 +444,9 @@ class TaskWorker:
         finally:
             heartbeat.cancel()
             self.slots.release()
+            if lease and self.quotas is not None:
+                with contextlib.suppress(Exception):  # the lease lapses by itself otherwise
+                    await self.quotas.release_episodes(self.tenant_of(names.run_of(stream)), lease)
 
     async def _heartbeat(self, stream: str, entry_id: str, work: asyncio.Task | None) -> bool:
         """Keep the task ours while we work on it; True (after cancelling `work`) once it is

@@ -71,7 +71,7 @@ async def build(settings: WeightStoreSettings) -> Service:
             stream_ready = False  # a NATS that restarted without the stream: made again next try
             raise
 
-    servicer = WeightStoreServicer(store, announce)
+    servicer = WeightStoreServicer(store, announce, settings.tenant_max_stored_bytes)
     add_to_server(servicer, runtime.make_grpc_server(POLICY))
     runtime.on_drain(servicer.drain)  # SIGTERM: versions written behind reach the backend
     runtime.set_info(

@@ -35,3 +35,8 @@ class ChunksMissing(StoreError):
     """ABORTED / 409: a commit names chunks the store does not hold (e.g. collected after the
     publisher was told they were present). Retryable: the publisher asks again what is
     missing and sends it."""
+
+
+class QuotaExceeded(StoreError):
+    """RESOURCE_EXHAUSTED / 429: a tenant's models would hold more bytes than its quota
+    (`tenant_max_stored_bytes`); the message names the quota."""

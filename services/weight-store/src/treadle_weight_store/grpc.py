@@ -33,6 +33,7 @@ from treadle_weight_store.errors import (
     CorruptChunk,
     NotFound,
     Precondition,
+    QuotaExceeded,
     StoreError,
     VersionConflict,
 )
@@ -72,6 +73,7 @@ _STATUS = {
     VersionConflict: grpc.StatusCode.ALREADY_EXISTS,
     CorruptChunk: grpc.StatusCode.DATA_LOSS,
     Precondition: grpc.StatusCode.FAILED_PRECONDITION,
+    QuotaExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     BackendError: grpc.StatusCode.UNAVAILABLE,
     ChunksMissing: grpc.StatusCode.ABORTED,
 }
@@ -132,10 +134,13 @@ def add_to_server(servicer: WeightStoreServicer, server: grpc.aio.Server) -> Non
 
 class WeightStoreServicer(weights_pb2_grpc.WeightStoreServicer):
     def __init__(
-        self, store: WeightStore, announce: Callable[[pb.WeightManifest], Awaitable[None]]
+        self,
+        store: WeightStore,
+        announce: Callable[[pb.WeightManifest], Awaitable[None]],
+        max_stored_bytes: int = 0,
     ):
         self.store = store
-        self.tenancy = Tenancy(store)
+        self.tenancy = Tenancy(store, max_stored_bytes)
         self.announce = announce
         self._collector: asyncio.Task | None = None
         self._collect_wanted = False

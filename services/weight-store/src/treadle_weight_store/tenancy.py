@@ -10,21 +10,27 @@
 
 A model's tenant never changes: every version carries it (so retention deleting old versions
 loses nothing) and a publish of an owned model is stamped with its owner's.
+
+Quota (`tenant_max_stored_bytes`): a version of a tenant's model is refused (`QuotaExceeded`,
+RESOURCE_EXHAUSTED) when the bytes of every version of the tenant's models, this one
+included, would pass it. Counted per version (what the tenant keeps, before the store's
+deduplication), over its models' listed versions, at each of its publishes.
 """
 
 from __future__ import annotations
 
 from treadle_common import auth, names
 from treadle_common.proto.treadle.v1 import weights_pb2 as pb
-from treadle_weight_store.errors import NotFound
+from treadle_weight_store.errors import NotFound, QuotaExceeded
 from treadle_weight_store.store import WeightStore
 
 TENANT_KEY = names.WEIGHTS_TENANT_KEY
 
 
 class Tenancy:
-    def __init__(self, store: WeightStore):
+    def __init__(self, store: WeightStore, max_stored_bytes: int = 0):
         self.store = store
+        self.max_stored_bytes = max_stored_bytes
         self._owners: dict[str, str | None] = {}
         """model -> its tenant (None: the fleet's), for models that have a version."""
 
@@ -58,6 +64,30 @@ class Tenancy:
             manifest.metadata.pop(TENANT_KEY, None)
         else:
             manifest.metadata[TENANT_KEY] = tenant
+            await self._check_quota(tenant, manifest)
+
+    async def stored_bytes(self, tenant: str) -> int:
+        total = 0
+        for model in await self.store.models():
+            if await self.owner(model) != tenant:
+                continue
+            for version in await self.store.versions(model):
+                try:
+                    total += size_of(await self.store.get_manifest(model, version))
+                except NotFound:  # deleted meanwhile
+                    continue
+        return total
+
+    async def _check_quota(self, tenant: str, manifest: pb.WeightManifest) -> None:
+        if not self.max_stored_bytes:
+            return
+        held, adding = await self.stored_bytes(tenant), size_of(manifest)
+        if held + adding > self.max_stored_bytes:
+            raise QuotaExceeded(
+                f"quota stored_bytes: tenant {tenant!r} keeps {held} bytes of weights; "
+                f"{adding} more would pass its {self.max_stored_bytes} (delete versions or "
+                "lower retention)"
+            )
 
     def committed(self, manifest: pb.WeightManifest) -> None:
         self._owners[manifest.model] = manifest.metadata.get(TENANT_KEY) or None
@@ -69,3 +99,8 @@ class Tenancy:
     async def visible(self, models: list[str]) -> list[str]:
         who = auth.caller()
         return [m for m in models if (t := await self.owner(m)) is None or who.may_see(t)]
+
+
+def size_of(manifest: pb.WeightManifest) -> int:
+    """The bytes a version holds (its tensors' and assets' chunks)."""
+    return sum(c.size for t in [*manifest.tensors, *manifest.assets] for c in t.chunks)
