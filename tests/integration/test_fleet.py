@@ -485,10 +485,13 @@ async def test_past_a_tenants_quota_its_requests_are_refused_naming_it(tenants):
     client = WeightStoreClient(store.grpc_addr or "", token=B_TOKEN, attempts=1)
     other = WeightStoreClient(store.grpc_addr or "", token=A_TOKEN, attempts=1)
     try:
-        for i in range(2):  # 40 bytes each: two fit in the quota of 100
-            await client.publish(f"b-q-{tag}", state_dict_to_raw({"w": torch.full((10,), float(i))}))
+        def forty_bytes(i: int) -> dict:
+            return state_dict_to_raw({"w": torch.full((10,), float(i))})
+
+        for i in range(2):  # two fit in the quota of 100
+            await client.publish(f"b-q-{tag}", forty_bytes(i))
         with pytest.raises(grpc.aio.AioRpcError) as over:
-            await client.publish(f"b-q-{tag}", state_dict_to_raw({"w": torch.full((10,), 9.0)}))
+            await client.publish(f"b-q-{tag}", forty_bytes(9))
         assert over.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "quota stored_bytes" in (over.value.details() or "")
         await other.publish(f"a-q-{tag}", state_dict_to_raw({"w": torch.zeros(10)}))
