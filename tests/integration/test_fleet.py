@@ -485,6 +485,7 @@ async def test_past_a_tenants_quota_its_requests_are_refused_naming_it(tenants):
     client = WeightStoreClient(store.grpc_addr or "", token=B_TOKEN, attempts=1)
     other = WeightStoreClient(store.grpc_addr or "", token=A_TOKEN, attempts=1)
     try:
+
         def forty_bytes(i: int) -> dict:
             return state_dict_to_raw({"w": torch.full((10,), float(i))})
 
