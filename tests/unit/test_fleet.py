@@ -96,6 +96,26 @@ async def test_fair_turns_hand_the_thread_to_the_policys_pick():
     assert turns.granted == {"x": 1, "high": 1, "mid": 1, "low": 1}
 
 
+async def test_fair_turns_with_two_holders_run_two_at_once_and_never_three():
+    import asyncio
+
+    from treadle_common import scheduling
+
+    turns = scheduling.FairTurns(scheduling.WeightedFairShare(), holders=2)
+    now, most = 0, 0
+
+    async def step(run: str):
+        nonlocal now, most
+        async with turns.turn(scheduling.Claim(run)):
+            now += 1
+            most = max(most, now)
+            await asyncio.sleep(0.01)
+            now -= 1
+
+    await asyncio.gather(*(step(r) for r in "abcdef"))
+    assert most == 2 and turns.granted == dict.fromkeys("abcdef", 1)
+
+
 def test_the_multirun_bench_measures_fairness_and_shares_as_defined():
     from types import SimpleNamespace
 

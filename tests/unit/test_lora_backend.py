@@ -109,3 +109,33 @@ def test_runs_share_one_frozen_base_and_train_as_if_alone(model_dir):
     assert SHARED_BASES.users(key) == users
     b.close()
     assert SHARED_BASES.users(key) == users - 1
+
+
+def test_runs_train_side_by_side_on_torch_lanes_as_if_alone(model_dir):
+    """`trainer_torch_lanes` 2: two runs' steps on two threads at once over the shared base
+    (each selects its adapter in its own thread's context) end where each alone would."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    expected = []
+    for seed, rank in ((5, 4), (6, 2)):
+        alone = build_backend(
+            BackendSpec(model_dir=model_dir, lora={**LORA, "rank": rank}, seed=seed)
+        )
+        for _ in range(3):
+            step(alone)
+        expected.append(alone.state_dict_cpu())
+        alone.close()
+    a = build_backend(BackendSpec(model_dir=model_dir, lora=LORA, seed=5))
+    b = build_backend(BackendSpec(model_dir=model_dir, lora={**LORA, "rank": 2}, seed=6))
+
+    def three(backend) -> None:
+        for _ in range(3):
+            step(backend)
+
+    with ThreadPoolExecutor(2) as lanes:
+        list(lanes.map(three, [a, b]))
+    for backend, want in zip((a, b), expected, strict=True):
+        got = backend.state_dict_cpu()
+        assert all(torch.allclose(got[k], want[k], atol=1e-6) for k in want)
+    a.close()
+    b.close()

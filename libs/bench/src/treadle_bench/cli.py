@@ -214,6 +214,12 @@ def bench_multirun(
     overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a.b=c")] = None,
     slots: Annotated[int, typer.Option(help="Rollout's tasks in flight (the stack's)")] = 16,
     max_batch: Annotated[int, typer.Option(help="Rollout's rows per decode step")] = 128,
+    lanes: Annotated[
+        int, typer.Option(help="Trainer's torch lanes (runs' steps side by side; the stack's)")
+    ] = 1,
+    trainer_threads: Annotated[
+        int, typer.Option(help="Trainer's torch threads (0: the cores rollout's engine leaves)")
+    ] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
 ) -> None:
     """N LoRA runs of the recipe on one stack at once vs one after another on it: speedup,
@@ -222,7 +228,16 @@ def bench_multirun(
 
     sets = [f"trainer.lr={lora_lr}", *(overrides or [])]
     result = multirun.run(
-        runs, recipe.resolve(), lora_rank, steps, share_steps, sets, slots, max_batch
+        runs,
+        recipe.resolve(),
+        lora_rank,
+        steps,
+        share_steps,
+        sets,
+        slots,
+        max_batch,
+        lanes,
+        trainer_threads,
     )
     print(json.dumps(result, indent=None if as_json else 2))
 

@@ -174,14 +174,21 @@ class Bench:
         self.after_sft: dict[int, float] = {}
 
     # --- the stack and the shared warm-up ---------------------------------------------------
-    def up(self, slots: int, max_batch: int) -> None:
+    def up(self, slots: int, max_batch: int, lanes: int, threads: int) -> None:
         """The stack, its rollout sized for many runs: `slots` tasks in flight (contended by
         N sync runs of 8 tasks a step, so the policy decides), `max_batch` rows a decode
-        step (every run's rows in one step). The alone runs use the same stack."""
+        step (every run's rows in one step); its trainer's torch `lanes` (runs' steps side
+        by side) and `threads` (0: the cores rollout's engine leaves it, so the two never
+        fight over one; on 2 cores a second trainer thread on the engine's core made every
+        step wait for it). The alone runs use the same stack."""
         m = self.base.model
         init_for(self.model_dir, m, self.base.trainer.seed)
         os.environ["TREADLE_ROLLOUT_MAX_CONCURRENT_TASKS"] = str(slots)
         os.environ["TREADLE_ROLLOUT_MAX_BATCH"] = str(max_batch)
+        os.environ["TREADLE_TRAINER_TORCH_LANES"] = str(lanes)
+        cores = os.cpu_count() or 2
+        self.trainer_threads = threads or max(1, cores - cores // 2)  # rollout gets cores // 2
+        os.environ["TREADLE_TRAINER_TORCH_THREADS"] = str(self.trainer_threads)
         spec = stack.prepare(self.settings, self.model_dir, m.name, None, path_roots=[self.tmp])
         stack.launch_detached(spec)
         if not stack.wait_healthy(self.state_dir, 180).healthy:
@@ -332,6 +339,8 @@ def run(
     overrides: list[str] | None = None,
     slots: int = 16,
     max_batch: int = 128,
+    lanes: int = 1,
+    trainer_threads: int = 0,
 ) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="treadle-bench-multirun-"))
     bench = Bench(tmp, recipe, list(overrides or []))
@@ -339,7 +348,7 @@ def run(
     seeds = list(range(runs))
     previous = signal.signal(signal.SIGTERM, _interrupted)
     try:
-        bench.up(slots, max_batch)
+        bench.up(slots, max_batch, lanes, trainer_threads)
         asyncio.run(bench.warm_up(seeds))
         alone = [bench.phase([RunSpec(f"alone-{i}", i, steps=steps)], lora) for i in seeds]
         together = bench.phase([RunSpec(f"together-{i}", i, steps=steps) for i in seeds], lora)
@@ -358,7 +367,13 @@ def run(
         signal.signal(signal.SIGTERM, previous)
         bench.stop()
     report = _report(bench, alone, together, weighted, prio, prio_alone, weights)
-    setup = {"lora_rank": lora_rank, "rollout_slots": slots, "rollout_max_batch": max_batch}
+    setup = {
+        "lora_rank": lora_rank,
+        "rollout_slots": slots,
+        "rollout_max_batch": max_batch,
+        "trainer_torch_lanes": lanes,
+        "trainer_torch_threads": bench.trainer_threads,
+    }
     return setup | report
 
 

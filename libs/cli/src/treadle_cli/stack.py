@@ -144,6 +144,15 @@ class StackSpec:
             env.setdefault("GOMP_SPINCOUNT", "2000")
         else:
             env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        if service == "trainer":
+            # the trainer's own thread count (`TREADLE_TRAINER_TORCH_THREADS`), else split
+            # between its lanes (runs' steps side by side)
+            lanes = int(env.get("TREADLE_TRAINER_TORCH_LANES") or 1)
+            threads = env.get("TREADLE_TRAINER_TORCH_THREADS") or (
+                str(max(1, (os.cpu_count() or 2) // lanes)) if lanes > 1 else None
+            )
+            if threads:
+                env["TREADLE_TORCH_THREADS"] = threads
         if service == "trainer":  # where recipes may name models, data and outputs
             roots = [self.state_dir, self.cwd, *self.path_roots]
             env.setdefault("TREADLE_TRAINER_PATH_ROOTS", json.dumps(roots))

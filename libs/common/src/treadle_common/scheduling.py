@@ -109,13 +109,15 @@ def make(name: str) -> Policy:
 
 
 class FairTurns:
-    """One resource used by one holder at a time (the trainer's torch thread), handed to the
-    waiting claim the policy picks and charged the seconds it was held."""
+    """A resource used by at most `holders` claims at a time (the trainer's torch lanes),
+    each turn handed to the waiting claim the policy picks and charged the seconds it was
+    held."""
 
-    def __init__(self, policy: Policy):
+    def __init__(self, policy: Policy, holders: int = 1):
         self.policy = policy
+        self.holders = holders
         self._waiting: list[tuple[Claim, asyncio.Future[None]]] = []
-        self._busy = False
+        self._held = 0
         self.granted: dict[str, int] = {}
 
     @contextlib.asynccontextmanager
@@ -139,16 +141,15 @@ class FairTurns:
 
     def _release(self, claim: Claim, held_s: float) -> None:
         self.policy.charge(claim, held_s)
-        self._busy = False
+        self._held -= 1
         self._next()
 
     def _next(self) -> None:
         self._waiting = [(c, f) for c, f in self._waiting if not f.done()]
-        if self._busy or not self._waiting:
-            return
-        chosen = self.policy.pick([c for c, _ in self._waiting])
-        index = next(i for i, (c, _) in enumerate(self._waiting) if c is chosen)
-        claim, future = self._waiting.pop(index)
-        self._busy = True
-        self.granted[claim.run_id] = self.granted.get(claim.run_id, 0) + 1
-        future.set_result(None)
+        while self._held < self.holders and self._waiting:
+            chosen = self.policy.pick([c for c, _ in self._waiting])
+            index = next(i for i, (c, _) in enumerate(self._waiting) if c is chosen)
+            claim, future = self._waiting.pop(index)
+            self._held += 1
+            self.granted[claim.run_id] = self.granted.get(claim.run_id, 0) + 1
+            future.set_result(None)

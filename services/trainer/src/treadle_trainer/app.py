@@ -23,6 +23,7 @@ from treadle_common.clients.weights import WeightStoreClient
 from treadle_common.logs import get_logger
 from treadle_common.service import Service, ServiceRuntime
 from treadle_trainer import training_api
+from treadle_trainer.backends import set_torch_lanes
 from treadle_trainer.run import SERVICE
 from treadle_trainer.runs_api import Runs
 from treadle_trainer.settings import TrainerSettings
@@ -35,6 +36,7 @@ async def build(settings: TrainerSettings) -> Service:
     runtime = ServiceRuntime(SERVICE, settings, uses_redis=True)
     if settings.torch_threads:  # before any torch work: every thread it starts follows
         torch.set_num_threads(settings.torch_threads)
+    set_torch_lanes(settings.trainer_torch_lanes)
     token = settings.client_token()
     store = WeightStoreClient(
         settings.weight_store_addr, retry_s=settings.weight_store_retry_s, token=token

@@ -71,8 +71,10 @@ class Runs:
         self.owners: dict[str, RunOwner] = {}
         self._tasks: set[asyncio.Task] = set()
         self._lease_ms = int(settings.trainer_lease_s * 1000)
-        self.turns = scheduling.FairTurns(scheduling.make(settings.scheduling_policy))
-        """Whose step gets the torch thread next, when several runs' steps wait for it."""
+        self.turns = scheduling.FairTurns(
+            scheduling.make(settings.scheduling_policy), settings.trainer_torch_lanes
+        )
+        """Whose step gets a torch lane next, when more runs' steps wait than there are."""
 
     @property
     def collecting(self) -> int:

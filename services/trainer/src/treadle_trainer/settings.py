@@ -18,6 +18,13 @@ class TrainerSettings(Settings):
         description="trainer: a finished run's Redis keys (ledger, dead letters, state) expire "
         "after this",
     )
+    trainer_torch_lanes: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="trainer: runs' steps that may train at once, each on a thread of its own "
+        "(many LoRA runs on one base; give each lane torch_threads = cores / lanes)",
+    )
     trainer_tenant_max_runs: int = Field(
         0,
         ge=0,

@@ -26,12 +26,26 @@ T = TypeVar("T")
 _TORCH_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
 
 
-async def on_torch_thread(fn: Callable[..., T], *args: Any) -> T:
-    """Run backend work on the process's one torch thread.
+def set_torch_lanes(lanes: int) -> None:
+    """How many backend calls may run at once (`trainer_torch_lanes`, before any runs): one
+    by default. More lets several runs' steps train side by side, each on its own thread;
+    with one torch thread each (`torch_threads` 1) they share no OpenMP team, and torch
+    releases the GIL inside its ops. A multi-rank job keeps one lane (its commands go to the
+    followers in order)."""
+    global _TORCH_THREAD
+    if lanes > 1 and world_size() > 1:
+        raise ValueError("trainer_torch_lanes > 1 needs a single-process trainer")
+    if lanes != _TORCH_THREAD._max_workers:
+        _TORCH_THREAD = ThreadPoolExecutor(max_workers=lanes, thread_name_prefix="torch")
 
-    One thread, always the same: OpenMP keeps a team of worker threads per calling thread,
-    and the idle team of a second caller spins on the cores the active one needs. It also
-    keeps FSDP commands from rank 0 in order.
+
+async def on_torch_thread(fn: Callable[..., T], *args: Any) -> T:
+    """Run backend work on the process's torch thread (one of its lanes, `set_torch_lanes`).
+
+    One thread by default, always the same: OpenMP keeps a team of worker threads per calling
+    thread, and the idle team of a second caller spins on the cores the active one needs. It
+    also keeps FSDP commands from rank 0 in order. A run's calls run one after another
+    (each is awaited), whichever lane takes them.
     """
     return await asyncio.get_running_loop().run_in_executor(_TORCH_THREAD, fn, *args)
 
@@ -91,5 +105,6 @@ __all__ = [
     "build_backend",
     "check_backend",
     "on_torch_thread",
+    "set_torch_lanes",
     "world_size",
 ]

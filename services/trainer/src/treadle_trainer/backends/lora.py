@@ -18,6 +18,7 @@ weights it applies to are `base_state_cpu`. Checkpoints record layout `lora`.
 from __future__ import annotations
 
 import itertools
+import threading
 from typing import Any
 
 import torch
@@ -31,10 +32,13 @@ _IDS = itertools.count(1)
 
 
 class _SharedBases:
-    """Frozen base models by (model directory, device), each with the backends using it."""
+    """Frozen base models by (model directory, device), each with the backends using it.
+    `lock`: held while a backend loads, wraps or leaves a base (runs build on torch lanes
+    side by side, `set_torch_lanes`)."""
 
     def __init__(self) -> None:
         self.models: dict[tuple[str, str], tuple[torch.nn.Module, set[int]]] = {}
+        self.lock = threading.RLock()
 
     def take(self, key: tuple[str, str], user: int, load: Any) -> torch.nn.Module:
         if key not in self.models:
@@ -74,6 +78,11 @@ class LoraBackend(TorchBackend):
 
     def __init__(self, spec: BackendSpec):
         assert spec.lora is not None
+        with SHARED_BASES.lock:
+            self._build(spec)
+
+    def _build(self, spec: BackendSpec) -> None:
+        assert spec.lora is not None
         self._id = next(_IDS)
         self._policy, self._proximal = f"{POLICY}-{self._id}", f"{PROXIMAL}-{self._id}"
         super().__init__(spec.model_copy(update={"reference": False}))
@@ -109,9 +118,10 @@ class LoraBackend(TorchBackend):
         return SHARED_BASES.take(self._key, self._id, super()._load_model)
 
     def close(self) -> None:
-        lora.remove_adapter(self.base, self._policy)
-        lora.remove_adapter(self.base, self._proximal)
-        SHARED_BASES.release(self._key, self._id)
+        with SHARED_BASES.lock:
+            lora.remove_adapter(self.base, self._policy)
+            lora.remove_adapter(self.base, self._proximal)
+            SHARED_BASES.release(self._key, self._id)
         super().close()
 
     def layout_info(self) -> dict[str, Any]:
