@@ -228,7 +228,7 @@ def test_every_decoupled_ppo_batch_snapshots_its_proximal_policy():
 
     from treadle_trainer.backends import AdamParams
     from treadle_trainer.batches import Datum
-    from treadle_trainer.run import RunOwner
+    from treadle_trainer.run.stepping import RunStepper
 
     calls: list[str] = []
 
@@ -256,7 +256,6 @@ def test_every_decoupled_ppo_batch_snapshots_its_proximal_policy():
             lr_warmup_steps=0,
         )
         return SimpleNamespace(
-            backend=ScriptedBackend(),
             config=SimpleNamespace(trainer=trainer),
             loss_params=None,
             adam=AdamParams(),
@@ -266,13 +265,14 @@ def test_every_decoupled_ppo_batch_snapshots_its_proximal_policy():
     def batch(groups: str) -> list[Datum]:
         return [Datum([1, 2], [2, 3], [1.0, 1.0], [0.5, 0.5], [0.0, 0.0], group=g) for g in groups]
 
-    RunOwner._train(owner("decoupled_ppo", 2), batch("ab"))
+    backend = ScriptedBackend()
+    RunStepper._train(owner("decoupled_ppo", 2), backend, batch("ab"))
     assert calls == ["snapshot", *["forward_backward", "optim_step"] * 2]
     calls.clear()
-    RunOwner._train(owner("decoupled_ppo", 2), batch("a"))  # one group: one minibatch
+    RunStepper._train(owner("decoupled_ppo", 2), backend, batch("a"))  # one group: one minibatch
     assert calls == ["snapshot", "forward_backward", "optim_step"]
     calls.clear()
-    RunOwner._train(owner("ppo", 2), batch("ab"))  # ppo's ratio is to the behaviour policy
+    RunStepper._train(owner("ppo", 2), backend, batch("ab"))  # ppo's ratio: to the behaviour
     assert "snapshot" not in calls
 
 

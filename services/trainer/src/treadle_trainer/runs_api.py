@@ -35,7 +35,6 @@ from treadle_common.api.runs import (
     EvaluationDone,
     RunState,
     RunStatus,
-    StepRecord,
     Usage,
 )
 from treadle_common.clients import streams
@@ -49,6 +48,7 @@ from treadle_trainer.backends import check_backend
 from treadle_trainer.paths import confine
 from treadle_trainer.run import RunOwner, claims
 from treadle_trainer.run.lease import Lease
+from treadle_trainer.run.status_store import stored_status
 from treadle_trainer.settings import TrainerSettings
 
 log = get_logger(__name__)
@@ -246,24 +246,6 @@ class Runs:
         self._launch(config, lease, tenant)
         return self.owners[config.run_id].status
 
-    async def stored_status(self, run_id: str, steps_from: int = 0) -> RunStatus:
-        """The run's status as its owner last wrote it to Redis; 404 if there is none, 503
-        if Redis cannot be read."""
-        r = self.runtime.redis
-        try:
-            raw = await r.get(names.run_status(run_id))
-            if raw is None:
-                raise HTTPException(404, f"no run {run_id}")
-            status = RunStatus.model_validate_json(raw)
-            fields = [str(s) for s in range(steps_from + 1, status.step + 1)]
-            records = await r.hmget(names.run_steps(run_id), fields) if fields else []
-        except HTTPException:
-            raise
-        except Exception as exc:
-            raise HTTPException(503, f"run {run_id}: its state cannot be read: {exc!r}") from exc
-        status.steps = [StepRecord.model_validate_json(r) for r in records if r is not None]
-        return status
-
     def mount(self, app: FastAPI) -> None:
         app.post(
             "/v1/runs", status_code=202, tags=["runs"], openapi_extra=auth.roles(auth.TRAINER)
@@ -308,7 +290,7 @@ class Runs:
                 if not steps_from:
                     return status
                 return status.model_copy(update={"steps": status.steps[steps_from:]})
-            stored = await self.stored_status(run_id, steps_from)
+            stored = await stored_status(self.runtime.redis, run_id, steps_from)
             return claims.visible(stored, request.state.identity)
 
         @app.post(

@@ -46,7 +46,7 @@ from treadle_trainer.backends import (
     build_backend,
     on_torch_thread,
 )
-from treadle_trainer.backends.single import (
+from treadle_trainer.backends.checkpoint_files import (
     CorruptCheckpoint,
     IncompatibleCheckpoint,
     verify_checkpoint,

@@ -20,7 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from treadle_common.config import TrainerBackend
-from treadle_trainer.backends.single import AdamParams, BackendSpec, TorchBackend
+from treadle_trainer.backends.single import AdamParams, TorchBackend
+from treadle_trainer.backends.spec import BackendSpec
 
 T = TypeVar("T")
 _TORCH_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from treadle_trainer.backends.ranks import RankedBackend, init_distributed
-from treadle_trainer.backends.single import BackendSpec
+from treadle_trainer.backends.spec import BackendSpec
 
 
 class FSDPBackend(RankedBackend):

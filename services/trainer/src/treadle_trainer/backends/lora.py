@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from treadle_common import lora
-from treadle_trainer.backends.single import BackendSpec, TorchBackend
+from treadle_trainer.backends.single import TorchBackend
+from treadle_trainer.backends.spec import BackendSpec
 
 POLICY = "policy"
 PROXIMAL = "proximal"

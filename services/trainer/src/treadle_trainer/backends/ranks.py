@@ -24,7 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from treadle_trainer.backends.single import AdamParams, BackendSpec, TorchBackend
+from treadle_trainer.backends.single import AdamParams, TorchBackend
+from treadle_trainer.backends.spec import BackendSpec
 from treadle_trainer.batches import MicroBatch
 from treadle_trainer.losses import LossParams
 

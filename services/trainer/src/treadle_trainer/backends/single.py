@@ -9,7 +9,8 @@ renamed, then the parent fsynced: a checkpoint is on disk before anyone points t
     rng.safetensors     torch CPU (and CUDA) RNG state
     meta.json           model signature (names, shapes), each file's size and xxh3-128, and
                         the caller's run state
-`verify_checkpoint` checks a directory against its meta.json before anything is loaded.
+`verify_checkpoint` (`checkpoint_files.py`) checks a directory against its meta.json before
+anything is loaded.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from pydantic import BaseModel, Field
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -35,55 +35,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from treadle_common import durable
 from treadle_common.api.training import AdamParams  # the API's shape, re-exported here
-from treadle_common.config import TrainerBackend
+from treadle_trainer.backends.checkpoint_files import (
+    CHECKPOINT_FILES,
+    IncompatibleCheckpoint,
+)
+from treadle_trainer.backends.spec import BackendSpec
 from treadle_trainer.batches import MicroBatch
 from treadle_trainer.losses import NEEDS_PROXIMAL, LossParams, TokenInputs, total_loss
-
-
-class BackendSpec(BaseModel):
-    model_dir: str
-    kind: TrainerBackend = Field(
-        "auto", description="auto: FSDP2 under a multi-rank torchrun job, else single"
-    )
-    tensor_parallel: int = Field(1, ge=1, description="megatron: tensor-parallel ranks")
-    pipeline_parallel: int = Field(1, ge=1, description="megatron: pipeline stages")
-    seed: int = 0
-    reference: bool = Field(False, description="Keep a frozen copy for the KL penalty")
-    bf16: bool = Field(True, description="bf16 compute on GPU (ignored on CPU)")
-    device: str | None = None
-    lora: dict[str, Any] | None = Field(
-        None, description="Train a LoRA adapter (`LoraSettings` fields): `LoraBackend`"
-    )
-
-
-class IncompatibleCheckpoint(ValueError):
-    """A checkpoint written for a different model."""
-
-
-class CorruptCheckpoint(ValueError):
-    """A checkpoint directory that is incomplete or damaged (a crash mid-write, a bad disk)."""
-
-
-CHECKPOINT_FILES = ("model.safetensors", "optimizer.pt", "rng.safetensors")
-
-
-def verify_checkpoint(path: Path) -> dict[str, Any]:
-    """The checkpoint's meta, once every file it lists has its recorded size and digest."""
-    try:
-        meta = json.loads((path / "meta.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise CorruptCheckpoint(f"checkpoint {path}: meta.json unreadable: {exc}") from exc
-    files = meta.get("files")
-    if not isinstance(files, dict) or set(files) != set(CHECKPOINT_FILES):
-        raise CorruptCheckpoint(f"checkpoint {path}: meta.json lists no file digests")
-    for name, want in files.items():
-        file = path / name
-        size = file.stat().st_size if file.exists() else -1
-        if size != want["size"] or durable.digest(file) != want["xxh3"]:
-            raise CorruptCheckpoint(
-                f"checkpoint {path}: {name} is damaged ({size} bytes, {want['size']} recorded)"
-            )
-    return meta
 
 
 def token_logprobs(

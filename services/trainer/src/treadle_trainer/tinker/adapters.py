@@ -18,19 +18,15 @@ losses (`losses.py`) with Tinker's aggregation (`sum`).
 
 from __future__ import annotations
 
-import json
-import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from treadle_common import durable, lora
+from treadle_common import lora
 from treadle_common.api.training import AdamParams, LossParams
 from treadle_trainer.backends.single import token_logprobs
 from treadle_trainer.batches import MicroBatch
@@ -246,41 +242,6 @@ class LoraClient:
             "tenant": self.tenant,
         }
 
-    def save(self, path: Path, optimizer: bool = True) -> None:
-        """`adapter.safetensors` (+ `optimizer.pt`) and `meta.json`, written atomically."""
-        tmp = path.with_name(path.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        save_file(self.adapter_state(), str(tmp / "adapter.safetensors"))
-        if optimizer:
-            assert self.optimizer is not None
-            torch.save(_optimizer_by_name(self), tmp / "optimizer.pt")
-        (tmp / "meta.json").write_text(json.dumps(self.meta()))
-        durable.fsync_tree(tmp)
-        shutil.rmtree(path, ignore_errors=True)
-        tmp.rename(path)
-        durable.fsync(path.parent)
-
-    def load(self, path: Path, optimizer: bool) -> None:
-        state = load_file(str(path / "adapter.safetensors"))
-        try:
-            self.params = lora.load_adapter(self.base.model, self.model_id, state, self.config)
-        except ValueError as exc:
-            raise BadRequest(f"checkpoint {path.name}: {exc}") from exc
-        for p in self.params:
-            p.requires_grad_(True)
-        self.optimizer = torch.optim.AdamW(self.params, lr=1e-4)
-        self.steps = int(json.loads((path / "meta.json").read_text()).get("step", 0))
-        if optimizer:
-            if not (path / "optimizer.pt").exists():
-                raise BadRequest(f"checkpoint {path.name} holds no optimizer state")
-            saved = torch.load(path / "optimizer.pt", weights_only=True)
-            self.optimizer.load_state_dict(_optimizer_from_names(self, saved))
-
-
-def read_meta(path: Path) -> dict[str, Any]:
-    return json.loads((path / "meta.json").read_text())
-
 
 def _chunks(datums: list[TinkerDatum]) -> list[list[TinkerDatum]]:
     """Consecutive datums, at most `MICRO_BATCH_TOKENS` padded tokens per chunk."""
@@ -307,25 +268,3 @@ def total_loss_per_token(
 
     per_token, stats = LOSSES[loss_fn](inputs, params)
     return per_token * mask_B_T, stats
-
-
-def _optimizer_by_name(client: LoraClient) -> dict[str, Any]:
-    """The optimizer's state keyed by adapter tensor name (stable across processes)."""
-    assert client.optimizer is not None
-    sd = client.optimizer.state_dict()
-    names = list(client.adapter_state())  # the same order as `params` (A, B per layer)
-    return {
-        "state": {names[i]: s for i, s in sd["state"].items()},
-        "steps": client.steps,
-    }
-
-
-def _optimizer_from_names(client: LoraClient, saved: dict[str, Any]) -> dict[str, Any]:
-    assert client.optimizer is not None
-    names = list(client.adapter_state())
-    missing = sorted(set(names) - set(saved["state"]))
-    if missing:
-        raise BadRequest(f"optimizer state does not fit the adapter: missing {missing[:3]}")
-    sd = client.optimizer.state_dict()
-    sd["state"] = {i: saved["state"][name] for i, name in enumerate(names)}
-    return sd

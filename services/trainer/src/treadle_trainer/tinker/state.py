@@ -20,7 +20,8 @@ from fastapi import HTTPException
 from treadle_common import auth
 from treadle_common.clients.weights import WeightStoreClient
 from treadle_trainer.backends import on_torch_thread
-from treadle_trainer.tinker.adapters import BadRequest, BaseModel, LoraClient, read_meta
+from treadle_trainer.tinker.adapters import BadRequest, BaseModel, LoraClient
+from treadle_trainer.tinker.checkpoints import read_meta
 from treadle_trainer.tinker.futures import Futures, Result
 from treadle_trainer.tinker.sampling import RolloutSampler, Sampler, SamplerWeights
 

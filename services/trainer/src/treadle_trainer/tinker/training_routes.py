@@ -16,8 +16,9 @@ from treadle_common import auth, lora
 from treadle_common.api.training import AdamParams
 from treadle_common.clients.torch_weights import state_dict_to_raw
 from treadle_trainer.backends import on_torch_thread
-from treadle_trainer.tinker import wire
-from treadle_trainer.tinker.adapters import BadRequest, LoraClient, read_meta
+from treadle_trainer.tinker import checkpoints, wire
+from treadle_trainer.tinker.adapters import BadRequest, LoraClient
+from treadle_trainer.tinker.checkpoints import read_meta
 from treadle_trainer.tinker.futures import Result
 from treadle_trainer.tinker.sampling import Sampler, SamplerWeights
 from treadle_trainer.tinker.state import ROLES, TinkerState, checkpoint_name, json_result
@@ -176,7 +177,7 @@ def mount(app: FastAPI, state: TinkerState, reap: Callable[[], Awaitable[None]])
             directory = state.checkpoint_dir(client.model_id, "weights", name)
             if directory.exists() and not request.overwrite:
                 raise BadRequest(f"checkpoint {name!r} exists (pass overwrite=True)")
-            await on_torch_thread(client.save, directory)
+            await on_torch_thread(checkpoints.save, client, directory)
             path = f"tinker://{client.model_id}/weights/{name}"
             return json_result(types.SaveWeightsResponse(path=path, type="save_weights"))
 
@@ -211,7 +212,7 @@ def mount(app: FastAPI, state: TinkerState, reap: Callable[[], Awaitable[None]])
                     client = await on_torch_thread(
                         LoraClient.create, model_id, base, config, tenant
                     )
-                    await on_torch_thread(client.load, directory, request.optimizer)
+                    await on_torch_thread(checkpoints.load, client, directory, request.optimizer)
                 except BaseException:
                     pending = state.clients.pop(model_id, None)
                     if pending is not None:
@@ -228,7 +229,7 @@ def mount(app: FastAPI, state: TinkerState, reap: Callable[[], Awaitable[None]])
             raise HTTPException(400, f"{request.path} was trained on {meta['base_model']}")
 
         async def load() -> Result:
-            await on_torch_thread(client.load, directory, request.optimizer)
+            await on_torch_thread(checkpoints.load, client, directory, request.optimizer)
             return json_result(
                 types.LoadWeightsResponse(path=request.path, model_id=client.model_id)
             )

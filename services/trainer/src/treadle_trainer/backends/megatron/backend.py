@@ -36,7 +36,7 @@ from treadle_trainer.backends.megatron.weights import (
     tp_dims,
 )
 from treadle_trainer.backends.ranks import RankedBackend, init_distributed
-from treadle_trainer.backends.single import BackendSpec
+from treadle_trainer.backends.spec import BackendSpec
 from treadle_trainer.batches import MicroBatch
 
 

@@ -1,0 +1,140 @@
+"""One step of a run, end to end: its batch (`step.py`), a turn on the trainer's torch lanes
+(`scheduling.FairTurns`, shared with the process's other runs), training, the weights to the
+background publisher (a sync run waits for them), the ledger entry and the step's record.
+
+    groups --> build_batch --> drops counted --> [turn] train_batch --> snapshot -->
+    publisher (sync: committed) --> ledger entry --> StepRecord (status, usage, metrics)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from treadle_common import scheduling
+from treadle_common.api.runs import RunStatus
+from treadle_common.config import RunConfig
+from treadle_common.progress import Stage
+from treadle_trainer.backends import AdamParams, TorchBackend, on_torch_thread
+from treadle_trainer.batches import Datum, Group
+from treadle_trainer.losses import LossParams
+from treadle_trainer.publisher import Snapshot
+from treadle_trainer.run.ledger import Drops, Ledger, LedgerEntry
+from treadle_trainer.run.publishing import RunVersions
+from treadle_trainer.run.step import build_batch, observe, step_record, trace_step
+from treadle_trainer.train import train_batch
+
+
+@dataclass
+class StepTiming:
+    step: int
+    version: int
+    """The version the step's batch is judged against (its staleness)."""
+    started: float
+    """perf_counter when the step began waiting for its batch."""
+    wait_s: float
+
+
+class RunStepper:
+    def __init__(
+        self,
+        config: RunConfig,
+        status: RunStatus,
+        parts: tuple[RunVersions, Ledger, Drops],
+        turns: scheduling.FairTurns,
+        stage: Stage,
+    ):
+        self.config, self.status = config, status
+        self.versions, self.ledger, self.drops = parts
+        self.turns = turns
+        """The trainer process's torch lanes, shared with its other runs' steps."""
+        self.claim = scheduling.Claim(
+            config.run_id, config.scheduling.weight, config.scheduling.priority
+        )
+        self.stage = stage
+        t = config.trainer
+        self.loss_params = LossParams(
+            clip_low=t.clip_low,
+            clip_high=t.clip_high,
+            is_cap=t.is_cap,
+            kl_coef=t.kl_coef,
+            temperature=config.rollout.sampling.temperature or 1.0,  # 0 = greedy: plain logits
+        )
+        self.adam = AdamParams(learning_rate=t.lr, max_grad_norm=t.max_grad_norm)
+
+    @property
+    def max_staleness(self) -> int:
+        t = self.config.trainer
+        # sync: a batch is generated with the last published version, up to K - 1 steps old
+        return t.publish_every - 1 if self.config.mode == "sync" else t.max_staleness
+
+    async def step(
+        self,
+        backend: TorchBackend,
+        groups: list[Group],
+        at: StepTiming,
+        v0: int,
+        feed_next: Callable[[], Awaitable[None]] | None = None,
+    ) -> int:
+        """Train step `at.step` on `groups` and publish its weights (version `v0` + step);
+        `feed_next` feeds the next step's tasks meanwhile (before training with
+        `trainer.feed_ahead`, else after). The version published."""
+        step, version = at.step, at.version
+        batch = build_batch(groups, version, self.max_staleness, self.config.trainer)
+        for reason in batch.dropped.values():
+            self.drops.count(reason)
+        feeding: asyncio.Future[None] | None = None
+        if feed_next is not None and self.config.trainer.feed_ahead:
+            feeding = asyncio.ensure_future(feed_next())
+        try:
+            if backend.device == "cpu":
+                # a publish still in flight (async) finishes first: on the CPU it takes the
+                # cores and the GIL from training, which then ran 75 % slower on the 2-core dev
+                # VM (`treadle bench step`); on a GPU they overlap
+                await self.versions.publisher.flush()
+            async with self.turns.turn(self.claim):  # runs share the torch lanes fairly
+                train_start = time.perf_counter()
+                with self.stage.track():
+                    stats = await on_torch_thread(self._train, backend, batch.data)
+                train_s = time.perf_counter() - train_start
+            publish_start = time.perf_counter()
+            if feed_next is not None and feeding is None:
+                feeding = asyncio.ensure_future(feed_next())
+            version = v0 + step
+            if self.versions.publishes(step):
+                state = await on_torch_thread(backend.snapshot_cpu)
+                # a sync run's next batch is generated with these weights: it waits for them
+                await self.versions.submit(
+                    Snapshot(step, version, state), wait=self.config.mode == "sync"
+                )
+            publish_s = time.perf_counter() - publish_start
+        finally:
+            if feeding is not None:
+                await feeding
+        self.status.trajectories_trained += len(batch.trained)
+        self.ledger.add(
+            LedgerEntry(step, "step", version, batch.entries, batch.trained, batch.dropped)
+        )
+        duration = time.perf_counter() - at.started
+        trace_step(batch, step, version, train_start, duration - (train_start - at.started))
+        timings = {
+            "wait_for_batch_s": at.wait_s,
+            "train_s": train_s,
+            "publish_s": publish_s,
+            "duration_s": duration,
+        }
+        record = step_record(step, version, batch, timings, stats)
+        self.status.step = step
+        self.status.steps.append(record)
+        self.status.usage.add_step(record)
+        if self.versions.publishes(step):
+            self.versions.record(record)
+        observe(self.config.run_id, record, batch.stale)
+        return version
+
+    def _train(self, backend: TorchBackend, data: list[Datum]) -> dict[str, float]:
+        t = self.config.trainer
+        step = self.status.step + 1
+        return train_batch(backend, data, t, self.loss_params, self.adam, step)
