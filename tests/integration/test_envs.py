@@ -225,6 +225,7 @@ async def test_python_tests_good_bad_and_hostile_code(gateway):
         client, "python_tests", task, ["Here:\n```python\ndef add(a, b):\n    return a + b\n```"]
     )
     assert good[-1].reward == 1.0 and json.loads(good[-1].info_json)["sandbox"] == "ok"
+    assert good[-1].sandbox_runs == 1  # counted into the run's usage
     wrong = await play(
         client, "python_tests", task, ["```python\ndef add(a, b):\n    return a - b\n```"]
     )
@@ -238,9 +239,8 @@ async def test_python_tests_good_bad_and_hostile_code(gateway):
     )
     info = json.loads(loop[-1].info_json)
     assert loop[-1].reward == 0.0 and loop[-1].status == "ok" and info["sandbox"] == "timeout"
-    assert (await play(client, "arith", {"a": 1, "b": 1, "op": "+"}, ["2"]))[
-        -1
-    ].done  # still healthy
+    arith = await play(client, "arith", {"a": 1, "b": 1, "op": "+"}, ["2"])
+    assert arith[-1].done and arith[-1].sandbox_runs == 0  # still healthy; no sandbox
 
 
 async def test_code_tests_scorer_runs_answers_in_the_gateway_sandbox(gateway):

@@ -109,6 +109,7 @@ def step_pb(result) -> pb.StepResponse:
         info_json=json.dumps(result.info),
         status=result.status,
         error=result.error,
+        sandbox_runs=result.sandbox_runs,
     )
 
 

@@ -27,6 +27,7 @@ from treadle_env_gateway.envs.base import (
     UnknownEnv,
 )
 from treadle_env_gateway.latency import Latency, latency_from
+from treadle_env_gateway.sandbox.runner import RUNS as sandbox_runs
 from treadle_env_gateway.settings import EnvGatewaySettings
 
 log = get_logger(__name__)
@@ -142,8 +143,11 @@ class SessionManager:
                 return StepResult(
                     problems, done=False, info={"malformed_tool_calls": len(problems)}
                 )
+            runs = [0]
+            counting = sandbox_runs.set(runs)
             try:
                 result = await session.env.step(action)
+                result.sandbox_runs = runs[0]
             except EnvError:
                 raise
             except Exception as exc:  # the env's bug ends its session, not the gateway
@@ -153,6 +157,8 @@ class SessionManager:
                 return StepResult(
                     [], done=True, status="env_error", error=f"{type(exc).__name__}: {exc}"
                 )
+            finally:
+                sandbox_runs.reset(counting)
             session.done = result.done
             return result
 
@@ -181,8 +187,11 @@ class SessionManager:
             if session.done:
                 raise EnvError(f"session {session_id} is done; create a new one")
             session.last_used = time.monotonic()
+            runs = [0]
+            counting = sandbox_runs.set(runs)
             try:
                 result = await env.play(model, model_name, sampling)
+                result.sandbox_runs = runs[0]
             except EnvError:
                 raise
             except Exception as exc:
@@ -191,6 +200,8 @@ class SessionManager:
                 result = StepResult(
                     [], done=True, status="env_error", error=f"{type(exc).__name__}: {exc}"
                 )
+            finally:
+                sandbox_runs.reset(counting)
             session.done = True
             session.last_used = time.monotonic()
             return result

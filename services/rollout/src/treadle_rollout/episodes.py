@@ -226,6 +226,7 @@ class EpisodeRunner:
                 step = await self.env.step(session.session_id, text, close_when_done=True)
                 closed = step.done
                 traj.timings.env_s += time.time() - env_start
+                traj.sandbox_runs += step.sandbox_runs
                 if step.status == "env_error":
                     raise _EnvFailure(f"env {task.env} raised: {step.error}")
                 if step.status == "sandbox_error":
@@ -305,6 +306,7 @@ class EpisodeRunner:
         finally:
             if not played:  # the gateway closes a session when its Play ends
                 await self.env.close_session(gateway_session)
+        traj.sandbox_runs += result.sandbox_runs
         if result.status == "env_error":
             raise _EnvFailure(f"env {task.env} raised: {result.error}")
         if result.status == "sandbox_error":

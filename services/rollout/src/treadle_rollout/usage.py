@@ -25,6 +25,7 @@ def of_group(group: list[tpb.Trajectory]) -> dict[str, float]:
         "episodes": len(group),
         "reward_calls": sum(t.timings.reward_s > 0 for t in group),
         "env_s": sum(t.timings.env_s for t in group),
+        "sandbox_runs": sum(t.sandbox_runs for t in group),
     }
 
 

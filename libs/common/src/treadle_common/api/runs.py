@@ -56,7 +56,7 @@ class StepRecord(BaseModel):
 USAGE_PREFIX = "usage:"
 """Rollout's usage counts of a run live in its state hash as `usage:<field>` (HINCRBY)."""
 ROLLOUT_USAGE = ("prompt_tokens", "generated_tokens", "episodes", "reward_calls", "env_s",
-                 "weight_bytes_fetched")  # fmt: skip
+                 "sandbox_runs", "weight_bytes_fetched")  # fmt: skip
 """The `Usage` fields rollout counts; the trainer counts the others."""
 
 
@@ -68,6 +68,7 @@ class Usage(BaseModel):
     episodes: int = Field(0, description="Episodes played (trajectories produced)")
     reward_calls: int = Field(0, description="Trajectories the reward service scored")
     env_s: float = Field(0.0, description="Seconds in env-gateway calls, over all episodes")
+    sandbox_runs: int = Field(0, description="Programs the episodes' envs ran in the sandbox")
     trained_tokens: int = Field(0, description="Tokens the trainer's steps trained on")
     trainer_s: float = Field(0.0, description="Seconds the trainer's steps computed")
     weight_bytes_published: int = Field(0, description="Bytes this run's publishes sent")

@@ -32,6 +32,8 @@ class StepResult:
     status: str = "ok"
     """`ok`, or `env_error` when the env raised (set by the gateway, not by envs)."""
     error: str = ""
+    sandbox_runs: int = 0
+    """Programs the step ran in the sandbox (counted by the gateway, not by envs)."""
 
 
 @dataclass

@@ -31,6 +31,7 @@ import contextlib
 import json
 import signal
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,6 +63,16 @@ class SandboxResult:
     @property
     def infrastructure_error(self) -> bool:
         return self.status == "sandbox_error"
+
+
+RUNS: ContextVar[list[int] | None] = ContextVar("treadle_sandbox_runs", default=None)
+"""Where a session's step counts the programs it runs (`sessions.py`; usage accounting)."""
+
+
+def _counted() -> None:
+    counter = RUNS.get()
+    if counter is not None:
+        counter[0] += 1
 
 
 class Sandbox:
@@ -136,6 +147,7 @@ class Sandbox:
         self, code: str, files: dict[str, str] | None = None, limits: Limits | None = None
     ) -> SandboxResult:
         """Run `code` as `main.py` (beside `files`); its exit status is the result."""
+        _counted()
         limits = limits or self.limits
         started = time.monotonic()
         if refused := self._refusal(started):
@@ -176,6 +188,7 @@ class Sandbox:
     async def run_tests(self, code: str, tests: str, limits: Limits | None = None) -> SandboxResult:
         """The task's `tests` against the model's `code`, each in a sandbox of its own; `ok`
         only when the harness's verdict is `pass` (see the module's docstring)."""
+        _counted()
         limits = limits or self.limits
         started = time.monotonic()
         if refused := self._refusal(started):

@@ -90,7 +90,7 @@ class StepRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., action: _Optional[_Union[Action, _Mapping]] = ..., close_when_done: _Optional[bool] = ..., trace: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("observation", "has_reward", "reward", "done", "info_json", "status", "error")
+    __slots__ = ("observation", "has_reward", "reward", "done", "info_json", "status", "error", "sandbox_runs")
     OBSERVATION_FIELD_NUMBER: _ClassVar[int]
     HAS_REWARD_FIELD_NUMBER: _ClassVar[int]
     REWARD_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class StepResponse(_message.Message):
     INFO_JSON_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    SANDBOX_RUNS_FIELD_NUMBER: _ClassVar[int]
     observation: Observation
     has_reward: bool
     reward: float
@@ -105,7 +106,8 @@ class StepResponse(_message.Message):
     info_json: str
     status: str
     error: str
-    def __init__(self, observation: _Optional[_Union[Observation, _Mapping]] = ..., has_reward: _Optional[bool] = ..., reward: _Optional[float] = ..., done: _Optional[bool] = ..., info_json: _Optional[str] = ..., status: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+    sandbox_runs: int
+    def __init__(self, observation: _Optional[_Union[Observation, _Mapping]] = ..., has_reward: _Optional[bool] = ..., reward: _Optional[float] = ..., done: _Optional[bool] = ..., info_json: _Optional[str] = ..., status: _Optional[str] = ..., error: _Optional[str] = ..., sandbox_runs: _Optional[int] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)
