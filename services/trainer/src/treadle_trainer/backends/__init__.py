@@ -25,6 +25,7 @@ from treadle_trainer.backends.spec import BackendSpec
 
 T = TypeVar("T")
 _TORCH_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
+_LANES = 1
 
 
 def set_torch_lanes(lanes: int) -> None:
@@ -33,11 +34,11 @@ def set_torch_lanes(lanes: int) -> None:
     with one torch thread each (`torch_threads` 1) they share no OpenMP team, and torch
     releases the GIL inside its ops. A multi-rank job keeps one lane (its commands go to the
     followers in order)."""
-    global _TORCH_THREAD
+    global _TORCH_THREAD, _LANES
     if lanes > 1 and world_size() > 1:
         raise ValueError("trainer_torch_lanes > 1 needs a single-process trainer")
-    if lanes != _TORCH_THREAD._max_workers:
-        _TORCH_THREAD = ThreadPoolExecutor(max_workers=lanes, thread_name_prefix="torch")
+    if lanes != _LANES:
+        _TORCH_THREAD, _LANES = ThreadPoolExecutor(lanes, thread_name_prefix="torch"), lanes
 
 
 async def on_torch_thread(fn: Callable[..., T], *args: Any) -> T:
