@@ -9,14 +9,13 @@ The health service (`grpc.health.v1`) stays open: probes carry no token.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 
 from treadle_common import metrics
-from treadle_common.auth import CALLER, AuthError, Authorizer, GrpcPolicy, Identity, bearer_token
+from treadle_common.auth import CALLER, AuthError, Authorizer, GrpcPolicy, bearer_token
 
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 _CODES = {401: grpc.StatusCode.UNAUTHENTICATED, 403: grpc.StatusCode.PERMISSION_DENIED}
@@ -40,43 +39,6 @@ def _refusing(handler: grpc.RpcMethodHandler, error: AuthError) -> grpc.RpcMetho
     if handler.response_streaming:
         return grpc.unary_stream_rpc_method_handler(refuse, **kwargs)
     return grpc.unary_unary_rpc_method_handler(refuse, **kwargs)
-
-
-def _as_caller(handler: grpc.RpcMethodHandler, who: Identity) -> grpc.RpcMethodHandler:
-    """`handler` with `auth.caller()` answering `who` while it runs (the servicer checks what
-    the caller's tenant may see)."""
-    kinds = {
-        (False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
-        (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
-        (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
-        (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler),
-    }
-    attr, make = kinds[(handler.request_streaming, handler.response_streaming)]
-    inner = getattr(handler, attr)
-    kwargs = {
-        "request_deserializer": handler.request_deserializer,
-        "response_serializer": handler.response_serializer,
-    }
-    if handler.response_streaming:
-
-        async def streamed(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            CALLER.set(who)
-            items = inner(request, context)
-            if hasattr(items, "__aiter__"):
-                async for item in items:
-                    yield item
-            else:
-                for item in items:
-                    yield item
-
-        return make(streamed, **kwargs)
-
-    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        CALLER.set(who)
-        result = inner(request, context)
-        return await result if inspect.isawaitable(result) else result
-
-    return make(unary, **kwargs)
 
 
 class ServerAuth(grpc.aio.ServerInterceptor):
@@ -103,7 +65,9 @@ class ServerAuth(grpc.aio.ServerInterceptor):
         except AuthError as error:
             metrics.AUTH_REFUSED.labels(self.service, "grpc", str(error.status)).inc()
             return _refusing(handler, error)
-        return _as_caller(handler, who)
+        # the handler runs in this call's task, after this: `auth.caller()` answers `who`
+        CALLER.set(who)
+        return handler
 
 
 class _Bearer:
