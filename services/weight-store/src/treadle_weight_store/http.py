@@ -38,11 +38,11 @@ def mount(app: FastAPI, store: WeightStore, tenancy: Tenancy) -> None:
 
     @app.get("/v1/models", tags=["weights"], openapi_extra=auth.roles(auth.ANY))
     async def list_models() -> Models:
-        return Models(models=await tenancy.visible(await guard(store.models())))
+        return Models(models=await guard(tenancy.visible(await guard(store.models()))))
 
     @app.get("/v1/models/{model}/versions", tags=["weights"], openapi_extra=auth.roles(auth.ANY))
     async def list_versions(model: str) -> Versions:
-        await tenancy.check(model)
+        await guard(tenancy.check(model))
         infos = await guard(store.infos(model))
         return Versions(model=model, versions=[VersionInfo.from_proto(i) for i in infos])
 
@@ -53,5 +53,5 @@ def mount(app: FastAPI, store: WeightStore, tenancy: Tenancy) -> None:
     )
     async def get_version(model: str, version: int) -> dict:
         """The manifest (tensors, dtypes, shapes, chunk hashes); -1 = latest."""
-        await tenancy.check(model)
+        await guard(tenancy.check(model))
         return as_dict(await guard(store.get_manifest(model, version)))
