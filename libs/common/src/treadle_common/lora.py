@@ -39,7 +39,9 @@ UNEMBED = ("lm_head",)
 """The output head (its LoRA leaves a tied input embedding alone)."""
 
 Selection = str | Sequence[str | None] | None
-_ACTIVE: contextvars.ContextVar[Selection] = contextvars.ContextVar("lora_active", default=None)
+_ACTIVE: contextvars.ContextVar[str | _Rows | None] = contextvars.ContextVar(
+    "lora_active", default=None
+)
 
 
 @dataclass(frozen=True)
@@ -147,20 +149,49 @@ class LoRALinear(nn.Linear):
         if isinstance(active, str):
             adapter = self.adapters.get(active)
             return y if adapter is None else y + adapter.delta(x)
-        if len(active) != x.shape[0]:
-            raise ValueError(f"{len(active)} adapter names for a batch of {x.shape[0]} rows")
+        if active.rows != x.shape[0]:
+            raise ValueError(f"{active.rows} adapter names for a batch of {x.shape[0]} rows")
+        if active.blocks is not None:  # each adapter's rows side by side: slices, one cat
+            parts = [
+                y[a:b] if name not in self.adapters else y[a:b] + self.adapters[name].delta(x[a:b])
+                for name, a, b in active.blocks
+            ]
+            return torch.cat(parts)
         out = y.clone()
-        for name in {n for n in active if n is not None and n in self.adapters}:
-            rows = torch.tensor([i for i, n in enumerate(active) if n == name], device=x.device)
-            out[rows] = y[rows] + self.adapters[name].delta(x[rows])
+        for name, rows in active.indices.items():
+            if name in self.adapters:
+                rows = rows.to(x.device)
+                out[rows] = y[rows] + self.adapters[name].delta(x[rows])
         return out
+
+
+class _Rows:
+    """A per-row selection, worked out once for every layer of the forward: contiguous
+    blocks of one name each (slices) when the rows come grouped, else row indices by name."""
+
+    def __init__(self, names: Sequence[str | None]):
+        self.rows = len(names)
+        blocks: list[tuple[str | None, int, int]] = []
+        for i, name in enumerate(names):
+            if blocks and blocks[-1][0] == name:
+                blocks[-1] = (name, blocks[-1][1], i + 1)
+            else:
+                blocks.append((name, i, i + 1))
+        grouped = len(blocks) == len(set(names))
+        self.blocks = blocks if grouped else None
+        self.indices = {
+            name: torch.tensor([i for i, n in enumerate(names) if n == name])
+            for name in set(names)
+            if name is not None
+        }
 
 
 @contextlib.contextmanager
 def using(selection: Selection) -> Iterator[None]:
     """Forward passes inside go through `selection` (an adapter name, one per batch row, or
     None for the base model)."""
-    token = _ACTIVE.set(selection)
+    rows = selection is not None and not isinstance(selection, str)
+    token = _ACTIVE.set(_Rows(selection) if rows else selection)
     try:
         yield
     finally:

@@ -69,6 +69,10 @@ class _Selected(torch.nn.Module):
         self.inner = [model]  # a list: not a submodule (no second registration)
         self.adapter = adapter
 
+    @property
+    def wrapped_model(self) -> torch.nn.Module:
+        return self.inner[0]
+
     def forward(self, **kwargs: Any) -> Any:
         with lora.using(self.adapter):
             return self.inner[0](**kwargs)
