@@ -313,7 +313,7 @@ async def test_a_full_batch_admits_the_oldest_requests_first(tiny_model):
 async def test_the_trainer_scores_sampled_tokens_under_the_sampling_temperature(engine):
     """On-policy, the trainer's logprobs equal rollout's behaviour logprobs (PPO ratio 1): it
     divides the logits by the temperature rollout sampled at, as the engine does."""
-    from treadle_trainer.backends.single import token_logprobs
+    from treadle_trainer.backends.logprobs import token_logprobs
     from treadle_trainer.batches import Datum, pack
 
     prompt = engine.tokenizer("12+34=")["input_ids"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from treadle_trainer.backends import BackendSpec, build_backend
-from treadle_trainer.backends.single import SharedPrefix, token_logprobs
+from treadle_trainer.backends.logprobs import SharedPrefix, token_logprobs
 from treadle_trainer.batches import Datum, pack
 from treadle_trainer.losses import LossParams
 

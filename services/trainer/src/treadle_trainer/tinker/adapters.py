@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from treadle_common import lora
 from treadle_common.api.training import AdamParams, LossParams
-from treadle_trainer.backends.single import token_logprobs
+from treadle_trainer.backends.logprobs import token_logprobs
 from treadle_trainer.batches import MicroBatch
 from treadle_trainer.losses import TokenInputs, total_loss
 
