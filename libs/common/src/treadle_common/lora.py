@@ -190,8 +190,8 @@ class _Rows:
 def using(selection: Selection) -> Iterator[None]:
     """Forward passes inside go through `selection` (an adapter name, one per batch row, or
     None for the base model)."""
-    rows = selection is not None and not isinstance(selection, str)
-    token = _ACTIVE.set(_Rows(selection) if rows else selection)
+    active = selection if selection is None or isinstance(selection, str) else _Rows(selection)
+    token = _ACTIVE.set(active)
     try:
         yield
     finally:
