@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """`docker compose` end to end, for real: build every image, bring the stack up, run a short
-recipe through the `demo` service while a service process is SIGKILLed and redis restarts,
-check the run's summary, then tear everything down and check nothing is left. Prints one
+recipe as two LoRA runs at once (two `demo` containers, one stack, one base model) while a
+service process is SIGKILLed and redis restarts, check both runs' summaries, then tear
+everything down and check nothing is left. Prints one
 JSON report; exits 0 only when every check held.
 
     python scripts/compose_smoke.py [--keep]     (needs a Docker engine; run as root in CI)
@@ -40,6 +41,9 @@ IMAGES = ["cli", "weight-store", "env-gateway", "reward", "rollout", "trainer"]
 PUBLIC_BASE = "python:3.11-slim-bookworm"
 WHEELS_PORT = 38471
 RECIPE_STEPS = 36  # recipes/compose_smoke.yaml's trainer.num_steps
+RUNS = ("smoke-a", "smoke-b")
+"""Two LoRA runs of the recipe at once on the one stack, one base model (different seeds)."""
+RUN_SETS = ("--set", "trainer.lora.rank=8", "--set", "trainer.lr=1.0e-4")
 SKIP = 77
 SANDBOX_CHECK = """
 import asyncio, pathlib
@@ -199,8 +203,8 @@ def health(stack: Stack) -> dict[str, str]:
     return {r["Service"]: r.get("Health") or r.get("State", "") for r in parsed}
 
 
-def trainer_step(token: str) -> int | None:
-    """The running run's step, from the trainer's published API (None: no answer)."""
+def trainer_steps(token: str) -> dict[str, int] | None:
+    """Each run's step, from the trainer's published API (None: no answer)."""
     request = urllib.request.Request(
         "http://127.0.0.1:8005/v1/runs", headers={"Authorization": f"Bearer {token}"}
     )
@@ -209,20 +213,26 @@ def trainer_step(token: str) -> int | None:
             runs = json.load(answer)
     except Exception:
         return None
-    return max((r.get("step", 0) for r in runs), default=None)
+    return {r["run_id"]: r.get("step", 0) for r in runs}
 
 
-def wait_for_step(token: str, step: int, demo: subprocess.Popen, timeout_s: float = 600) -> int:
-    """Until the run reaches `step`; fails if the demo ends first (a fault must land mid-run)."""
+def wait_for_step(token: str, step: int, demos: dict[str, subprocess.Popen],
+                  timeout_s: float = 900) -> int:  # fmt: skip
+    """Until every run reaches `step` (the least of their steps); fails if a demo ends first
+    (a fault must land while both run)."""
     started = time.monotonic()
     while time.monotonic() - started < timeout_s:
-        if demo.poll() is not None:
-            raise RuntimeError(f"the demo ended (rc {demo.returncode}) before step {step}")
-        now = trainer_step(token)
-        if now is not None and now >= step:
+        for run_id, demo in demos.items():
+            if demo.poll() is not None:
+                raise RuntimeError(f"{run_id} ended (rc {demo.returncode}) before step {step}")
+        steps = trainer_steps(token) or {}
+        now = min((steps.get(run_id, 0) for run_id in demos), default=0)
+        if now >= step:
             return now
         time.sleep(0.5)
-    raise RuntimeError(f"the run did not reach step {step} in {timeout_s}s")
+    raise RuntimeError(
+        f"the runs did not reach step {step} in {timeout_s}s: {trainer_steps(token)}"
+    )
 
 
 def kill_process(stack: Stack, service: str) -> int:
@@ -303,40 +313,77 @@ def smoke(report: dict, keep: bool) -> None:
                 "bwrap sandbox_error"
             )
 
-            log("the demo service runs recipes/compose_smoke.yaml; faults under it")
-            demo_log = Path(tmp) / "demo.log"
+            log("two demo services run recipes/compose_smoke.yaml at once; faults under them")
             token = secrets["TREADLE_TOKEN_ADMIN"]
-            with demo_log.open("w") as out:
+            with contextlib.ExitStack() as outs:
                 t = time.monotonic()
-                demo = stack.popen(
-                    "run", "--rm", "-T", "demo", "run",
-                    "/opt/treadle/recipes/compose_smoke.yaml", out=out,
-                )  # fmt: skip
+                demos = {
+                    run_id: stack.popen(
+                        "run",
+                        "--rm",
+                        "-T",
+                        "demo",
+                        "run",
+                        "/opt/treadle/recipes/compose_smoke.yaml",
+                        *RUN_SETS,
+                        "--set",
+                        f"run_id={run_id}",
+                        "--set",
+                        f"trainer.seed={seed}",
+                        out=outs.enter_context((Path(tmp) / f"{run_id}.log").open("w")),
+                    )  # fmt: skip
+                    for seed, run_id in enumerate(RUNS)
+                }
                 faults = []
-                step = wait_for_step(token, 8, demo)
+                step = wait_for_step(token, 8, demos)
                 faults.append({"killed": "rollout", "pid": kill_process(stack, "rollout"),
                                "at_step": step})  # fmt: skip
-                step = wait_for_step(token, step + 12, demo)  # it went on after the kill
+                step = wait_for_step(token, step + 12, demos)  # they went on after the kill
                 stack("restart", "redis")
                 faults.append({"restarted": "redis", "at_step": step})
-                rc = demo.wait(timeout=1500)
-                faults.append({"after_redis_restart_steps": trainer_step(token)})
+                rcs = {run_id: demo.wait(timeout=1500) for run_id, demo in demos.items()}
+                faults.append({"after_redis_restart_steps": trainer_steps(token)})
             report["demo_s"] = round(time.monotonic() - t, 1)
             report["faults"] = faults
-            text = demo_log.read_text()
-            report["demo_tail"] = text[-1500:]
-            checks["demo_exit_0"] = rc == 0
-            summary = read_summary(stack)
-            report["summary"] = {
-                k: summary.get(k)
-                for k in ("state", "steps", "exactly_once", "versions_published",
-                          "rollout_policy_version", "rollout_swaps", "dropped", "reconnects",
-                          "trajectories_produced", "trajectories_trained", "error")
-            }  # fmt: skip
-            checks["run_succeeded"] = summary.get("state") == "succeeded"
-            checks["exactly_once"] = summary.get("exactly_once") is True
-            checks["versions_published"] = len(summary.get("versions_published") or []) > 0
-            checks["rollout_swapped"] = (summary.get("rollout_swaps") or 0) > 0
+            report["demo_tails"] = {
+                run_id: (Path(tmp) / f"{run_id}.log").read_text()[-1500:] for run_id in RUNS
+            }
+            checks["demo_exit_0"] = all(rc == 0 for rc in rcs.values())
+            summaries = {run_id: read_summary(stack, run_id) for run_id in RUNS}
+            report["summaries"] = {
+                run_id: {
+                    k: summary.get(k)
+                    for k in (
+                        "state",
+                        "steps",
+                        "exactly_once",
+                        "versions_published",
+                        "weight_store_versions",
+                        "rollout_policy_version",
+                        "dropped",
+                        "reconnects",
+                        "trajectories_produced",
+                        "trajectories_trained",
+                        "final_model_dir",
+                        "error",
+                    )
+                }  # fmt: skip
+                for run_id, summary in summaries.items()
+            }
+            every = summaries.values()
+            checks["run_succeeded"] = all(s.get("state") == "succeeded" for s in every)
+            checks["exactly_once"] = all(s.get("exactly_once") is True for s in every)
+            checks["versions_published"] = all(
+                len(s.get("weight_store_versions") or []) > 1 for s in every
+            )
+            # each run's adapter went to rollout past its first version (live, per run)
+            checks["rollout_swapped"] = all(
+                (s.get("rollout_policy_version") or 0) > 1 for s in every
+            )
+            checks["each_run_exported_its_adapter"] = all(
+                str(s.get("final_model_dir") or "").endswith(f"{run_id}/final-model")
+                for run_id, s in summaries.items()
+            )
             restarts = sh("docker", "inspect", "-f", "{{.RestartCount}}",
                           stack.container("rollout")).stdout.strip()  # fmt: skip
             report["rollout_restarts"] = int(restarts or 0)
@@ -369,11 +416,11 @@ def smoke(report: dict, keep: bool) -> None:
                 checks["nothing_left_behind"] = not any(report["left_behind"].values())
 
 
-def read_summary(stack: Stack) -> dict:
-    """summary.json of the demo's run, from the demo's volume."""
+def read_summary(stack: Stack, run_id: str) -> dict:
+    """summary.json of the run, from the demo's volume."""
     found = stack(
         "run", "--rm", "-T", "--no-deps", "--entrypoint", "sh", "demo", "-c",
-        "cat $(ls -t /var/lib/treadle/.treadle/runs/*/summary.json | head -1)",
+        f"cat /var/lib/treadle/.treadle/runs/{run_id}/summary.json",
         check=False,
     )  # fmt: skip
     try:

@@ -1,8 +1,9 @@
 """`docker compose` for real (`scripts/compose_smoke.py`): every image built, the stack up
 and healthy, every service non-root, the env-gateway judging code in a sandbox container,
-the demo service's run completing exactly once while the rollout is SIGKILLed and redis
-restarts, and nothing left after `down -v`. Skips, saying why, where no Docker engine runs
-(CI installs and starts one: `.ci/run`)."""
+two LoRA runs (two demo containers, one base model) completing exactly once at once and
+exporting their own adapters while the rollout is SIGKILLed and redis restarts, and
+nothing left after `down -v`. Skips, saying why, where no Docker engine runs (CI installs
+and starts one: `.ci/run`)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ def test_compose_up_demo_faults_and_down():
         "exactly_once",
         "versions_published",
         "rollout_swapped",
+        "each_run_exported_its_adapter",
         "killed_service_came_back",
         "faults_landed_mid_run",
         "nothing_left_behind",
