@@ -179,11 +179,11 @@ class _Rows:
                 blocks.append((name, i, i + 1))
         grouped = len(blocks) == len(set(names))
         self.blocks = blocks if grouped else None
-        self.indices = {
+        self.indices = {} if grouped else {
             name: torch.tensor([i for i, n in enumerate(names) if n == name])
             for name in set(names)
             if name is not None
-        }
+        }  # fmt: skip
 
 
 @contextlib.contextmanager

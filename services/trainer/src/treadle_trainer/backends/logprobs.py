@@ -75,8 +75,8 @@ class SharedPrefix:
     @staticmethod
     def of(model: torch.nn.Module, mb: MicroBatch) -> SharedPrefix | None:
         """A plan for an HF causal LM (`logits_to_keep`, `past_key_values`), else None."""
-        inner = getattr(model, "wrapped_model", model)
-        params = inspect.signature(type(inner).forward).parameters
+        inner: torch.nn.Module = getattr(model, "wrapped_model", model)
+        params = _forward_params(type(inner))
         if "logits_to_keep" not in params:
             return None
         cols = mb.mask_B_T.any(0).nonzero().squeeze(1)
@@ -104,3 +104,14 @@ class SharedPrefix:
         rest = model(input_ids=ids[:, self.start :], use_cache=True, logits_to_keep=keep,
                      **{self.cache_arg: cache})  # fmt: skip
         return rest.logits
+
+
+_FORWARD_PARAMS: dict[type, frozenset[str]] = {}
+
+
+def _forward_params(cls: type[torch.nn.Module]) -> frozenset[str]:
+    """The keyword arguments a model class's forward takes (asked once per class, not on
+    every forward)."""
+    if cls not in _FORWARD_PARAMS:
+        _FORWARD_PARAMS[cls] = frozenset(inspect.signature(cls.forward).parameters)
+    return _FORWARD_PARAMS[cls]
