@@ -313,84 +313,7 @@ def smoke(report: dict, keep: bool) -> None:
                 "bwrap sandbox_error"
             )
 
-            log("two demo services run recipes/compose_smoke.yaml at once; faults under them")
-            token = secrets["TREADLE_TOKEN_ADMIN"]
-            with contextlib.ExitStack() as outs:
-                t = time.monotonic()
-                demos = {
-                    run_id: stack.popen(
-                        "run",
-                        "--rm",
-                        "-T",
-                        "demo",
-                        "run",
-                        "/opt/treadle/recipes/compose_smoke.yaml",
-                        *RUN_SETS,
-                        "--set",
-                        f"run_id={run_id}",
-                        "--set",
-                        f"trainer.seed={seed}",
-                        out=outs.enter_context((Path(tmp) / f"{run_id}.log").open("w")),
-                    )  # fmt: skip
-                    for seed, run_id in enumerate(RUNS)
-                }
-                faults = []
-                step = wait_for_step(token, 8, demos)
-                faults.append({"killed": "rollout", "pid": kill_process(stack, "rollout"),
-                               "at_step": step})  # fmt: skip
-                step = wait_for_step(token, step + 12, demos)  # they went on after the kill
-                stack("restart", "redis")
-                faults.append({"restarted": "redis", "at_step": step})
-                rcs = {run_id: demo.wait(timeout=1500) for run_id, demo in demos.items()}
-                faults.append({"after_redis_restart_steps": trainer_steps(token)})
-            report["demo_s"] = round(time.monotonic() - t, 1)
-            report["faults"] = faults
-            report["demo_tails"] = {
-                run_id: (Path(tmp) / f"{run_id}.log").read_text()[-1500:] for run_id in RUNS
-            }
-            checks["demo_exit_0"] = all(rc == 0 for rc in rcs.values())
-            summaries = {run_id: read_summary(stack, run_id) for run_id in RUNS}
-            report["summaries"] = {
-                run_id: {
-                    k: summary.get(k)
-                    for k in (
-                        "state",
-                        "steps",
-                        "exactly_once",
-                        "versions_published",
-                        "weight_store_versions",
-                        "rollout_policy_version",
-                        "dropped",
-                        "reconnects",
-                        "trajectories_produced",
-                        "trajectories_trained",
-                        "final_model_dir",
-                        "error",
-                    )
-                }  # fmt: skip
-                for run_id, summary in summaries.items()
-            }
-            every = summaries.values()
-            checks["run_succeeded"] = all(s.get("state") == "succeeded" for s in every)
-            checks["exactly_once"] = all(s.get("exactly_once") is True for s in every)
-            checks["versions_published"] = all(
-                len(s.get("weight_store_versions") or []) > 1 for s in every
-            )
-            # each run's adapter went to rollout past its first version (live, per run)
-            checks["rollout_swapped"] = all(
-                (s.get("rollout_policy_version") or 0) > 1 for s in every
-            )
-            checks["each_run_exported_its_adapter"] = all(
-                str(s.get("final_model_dir") or "").endswith(f"{run_id}/final-model")
-                for run_id, s in summaries.items()
-            )
-            restarts = sh("docker", "inspect", "-f", "{{.RestartCount}}",
-                          stack.container("rollout")).stdout.strip()  # fmt: skip
-            report["rollout_restarts"] = int(restarts or 0)
-            checks["killed_service_came_back"] = int(restarts or 0) >= 1
-            checks["faults_landed_mid_run"] = (
-                all(f.get("at_step", 0) < RECIPE_STEPS for f in faults[:2]) and len(faults) == 3
-            )
+            two_runs_under_faults(stack, secrets["TREADLE_TOKEN_ADMIN"], tmp, report)
         finally:
             if not keep:
                 log("docker compose down -v")
@@ -414,6 +337,102 @@ def smoke(report: dict, keep: bool) -> None:
                     "sandbox_containers": sandboxes.stdout.split(),
                 }
                 checks["nothing_left_behind"] = not any(report["left_behind"].values())
+
+
+def two_runs_under_faults(stack: Stack, token: str, tmp: str, report: dict) -> None:
+    """Two LoRA runs of the recipe at once (two `demo` containers); the rollout's process
+    SIGKILLed and redis restarted while both run; each run's summary checked."""
+    checks: dict[str, bool] = report["checks"]
+    log("two demo services run recipes/compose_smoke.yaml at once; faults under them")
+    demos: dict[str, subprocess.Popen] = {}
+    with contextlib.ExitStack() as outs:
+        t = time.monotonic()
+        outs.callback(stop_demos, demos)  # a demo still running when this block ends
+        demos.update(
+            {
+                run_id: stack.popen(
+                    "run",
+                    "--rm",
+                    "-T",
+                    "demo",
+                    "run",
+                    "/opt/treadle/recipes/compose_smoke.yaml",
+                    *RUN_SETS,
+                    "--set",
+                    f"run_id={run_id}",
+                    "--set",
+                    f"trainer.seed={seed}",
+                    out=outs.enter_context((Path(tmp) / f"{run_id}.log").open("w")),
+                )
+                for seed, run_id in enumerate(RUNS)
+            }
+        )
+        faults = []
+        step = wait_for_step(token, 8, demos)
+        faults.append({"killed": "rollout", "pid": kill_process(stack, "rollout"),
+                       "at_step": step})  # fmt: skip
+        step = wait_for_step(token, step + 12, demos)  # they went on after the kill
+        stack("restart", "redis")
+        faults.append({"restarted": "redis", "at_step": step})
+        rcs = {run_id: demo.wait(timeout=1500) for run_id, demo in demos.items()}
+        faults.append({"after_redis_restart_steps": trainer_steps(token)})
+    report["demo_s"] = round(time.monotonic() - t, 1)
+    report["faults"] = faults
+    report["demo_tails"] = {
+        run_id: (Path(tmp) / f"{run_id}.log").read_text()[-1500:] for run_id in RUNS
+    }
+    checks["demo_exit_0"] = all(rc == 0 for rc in rcs.values())
+    check_runs(stack, report, checks)
+    restarts = sh("docker", "inspect", "-f", "{{.RestartCount}}",
+                  stack.container("rollout")).stdout.strip()  # fmt: skip
+    report["rollout_restarts"] = int(restarts or 0)
+    checks["killed_service_came_back"] = int(restarts or 0) >= 1
+    checks["faults_landed_mid_run"] = (
+        all(f.get("at_step", 0) < RECIPE_STEPS for f in faults[:2]) and len(faults) == 3
+    )
+
+
+def check_runs(stack: Stack, report: dict, checks: dict[str, bool]) -> None:
+    """Each run's summary.json: succeeded exactly once, with its own versions, its adapter
+    live in rollout and its own export."""
+    summaries = {run_id: read_summary(stack, run_id) for run_id in RUNS}
+    report["summaries"] = {
+        run_id: {
+            k: summary.get(k)
+            for k in (
+                "state",
+                "steps",
+                "exactly_once",
+                "versions_published",
+                "weight_store_versions",
+                "rollout_policy_version",
+                "dropped",
+                "reconnects",
+                "trajectories_produced",
+                "trajectories_trained",
+                "final_model_dir",
+                "error",
+            )
+        }
+        for run_id, summary in summaries.items()
+    }
+    every = summaries.values()
+    checks["run_succeeded"] = all(s.get("state") == "succeeded" for s in every)
+    checks["exactly_once"] = all(s.get("exactly_once") is True for s in every)
+    checks["versions_published"] = all(len(s.get("weight_store_versions") or []) > 1 for s in every)
+    # each run's adapter went to rollout past its first version (live, per run)
+    checks["rollout_swapped"] = all((s.get("rollout_policy_version") or 0) > 1 for s in every)
+    checks["each_run_exported_its_adapter"] = all(
+        str(s.get("final_model_dir") or "").endswith(f"{run_id}/final-model")
+        for run_id, s in summaries.items()
+    )
+
+
+def stop_demos(demos: dict[str, subprocess.Popen]) -> None:
+    for demo in demos.values():
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
 
 
 def read_summary(stack: Stack, run_id: str) -> dict:
