@@ -19,16 +19,23 @@ priority (from the recipe's `scheduling` section) and its tenant.
 so runs of equal priority get shares of the contended capacity proportional to their
 weights, and a higher priority's work always goes first. `Fifo` (first come, first served)
 is the baseline it is measured against (`treadle bench multirun`).
+
+Work-conserving shares reach only as far as runs queue; the trainer's turns add pacing on top
+(`pacing.py`): a run too many weighted steps ahead of its peers waits, so the step rates of
+runs that all keep up follow their weights.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+from treadle_common.pacing import Pacing
 
 
 @dataclass(frozen=True)
@@ -108,36 +115,55 @@ def make(name: str) -> Policy:
     return POLICIES[name]()
 
 
+def turns_for(policy: str, holders: int, pace_lead: float = 0.0) -> FairTurns:
+    """Turns under the policy named `policy`, paced by `pace_lead` (fair only; 0: unpaced)."""
+    pacing = Pacing(pace_lead) if pace_lead > 0 and policy == "fair" else None
+    return FairTurns(make(policy), holders, pacing)
+
+
 class FairTurns:
     """A resource used by at most `holders` claims at a time (the trainer's torch lanes),
     each turn handed to the waiting claim the policy picks and charged the seconds it was
-    held."""
+    held. With `pacing`, a claim too far ahead of its peers waits even while a lane is free
+    (`pacing.Pacing`): `held_s` counts those seconds per run."""
 
-    def __init__(self, policy: Policy, holders: int = 1):
+    def __init__(self, policy: Policy, holders: int = 1, pacing: Pacing | None = None):
         self.policy = policy
         self.holders = holders
+        self.pacing = pacing
         self._waiting: list[tuple[Claim, asyncio.Future[None]]] = []
         self._held = 0
+        self._held_since: dict[asyncio.Future[None], float] = {}
+        self._timer: asyncio.TimerHandle | None = None
         self.granted: dict[str, int] = {}
+        self.held_s: dict[str, float] = {}
 
     @contextlib.asynccontextmanager
     async def turn(self, claim: Claim) -> AsyncIterator[None]:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self.pacing is not None:
+            self.pacing.request(claim)
         self._waiting.append((claim, future))
-        self._next()
         try:
-            await future
-        except asyncio.CancelledError:
-            if future.done() and not future.cancelled():  # granted as we were cancelled
-                self._release(claim, 0.0)
-            else:
-                self._waiting = [(c, f) for c, f in self._waiting if f is not future]
-            raise
-        started = time.perf_counter()
-        try:
-            yield
+            self._next()
+            try:
+                await future
+            except asyncio.CancelledError:
+                if future.done() and not future.cancelled():  # granted as we were cancelled
+                    self._release(claim, 0.0)
+                else:
+                    self._waiting = [(c, f) for c, f in self._waiting if f is not future]
+                    self._held_since.pop(future, None)
+                raise
+            started = time.perf_counter()
+            try:
+                yield
+            finally:
+                self._release(claim, time.perf_counter() - started)
         finally:
-            self._release(claim, time.perf_counter() - started)
+            if self.pacing is not None:
+                self.pacing.done(claim)
+                self._next()  # a peer it held back may go now
 
     def _release(self, claim: Claim, held_s: float) -> None:
         self.policy.charge(claim, held_s)
@@ -147,9 +173,44 @@ class FairTurns:
     def _next(self) -> None:
         self._waiting = [(c, f) for c, f in self._waiting if not f.done()]
         while self._held < self.holders and self._waiting:
-            chosen = self.policy.pick([c for c, _ in self._waiting])
+            eligible, wake = self._eligible()
+            if not eligible:
+                self._wake_at(wake)
+                return
+            chosen = self.policy.pick(eligible)
             index = next(i for i, (c, _) in enumerate(self._waiting) if c is chosen)
             claim, future = self._waiting.pop(index)
             self._held += 1
             self.granted[claim.run_id] = self.granted.get(claim.run_id, 0) + 1
+            since = self._held_since.pop(future, None)
+            if since is not None:
+                held = self.pacing.clock() - since if self.pacing else 0.0
+                self.held_s[claim.run_id] = self.held_s.get(claim.run_id, 0.0) + held
+            if self.pacing is not None:
+                self.pacing.granted(claim)
             future.set_result(None)
+
+    def _eligible(self) -> tuple[list[Claim], float]:
+        """The waiting claims pacing lets go now (in waiting order), and the clock time the
+        first of the others may go unless a turn changes it first."""
+        if self.pacing is None:
+            return [c for c, _ in self._waiting], math.inf
+        eligible, wake = [], math.inf
+        for claim, future in self._waiting:
+            until = self.pacing.hold(claim)
+            if until is None:
+                eligible.append(claim)
+            else:
+                self._held_since.setdefault(future, self.pacing.clock())
+                wake = min(wake, until)
+        return eligible, wake
+
+    def _wake_at(self, when: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if math.isfinite(when):
+            loop = asyncio.get_running_loop()
+            assert self.pacing is not None  # only pacing holds a claim back
+            delay = max(0.0, when - self.pacing.clock()) + 0.001
+            self._timer = loop.call_later(delay, self._next)

@@ -71,8 +71,8 @@ class Runs:
         self.owners: dict[str, RunOwner] = {}
         self._tasks: set[asyncio.Task] = set()
         self._lease_ms = int(settings.trainer_lease_s * 1000)
-        self.turns = scheduling.FairTurns(
-            scheduling.make(settings.scheduling_policy), settings.trainer_torch_lanes
+        self.turns = scheduling.turns_for(
+            settings.scheduling_policy, settings.trainer_torch_lanes, settings.trainer_pace_lead
         )
         """Whose step gets a torch lane next, when more runs' steps wait than there are."""
 

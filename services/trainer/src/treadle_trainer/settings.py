@@ -25,6 +25,13 @@ class TrainerSettings(Settings):
         description="trainer: runs' steps that may train at once, each on a thread of its own "
         "(many LoRA runs on one base; give each lane torch_threads = cores / lanes)",
     )
+    trainer_pace_lead: float = Field(
+        2.0,
+        ge=0,
+        description="trainer: with the fair policy, a run this many weighted steps ahead of the "
+        "least advanced run of its priority that keeps up waits for its turn, so step rates "
+        "follow the weights (`treadle_common.pacing`; 0: work-conserving shares only)",
+    )
     trainer_tenant_max_runs: int = Field(
         0,
         ge=0,
