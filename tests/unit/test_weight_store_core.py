@@ -11,7 +11,7 @@ from prometheus_client import REGISTRY
 
 from treadle_common.clients import chunk_codec as codec
 from treadle_common.clients.torch_weights import state_dict_to_raw
-from treadle_common.clients.weights import build_manifest
+from treadle_common.clients.weights import build_manifest, chunk_hash
 from treadle_weight_store.backends.local import LocalBackend
 from treadle_weight_store.cache import ChunkCache
 from treadle_weight_store.errors import BackendError, Precondition
@@ -347,6 +347,36 @@ async def test_concurrent_collections_do_not_race_each_others_deletes(tmp_path):
     results = await asyncio.gather(*(store.gc() for _ in range(4)))
     assert sum(r[1] for r in results) == 6  # each chunk deleted once, no error
     assert list(store.backend.list_chunks()) == []
+
+
+class CountingBackend(LocalBackend):
+    listings = 0
+
+    def list_chunks(self):
+        self.listings += 1
+        return super().list_chunks()
+
+
+async def test_a_collection_after_a_publish_looks_at_known_chunks_and_a_full_one_lists(tmp_path):
+    """The GC after each publish takes unreferenced chunks written in this life without
+    listing the backend; chunks it never saw (an earlier life's) wait for a full listing."""
+    from treadle_common.clients.chunk_codec import frame_header
+
+    backend = CountingBackend(tmp_path)
+    store = WeightStore(backend, gc_grace_s=0)
+    assert (await store.gc(full=False))[1] == 0 and backend.listings == 1  # never listed yet
+    manifest, chunks = two_tensors()
+    await hold(store, chunks)
+    await store.commit(manifest, durable=True)
+    orphan = b"an earlier life's chunk"
+    digest = chunk_hash(orphan)
+    backend.put_chunk(digest, (frame_header(digest, len(orphan)), orphan))
+    await store._delete_manifest("m", 1)
+    store._promised.clear()
+    assert (await store.gc(full=False))[1] == len(chunks)  # this life's, without a listing
+    assert backend.listings == 1 and backend.has_chunk(digest)
+    assert (await store.gc())[1] == 1 and backend.listings == 2
+    assert list(backend.list_chunks()) == []
 
 
 async def test_a_retried_publish_gets_its_version_back_not_a_new_one(tmp_path):

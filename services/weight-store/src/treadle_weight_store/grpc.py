@@ -172,7 +172,7 @@ class WeightStoreServicer(weights_pb2_grpc.WeightStoreServicer):
             started = time.monotonic()
             try:
                 await self.store.settle()  # chunks still being written count as referenced
-                await self.store.gc()
+                await self.store.gc(full=False)  # the periodic one lists the backend
             except StoreError as exc:
                 log.error("gc after retention failed", error=str(exc))
             await asyncio.sleep(max(0.0, started + GC_MIN_INTERVAL_S - time.monotonic()))
