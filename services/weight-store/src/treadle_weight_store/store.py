@@ -25,8 +25,9 @@
   broken publish can resume) and chunks a publisher was told the store holds in the last
   `PROMISE_S` (it will not send them). The collection after each publish looks only at the
   chunks the store knows (listed by the last full collection, or written since); the periodic
-  one and an explicit request list the whole backend. Should a commit still name a chunk the store lacks, it
-  fails with `ChunksMissing` (ABORTED), which publishers retry: they ask again and send it.
+  one and an explicit request list the whole backend. Should a commit still name a chunk the
+  store lacks, it fails with `ChunksMissing` (ABORTED), which publishers retry: they ask
+  again and send it.
 - A publish is idempotent: its manifest's `metadata["publish_id"]` (the client sets a fresh
   one per publish and keeps it across retries) names the version it became, so a retry of a
   publish whose answer was lost gets that version back instead of a duplicate one.
