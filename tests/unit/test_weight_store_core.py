@@ -30,12 +30,12 @@ class GatedDisk(LocalBackend):
         self.gate = threading.Event()
         self.gate.set()
 
-    def put_chunk(self, digest, data):
+    def _stage_chunk(self, digest, data, sync):
         assert self.gate.wait(30)
         if self.budget == 0:
             raise OSError(errno.ENOSPC, "No space left on device")
         self.budget -= 1
-        super().put_chunk(digest, data)
+        return super()._stage_chunk(digest, data, sync)
 
 
 def two_tensors(value: float = 1.0):
@@ -250,9 +250,9 @@ class RecordingDisk(LocalBackend):
         super().__init__(root)
         self.order: list[str] = []
 
-    def put_chunk(self, digest, data):
-        super().put_chunk(digest, data)
-        self.order.append(digest)
+    def _place(self, tmp, path):
+        super()._place(tmp, path)
+        self.order.append(path.name)
 
 
 async def test_received_chunks_queue_for_the_writers_without_a_task_each(tmp_path):
@@ -283,10 +283,10 @@ class RefusingDisk(RecordingDisk):
         super().__init__(root)
         self.refused = refused
 
-    def put_chunk(self, digest, data):
+    def _stage_chunk(self, digest, data, sync):
         if digest == self.refused:
             raise Precondition(f"chunk {digest} refused")
-        super().put_chunk(digest, data)
+        return super()._stage_chunk(digest, data, sync)
 
 
 async def test_a_refused_chunk_fails_alone_and_the_writer_goes_on(tmp_path):
@@ -486,3 +486,15 @@ async def test_an_announcement_that_a_newer_one_overtook_is_not_sent():
         servicer._announce_when_durable(pb.WeightManifest(model="m", version=version))
     await servicer.drain()
     assert published == [2]
+
+
+def test_local_backend_stores_a_batch_together_and_a_failed_batch_leaves_no_temp_files(tmp_path):
+    good = {chunk_hash(b"x" * n): b"x" * n for n in (5, 6, 7)}
+    backend = RefusingDisk(tmp_path, refused="f" * 32)
+    backend.put_chunks([(d, (data,)) for d, data in good.items()])
+    assert backend.order == list(good)  # placed in order, after one syncfs of their data
+    assert {d: backend.get_chunk(d) for d in good} == good
+    with pytest.raises(Precondition):
+        backend.put_chunks([(chunk_hash(b"new"), (b"new",)), ("f" * 32, (b"refused",))])
+    assert not backend.has_chunk(chunk_hash(b"new"))  # nothing of the failed batch is placed
+    assert not list(tmp_path.glob("chunks/*/.tmp-*"))  # and no temp file is left behind

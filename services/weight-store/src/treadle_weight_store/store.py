@@ -76,6 +76,9 @@ MAX_CHUNK_BYTES = 16 * 2**20
 PROMISE_S = 300.0  # chunks reported present to a publisher survive GC this long
 MANIFEST_CACHE = 256
 IDEMPOTENCY_WINDOW = 16
+WRITE_BATCH_CHUNKS = 256
+WRITE_BATCH_BYTES = 64 * 2**20
+"""The most one writer takes from the queue for one backend call (made durable together)."""
 VERSION_BLOCK = 64
 """Version numbers reserved (durably) at a time: a crash skips at most this many."""
 """Versions a retried publish is looked for among (by its `publish_id`)."""
@@ -251,18 +254,49 @@ class WeightStore:
         return self._queue[0][1] + self.max_write_delay_s - time.monotonic()
 
     async def _write_loop(self) -> None:
-        """One writer: takes queued chunks in arrival order whenever `_may_write`."""
+        """One writer: takes the queued chunks (up to `WRITE_BATCH_CHUNKS` or about
+        `WRITE_BATCH_BYTES`) in arrival order whenever `_may_write`, and writes them in one
+        backend call."""
         while True:
             async with self._changed:
                 while not (self._queue and self._may_write()):
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(self._overdue() if self._queue else None):
                             await self._changed.wait()
-                digest, _ = self._queue.popleft()
+                batch, size = [], 0
+                while self._queue and len(batch) < WRITE_BATCH_CHUNKS and size < WRITE_BATCH_BYTES:
+                    digest, _ = self._queue.popleft()
+                    batch.append(digest)
+                    size += len(self._dirty[digest])
             try:
+                if len(batch) == 1:
+                    await self._write_chunk(batch[0], self._dirty[batch[0]])
+                else:
+                    await self._write_batch(batch)
+            except Exception:  # a bug past the chunks' own bookkeeping: keep writing the rest
+                log.exception("chunk writer failed", chunks=batch)
+
+    async def _write_batch(self, digests: list[str]) -> None:
+        """Several dirty chunks in one backend call (made durable together); should it fail,
+        each is written on its own (retried, and failing alone)."""
+        started = time.monotonic()
+        try:
+            items = [(d, (self._dirty[d],)) for d in digests]
+            await _io(self.backend.put_chunks, items, executor=self._writer)
+        except StoreError:
+            for digest in digests:
                 await self._write_chunk(digest, self._dirty[digest])
-            except Exception:  # a bug past the chunk's own bookkeeping: keep writing the rest
-                log.exception("chunk writer failed", chunk=digest)
+            return
+        if started > self._failed_at:
+            self.persist_error = None
+        now = time.time()
+        for digest in digests:
+            frame = self._dirty.pop(digest)
+            self._dirty_bytes -= len(frame)
+            self._known.setdefault(digest, (now, len(frame)))
+        async with self._changed:
+            self._changed.notify_all()
+        await self._write_manifests()
 
     async def _write_chunk(self, digest: str, frame: bytes) -> None:
         """Write one dirty chunk (retrying), then the manifests it was the last chunk of."""

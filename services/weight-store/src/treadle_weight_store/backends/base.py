@@ -39,6 +39,13 @@ class Backend(abc.ABC):
     def put_chunk(self, digest: str, parts: Sequence[bytes | memoryview]) -> None:
         """Store the concatenation of `parts` atomically (all bytes or none); idempotent."""
 
+    def put_chunks(self, items: Sequence[tuple[str, Sequence[bytes | memoryview]]]) -> None:
+        """`put_chunk` of each, in one call, so a backend can make them durable together;
+        should it fail, some may be stored and the rest not (the caller writes them again
+        one by one)."""
+        for digest, parts in items:
+            self.put_chunk(digest, parts)
+
     @abc.abstractmethod
     def get_chunk(self, digest: str) -> bytes:
         """The stored bytes; raise `NotFound` if absent."""
