@@ -263,7 +263,8 @@ class WeightStore:
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(self._overdue() if self._queue else None):
                             await self._changed.wait()
-                batch, size = [], 0
+                batch: list[str] = []
+                size = 0
                 while self._queue and len(batch) < WRITE_BATCH_CHUNKS and size < WRITE_BATCH_BYTES:
                     digest, _ = self._queue.popleft()
                     batch.append(digest)
