@@ -8,7 +8,7 @@
     GET  /v1/backlog                  work waiting in Redis, by model (KEDA scales rollout on it)
 
 Runs share this process's torch thread through one scheduling policy (`turns`: priority,
-then weighted fair share of step seconds; `treadle_common.scheduling`).
+then weighted fair share of step seconds, paced by weighted steps; `treadle_common.scheduling`).
 
 A run is owned by one trainer at a time, through a fenced lease (`run/lease.py`): created
 with SET NX, renewed by compare-and-PEXPIRE while the owner executes the run; an owner whose
