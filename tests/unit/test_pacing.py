@@ -77,7 +77,7 @@ async def run_for(turns: scheduling.FairTurns, claim, steps: int, cycle: float) 
 
 
 async def test_paced_turns_give_step_counts_by_weight_among_runs_that_keep_up():
-    pacing = Pacing(lead=2.0, min_window_s=1.0)
+    pacing = Pacing(lead=2.0, min_window_s=5.0)  # no run drops out, even on a loaded machine
     turns = scheduling.FairTurns(scheduling.WeightedFairShare(), pacing=pacing)
     claims = [scheduling.Claim("w2", 2.0), *(scheduling.Claim(f"w1-{i}") for i in range(3))]
     heavy = asyncio.create_task(run_for(turns, claims[0], 40, 0.002))
@@ -94,7 +94,7 @@ async def test_paced_turns_give_step_counts_by_weight_among_runs_that_keep_up():
 
 
 async def test_a_stalled_run_holds_the_others_back_for_a_window_at_most():
-    pacing = Pacing(lead=2.0, min_window_s=0.05)
+    pacing = Pacing(lead=2.0, min_window_s=0.5)  # long enough that it is held first
     turns = scheduling.FairTurns(scheduling.WeightedFairShare(), pacing=pacing)
     await run_for(turns, scheduling.Claim("stalls"), 1, 0.0)  # one turn, then nothing
     await asyncio.wait_for(run_for(turns, scheduling.Claim("goes-on"), 30, 0.001), 60)
