@@ -106,3 +106,51 @@ async def test_batch_path_over_nats_and_http_and_cache(service, infra):
     http = api_post(f"{replica.http}/v1/score:batch", json=body).json()["results"]
     assert [r["reward"] for r in http] == [1.0, 1.0]
     assert api_post(f"{replica.http}/v1/score:batch", json=[{"scorer": "nope"}]).status_code == 404
+
+
+async def test_one_replica_scores_requests_side_by_side_while_a_scorer_is_slow(service, infra):
+    """A replica handles each request in a task of its own: a judge that answers only once
+    three requests wait on it at once gets them from one replica (handled one at a time,
+    the first would wait on the judge alone, and all three time out)."""
+    import threading
+    import time
+
+    import uvicorn
+    from fastapi import FastAPI
+
+    from tests.conftest import free_port
+
+    app = FastAPI()
+    together = threading.Barrier(3, timeout=20)
+
+    @app.post("/v1/chat/completions")
+    def complete(body: dict) -> dict:  # sync: each request on a thread of its own
+        together.wait()  # BrokenBarrierError (a 500) unless three are here at once
+        return {"choices": [{"message": {"role": "assistant", "content": "Score: 7"}}]}
+
+    port = free_port()
+    judge = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=judge.run, daemon=True)
+    thread.start()
+    while not judge.started:
+        time.sleep(0.05)
+    try:
+        service(
+            "reward",
+            TREADLE_REWARD_CACHE_SIZE="0",
+            TREADLE_JUDGE_BASE_URL=f"http://127.0.0.1:{port}/v1",
+            TREADLE_JUDGE_MODEL="judge",
+        )
+        nc = await nats.connect(infra.nats_url)
+        client = RewardClient(nc, timeout_s=40)
+        results = await asyncio.gather(
+            *(
+                client.score(pb.ScoreRequest(scorer="llm_judge", task_json="{}", answer=str(i)))
+                for i in range(3)
+            )
+        )
+        await nc.close()
+        assert [(r.status, r.reward) for r in results] == [(pb.SCORE_STATUS_OK, 0.7)] * 3
+    finally:
+        judge.should_exit = True
+        thread.join(timeout=5)

@@ -34,6 +34,7 @@ async def build(settings: RewardSettings) -> Service:
         max_concurrency=settings.reward_max_concurrency,
         cache_size=settings.reward_cache_size,
         stage=runtime.progress.stage("score", liveness=True),
+        max_in_flight=settings.reward_max_in_flight,
     )
     runtime.set_info(lambda: {"scorers": sorted(scoring.scorers)})
 

@@ -11,6 +11,12 @@ class RewardSettings(Settings):
     """Concurrency, the score cache, extra scorer modules and the scorers that call out."""
 
     reward_max_concurrency: int = Field(64, ge=1, description="reward: requests per scorer at once")
+    reward_max_in_flight: int = Field(
+        256,
+        ge=1,
+        description="reward: requests one replica handles at once, all scorers together (past "
+        "it, NATS messages wait in the client)",
+    )
     reward_cpu_workers: int = Field(
         2,
         ge=0,

@@ -54,8 +54,11 @@ class ScoringService:
         max_concurrency: int = 64,
         cache_size: int = 10_000,
         stage: Stage | None = None,
+        max_in_flight: int = 256,
     ):
         self.scorers = scorers
+        self._admit = asyncio.Semaphore(max_in_flight)
+        self._tasks: set[asyncio.Task[None]] = set()
         self.stage = stage or Stage(SERVICE, "score")
         self.timeout_s = timeout_s
         self.slots = {name: asyncio.Semaphore(max_concurrency) for name in scorers}
@@ -195,10 +198,29 @@ class ScoringService:
             span.set_attribute("treadle.status", pb.ScoreStatus.Name(result.status))
         await msg.respond(result.SerializeToString())
 
+    async def dispatch(self, msg: Msg) -> None:
+        """Each request in a task of its own: nats-py runs a subscription's callbacks one at a
+        time, so one slow scorer held up every request behind it on the replica (and they
+        timed out). Past `max_in_flight` requests the subscription waits, and messages queue
+        in the client."""
+        await self._admit.acquire()
+        task = asyncio.create_task(self._handle_admitted(msg))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _handle_admitted(self, msg: Msg) -> None:
+        try:
+            await self.handle(msg)
+        except Exception:  # e.g. the reply could not be sent: the requester times out
+            log.exception("reward request failed", subject=msg.subject)
+        finally:
+            self._admit.release()
+
     async def subscribe(self, nc: NATS, ping_subject: str | None = None) -> None:
-        """Serve the scorers' subjects (queue group); answer `ping_subject` (this replica's
-        own, for its readiness check: the server routes requests to it)."""
-        await nc.subscribe(names.REWARD_WILDCARD, queue=names.REWARD_QUEUE, cb=self.handle)
+        """Serve the scorers' subjects (queue group), each request in a task of its own;
+        answer `ping_subject` (this replica's own, for its readiness check: the server routes
+        requests to it)."""
+        await nc.subscribe(names.REWARD_WILDCARD, queue=names.REWARD_QUEUE, cb=self.dispatch)
         if ping_subject is not None:
 
             async def pong(msg: Msg) -> None:
