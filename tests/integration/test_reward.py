@@ -154,3 +154,31 @@ async def test_one_replica_scores_requests_side_by_side_while_a_scorer_is_slow(s
     finally:
         judge.should_exit = True
         thread.join(timeout=5)
+
+
+async def test_a_timeout_is_asked_again_and_a_stalled_replica_that_resumes_answers(
+    service, infra
+):
+    """The only replica is frozen (SIGSTOP) when a request goes out: the first attempt times
+    out; the replica resumes during the next one, which it answers (a dropped trajectory
+    before: the first timeout was final)."""
+    import os
+    import signal
+
+    from treadle_common.clients import reward as reward_client
+
+    replica = service("reward", TREADLE_REWARD_CACHE_SIZE="0")
+    nc = await nats.connect(infra.nats_url)
+    client = reward_client.RewardClient(nc, timeout_s=2, attempts=4)
+    request = pb.ScoreRequest(scorer="exact_match", task_json='{"answer": "7"}', answer="7")
+    retried = reward_client.RETRIES._value.get()
+    os.kill(replica.proc.pid, signal.SIGSTOP)
+    try:
+        scoring = asyncio.create_task(client.score(request))
+        await asyncio.sleep(3)  # the first attempt (2 s) has timed out
+    finally:
+        os.kill(replica.proc.pid, signal.SIGCONT)
+    result = await scoring
+    await nc.close()
+    assert result.status == pb.SCORE_STATUS_OK and result.reward == 1.0, result
+    assert reward_client.RETRIES._value.get() > retried

@@ -2,8 +2,11 @@
 
 Failures come back as a `ScoreResult` with status TIMEOUT/ERROR and a message, never as a
 silent reward of 0. While no replica answers (restarting), a request is retried with backoff
-within its timeout. With `batch=True`, the `score` calls made in the same event-loop turn go
-as one `treadle.reward._batch` message (see `coalesce.py`).
+within its timeout. A timeout (no reply in `timeout_s`, or the scorer timed out on the
+replica) is asked again, up to `attempts` in all (counted in
+`treadle_reward_retries_total`): a busy or stalled replica costs the episode time, not its
+trajectory. With `batch=True`, the `score` calls made in the same event-loop turn go as one
+`treadle.reward._batch` message (see `coalesce.py`).
 """
 
 from __future__ import annotations
@@ -18,17 +21,21 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
+from prometheus_client import Counter
 
 from treadle_common import names, tracing
 from treadle_common.clients.coalesce import Coalescer, Pending
 from treadle_common.proto.treadle.v1 import reward_pb2 as pb
 
+RETRIES = Counter("treadle_reward_retries_total", "Reward requests asked again after a timeout")
+
 
 class RewardClient:
-    def __init__(self, nc: NATS, timeout_s: float = 30.0, batch: bool = False):
+    def __init__(self, nc: NATS, timeout_s: float = 30.0, batch: bool = False, attempts: int = 3):
         self.nc = nc
         self.timeout_s = timeout_s
         self.batch = batch
+        self.attempts = max(1, attempts)
         self._batches: Coalescer[pb.ScoreRequest, pb.ScoreResult] = Coalescer(self._send)
 
     async def _send(self, _key: Hashable, items: Pending) -> None:
@@ -57,6 +64,17 @@ class RewardClient:
     async def score(self, request: pb.ScoreRequest) -> pb.ScoreResult:
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
+        delay = 0.2
+        for attempt in range(1, self.attempts + 1):
+            result = await self._score_once(request)
+            if result.status != pb.SCORE_STATUS_TIMEOUT or attempt == self.attempts:
+                return result
+            RETRIES.inc()
+            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+            delay = min(delay * 2, 2.0)
+        raise AssertionError("unreachable")
+
+    async def _score_once(self, request: pb.ScoreRequest) -> pb.ScoreResult:
         if self.batch:  # each request of the batch keeps its episode's trace
             tracing.inject_proto(request.trace)
             return await self._batches.submit(None, request)
@@ -78,11 +96,14 @@ class RewardClient:
         batch = pb.ScoreBatchRequest(requests=requests)
         try:
             reply = await self._request(names.REWARD_BATCH_SUBJECT, batch.SerializeToString())
-        except (NoRespondersError, NatsTimeout) as exc:
+        except NoRespondersError:
             return [
-                _failed(r, pb.SCORE_STATUS_ERROR, f"batch scoring failed: {type(exc).__name__}")
+                _failed(r, pb.SCORE_STATUS_ERROR, "no reward replica serves batches")
                 for r in requests
             ]
+        except NatsTimeout:
+            message = f"no reply to the batch in {self.timeout_s}s"
+            return [_failed(r, pb.SCORE_STATUS_TIMEOUT, message) for r in requests]
         return list(pb.ScoreBatchResult.FromString(reply.data).results)
 
 
