@@ -156,9 +156,7 @@ async def test_one_replica_scores_requests_side_by_side_while_a_scorer_is_slow(s
         thread.join(timeout=5)
 
 
-async def test_a_timeout_is_asked_again_and_a_stalled_replica_that_resumes_answers(
-    service, infra
-):
+async def test_a_timeout_is_asked_again_and_a_stalled_replica_that_resumes_answers(service, infra):
     """The only replica is frozen (SIGSTOP) when a request goes out: the first attempt times
     out; the replica resumes during the next one, which it answers (a dropped trajectory
     before: the first timeout was final)."""
