@@ -72,6 +72,26 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
+@contextlib.contextmanager
+def serving(app) -> Iterator[str]:
+    """An ASGI app served by uvicorn on a free port, in a thread: its base URL."""
+    import threading
+
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=5)
+
+
 def free_ports(n: int) -> list[int]:
     """`n` consecutive free ports below the kernel's ephemeral range (`free_port_range`): no
     outgoing connection can take one between this check and the server binding it, which

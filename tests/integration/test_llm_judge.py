@@ -1,14 +1,10 @@
 """`llm_judge` against a local fake OpenAI-compatible server (a real HTTP server on a free
 port, started by the test; no network)."""
 
-import threading
-import time
-
 import pytest
-import uvicorn
 from fastapi import FastAPI
 
-from tests.conftest import free_port
+from tests.conftest import serving
 from treadle_reward.scorers.base import ScoreInput
 from treadle_reward.scorers.llm_judge import LLMJudge
 
@@ -31,15 +27,8 @@ def fake_openai():
         )
         return {"choices": [{"message": {"role": "assistant", "content": content}}]}
 
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}/v1", seen
-    server.should_exit = True
-    thread.join(timeout=5)
+    with serving(app) as url:
+        yield f"{url}/v1", seen
 
 
 async def test_judge_scores_good_and_bad_answers(fake_openai):

@@ -113,12 +113,10 @@ async def test_one_replica_scores_requests_side_by_side_while_a_scorer_is_slow(s
     three requests wait on it at once gets them from one replica (handled one at a time,
     the first would wait on the judge alone, and all three time out)."""
     import threading
-    import time
 
-    import uvicorn
     from fastapi import FastAPI
 
-    from tests.conftest import free_port
+    from tests.conftest import serving
 
     app = FastAPI()
     together = threading.Barrier(3, timeout=20)
@@ -128,17 +126,11 @@ async def test_one_replica_scores_requests_side_by_side_while_a_scorer_is_slow(s
         together.wait()  # BrokenBarrierError (a 500) unless three are here at once
         return {"choices": [{"message": {"role": "assistant", "content": "Score: 7"}}]}
 
-    port = free_port()
-    judge = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=judge.run, daemon=True)
-    thread.start()
-    while not judge.started:
-        time.sleep(0.05)
-    try:
+    with serving(app) as url:
         service(
             "reward",
             TREADLE_REWARD_CACHE_SIZE="0",
-            TREADLE_JUDGE_BASE_URL=f"http://127.0.0.1:{port}/v1",
+            TREADLE_JUDGE_BASE_URL=f"{url}/v1",
             TREADLE_JUDGE_MODEL="judge",
         )
         nc = await nats.connect(infra.nats_url)
@@ -151,9 +143,6 @@ async def test_one_replica_scores_requests_side_by_side_while_a_scorer_is_slow(s
         )
         await nc.close()
         assert [(r.status, r.reward) for r in results] == [(pb.SCORE_STATUS_OK, 0.7)] * 3
-    finally:
-        judge.should_exit = True
-        thread.join(timeout=5)
 
 
 async def test_a_timeout_is_asked_again_and_a_stalled_replica_that_resumes_answers(service, infra):
