@@ -33,7 +33,6 @@ GAP_SMOOTHING = 0.2
 
 @dataclass
 class _Run:
-    weight: float
     priority: int
     units: float = 0.0
     """Turns granted / weight, from the level it joined at."""
@@ -88,13 +87,13 @@ class Pacing:
             peers = self._peers(claim.run_id, claim.priority, now, window)
             level = min((p.units for p in peers), default=0.0)
             if run is None:
-                run = self._runs[claim.run_id] = _Run(claim.weight, claim.priority, level)
+                run = self._runs[claim.run_id] = _Run(claim.priority, level)
             else:
                 run.units = max(run.units, level)
         elif not run.busy:
             gap = now - run.last_end
             run.gap = gap if run.gap is None else run.gap + GAP_SMOOTHING * (gap - run.gap)
-        run.weight, run.priority = claim.weight, claim.priority
+        run.priority = claim.priority
         run.busy += 1
 
     def hold(self, claim: Claim) -> float | None:

@@ -182,11 +182,11 @@ class FairTurns:
             claim, future = self._waiting.pop(index)
             self._held += 1
             self.granted[claim.run_id] = self.granted.get(claim.run_id, 0) + 1
-            since = self._held_since.pop(future, None)
-            if since is not None:
-                held = self.pacing.clock() - since if self.pacing else 0.0
-                self.held_s[claim.run_id] = self.held_s.get(claim.run_id, 0.0) + held
-            if self.pacing is not None:
+            if self.pacing is not None:  # only pacing holds a claim back
+                since = self._held_since.pop(future, None)
+                if since is not None:
+                    held = self.pacing.clock() - since
+                    self.held_s[claim.run_id] = self.held_s.get(claim.run_id, 0.0) + held
                 self.pacing.granted(claim)
             future.set_result(None)
 
