@@ -445,7 +445,7 @@ async def test_a_tenant_reaches_only_its_own_openai_sessions_and_runs(tenants, r
         refused = {
             "continue": b.post("/v1/chat/completions", json=chat, headers=header),
             "read": b.get(f"/v1/sessions/{sid}"),
-            "finish": b.post(f"/v1/sessions/{sid}/finish", json={"run_id": b_run, "scorer": "s"}),
+            "finish": b.post(f"/v1/sessions/{sid}/finish", json={}),
             "delete": b.delete(f"/v1/sessions/{sid}"),
             # a's own session, but into b's run: b's trajectories are b's alone
             "into another's run": a_trainer.post(

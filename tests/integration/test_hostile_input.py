@@ -25,6 +25,7 @@ from treadle_common.weights_export import write_hf
 pytestmark = pytest.mark.integration
 JSON = {"content-type": "application/json"}
 TOKENS_ROLLOUT = auth.bearer(TOKENS["rollout"])
+SESSION = "X-Treadle-Session"
 
 
 @pytest.fixture(scope="module")
@@ -267,7 +268,7 @@ def test_a_recorded_session_finishes_only_into_an_active_run_and_never_self_grad
         assert made.status_code == 200, made.text
         finish = "/v1/sessions/s1/finish"
         self_graded = client.post(finish, json={"run_id": "somerun", "reward": 1.0}, headers=agent)
-        assert self_graded.status_code == 403 and "scorer" in self_graded.text
+        assert self_graded.status_code == 403 and "only says" in self_graded.text
         for run in ("a:b", "../x", "UPPER"):
             answer = client.post(finish, json={"run_id": run, "reward": 1.0}, headers=ADMIN)
             assert answer.status_code in (400, 422) and "run_id" in answer.text, answer.text
@@ -275,6 +276,56 @@ def test_a_recorded_session_finishes_only_into_an_active_run_and_never_self_grad
         assert inactive.status_code == 404 and "no active run" in inactive.text
         assert client.get("/v1/sessions/s1", headers=agent).status_code == 200  # still there
         assert client.get("/v1/sessions/a..b", headers=agent).status_code == 422
+
+
+async def test_an_agent_is_judged_only_against_the_task_its_trainer_issued(hostile, redis_client):
+    """An agent that names the scorer and a task whose answer is its own reply would score 1;
+    it may only say "done", on a session a trainer opened against a task (`POST
+    /v1/sessions`), and is judged against that task, once."""
+    agent, trainer = auth.bearer(TOKENS["agent"]), auth.bearer(TOKENS["trainer"])
+    run = f"judged-{uuid.uuid4().hex[:8]}"
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    await redis_client.sadd(names.RUNS_KEY, run)
+    try:
+        async with httpx.AsyncClient(base_url=hostile["rollout"].http, timeout=60) as client:
+
+            async def play(sid: str) -> str:
+                said = await client.post(
+                    "/v1/chat/completions", json=chat, headers={**agent, SESSION: sid}
+                )
+                assert said.status_code == 200, said.text
+                return said.json()["choices"][0]["message"]["content"]
+
+            mine = f"own-{uuid.uuid4().hex[:6]}"
+            reply = await play(mine)
+            own_answer = {"scorer": "exact_match", "task_json": json.dumps({"answer": reply})}
+            for body in ({"run_id": run, **own_answer}, {"run_id": run}, {}):
+                graded = await client.post(f"/v1/sessions/{mine}/finish", json=body, headers=agent)
+                assert graded.status_code == 403, (body, graded.text)
+            assert await redis_client.xlen(names.trajectories_stream(run)) == 0
+            secret = json.dumps({"answer": uuid.uuid4().hex})
+            task = {"run_id": run, "scorer": "exact_match", "task_json": secret}
+            assert (await client.post("/v1/sessions", json=task, headers=agent)).status_code == 403
+            opened = await client.post("/v1/sessions", json=task, headers=trainer)
+            assert opened.status_code == 201, opened.text
+            sid = opened.json()["session_id"]
+            await play(sid)
+            finish = f"/v1/sessions/{sid}/finish"
+            swapped = await client.post(finish, json=own_answer, headers=agent)
+            assert swapped.status_code == 403, swapped.text
+            done = await client.post(finish, json={}, headers=agent)
+            assert done.status_code == 200, done.text
+            assert done.json()["reward"] == 0.0  # judged against the issued answer, not its reply
+            again = await client.post(finish, json={}, headers=agent)
+            assert again.status_code in (403, 404)
+            assert await redis_client.xlen(names.trajectories_stream(run)) == 1
+            taken = await client.post(
+                "/v1/sessions", json={**task, "session_id": mine}, headers=trainer
+            )
+            assert taken.status_code == 409  # an agent's own session is not bound after the fact
+    finally:
+        await redis_client.srem(names.RUNS_KEY, run)
+        await redis_client.delete(names.trajectories_stream(run))
 
 
 def test_bodies_past_the_cap_are_refused_before_parsing(hostile):

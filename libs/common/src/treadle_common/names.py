@@ -115,6 +115,12 @@ def run_owner(run: str) -> str:
     return f"treadle:{run}:owner"
 
 
+def issued_session(session_id: str) -> str:
+    """An agent session a trusted caller opened against a task: its run, task, scorer and
+    group as JSON (`treadle_rollout.issued`), read when the agent says it is done; expires."""
+    return f"treadle:sessions:{session_id}"
+
+
 def run_keys(run: str) -> list[str]:
     """Every Redis key a run leaves behind (expired `trainer_run_retention_s` after its end;
     `treadle runs gc` deletes them)."""

@@ -49,7 +49,7 @@ from treadle_common import auth, fleet, names
 from treadle_common.clients import streams
 from treadle_common.proto.treadle.v1 import reward_pb2
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
-from treadle_rollout import metrics, tool_calls
+from treadle_rollout import issued, metrics, tool_calls
 from treadle_rollout.engines.base import ContextOverflow, Engine, Generation, Sampling
 from treadle_rollout.gate import Busy, RequestGate
 from treadle_rollout.openai_types import (
@@ -78,21 +78,26 @@ def _json_error(exc: OpenAIError) -> JSONResponse:
 
 
 class FinishSession(BaseModel):
+    """`POST /v1/sessions/{id}/finish`. A session opened with `POST /v1/sessions` is finished
+    with an empty body (what it is judged against was set then); the `agent` role may finish
+    only such a session. A trusted caller may finish any other naming all of it."""
+
     model_config = ConfigDict(extra="forbid")
-    run_id: str = Field(
+    run_id: str | None = Field(
+        None,
         pattern=names.ID_PATTERN,
         description="Active run whose trajectory stream receives it (names.ID_PATTERN)",
     )
     reward: float | None = Field(
-        None,
-        allow_inf_nan=False,
-        description="The reward, if the caller computed it (not the `agent` role: an agent "
-        "does not grade itself; it names a scorer)",
+        None, allow_inf_nan=False, description="The reward, if the caller computed it"
     )
     scorer: str | None = Field(None, description="Or: a reward-service scorer to ask")
-    task_json: str = Field("{}", description="Task payload passed to the scorer")
+    task_json: str | None = Field(None, description="Task payload passed to the scorer")
     group_id: str | None = Field(None, description="GRPO group (defaults to the session id)")
     task_id: str | None = None
+
+    def names_anything(self) -> bool:
+        return any(v is not None for v in self.model_dump().values())
 
 
 @dataclass(frozen=True)
@@ -684,18 +689,16 @@ class OpenAIFrontend:
         self, session_id: str, body: FinishSession, role: auth.Role | None = None
     ) -> dict:
         """Turn a recorded session into a trajectory in `treadle:{run}:trajectories` of an
-        active run. `role`: the caller's; an `agent` must name a scorer, not a reward."""
-        if body.reward is None and not body.scorer:
-            raise OpenAIError(400, "give a reward or a scorer", param="reward")
-        if body.reward is not None and role is auth.Role.agent:
-            raise OpenAIError(
-                403, "the agent role may not set its own reward: name a scorer", param="reward"
-            )
+        active run. `role`: the caller's; an `agent` says only that it is done, on a session
+        issued against a task (`issued.py`)."""
         if self.redis is None:
             raise OpenAIError(503, "this replica has no Redis connection", type_="server_error")
+        session = self.recorder.get(session_id)  # its tenant's alone
+        bound = await issued.lookup(self.redis, session_id)
+        body = _judged_by(session_id, body, bound, role)
+        assert body.run_id is not None
         if not await self.redis.sismember(names.RUNS_KEY, body.run_id):
             raise OpenAIError(404, f"no active run {body.run_id!r}", param="run_id")
-        session = self.recorder.get(session_id)
         run_tenant = await fleet.tenant_of(self.redis, body.run_id)
         if run_tenant is not None and not auth.caller().may_see(run_tenant):
             raise OpenAIError(403, f"run {body.run_id!r} belongs to another tenant", param="run_id")
@@ -719,6 +722,7 @@ class OpenAIFrontend:
             async with self.redis.pipeline(transaction=True) as pipe:
                 await streams.add(pipe, names.trajectories_stream(body.run_id), traj)
                 pipe.hincrby(names.run_state(body.run_id), "trajectories_produced", 1)
+                pipe.delete(names.issued_session(session_id))  # judged once
                 await pipe.execute()
             del self.recorder.sessions[session_id]
         return {
@@ -729,11 +733,27 @@ class OpenAIFrontend:
             "reward": traj.reward,
         }
 
+    async def issue(self, req: issued.OpenSession) -> dict:
+        """Open an agent's session against a task of an active run (`issued.py`)."""
+        if self.redis is None:
+            raise OpenAIError(503, "this replica has no Redis connection", type_="server_error")
+        if not await self.redis.sismember(names.RUNS_KEY, req.run_id):
+            raise OpenAIError(404, f"no active run {req.run_id!r}", param="run_id")
+        run_tenant = await fleet.tenant_of(self.redis, req.run_id)
+        if run_tenant is not None and not auth.caller().may_see(run_tenant):
+            raise OpenAIError(403, f"run {req.run_id!r} belongs to another tenant", param="run_id")
+        sid, bound = issued.binding(req)
+        if sid in self.recorder.sessions or not await issued.store(
+            self.redis, sid, bound, req.ttl_s
+        ):
+            raise OpenAIError(409, f"session {sid!r} exists", param="session_id")
+        return {"session_id": sid, "run_id": req.run_id, "expires_in_s": req.ttl_s}
+
     async def _score(self, body: FinishSession, t: Transcript) -> float:
         if self.reward is None:
             raise OpenAIError(503, "this replica has no reward client", type_="server_error")
         assert body.scorer is not None
-        result = await self.reward.score(t.score_request(body.scorer, body.task_json))
+        result = await self.reward.score(t.score_request(body.scorer, body.task_json or "{}"))
         if result.status != reward_pb2.SCORE_STATUS_OK:
             raise OpenAIError(
                 502,
@@ -802,6 +822,40 @@ class OpenAIFrontend:
             "versions": sorted({v for v in t.versions if v >= 0}),
             "messages": t.messages,
         }
+
+
+def _judged_by(
+    session_id: str, body: FinishSession, bound: issued.Issued | None, role: auth.Role | None
+) -> FinishSession:
+    """What `session_id` is judged against: its issued binding, or (a trusted caller's
+    session that was not issued) what the body names. An agent names nothing."""
+    if role is auth.Role.agent and body.names_anything():
+        raise OpenAIError(
+            403,
+            "an agent only says a session is done (an empty body): its run, task, scorer and "
+            "group were set when the session was opened (POST /v1/sessions)",
+            code="permission_denied",
+        )
+    if bound is not None:
+        if body.names_anything():
+            raise OpenAIError(
+                400, f"session {session_id!r} was issued against a task: finish it with {{}}"
+            )
+        return FinishSession(**bound.model_dump())
+    if role is auth.Role.agent:
+        raise OpenAIError(
+            403,
+            f"session {session_id!r} was not issued against a task: an agent finishes only "
+            "sessions its trainer opened (POST /v1/sessions)",
+            code="permission_denied",
+        )
+    if body.run_id is None:
+        raise OpenAIError(
+            400, "name the run_id (or open the session against a task)", param="run_id"
+        )
+    if body.reward is None and not body.scorer:
+        raise OpenAIError(400, "give a reward or a scorer", param="reward")
+    return body
 
 
 def _invalid(errors: Sequence[Any], skip: int = 0) -> OpenAIError:
@@ -1055,6 +1109,10 @@ def mount(app: FastAPI, frontend: OpenAIFrontend) -> None:
     async def completions(req: CompletionRequest) -> Any:
         REQUEST_TENANT.set(auth.caller().tenant)
         return _respond(await frontend.completions(req))
+
+    @router.post("/v1/sessions", openapi_extra=auth.roles(auth.TRAINER), status_code=201)
+    async def open_session(req: issued.OpenSession) -> dict:
+        return await frontend.issue(req)
 
     @router.get("/v1/sessions/{session_id}", openapi_extra=auth.roles(auth.AGENT))
     async def session_info(session_id: SessionId) -> dict:
