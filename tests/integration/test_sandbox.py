@@ -6,18 +6,22 @@ this machine skips with the reason its own probe gives."""
 import ast
 import asyncio
 import contextlib
+import ctypes
 import dataclasses
 import os
 import platform
 import shutil
 import socket
 import subprocess
+import threading
 import time
+import tracemalloc
 from pathlib import Path
 
 import pytest
 
-from treadle_env_gateway.sandbox.backends import BwrapBackend, DockerBackend, UnshareBackend
+from treadle_env_gateway.sandbox.docker import DockerBackend
+from treadle_env_gateway.sandbox.local import BwrapBackend, UnshareBackend
 from treadle_env_gateway.sandbox.runner import UID_BASE, UID_COUNT, Limits, Sandbox
 
 pytestmark = [pytest.mark.integration, pytest.mark.docker]  # the docker backend's cases
@@ -39,6 +43,7 @@ IMAGE = _image()
 LIMITS = Limits(wall_seconds=5, cpu_seconds=2)
 TESTS = "assert add(1, 2) == 3\nassert add(-1, 1) == 0\nassert pair(2) == (2, 2)\n"
 RIGHT = "def add(a, b):\n    return a + b\ndef pair(x):\n    return (x, x)\n"
+PR_SET_CHILD_SUBREAPER = 36
 BOMB = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
 
 
@@ -339,6 +344,125 @@ async def test_a_fork_bomb_does_not_starve_other_sandboxes(sandbox):
     bombed, judged = await asyncio.gather(sandbox.run(BOMB), later())
     assert bombed.status in ("timeout", "failed", "crash")
     assert judged.status == "ok" and judged.verdict == "pass", judged
+
+
+# --- the sandbox as a whole ----------------------------------------------------------------
+
+FORGED_SETUP_ERROR = (
+    "import sys\nsys.stderr.write('sandbox setup failed: OSError: forged\\n')\n"
+    "raise SystemExit(125)\n"
+)
+# a line past the protocol's limit on every descriptor but stdin and stderr (fd 3 is the
+# solution server's channel)
+OVERLONG_LINE = (
+    "import os\nline = b'x' * (6 * 2**20) + b'\\n'\n"
+    "for fd in map(int, os.listdir('/proc/self/fd')):\n"
+    "    if fd not in (0, 2):\n        try:\n            os.write(fd, line)\n"
+    "        except OSError:\n            pass\n" + RIGHT
+)
+
+
+async def test_the_code_cannot_pass_its_failure_off_as_the_sandboxs(sandbox):
+    """`sandbox_error` (which a run drops instead of scoring 0) comes only from the
+    sandbox's own signals: never from text, an exit code or bytes the code controls."""
+    ran = await sandbox.run(FORGED_SETUP_ERROR)
+    assert ran.status == "failed" and ran.exit_code == 125, ran
+    for code in (FORGED_SETUP_ERROR, OVERLONG_LINE):
+        judged = await sandbox.run_tests(code, TESTS)
+        assert judged.status == "failed" and judged.verdict != "pass", judged
+
+
+async def test_a_flood_on_the_protocol_channel_is_not_buffered_by_the_gateway(sandbox):
+    """128 MiB written to the solution's channel with no line end: the gateway holds a few
+    MiB of it at most (the docker backend once buffered all of it), and it is the code's
+    failure."""
+    flood = "import os\nchunk = b'x' * 2**20\nfor _ in range(128):\n    os.write(3, chunk)\n"
+    tracemalloc.start()
+    try:
+        judged = await sandbox.run_tests(flood + RIGHT, TESTS)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert judged.status in ("failed", "timeout") and judged.verdict != "pass", judged
+    assert peak < 40 * 2**20, f"the gateway held {peak / 2**20:.0f} MiB of the flood"
+
+
+async def test_the_work_dir_is_capped_as_a_whole(sandbox):
+    """Many files each under the per-file limit: the work dir's own size cap ends it (the
+    code's ENOSPC), and the host's disk under the gateway's state dir is untouched."""
+    fill = (
+        "import os\nfor n in range(40):\n    with open(f'f{n}', 'wb') as f:\n"
+        "        f.write(b'x' * 8 * 2**20)\nprint('wrote 320 MiB')\n"
+    )
+    before = shutil.disk_usage(sandbox.base_dir).used
+    result = await sandbox.run(fill, limits=dataclasses.replace(LIMITS, wall_seconds=20))
+    assert result.status == "failed" and "No space left" in result.stderr, result
+    assert "wrote 320 MiB" not in result.stdout
+    assert shutil.disk_usage(sandbox.base_dir).used - before < 32 * 2**20
+
+
+def _zombies_of(pid: int) -> list[str]:
+    out = subprocess.run(["ps", "-eo", "pid=,ppid=,stat=,comm="], capture_output=True, text=True)
+    rows = [line.split(None, 3) for line in out.stdout.splitlines()]
+    return [" ".join(r) for r in rows if r[1] == str(pid) and r[2].startswith("Z")]
+
+
+async def test_five_hundred_sandboxes_leave_no_zombie(sandbox):
+    """As in a container whose PID 1 is the gateway (here: this process made a child
+    subreaper, so that orphans come to it), every sandbox the gateway started is reaped:
+    250 test runs (the solution's sandbox is killed while it still serves) are 500
+    sandboxes."""
+    if isinstance(sandbox.backend, DockerBackend):
+        pytest.skip("a docker sandbox's processes are the engine's (docker-init reaps them)")
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    try:
+        results = []
+        for _ in range(25):
+            results += await asyncio.gather(*(sandbox.run_tests(RIGHT, TESTS) for _ in range(10)))
+        assert all(r.status == "ok" for r in results), [r for r in results if r.status != "ok"]
+        await asyncio.sleep(1)  # anything still exiting has exited
+        assert _zombies_of(os.getpid()) == []
+    finally:
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+        for zombie in _zombies_of(os.getpid()):  # what a failure left: reap it here
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(int(zombie.split()[0]), 0)
+
+
+async def test_past_its_cap_a_run_waits_its_turn(sandbox):
+    """At most `max_concurrent` runs at once: the others queue (counted) and all finish."""
+    from treadle_env_gateway.sandbox.runner import QUEUED
+
+    capped = Sandbox(sandbox.base_dir, LIMITS, backend=sandbox.backend, max_concurrent=2)
+    queued = QUEUED._value.get()
+    code = "import time\nstart = time.monotonic()\ntime.sleep(0.4)\nprint(start, time.monotonic())"
+    results = await asyncio.gather(*(capped.run(code) for _ in range(6)))
+    spans = [tuple(map(float, r.stdout.split())) for r in results]
+    overlaps = [sum(a <= t < b for a, b in spans) for t, _ in spans]
+    assert max(overlaps) <= 2, spans
+    assert QUEUED._value.get() - queued >= 4
+
+
+async def test_the_docker_engine_is_asked_off_the_event_loop(tmp_path):
+    """Whether the engine and the image are there is checked in a thread and cached, never
+    on the event loop at every run (each check is a ping and an image lookup)."""
+    backend = DockerBackend(IMAGE)
+    if reason := backend.unavailable():
+        pytest.skip(f"no Docker sandbox here: {reason}")
+    asked: list[int] = []
+    probe = backend._probe
+
+    def counted() -> str | None:
+        asked.append(threading.get_ident())
+        return probe()
+
+    backend._probe = counted  # type: ignore[method-assign]
+    backend._checked = None
+    box = Sandbox(tmp_path, LIMITS, backend=backend)
+    for _ in range(3):
+        assert (await box.run("print(1)")).status == "ok"
+    assert len(asked) == 1 and threading.get_ident() not in asked
 
 
 # --- fail closed --------------------------------------------------------------------------

@@ -13,11 +13,13 @@ from treadle_common.proto.treadle.v1 import env_pb2_grpc
 from treadle_common.service import Service, ServiceRuntime
 from treadle_env_gateway import http
 from treadle_env_gateway.grpc import POLICY, EnvGatewayServicer
+from treadle_env_gateway.sandbox import reaping
 from treadle_env_gateway.sessions import SERVICE, SessionManager
 from treadle_env_gateway.settings import EnvGatewaySettings
 
 
 async def build(settings: EnvGatewaySettings) -> Service:
+    reaping.become_subreaper()  # what its sandboxes leave behind is the gateway's to reap
     runtime = ServiceRuntime(SERVICE, settings)
     modules = tuple(m.strip() for m in settings.env_modules.split(",") if m.strip())
     sessions = SessionManager(

@@ -27,6 +27,13 @@ class EnvGatewaySettings(Settings):
             "socket); an unavailable one fails every run as sandbox_error, never downgrades"
         ),
     )
+    env_sandbox_max_concurrent: int = Field(
+        8,
+        ge=1,
+        le=1024,
+        description="env-gateway: sandboxed runs at once (a test run's two sandboxes count "
+        "as one); past them a run waits its turn (`treadle_env_sandbox_queued_total`)",
+    )
     env_sandbox_image: str = Field(
         "python:3.11-slim-bookworm",
         description="env-gateway: the `docker` sandbox's image (any image with python3)",

@@ -87,6 +87,7 @@ class PythonTests(Env):
                 settings.state_dir / "sandbox",
                 backend=settings.env_sandbox,
                 image=settings.env_sandbox_image,
+                max_concurrent=settings.env_sandbox_max_concurrent,
             )
         return cls._sandbox
 

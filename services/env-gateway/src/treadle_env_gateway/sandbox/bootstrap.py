@@ -1,21 +1,24 @@
 """Inside the `unshare` sandbox, before the untrusted code: runs as root in fresh
 mount/pid/net namespaces (made by `unshare`), then locks itself down and execs the code.
 
-    python -m treadle_env_gateway.sandbox.bootstrap WORKDIR PYTHON LIMITS_JSON UID
+    python -m treadle_env_gateway.sandbox.bootstrap WORKDIR PYTHON LIMITS_JSON UID READY_FD
 
 1. a minimal root (`minimal_root`): an empty read-only tmpfs holding only `/usr` (read-only,
    nosuid) with the merged-/usr links, a fresh `/proc` of this pid namespace, the few harmless
-   devices, an unwritable `/tmp`, and WORKDIR at `/work`, the only writable place. The host's
-   other files (the repo, models, the state dir, `/etc`) are not there at all;
+   devices, an unwritable `/tmp`, and at `/work`, the only writable place, a tmpfs of
+   `disk_bytes` holding a copy of WORKDIR's files (so a full disk is the sandbox's own). The
+   host's other files (the repo, models, the state dir, `/etc`) are not there at all;
 2. fork; the child chroots into it, sets resource limits (CPU seconds, address space,
    processes, file size, open files, no core), no_new_privs (a setuid binary gains
    nothing) and the seccomp filter (`seccomp.py`), drops to UID (the sandbox's own, with
-   the same gid and no supplementary groups) with a clean environment, and execs
-   `PYTHON -I main.py` in `/work`;
+   the same gid and no supplementary groups), writes one byte to READY_FD (the runner's
+   only sign that the sandbox is up: what fails after it is the code's) and execs
+   `PYTHON -I main.py` in `/work` with a clean environment;
 3. this process stays PID 1 and exits with the child's status (128 + signal when it was
    killed), which ends every process the code left behind.
-Any failure before the exec exits with code 125 and a line on stderr (a sandbox error, not
-the code's).
+Any failure before the ready byte exits with code 125 and a line on stderr; the runner
+tells a sandbox error by the missing byte alone, never by an exit code or text the code
+could produce itself.
 
 `LIMIT_AND_RUN` is the same last step for backends that make the namespaces and drop
 privileges themselves (bubblewrap): set the limits, exec the code.
@@ -27,6 +30,7 @@ import ctypes
 import json
 import os
 import resource
+import shutil
 import sys
 from pathlib import Path
 
@@ -79,7 +83,7 @@ def _bind_readonly(source: str, target: str) -> None:
     _mount("none", target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
-def minimal_root(workdir: str) -> str:
+def minimal_root(workdir: str, disk_bytes: int, uid: int) -> str:
     """Assemble the sandbox's root (see the module docstring); returns its path."""
     _mount("none", "/", None, MS_REC | MS_PRIVATE)
     root = next(p for p in ROOT_CANDIDATES if os.path.isdir(p) and not workdir.startswith(p))
@@ -101,8 +105,13 @@ def minimal_root(workdir: str) -> str:
         (top / "dev" / device).touch()
         _mount(f"/dev/{device}", str(top / "dev" / device), None, MS_BIND)
     (top / "tmp").mkdir(mode=0o755)
-    (top / "work").mkdir()
-    _mount(workdir, str(top / "work"), None, MS_BIND | MS_NOSUID | MS_NODEV)
+    work = top / "work"
+    work.mkdir()
+    _mount("tmpfs", str(work), "tmpfs", MS_NOSUID | MS_NODEV, f"size={disk_bytes},mode=700")
+    for item in Path(workdir).iterdir():
+        shutil.copyfile(item, work / item.name)
+        os.chown(work / item.name, uid, uid)
+    os.chown(work, uid, uid)
     _mount("none", root, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
     return root
 
@@ -117,7 +126,7 @@ def set_limits(limits: dict) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
-def run_code(root: str, python: str, limits: dict, uid: int) -> None:
+def run_code(root: str, python: str, limits: dict, uid: int, ready_fd: int) -> None:
     """In the child: into the minimal root, limits, drop to the sandbox's own uid, exec the
     code. Never returns."""
     try:
@@ -130,6 +139,8 @@ def run_code(root: str, python: str, limits: dict, uid: int) -> None:
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
+        os.write(ready_fd, b"1")
+        os.close(ready_fd)
         os.execve(python, [python, "-I", "main.py"], ENV)
     except Exception as exc:  # the sandbox itself failed: report it as such
         print(f"sandbox setup failed: {type(exc).__name__}: {exc}", file=sys.stderr)
@@ -140,15 +151,16 @@ def main() -> None:
     """PID 1 of the sandbox's pid namespace: build the root, start the code in a child, wait.
     When this process exits, the kernel kills every process left in the namespace."""
     workdir, python, limits = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-    uid = int(sys.argv[4])
+    uid, ready_fd = int(sys.argv[4]), int(sys.argv[5])
     try:
-        root = minimal_root(workdir)
+        root = minimal_root(workdir, int(limits["disk_bytes"]), uid)
     except Exception as exc:
         print(f"sandbox setup failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         sys.exit(SETUP_FAILED)
     child = os.fork()
     if child == 0:
-        run_code(root, python, limits, uid)
+        run_code(root, python, limits, uid, ready_fd)
+    os.close(ready_fd)
     _, status = os.waitpid(child, 0)
     if os.WIFSIGNALED(status):
         sys.exit(128 + os.WTERMSIG(status))

@@ -14,3 +14,5 @@ class Limits:
     max_file_bytes: int = 16 * 2**20
     max_open_files: int = 64
     max_output_bytes: int = 64 * 1024
+    disk_bytes: int = 64 * 2**20
+    """The whole work dir: a tmpfs of this size (a full one is the code's ENOSPC)."""

@@ -35,12 +35,19 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 
-from treadle_env_gateway.sandbox.backends import Backend, Proc, find_python, make_backend
+from prometheus_client import Counter, Gauge
+
+from treadle_env_gateway.sandbox.backends import (
+    LINE_LIMIT,
+    Backend,
+    Proc,
+    find_python,
+    make_backend,
+)
 from treadle_env_gateway.sandbox.limits import Limits
 
 __all__ = ["Limits", "Sandbox", "SandboxResult", "find_python"]
 
-SETUP_FAILED = 125  # bootstrap's exit code when the sandbox itself could not be set up
 UID_BASE = 200_000
 UID_COUNT = 50_000
 """Sandboxes run as uids UID_BASE.. (no passwd entry), one per concurrent sandbox."""
@@ -65,6 +72,12 @@ class SandboxResult:
         return self.status == "sandbox_error"
 
 
+RUNNING = Gauge("treadle_env_sandbox_runs", "Sandboxed runs of this gateway, by state", ["state"])
+QUEUED = Counter(
+    "treadle_env_sandbox_queued_total",
+    "Runs that waited for a free slot (the gateway's cap on concurrent runs was reached)",
+)
+
 RUNS: ContextVar[list[int] | None] = ContextVar("treadle_sandbox_runs", default=None)
 """Where a session's step counts the programs it runs (`sessions.py`; usage accounting)."""
 
@@ -86,8 +99,11 @@ class Sandbox:
         python: str | None = None,
         backend: str | Backend = "unshare",
         image: str = "python:3.11-slim-bookworm",
+        max_concurrent: int = 8,
     ):
         self.base_dir = Path(base_dir)
+        self.max_concurrent = max_concurrent
+        self._slots = asyncio.Semaphore(max_concurrent)
         self.limits = limits or Limits()
         self.backend = (
             make_backend(backend, self.base_dir, image, python)
@@ -99,6 +115,25 @@ class Sandbox:
     @property
     def network_isolated(self) -> bool:
         return self.backend.unavailable() is None
+
+    @contextlib.asynccontextmanager
+    async def _slot(self):  # type: ignore[no-untyped-def]
+        """One of the gateway's `max_concurrent` runs (a test run's two sandboxes are one):
+        past them a run waits its turn, counted, instead of every hostile program at once
+        competing for the gateway's own memory and process slots."""
+        if self._slots.locked():
+            QUEUED.inc()
+        RUNNING.labels("waiting").inc()
+        try:
+            await self._slots.acquire()
+        finally:
+            RUNNING.labels("waiting").dec()
+        RUNNING.labels("running").inc()
+        try:
+            yield
+        finally:
+            RUNNING.labels("running").dec()
+            self._slots.release()
 
     @contextlib.contextmanager
     def _box(self, files: dict[str, str]):  # type: ignore[no-untyped-def]
@@ -133,8 +168,8 @@ class Sandbox:
             backend=self.backend.name,
         )
 
-    def _refusal(self, started: float) -> SandboxResult | None:
-        reason = self.backend.unavailable()
+    async def _refusal(self, started: float) -> SandboxResult | None:
+        reason = await self.backend.ready()
         if reason is None:
             return None
         return self._result("sandbox_error", f"sandbox ({self.backend.name}): {reason}", started)
@@ -150,12 +185,13 @@ class Sandbox:
         _counted()
         limits = limits or self.limits
         started = time.monotonic()
-        if refused := self._refusal(started):
+        if refused := await self._refusal(started):
             return refused
         try:
-            with self._box({**(files or {}), "main.py": code}) as box:
-                proc = await self.backend.spawn(box, limits, interactive=False)
-                return await self._run(proc, limits, started)
+            async with self._slot():
+                with self._box({**(files or {}), "main.py": code}) as box:
+                    proc = await self.backend.spawn(box, limits, interactive=False)
+                    return await self._run(proc, limits, started)
         except Exception as exc:  # the backend failed (engine gone, fork failed): not the code
             return self._error(exc, started)
 
@@ -191,7 +227,7 @@ class Sandbox:
         _counted()
         limits = limits or self.limits
         started = time.monotonic()
-        if refused := self._refusal(started):
+        if refused := await self._refusal(started):
             return refused
         try:
             names = free_names(tests)
@@ -205,20 +241,26 @@ class Sandbox:
             "entry_points.json": json.dumps(names),
         }
         try:
-            with self._box(solution_files) as solution_box, self._box(harness_files) as harness_box:
-                solution, harness = await asyncio.gather(
-                    self.backend.spawn(solution_box, limits, interactive=True),
-                    self.backend.spawn(harness_box, limits, interactive=True),
-                    return_exceptions=True,
-                )
-                spawned = [p for p in (solution, harness) if not isinstance(p, BaseException)]
-                if len(spawned) < 2:
-                    for proc in spawned:
-                        await proc.kill()
-                    raise next(p for p in (solution, harness) if isinstance(p, BaseException))
-                return await self._judge(solution, harness, limits, started)  # type: ignore[arg-type]
+            async with self._slot():
+                return await self._tests_boxed(solution_files, harness_files, limits, started)
         except Exception as exc:
             return self._error(exc, started)
+
+    async def _tests_boxed(
+        self, solution_files: dict, harness_files: dict, limits: Limits, started: float
+    ) -> SandboxResult:
+        with self._box(solution_files) as solution_box, self._box(harness_files) as harness_box:
+            solution, harness = await asyncio.gather(
+                self.backend.spawn(solution_box, limits, interactive=True),
+                self.backend.spawn(harness_box, limits, interactive=True),
+                return_exceptions=True,
+            )
+            spawned = [p for p in (solution, harness) if not isinstance(p, BaseException)]
+            if len(spawned) < 2:
+                for proc in spawned:
+                    await proc.kill()
+                raise next(p for p in (solution, harness) if isinstance(p, BaseException))
+            return await self._judge(solution, harness, limits, started)  # type: ignore[arg-type]
 
     async def _judge(
         self, solution: Proc, harness: Proc, limits: Limits, started: float
@@ -239,12 +281,8 @@ class Sandbox:
         (solution_err, cut_solution), (harness_err, cut_harness) = await errors
         passed = verdict.get("verdict") == "pass"
         detail = verdict.get("error") or verdict.get("load_error") or ""
-        setup = [
-            err
-            for proc, err in ((solution, solution_err), (harness, harness_err))
-            if proc.setup_failed
-            or (proc.returncode == SETUP_FAILED and "sandbox setup failed" in err)
-        ]
+        sides = ((solution, solution_err), (harness, harness_err))
+        setup = [err for proc, err in sides if proc.setup_failed]  # the pipe's word alone
         if setup:
             status = "sandbox_error"
         elif timed_out:
@@ -295,27 +333,43 @@ async def _relay(solution: Proc, harness: Proc) -> dict:
     A solution that fails to load, stops answering or garbles a line fails its calls; a
     harness that ends without a verdict fails the run."""
     assert solution.stdin is not None and harness.stdin is not None
-    loaded = _parse(await solution.stdout.readline())
-    if not loaded.get("ready"):
-        error = loaded.get("load_error") or "the solution exited before it loaded"
-        return {"verdict": "fail", "load_error": f"solution: {error}"}
-    while line := await harness.stdout.readline():
-        message = _parse(line)
-        if "verdict" in message:
-            return message
-        if "call" not in message:
-            return {"verdict": "fail", "error": "harness: malformed line"}
-        try:
-            solution.stdin.write(json.dumps(message).encode() + b"\n")
-            await solution.stdin.drain()
-            reply = _parse(await solution.stdout.readline())
-        except (ConnectionError, ValueError) as exc:  # the solution is gone, or a line too long
-            reply = {"error": f"solution: {type(exc).__name__}: {exc}"}
-        if not ("value" in reply or "error" in reply):
-            reply = {"error": "the solution stopped answering"}
-        harness.stdin.write(json.dumps(reply).encode() + b"\n")
-        await harness.stdin.drain()
+    try:
+        loaded = _parse(await _line(solution.stdout, "solution"))
+        if not loaded.get("ready"):
+            error = loaded.get("load_error") or "the solution exited before it loaded"
+            return {"verdict": "fail", "load_error": f"solution: {error}"}
+        while line := await _line(harness.stdout, "harness"):
+            message = _parse(line)
+            if "verdict" in message:
+                return message
+            if "call" not in message:
+                return {"verdict": "fail", "error": "harness: malformed line"}
+            try:
+                solution.stdin.write(json.dumps(message).encode() + b"\n")
+                await solution.stdin.drain()
+                reply = _parse(await _line(solution.stdout, "solution"))
+            except ConnectionError as exc:  # the solution is gone
+                reply = {"error": f"solution: {type(exc).__name__}: {exc}"}
+            if not ("value" in reply or "error" in reply):
+                reply = {"error": "the solution stopped answering"}
+            harness.stdin.write(json.dumps(reply).encode() + b"\n")
+            await harness.stdin.drain()
+    except _Overlong as exc:
+        return {"verdict": "fail", "error": str(exc)}
     return {"verdict": "fail", "error": "the harness ended without a verdict"}
+
+
+class _Overlong(Exception):
+    """A protocol line past `LINE_LIMIT`: the failure of the side that wrote it."""
+
+
+async def _line(stream: asyncio.StreamReader, who: str) -> bytes:
+    """One protocol line, at most `LINE_LIMIT` bytes (the stream's own limit): a longer
+    one is `who`'s failure, never the sandbox's."""
+    try:
+        return await stream.readline()
+    except ValueError as exc:  # asyncio's LimitOverrunError, as readline raises it
+        raise _Overlong(f"{who}: a protocol line longer than {LINE_LIMIT} bytes") from exc
 
 
 def _parse(line: bytes) -> dict:
@@ -331,8 +385,6 @@ def classify(returncode: int | None, stderr: str, timed_out: bool, oom: bool = F
         return "memory"
     if timed_out or returncode in (-signal.SIGXCPU, 128 + signal.SIGXCPU):
         return "timeout"
-    if returncode == SETUP_FAILED and "sandbox setup failed" in stderr:
-        return "sandbox_error"
     if "MemoryError" in stderr:
         return "memory"
     if returncode == 0:

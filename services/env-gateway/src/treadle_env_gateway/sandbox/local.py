@@ -1,0 +1,420 @@
+"""The local backends: `unshare` (a root gateway) and `bwrap` (bubblewrap, no root
+needed). A sandbox is a process tree of the gateway's own, in its own session and PID
+namespace, with a work dir that is a size-capped tmpfs (see `backends.py` for what every
+backend guarantees)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from treadle_env_gateway.sandbox import bootstrap, seccomp
+from treadle_env_gateway.sandbox.backends import (
+    INSIDE_WORKDIR,
+    LINE_LIMIT,
+    REAP_GRACE_S,
+    SANDBOX_ENV,
+    Box,
+    Proc,
+    Writer,
+    find_python,
+)
+from treadle_env_gateway.sandbox.limits import Limits
+
+
+def _group(pgid: int) -> list[int]:
+    """The processes of process group `pgid`, from /proc."""
+    members = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as stat:
+                fields = stat.read().rsplit(b")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[2]) == pgid:  # state, ppid, pgrp
+            members.append(int(entry.name))
+    return members
+
+
+class _Local:
+    """A sandbox that is a local process tree (its own session): `kill` ends the group."""
+
+    def __init__(self, proc: asyncio.subprocess.Process):
+        self.proc = proc
+        assert proc.stdout is not None and proc.stderr is not None
+        self.stdin: Writer | None = proc.stdin
+        self.stdout: asyncio.StreamReader = proc.stdout
+        self.stderr: asyncio.StreamReader = proc.stderr
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
+    oom_killed = False
+    info_fd: int | None = None
+    """Read end of bwrap's `--info-fd`: the JSON naming the namespace's PID 1 (`child-pid`),
+    which bwrap's monitor does not reap when it exits on the status that PID 1 reports."""
+    ready_fd: int | None = None
+    """Read end of a pipe the sandbox writes one byte to just before it execs the code (bwrap):
+    none means the sandbox itself failed to start (its own error, not the code's)."""
+
+    @property
+    def setup_failed(self) -> bool:
+        if self.ready_fd is None:
+            return False
+        os.set_blocking(self.ready_fd, False)
+        try:
+            return os.read(self.ready_fd, 1) != b"1"
+        except BlockingIOError:
+            return True
+
+    async def wait(self) -> int:
+        return await self.proc.wait()
+
+    async def kill(self) -> None:
+        """End everything the sandbox started, the inner processes first (the namespace's
+        PID 1 takes the code's with it) so that the outer one (bwrap's monitor, `unshare`)
+        reaps them and exits on its own. Killed all at once, the inner one is orphaned and
+        left a zombie for the machine's PID 1, which in a container is the gateway itself,
+        and nothing reaps it. Then the group, whatever is left of it."""
+        pid = self.proc.pid
+        if self.proc.returncode is None:
+            inner = [p for p in _group(pid) if p != pid]
+            for member in inner:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(member, signal.SIGKILL)
+            if inner:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(self.proc.wait()), REAP_GRACE_S)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+        if self.info_fd is not None:
+            await self.proc.wait()
+            await self._reap_inner()
+
+    async def _reap_inner(self) -> None:
+        """Reap the namespace's PID 1 that bwrap's monitor left behind: orphaned, it is
+        the gateway's (a child subreaper, or PID 1 in its container: `reaping.py`), and
+        nothing else would wait for it. Elsewhere it is not ours to reap (ECHILD)."""
+        assert self.info_fd is not None
+        os.set_blocking(self.info_fd, False)
+        try:
+            info = json.loads(os.read(self.info_fd, 4096) or b"{}")
+            pidfd = os.pidfd_open(int(info["child-pid"]))
+        except (BlockingIOError, ValueError, KeyError, ProcessLookupError):
+            return  # bwrap never got as far as a namespace, or it is gone already
+        finally:
+            os.close(self.info_fd)
+            self.info_fd = None
+        loop = asyncio.get_running_loop()
+        exited = loop.create_future()
+
+        def done() -> None:
+            if not exited.done():
+                exited.set_result(None)
+
+        loop.add_reader(pidfd, done)
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(exited, REAP_GRACE_S)
+            with contextlib.suppress(ChildProcessError):
+                os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)  # noqa: ASYNC222 (WNOHANG)
+        finally:
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+
+    def __del__(self) -> None:
+        for fd in (self.ready_fd, self.info_fd):
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+
+class _LocalBackend:
+    """A work dir per box under `base_dir`, owned by the box's uid and readable by it alone."""
+
+    name = "local"
+
+    def __init__(self, base_dir: Path, python: str | None = None):
+        self.base_dir = Path(base_dir)
+        self.base_dir.mkdir(parents=True, exist_ok=True)
+        self.base_dir.chmod(0o755)
+        self.python = python or find_python()
+        self.root = os.geteuid() == 0
+        self._probe: str | None | bool = False
+
+    def unavailable(self) -> str | None:
+        if self._probe is False:
+            self._probe = self._check()
+        return self._probe  # type: ignore[return-value]
+
+    async def ready(self) -> str | None:
+        if self._probe is False:  # probed once, at the first run, off the event loop
+            self._probe = await asyncio.to_thread(self._check)
+        return self._probe  # type: ignore[return-value]
+
+    def _check(self) -> str | None:
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def box(self, files: dict[str, str], uid: int) -> Iterator[Box]:
+        workdir = tempfile.mkdtemp(prefix="box-", dir=self.base_dir)
+        owner = uid if self.root else os.geteuid()
+        try:
+            for name, text in files.items():
+                (Path(workdir) / name).write_text(text)
+                if self.root:
+                    os.chown(Path(workdir) / name, owner, owner)
+            if self.root:
+                os.chown(workdir, owner, owner)
+            os.chmod(workdir, 0o700)
+            yield Box(files, uid, workdir)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    async def _exec(self, argv: list[str], interactive: bool, **kwargs: Any) -> Proc:
+        """Start `argv` in a session of its own, with none of the gateway's environment (a
+        sandbox's PID 1 keeps the environment it was started with, readable in /proc)."""
+        program = shutil.which(argv[0]) or argv[0]
+        proc = await asyncio.create_subprocess_exec(
+            program,
+            *argv[1:],
+            env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"},
+            stdin=asyncio.subprocess.PIPE if interactive else asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+            limit=LINE_LIMIT,
+            **kwargs,
+        )
+        return _Local(proc)
+
+    async def _exec_ready(
+        self, argv: list[str], interactive: bool, ready: int, ready_w: int, *fds: int
+    ) -> Proc:
+        """`_exec`, passing the write end of the ready pipe (`ready_w`, and `fds`) to the
+        sandbox and keeping the read end (`ready`) for `setup_failed`."""
+        try:
+            proc = await self._exec(argv, interactive, pass_fds=(ready_w, *fds))
+        except BaseException:
+            os.close(ready)
+            raise
+        finally:
+            os.close(ready_w)
+        assert isinstance(proc, _Local)
+        proc.ready_fd = ready
+        return proc
+
+
+class UnshareBackend(_LocalBackend):
+    """`unshare --net --mount --pid --fork --kill-child --mount-proc`, then `bootstrap.py`
+    (still root, inside) builds the minimal root, sets limits and no_new_privs, and drops to
+    the box's uid. Needs root."""
+
+    name = "unshare"
+
+    def _check(self) -> str | None:
+        if not self.root:
+            return "the unshare sandbox needs a root gateway (use bwrap or docker otherwise)"
+        if shutil.which("unshare") is None:
+            return "unshare (util-linux) is not installed"
+        if reason := seccomp.unavailable():
+            return reason
+        probe = subprocess.run(["unshare", "--net", "--mount", "--pid", "--fork", "true"])
+        if probe.returncode != 0:
+            return (
+                "namespaces are unavailable here (unshare --net --mount --pid failed): the "
+                "sandbox does not run code with the host's network or files"
+            )
+        return None
+
+    async def spawn(self, box: Box, limits: Limits, interactive: bool) -> Proc:
+        assert box.workdir is not None
+        namespaces = ["--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc"]
+        ready, ready_w = os.pipe()
+        argv = [
+            "unshare",
+            *namespaces,
+            sys.executable,
+            "-m",
+            "treadle_env_gateway.sandbox.bootstrap",
+            box.workdir,
+            self.python,
+            json.dumps(asdict(limits)),
+            str(box.uid),
+            str(ready_w),
+        ]
+        return await self._exec_ready(argv, interactive, ready, ready_w)
+
+
+class BwrapBackend(_LocalBackend):
+    """bubblewrap in new user/pid/net/ipc/uts/cgroup namespaces; works without root where the
+    kernel allows unprivileged user namespaces. A root gateway starts each bwrap as the box's
+    own uid, so every sandbox is a different host uid too."""
+
+    name = "bwrap"
+
+    def _check(self) -> str | None:
+        if shutil.which("bwrap") is None:
+            return "bubblewrap (bwrap) is not installed"
+        if reason := seccomp.unavailable():
+            return reason
+        self._filter = seccomp.bpf()
+        if self.root and shutil.which("setpriv") is None:
+            return "a root gateway starts bwrap as each sandbox's uid with setpriv (util-linux)"
+        probe = subprocess.run(  # the namespaces and a fresh /proc, as every run makes them
+            ["bwrap", "--unshare-all", "--ro-bind", "/usr", "/usr", *_runtime_links()]
+            + ["--proc", "/proc", "true"],
+            capture_output=True,
+            text=True,
+        )
+        if self.root and (unreachable := _not_traversable(self.base_dir)):
+            return (
+                f"{unreachable} is closed to other users, so the sandboxes' own uids cannot "
+                f"reach their work dirs under {self.base_dir} (chmod o+x it, or move the "
+                "state dir)"
+            )
+        if probe.returncode != 0:
+            return (
+                "bubblewrap cannot make its namespaces or mount a /proc here (in a container: "
+                "it needs a seccomp profile allowing user namespaces and an unmasked /proc): "
+                f"{probe.stderr.strip()[-300:]}"
+            )
+        return None
+
+    _filter = b""
+    """The seccomp filter as BPF (built once, by `_check`)."""
+
+    def argv(
+        self,
+        box: Box,
+        limits: Limits,
+        ready_fd: int,
+        filter_fd: int,
+        files: dict[str, int],
+        info_fd: int,
+    ) -> list[str]:
+        """The work dir is a tmpfs of `disk_bytes` (a full one is the sandbox's own), the
+        box's `files` copied in from memfds."""
+        env = [arg for key, value in SANDBOX_ENV.items() for arg in ("--setenv", key, value)]
+        copies = [
+            arg
+            for name, fd in files.items()
+            for arg in ("--file", str(fd), f"{INSIDE_WORKDIR}/{name}")
+        ]
+        return [
+            "bwrap",
+            "--info-fd",  # names the namespace's PID 1, for `_Local._reap_inner`
+            str(info_fd),
+            "--unshare-all",  # user, ipc, pid, net, uts, cgroup
+            "--die-with-parent",
+            "--new-session",
+            "--cap-drop",
+            "ALL",
+            "--uid",
+            str(box.uid),
+            "--gid",
+            str(box.uid),
+            "--hostname",
+            "sandbox",
+            "--ro-bind",
+            "/usr",
+            "/usr",
+            *_runtime_links(),
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "--dir",
+            "/tmp",
+            "--size",
+            str(limits.disk_bytes),
+            "--perms",
+            "0700",
+            "--tmpfs",
+            INSIDE_WORKDIR,
+            *copies,
+            "--remount-ro",  # the root (and /tmp) read-only: the work dir is the one to write
+            "/",
+            "--seccomp",  # seccomp.py's filter, applied just before the code runs
+            str(filter_fd),
+            "--chdir",
+            INSIDE_WORKDIR,
+            "--clearenv",
+            *env,
+            "--",
+            self.python,
+            "-I",
+            "-c",
+            bootstrap.LIMIT_AND_RUN,
+            json.dumps(asdict(limits)),
+            str(ready_fd),
+        ]
+
+    async def spawn(self, box: Box, limits: Limits, interactive: bool) -> Proc:
+        # a root gateway drops to the box's uid with setpriv, after the exec: Popen's own
+        # user=/group= would make it fork() rather than vfork(), and a fork runs gRPC's
+        # atfork handlers in the child (seen: a poller thread there, then no sandbox)
+        owner = (
+            ["setpriv", f"--reuid={box.uid}", f"--regid={box.uid}", "--clear-groups", "--"]
+            if self.root
+            else []
+        )
+        ready, ready_w = os.pipe()
+        info, info_w = os.pipe()
+        fds = [info_w, _memfd("treadle-seccomp", self._filter)]  # bwrap reads each once
+        try:
+            files = {name: _memfd(name, text.encode()) for name, text in box.files.items()}
+            fds += files.values()
+            argv = [*owner, *self.argv(box, limits, ready_w, fds[1], files, info_w)]
+            proc = await self._exec_ready(argv, interactive, ready, ready_w, *fds)
+        except BaseException:
+            os.close(info)
+            raise
+        finally:
+            for fd in fds:
+                os.close(fd)
+        assert isinstance(proc, _Local)
+        proc.info_fd = info
+        return proc
+
+
+def _memfd(name: str, data: bytes) -> int:
+    fd = os.memfd_create(name)
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def _not_traversable(path: Path) -> Path | None:
+    """The first directory from / down to `path` that others may not enter, if any."""
+    for here in reversed([path.resolve(), *path.resolve().parents]):
+        if not here.stat().st_mode & 0o001:
+            return here
+    return None
+
+
+def _runtime_links() -> list[str]:
+    """/bin, /lib, /lib64, /sbin as on the host: symlinks into /usr (merged /usr), or
+    read-only binds."""
+    args: list[str] = []
+    for name in ("bin", "lib", "lib64", "sbin"):
+        path = Path("/") / name
+        if path.is_symlink():
+            args += ["--symlink", os.readlink(path), str(path)]
+        elif path.is_dir():
+            args += ["--ro-bind", str(path), str(path)]
+    return args
