@@ -391,41 +391,41 @@ def _run(
     cfg = config("chaos")
     m = cfg.model
     init_for(model_dir, m, cfg.trainer.seed)
-    spec = stack.prepare(settings, model_dir.resolve(), m.name, None, path_roots=[tmp])
-    stack.launch_detached(spec)
     monkey = replica = None
-    try:
-        if not stack.wait_healthy(settings.state_dir.resolve(), 180).healthy:
-            raise RuntimeError(f"chaos stack not healthy; logs in {settings.state_dir}")
-        # two rollout replicas in both runs; one fault kills this one (it is not restarted)
-        replica = start_extra(spec, "rollout", "rollout-second")
-        if not _until(lambda: stack.service_health(replica[1]).ready, 180.0):
-            raise RuntimeError("the second rollout replica did not get ready")
-        baseline_s = None
-        if baseline:
+    with stack.owned(settings, model_dir.resolve(), m.name, path_roots=[tmp]) as spec:
+        try:
+            if not stack.wait_healthy(settings.state_dir.resolve(), 180).healthy:
+                raise RuntimeError(f"chaos stack not healthy; logs in {settings.state_dir}")
+            # two rollout replicas in both runs; one fault kills this one (it is not restarted)
+            replica = start_extra(spec, "rollout", "rollout-second")
+            if not _until(lambda: stack.service_health(replica[1]).ready, 180.0):
+                raise RuntimeError("the second rollout replica did not get ready")
+            baseline_s = None
+            if baseline:
+                started = time.perf_counter()
+                code = RunClient(config("chaos-baseline"), settings, console).execute(180)
+                baseline_s = time.perf_counter() - started
+                if code != 0:
+                    raise RuntimeError(f"the baseline run failed; outputs in {tmp / 'runs'}")
+            monkey = ChaosMonkey(spec, settings, cfg.run_id, replica)
+            injector = threading.Thread(target=monkey.run, name="chaos", daemon=True)
             started = time.perf_counter()
-            code = RunClient(config("chaos-baseline"), settings, console).execute(180)
-            baseline_s = time.perf_counter() - started
-            if code != 0:
-                raise RuntimeError(f"the baseline run failed; outputs in {tmp / 'runs'}")
-        monkey = ChaosMonkey(spec, settings, cfg.run_id, replica)
-        injector = threading.Thread(target=monkey.run, name="chaos", daemon=True)
-        started = time.perf_counter()
-        injector.start()
-        code = RunClient(cfg, settings, console).execute(180)
-        wall_s = time.perf_counter() - started
-        monkey.stop.set()
-        injector.join(timeout=60)
-        summary = json.loads((tmp / "runs" / cfg.run_id / "summary.json").read_text())
-        ledger = ledger_check(monkey.r, cfg.run_id)
-        final = RunStatus.model_validate_json(monkey.r.get(names.run_status(cfg.run_id)) or "{}")
-        record = stack.read_stack(settings.state_dir.resolve())
-    finally:
-        if monkey is not None:
-            monkey.close()
-        if replica is not None and replica[0].poll() is None:
-            terminate(replica[0].pid, timeout_s=30.0)
-        stack.down(settings)
+            injector.start()
+            code = RunClient(cfg, settings, console).execute(180)
+            wall_s = time.perf_counter() - started
+            monkey.stop.set()
+            injector.join(timeout=60)
+            summary = json.loads((tmp / "runs" / cfg.run_id / "summary.json").read_text())
+            ledger = ledger_check(monkey.r, cfg.run_id)
+            final = RunStatus.model_validate_json(
+                monkey.r.get(names.run_status(cfg.run_id)) or "{}"
+            )
+            record = stack.read_stack(settings.state_dir.resolve())
+        finally:
+            if monkey is not None:
+                monkey.close()
+            if replica is not None and replica[0].poll() is None:
+                terminate(replica[0].pid, timeout_s=30.0)
     restarts = {n: s.restarts for n, s in record.services.items()} if record else {}
     return {
         "recipe": recipe.name,

@@ -96,9 +96,7 @@ def both_modes(
     m = sync_config.model
     init_for(model_dir, m, sync_config.trainer.seed)
     results: dict[str, dict[str, Any]] = {}
-    spec = stack.prepare(settings, model_dir.resolve(), m.name, None, path_roots=[tmp])
-    stack.launch_detached(spec)
-    try:
+    with stack.owned(settings, model_dir.resolve(), m.name, path_roots=[tmp]) as spec:
         if not stack.wait_healthy(settings.state_dir.resolve(), 180).healthy:
             raise RuntimeError(f"bench stack not healthy; logs in {settings.state_dir}")
         rollout_info = f"{spec.http_url('rollout')}/v1/info"
@@ -125,8 +123,6 @@ def both_modes(
             }
         if before_down is not None:
             before_down(spec, sync_config)
-    finally:
-        stack.down(settings)
     return cfg.model_dump(), results
 
 

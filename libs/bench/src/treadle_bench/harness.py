@@ -88,18 +88,22 @@ def start_service(
             start_new_session=True,
         )
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            detail = log.read_text()[-2000:] if log else ""
-            raise RuntimeError(f"{module} exited with {proc.returncode}\n{detail}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{http_port}{ready_path}", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    terminate(proc.pid)
-    raise RuntimeError(f"{module} did not answer {ready_path} in {timeout_s}s")
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                detail = log.read_text()[-2000:] if log else ""
+                raise RuntimeError(f"{module} exited with {proc.returncode}\n{detail}")
+            try:
+                url = f"http://127.0.0.1:{http_port}{ready_path}"
+                if httpx.get(url, timeout=1).status_code == 200:
+                    return proc
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"{module} did not answer {ready_path} in {timeout_s}s")
+    except BaseException:  # not ready, or interrupted while it started: it stops
+        terminate(proc.pid)
+        raise
 
 
 def private_stack(tmp: Path) -> CliSettings:
@@ -143,10 +147,10 @@ def infra_with_weight_store(tmp: Path) -> Iterator[tuple[Infra, dict[str, str], 
         nats_url=f"nats://127.0.0.1:{free_port()}",
     )
     infra = Infra(settings)
-    infra.up()
     procs: list[subprocess.Popen] = []
     with bench_auth():
         try:
+            infra.up()
             ws_http, ws_grpc = free_port(), free_port()
             common = {
                 "TREADLE_REDIS_URL": infra.url_for("redis"),

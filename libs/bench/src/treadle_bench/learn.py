@@ -55,10 +55,8 @@ def run(
     m = configs[0].model
     # one model (the first seed's init) on one stack: seeds vary data, warm-up and sampling
     init_for(model_dir, m, configs[0].trainer.seed)
-    spec = stack.prepare(settings, model_dir, m.name, None, path_roots=[tmp])
-    stack.launch_detached(spec)
     per_seed: list[dict[str, Any]] = []
-    try:
+    with stack.owned(settings, model_dir, m.name, path_roots=[tmp]):
         if not stack.wait_healthy(settings.state_dir.resolve(), 180).healthy:
             raise RuntimeError(f"bench stack not healthy; logs in {settings.state_dir}")
         for seed, cfg in zip(seeds, configs, strict=True):
@@ -80,8 +78,6 @@ def run(
                     "wall_s": round(time.perf_counter() - started, 1),
                 }
             )
-    finally:
-        stack.down(settings)
     lifts = [s["rl_lift"] for s in per_seed]
     return {
         "recipe": recipe.name,

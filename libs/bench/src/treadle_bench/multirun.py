@@ -25,6 +25,7 @@ Interrupted (Ctrl-C, SIGTERM), it stops every run it started and its stack.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -170,6 +171,8 @@ class Bench:
         self.model_dir = (tmp / "models" / "base").resolve()
         self.base = load_recipe(recipe, [*overrides, f"model.path={self.model_dir}"])
         self.procs: list[subprocess.Popen] = []
+        self.exits = contextlib.ExitStack()
+        """What `stop` ends: the stack (`stack.owned`)."""
         self.init_version: int | None = None
         self.after_sft: dict[int, float] = {}
 
@@ -189,8 +192,9 @@ class Bench:
         cores = os.cpu_count() or 2
         self.trainer_threads = threads or max(1, cores - cores // 2)  # rollout gets cores // 2
         os.environ["TREADLE_TRAINER_TORCH_THREADS"] = str(self.trainer_threads)
-        spec = stack.prepare(self.settings, self.model_dir, m.name, None, path_roots=[self.tmp])
-        stack.launch_detached(spec)
+        spec = self.exits.enter_context(
+            stack.owned(self.settings, self.model_dir, m.name, path_roots=[self.tmp])
+        )
         if not stack.wait_healthy(self.state_dir, 180).healthy:
             raise RuntimeError(f"bench stack not healthy; logs in {self.state_dir}")
         self.spec = spec
@@ -327,7 +331,7 @@ class Bench:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
-        stack.down(self.settings)
+        self.exits.close()
 
 
 def run(
@@ -346,7 +350,6 @@ def run(
     bench = Bench(tmp, recipe, list(overrides or []))
     lora = [f"trainer.lora.rank={lora_rank}"]
     seeds = list(range(runs))
-    previous = signal.signal(signal.SIGTERM, _interrupted)
     try:
         bench.up(slots, max_batch, lanes, trainer_threads)
         asyncio.run(bench.warm_up(seeds))
@@ -364,7 +367,6 @@ def run(
             lora,
         )
     finally:
-        signal.signal(signal.SIGTERM, previous)
         bench.stop()
     report = _report(bench, alone, together, weighted, prio, prio_alone, weights)
     setup = {
@@ -427,7 +429,3 @@ def _report(
         "all_succeeded": all(r.exit_code == 0 and r.status.state == "succeeded" for r in every),
         "outputs": str(bench.tmp),
     }
-
-
-def _interrupted(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")

@@ -76,9 +76,9 @@ def run(requests: int = 200, concurrency: int = 32, rounds: int = 100_000) -> di
             redis_url="redis://127.0.0.1:1",
         )
         infra = Infra(settings)
-        infra.up(("nats",))
         replicas: list[subprocess.Popen] = []
         try:
+            infra.up(("nats",))
             scorer, caller = infra.url_for("nats", "reward"), infra.url_for("nats", "rollout")
             replicas.append(start_replica(scorer, tmp))
             asyncio.run(load(caller, concurrency, concurrency, rounds))  # warm-up

@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from treadle_cli import stack
+from treadle_cli import signals, stack
 from treadle_cli.infra import Infra, InfraError, states_json
 from treadle_cli.settings import get_settings
 from treadle_common import names
@@ -406,6 +406,7 @@ def add_plugins() -> None:
 
 
 def main() -> None:
+    signals.unwind_on_sigterm()  # a stopped command stops what it started
     add_plugins()
     app()
 

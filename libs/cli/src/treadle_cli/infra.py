@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -242,7 +243,16 @@ class Infra:
     def up(
         self, names: tuple[str, ...] = ("redis", "nats"), timeout_s: float = 30.0
     ) -> list[InfraState]:
-        return [self._up_one(name, timeout_s) for name in names]
+        """Start each server of `names` not already answering; if one fails (or this is
+        interrupted), the ones this call started are stopped again."""
+        states: list[InfraState] = []
+        try:
+            for name in names:
+                states.append(self._up_one(name, timeout_s))
+        except BaseException:
+            self.down([s.name for s in states if s.detail == "started"])
+            raise
+        return states
 
     def _up_one(self, name: str, timeout_s: float) -> InfraState:
         url = self.url(name)
@@ -272,22 +282,27 @@ class Infra:
         self._pidfile(name).parent.mkdir(parents=True, exist_ok=True)
         self._pidfile(name).write_text(PidFile(pid=proc.pid, url=url).model_dump_json())
         deadline = time.monotonic() + timeout_s
-        while (why := probe(name, url)) is not None:
-            if proc.poll() is not None:
-                self._pidfile(name).unlink(missing_ok=True)
-                raise InfraError(f"{name} exited with {proc.returncode}; see {log_path}")
-            if time.monotonic() > deadline:
-                raise InfraError(f"{name} did not answer at {url} within {timeout_s}s: {why}")
-            time.sleep(0.1)
+        try:
+            while (why := probe(name, url)) is not None:
+                if proc.poll() is not None:
+                    raise InfraError(f"{name} exited with {proc.returncode}; see {log_path}")
+                if time.monotonic() > deadline:
+                    raise InfraError(f"{name} did not answer at {url} within {timeout_s}s: {why}")
+                time.sleep(0.1)
+        except BaseException:  # it never came up, or this was interrupted: it stops
+            terminate(proc.pid)
+            self._pidfile(name).unlink(missing_ok=True)
+            raise
         return InfraState(name, url, True, managed=True, pid=proc.pid, detail="started")
 
     def _read_pidfile(self, name: str) -> PidFile | None:
         path = self._pidfile(name)
         return PidFile.model_validate_json(path.read_text()) if path.exists() else None
 
-    def down(self) -> list[str]:
+    def down(self, names: Sequence[str] = INFRA) -> list[str]:
+        """Stop the servers of `names` this state dir started."""
         stopped = []
-        for name in INFRA:
+        for name in names:
             record = self._read_pidfile(name)
             if record is None:
                 continue

@@ -17,6 +17,7 @@ exactly-once accounting does not add up, or when `eval.min_improvement` (start -
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import random
 import time
@@ -145,44 +146,37 @@ class RunClient:
             from treadle_cli.tiny_model import init_for
 
             init_for(cfg.model.path, cfg.model, cfg.trainer.seed)
-        own_stack = False
         current = None if self.remote else stack.status(self.state_dir)
-        if current is not None and not current.healthy:
-            if current.running:
-                self.console.print(
-                    "[red]a stack is running but unhealthy[/red]; treadle status says why"
+        with contextlib.ExitStack() as own:  # a stack this run starts is stopped with it
+            if current is not None and not current.healthy:
+                if current.running:
+                    self.console.print(
+                        "[red]a stack is running but unhealthy[/red]; treadle status says why"
+                    )
+                    return 1
+                # the stack is this run's: its trainer may use the recipe's paths
+                mine = [cfg.model.path, cfg.output_dir]
+                if cfg.data.path is not None:
+                    mine.append(cfg.data.path.parent)
+                t = cfg.trainer
+                ranks = t.tensor_parallel * t.pipeline_parallel if t.backend == "megatron" else 1
+                own.enter_context(
+                    stack.owned(
+                        self.settings,
+                        cfg.model.path,
+                        cfg.model.name,
+                        path_roots=mine,
+                        trainer_ranks=ranks,
+                    )
                 )
-                return 1
-            # the stack is this run's: its trainer may use the recipe's paths
-            mine = [cfg.model.path, cfg.output_dir]
-            if cfg.data.path is not None:
-                mine.append(cfg.data.path.parent)
-            t = cfg.trainer
-            spec = stack.prepare(
-                self.settings,
-                cfg.model.path,
-                cfg.model.name,
-                None,
-                path_roots=mine,
-                trainer_ranks=t.tensor_parallel * t.pipeline_parallel
-                if t.backend == "megatron"
-                else 1,
-            )
-            stack.launch_detached(spec)
-            own_stack = True
-            current = stack.wait_healthy(self.state_dir, health_timeout_s)
-            if not current.healthy:
-                self.console.print(
-                    f"[red]stack not healthy after {health_timeout_s:.0f}s[/red]: "
-                    + current.model_dump_json()[:2000]
-                )
-                stack.down(self.settings)
-                return 1
-        try:
+                current = stack.wait_healthy(self.state_dir, health_timeout_s)
+                if not current.healthy:
+                    self.console.print(
+                        f"[red]stack not healthy after {health_timeout_s:.0f}s[/red]: "
+                        + current.model_dump_json()[:2000]
+                    )
+                    return 1
             return self._follow()
-        finally:
-            if own_stack:
-                stack.down(self.settings)
 
     def _spec(self) -> stack.StackSpec:
         record = stack.read_stack(self.state_dir)

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -21,9 +22,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 from pydantic import BaseModel, Field
@@ -69,6 +71,9 @@ class StackSpec:
     served: dict[str, str] = field(default_factory=dict)
     """More models rollout serves, one replica each (`up --serve NAME=DIR`): weight-store
     name -> model directory; supervised as `rollout-NAME`."""
+    owner_pid: int | None = None
+    """The process whose stack this is (`treadle run`'s own, a bench's): when it is gone,
+    however it ended, the supervisor stops the stack. None: a stack of its own (`up`)."""
 
     def processes(self) -> list[str]:
         """Every supervised process: the five services, then a rollout replica per extra
@@ -338,6 +343,8 @@ class Supervisor:
         self.start_all()
         probed = time.monotonic()
         while not self.stopping:
+            if self.spec.owner_pid is not None and not alive(self.spec.owner_pid):
+                break  # its owner ended without stopping it (killed outright)
             self.poll()
             if time.monotonic() - probed > PROBE_EVERY_S:
                 self.probe()
@@ -589,11 +596,15 @@ def prepare(
     started = [s.name for s in infra if s.detail == "started"]
     if model_dir is None:
         model_dir = state_dir / "models" / "tiny"
-    for path in (model_dir, *serve.values()):
-        if not (path / "config.json").exists():
-            from treadle_cli.tiny_model import init_tiny
+    try:
+        for path in (model_dir, *serve.values()):
+            if not (path / "config.json").exists():
+                from treadle_cli.tiny_model import init_tiny
 
-            init_tiny(path)
+                init_tiny(path)
+    except BaseException:  # interrupted or failed: stop what this call started
+        servers.down(started)
+        raise
     return StackSpec(
         state_dir=str(state_dir),
         cwd=os.getcwd(),
@@ -633,6 +644,25 @@ def ensure_tokens(settings: CliSettings, state_dir: Path) -> Path | None:
     return path.resolve()
 
 
+@contextlib.contextmanager
+def owned(
+    settings: CliSettings, model_dir: Path | None, model_name: str | None, **prepare_args: Any
+) -> Iterator[StackSpec]:
+    """A stack of this process's own (a bench's, `treadle run`'s): prepared, launched, and
+    stopped on the way out however the block ends (an error, Ctrl-C, or SIGTERM through
+    `signals`); should this process die outright, its supervisor stops it (`owner_pid`)."""
+    started: list[str] = []
+    try:
+        spec = prepare(settings, model_dir, model_name, None, **prepare_args)
+        started = spec.infra_started
+        spec.owner_pid = os.getpid()
+        launch_detached(spec)
+        yield spec
+    finally:
+        down(settings)
+        Infra(settings).down(started)  # what `down` did not (no supervisor got to record it)
+
+
 def launch_detached(spec: StackSpec) -> int:
     state_dir = Path(spec.state_dir)
     spec_path = state_dir / "stack-spec.json"
@@ -649,12 +679,18 @@ def launch_detached(spec: StackSpec) -> int:
             start_new_session=True,
         )
     deadline = time.monotonic() + 10
-    while read_stack(state_dir) is None:
-        if proc.poll() is not None:
-            raise StackError(f"supervisor exited with {proc.returncode}; see {log_path}")
-        if time.monotonic() > deadline:
-            raise StackError(f"supervisor did not start; see {log_path}")
-        time.sleep(0.1)
+    try:
+        while read_stack(state_dir) is None:
+            if proc.poll() is not None:
+                raise StackError(f"supervisor exited with {proc.returncode}; see {log_path}")
+            if time.monotonic() > deadline:
+                raise StackError(f"supervisor did not start; see {log_path}")
+            time.sleep(0.1)
+    except BaseException:  # interrupted, or it failed: it stops what it started
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+        raise
     return proc.pid
 
 
