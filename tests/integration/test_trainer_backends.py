@@ -197,3 +197,39 @@ def test_megatron_refuses_what_its_ranks_cannot_run():
     with pytest.raises(ValueError, match="need backend megatron"):
         check_backend("fsdp", 2, 1)
     check_backend("megatron", 1, 1)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_ranks_that_cannot_form_their_group_stop_within_a_minute_saying_why(rank, infra, tmp_path):
+    """The trainer as one rank of a two-rank job whose other rank never starts: rank 0 (the
+    service) and a follower each exit within 60 s with the reason in their output, instead of
+    waiting out the collective timeout (10 min) with nothing logged."""
+    from tests.conftest import TOKENS, free_ports
+    from treadle_trainer.backends.group import RENDEZVOUS_FAILED
+
+    http, grpc_port, master = free_ports(3)
+    env = {
+        **os.environ,
+        "TREADLE_REDIS_URL": infra.redis_url,
+        "TREADLE_NATS_URL": infra.nats_for("trainer"),
+        "TREADLE_STATE_DIR": str(tmp_path),
+        "TREADLE_HTTP_PORT": str(http),
+        "TREADLE_GRPC_PORT": str(grpc_port),
+        "TREADLE_TOKEN": TOKENS["trainer"],
+        "TREADLE_TRAINER_RENDEZVOUS_TIMEOUT_S": "5",
+        "WORLD_SIZE": "2",
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(master),
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "treadle_trainer"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == RENDEZVOUS_FAILED, out[-3000:]
+    assert f"rank {rank} of 2: the process group did not form within 5s" in out, out[-3000:]

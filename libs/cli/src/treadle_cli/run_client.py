@@ -30,6 +30,7 @@ import httpx
 from pydantic import Field
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 from treadle_cli import stack
@@ -175,6 +176,10 @@ class RunClient:
                         f"[red]stack not healthy after {health_timeout_s:.0f}s[/red]: "
                         + current.model_dump_json()[:2000]
                     )
+                    for name, service in current.services.items():
+                        if not service.healthy:  # which one, and why
+                            why = service.last_error or "no error logged"
+                            self.console.print(f"[red]{name}[/red]: {escape(why)}")
                     return 1
             return self._follow()
 

@@ -18,6 +18,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -386,6 +387,9 @@ class ServiceHealth(BaseModel):
     ready: bool
     checks: dict[str, str]
     healthy: bool = Field(description="Its process is alive and /readyz says ready")
+    last_error: str | None = Field(
+        None, description="Unhealthy: the last error line of its log (why it is down)"
+    )
 
 
 class RolloutTime(BaseModel):
@@ -493,6 +497,23 @@ def time_breakdown(
     )
 
 
+_ERROR_LINE = re.compile(r"\bERROR\b|\[error|^\w+(\.\w+)*(Error|Exception): ")
+
+
+def last_error(state_dir: Path, service: str, tail_bytes: int = 65536) -> str | None:
+    """The last line of `service`'s log that reports an error (a logged ERROR, or the last
+    line of a traceback), at most 500 characters."""
+    path = state_dir / "logs" / f"{service}.log"
+    try:
+        with open(path, "rb") as log:
+            log.seek(max(0, path.stat().st_size - tail_bytes))
+            lines = log.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    found = [line.strip() for line in lines if _ERROR_LINE.search(line.strip())]
+    return found[-1][:500] if found else None
+
+
 def status(state_dir: Path, detail: bool = False) -> StackStatus:
     """Machine-readable health of the stack recorded in `state_dir`; with `detail`, also where
     the runs' time goes (reads every run's step records: for `treadle status`, not polling)."""
@@ -529,6 +550,7 @@ def status(state_dir: Path, detail: bool = False) -> StackStatus:
             ready=health.ready,
             checks=health.checks,
             healthy=up and health.ready,
+            last_error=None if up and health.ready else last_error(state_dir, name),
         )
     healthy = all(i.healthy for i in infra.values()) and all(s.healthy for s in services.values())
     return StackStatus(

@@ -79,7 +79,8 @@ async def keep_followers(runtime: ServiceRuntime, settings: TrainerSettings) -> 
     of the collective timeout, between commands (the torch thread runs one at a time), so a
     trainer with no run does not time out its followers, and a dead rank fails in minutes."""
     from treadle_trainer.backends import on_torch_thread
-    from treadle_trainer.backends.ranks import init_distributed, ping
+    from treadle_trainer.backends.group import init_distributed
+    from treadle_trainer.backends.ranks import ping
 
     await on_torch_thread(init_distributed)
     while not runtime.stop_event.is_set():

@@ -51,6 +51,12 @@ class TrainerSettings(Settings):
         description="trainer (torchrun, FSDP): a collective that waits longer fails the job "
         "(a rank hung or died); rank 0 pings idle followers every quarter of it",
     )
+    trainer_rendezvous_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="trainer (torchrun): the ranks must form their process group within this, "
+        "or each exits saying so (a rank that did not start or cannot reach the others)",
+    )
     trainer_lease_s: float = Field(
         15.0, gt=0, description="trainer: run-ownership lease; a dead owner's run resumes after"
     )

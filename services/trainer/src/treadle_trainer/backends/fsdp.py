@@ -17,7 +17,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from treadle_trainer.backends.ranks import RankedBackend, init_distributed
+from treadle_trainer.backends.group import init_distributed
+from treadle_trainer.backends.ranks import RankedBackend
 from treadle_trainer.backends.spec import BackendSpec
 
 

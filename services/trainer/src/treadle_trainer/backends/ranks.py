@@ -13,40 +13,22 @@ leader chose.
 from __future__ import annotations
 
 import json
-import os
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from treadle_trainer.backends.group import init_distributed, leave
 from treadle_trainer.backends.single import AdamParams, TorchBackend
 from treadle_trainer.backends.spec import BackendSpec
 from treadle_trainer.batches import MicroBatch
 from treadle_trainer.losses import LossParams
 
 _FLOAT_FIELDS = {"mask_B_T", "advantages_B_T", "logprobs_B_T", "coef_B"}
-
-
-def dist_timeout_s() -> float:
-    """How long a collective may wait (`TREADLE_TRAINER_DIST_TIMEOUT_S`): a rank that hangs
-    or died fails the others within minutes, not a day. Rank 0 pings the followers while it
-    has nothing for them (`ping`), so an idle trainer does not trip it."""
-    from treadle_trainer.settings import TrainerSettings
-
-    return TrainerSettings().trainer_dist_timeout_s
-
-
-def init_distributed() -> None:
-    if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=dist_timeout_s()))
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def ping() -> None:
@@ -251,18 +233,3 @@ def shutdown_followers() -> None:
         _send("shutdown", {})
         dist.barrier()
         dist.destroy_process_group()
-
-
-def leave(code: int) -> None:
-    """End a rank's process once its work is done and its process group torn down, without
-    the interpreter's finalisation: gloo's loop threads outlive `destroy_process_group` (FSDP's
-    sharded parameters still hold the group), and on a loaded machine their C++ destructors
-    abort the process at exit ("terminate called without an active exception", SIGABRT), which
-    torchrun reports as the job failing."""
-    import logging
-    import sys
-
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(code)

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
+from treadle_trainer.backends.group import init_distributed
 from treadle_trainer.backends.megatron.cpu import init_rng_tracker, patch_for_cpu
 from treadle_trainer.backends.megatron.model import build_model, vocab_parallel_logprobs
 from treadle_trainer.backends.megatron.weights import (
@@ -35,7 +36,7 @@ from treadle_trainer.backends.megatron.weights import (
     to_megatron,
     tp_dims,
 )
-from treadle_trainer.backends.ranks import RankedBackend, init_distributed
+from treadle_trainer.backends.ranks import RankedBackend
 from treadle_trainer.backends.spec import BackendSpec
 from treadle_trainer.batches import MicroBatch
 
