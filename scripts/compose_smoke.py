@@ -41,6 +41,8 @@ IMAGES = ["cli", "weight-store", "env-gateway", "reward", "rollout", "trainer"]
 PUBLIC_BASE = "python:3.11-slim-bookworm"
 WHEELS_PORT = 38471
 RECIPE_STEPS = 36  # recipes/compose_smoke.yaml's trainer.num_steps
+SCALE = {"rollout": 3, "reward": 2}
+"""Replicas of the scaled services (`deploy/compose/scale.yaml`): each its own consumer."""
 RUNS = ("smoke-a", "smoke-b")
 """Two LoRA runs of the recipe at once on the one stack, one base model (different seeds)."""
 RUN_SETS = ("--set", "trainer.lora.rank=8", "--set", "trainer.lr=1.0e-4")
@@ -95,7 +97,11 @@ class Stack:
         )
 
     def container(self, service: str) -> str:
-        return self("ps", "-q", service).stdout.strip()
+        """The service's first replica."""
+        return self.containers(service)[0]
+
+    def containers(self, service: str) -> list[str]:
+        return self("ps", "-q", service).stdout.split()
 
 
 def engine_available() -> str | None:
@@ -156,7 +162,7 @@ def pip_config() -> dict[str, str]:
 def build_env(report: dict) -> tuple[dict[str, str], list[Path], contextlib.ExitStack]:
     """Images' base, package sources and the compose files for this machine."""
     env: dict[str, str] = {}
-    files = [ROOT / "compose.yaml"]
+    files = [ROOT / "compose.yaml", ROOT / "deploy" / "compose" / "scale.yaml"]
     stack = contextlib.ExitStack()
     local = not can_pull(PUBLIC_BASE)
     if local:  # no registry: a base from Debian packages, and infra images built here
@@ -200,7 +206,12 @@ def health(stack: Stack) -> dict[str, str]:
     parsed = [json.loads(line) for line in rows.splitlines() if line.strip().startswith("{")]
     if len(parsed) == 1 and isinstance(parsed[0], list):
         parsed = parsed[0]
-    return {r["Service"]: r.get("Health") or r.get("State", "") for r in parsed}
+    states: dict[str, str] = {}
+    for r in parsed:  # a scaled service: healthy when every replica is
+        state = r.get("Health") or r.get("State", "")
+        if states.get(r["Service"], "healthy") == "healthy":
+            states[r["Service"]] = state
+    return states
 
 
 def trainer_steps(token: str) -> dict[str, int] | None:
@@ -259,7 +270,7 @@ def smoke(report: dict, keep: bool) -> None:
     env, files, sources = build_env(report)
     with sources, tempfile.TemporaryDirectory() as tmp:
         secrets_path, secrets = secrets_file(Path(tmp))
-        stack = Stack(files, [ROOT / ".env", secrets_path], env)
+        stack = Stack(files, [ROOT / ".env.example", secrets_path], env)
         stack("config", "-q")
         try:
             t = time.monotonic()
@@ -277,7 +288,8 @@ def smoke(report: dict, keep: bool) -> None:
 
             t = time.monotonic()
             log("docker compose up -d --wait")
-            stack("up", "-d", "--wait", "--wait-timeout", "600", timeout=900)
+            scale = [f"--scale={service}={n}" for service, n in SCALE.items()]
+            stack("up", "-d", "--wait", "--wait-timeout", "600", *scale, timeout=900)
             wait_healthy(stack, SERVICES, 300)
             report["up_s"] = round(time.monotonic() - t, 1)
             states = health(stack)
@@ -292,8 +304,14 @@ def smoke(report: dict, keep: bool) -> None:
             sandbox = stack("exec", "-T", "env-gateway", "python", "-c", SANDBOX_CHECK, check=False)
             report["env_gateway_sandbox"] = (sandbox.stdout + sandbox.stderr).strip()[-500:]
             checks["env_gateway_sandbox_judges_in_a_container"] = sandbox.stdout.startswith(
-                "docker ok pass"
+                "bwrap ok pass"
             )
+            socket = stack("exec", "-T", "env-gateway", "test", "-e", "/var/run/docker.sock",
+                           check=False)  # fmt: skip
+            checks["env_gateway_holds_no_docker_socket"] = socket.returncode != 0
+            replicas = {service: len(stack.containers(service)) for service in SCALE}
+            report["replicas"] = replicas
+            checks["replicas_scaled"] = replicas == SCALE
             # the image as Kubernetes runs it (k8s/base/env-gateway.yaml): non-root, read-only
             # root, no capabilities, bwrap; with what its pod grants, and without
             pod = ["docker", "run", "--rm", "--read-only", "--tmpfs", "/tmp",

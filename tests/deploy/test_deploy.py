@@ -244,9 +244,9 @@ def test_compose_validates_with_the_real_compose_binary():
     assert {"redis-data", "nats-data", "minio-data", "models", "trainer-state"} <= set(
         config["volumes"]
     )
-    # the default profile (.env: COMPOSE_PROFILES=cpu) starts the CPU stack
+    # the default profile (.env.example, copied to .env: COMPOSE_PROFILES=cpu) is the CPU stack
     default = subprocess.run(
-        [str(COMPOSE), "config", "--services"],
+        [str(COMPOSE), "--env-file", str(ROOT / ".env.example"), "config", "--services"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -255,6 +255,77 @@ def test_compose_validates_with_the_real_compose_binary():
     assert set(default.stdout.split()) == {
         "redis", "nats", "minio", "model-init", *SERVICES,
     }  # fmt: skip
+
+
+def test_compose_scales_without_shared_identities_or_docker_socket():
+    """Replicas are distinct consumers (no fixed TREADLE_INSTANCE: each its hostname), a
+    scaled service gets a host port per replica, env-gateway holds no Docker socket unless
+    the opt-in override adds it, and `.env` (secrets) is not in git."""
+    services = compose_config("cpu")["services"]
+    for name in SERVICES:
+        assert "TREADLE_INSTANCE" not in services[name].get("environment", {}), name
+    gateway = services["env-gateway"]
+    assert not any("docker.sock" in str(v) for v in gateway.get("volumes", [])), gateway
+    assert "DOCKER_HOST" not in gateway["environment"]
+    assert {"seccomp=unconfined", "systempaths=unconfined"} <= set(gateway["security_opt"])
+    env = {**os.environ, **COMPOSE_TOKENS}
+    files = ["-f", str(ROOT / "compose.yaml")]
+    for extra, check in (
+        ("scale.yaml", lambda svc: all(p.get("published", "") == "" for p in svc["ports"])),
+        ("docker-sandbox.yaml", lambda svc: "docker.sock" in json.dumps(svc.get("volumes"))),
+    ):
+        args = [str(COMPOSE), *files, "-f", str(ROOT / "deploy" / "compose" / extra)]
+        out = subprocess.run(
+            [*args, "--profile", "cpu", "config", "--format", "json"],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
+        assert out.returncode == 0, out.stderr
+        rendered = json.loads(out.stdout)["services"]
+        targets = ("rollout", "reward") if extra == "scale.yaml" else ("env-gateway",)
+        assert all(check(rendered[t]) for t in targets), extra
+    ignored = subprocess.run(["git", "check-ignore", "-q", ".env"], cwd=ROOT)
+    assert ignored.returncode == 0, ".env must be ignored by git"
+    tracked = subprocess.run(["git", "ls-files", ".env"], cwd=ROOT, capture_output=True, text=True)
+    assert tracked.stdout.strip() == ""
+
+
+def test_no_pod_mounts_a_service_account_token_and_reward_reaches_env_gateway(rendered):
+    _, docs = rendered
+    pods = [
+        d["spec"]["template"]["spec"]
+        for d in docs
+        if d["kind"] in ("Deployment", "StatefulSet", "Job", "DaemonSet")
+    ]
+    assert pods and all(p.get("automountServiceAccountToken") is False for p in pods)
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+
+    def allows(policy_kind: str, selected: str, peer: str, port: int) -> bool:
+        key = "ingress" if policy_kind == "Ingress" else "egress"
+        side = "from" if key == "ingress" else "to"
+        for p in policies:
+            labels = p["spec"]["podSelector"].get("matchLabels", {})
+            exprs = p["spec"]["podSelector"].get("matchExpressions", [])
+            names = {labels.get("app.kubernetes.io/name")} | {
+                v for e in exprs for v in e.get("values", [])
+            }
+            if selected not in names:
+                continue
+            for rule in p["spec"].get(key, []):
+                peers = rule.get(side, [])
+                peer_names = {
+                    (q.get("podSelector") or {})
+                    .get("matchLabels", {})
+                    .get("app.kubernetes.io/name")
+                    for q in peers
+                }
+                if peer in peer_names and any(x["port"] == port for x in rule.get("ports", [])):
+                    return True
+        return False
+
+    assert allows("Egress", "reward", "env-gateway", 50052)
+    assert allows("Ingress", "env-gateway", "reward", 50052)
 
 
 # --- kubernetes ----------------------------------------------------------------------------------
