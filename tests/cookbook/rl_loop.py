@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import re
 from functools import partial
 
 import chz
 import numpy as np
+import tinker
 from tinker_cookbook import renderers
 from tinker_cookbook.rl import train
 from tinker_cookbook.rl.problem_env import ProblemEnv, ProblemGroupBuilder
@@ -74,6 +76,22 @@ class TinyAdditionBuilder(RLDatasetBuilder):
         return TinyAdditionDataset(renderer, self.batches), None
 
 
+def seed_sampling(base: int) -> None:
+    """Seed every sample request the loop makes (the cookbook leaves `seed` unset): the n-th
+    request gets `base + n`. Within an iteration the loop starts its requests in a fixed
+    order (one per environment, groups in order), so the run's samples, and with them its
+    rewards and updates, are the same run after run."""
+    calls = itertools.count()
+    unseeded = tinker.SamplingClient.sample_async
+
+    async def sample_async(self, prompt, num_samples, sampling_params, *args, **kwargs):
+        if sampling_params.seed is None:
+            sampling_params = sampling_params.model_copy(update={"seed": base + next(calls)})
+        return await unseeded(self, prompt, num_samples, sampling_params, *args, **kwargs)
+
+    tinker.SamplingClient.sample_async = sample_async  # type: ignore[method-assign]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--base-url", required=True)
@@ -81,7 +99,10 @@ def main() -> None:
     parser.add_argument("--log-path", required=True)
     parser.add_argument("--iterations", type=int, default=40)
     parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--seed", type=int, default=None, help="seed every sample request")
     args = parser.parse_args()
+    if args.seed is not None:
+        seed_sampling(args.seed)
     config = train.Config(
         learning_rate=args.lr,
         dataset_builder=TinyAdditionBuilder(model=args.model, batches=args.iterations),
