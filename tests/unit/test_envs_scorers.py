@@ -243,3 +243,38 @@ def test_verifiers_errors_the_policy_caused_are_episodes_not_env_errors():
     for name in ("ToolCallError", "SandboxError", "ModelError", "ValueError", "NoSuchError"):
         assert not _models_doing({"error": name})
     assert not _models_doing("a plain string")
+
+
+async def test_requests_past_a_replicas_in_flight_slots_are_counted_as_queued():
+    """What the autoscaler reads: requests a replica holds but has not begun."""
+    import asyncio
+
+    from treadle_reward.scorers.base import Score, Scorer
+    from treadle_reward.worker import QUEUED
+
+    release = asyncio.Event()
+
+    class Held(Scorer):
+        async def score(self, request):
+            await release.wait()
+            return Score(1.0)
+
+    class Msg:
+        subject = "treadle.reward.held"
+        data = reward_pb2.ScoreRequest(scorer="held").SerializeToString()
+        headers = None
+        answered = 0
+
+        async def respond(self, data):
+            Msg.answered += 1
+
+    service = ScoringService({"held": Held()}, max_in_flight=2)
+    before = QUEUED._value.get()
+    waiting = [asyncio.create_task(service.dispatch(Msg())) for _ in range(5)]
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert QUEUED._value.get() - before == 3  # two in flight, three queued
+    release.set()
+    await asyncio.gather(*waiting)
+    await asyncio.gather(*service._tasks)
+    assert QUEUED._value.get() == before and Msg.answered == 5

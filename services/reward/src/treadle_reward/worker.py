@@ -32,6 +32,12 @@ IN_FLIGHT = Gauge("treadle_reward_in_flight", "Scoring requests being processed"
 PENDING = Gauge(
     "treadle_reward_pending", "Scoring requests waiting for a concurrency slot", ["scorer"]
 )
+QUEUED = Gauge(
+    "treadle_reward_queued",
+    "Scoring requests delivered to this replica and waiting for one of its in-flight slots "
+    "(TREADLE_REWARD_MAX_IN_FLIGHT): with `treadle_reward_pending`, the backlog the "
+    "autoscaler adds replicas for",
+)
 
 
 def _json(text: str, what: str, default):
@@ -203,7 +209,8 @@ class ScoringService:
         time, so one slow scorer held up every request behind it on the replica (and they
         timed out). Past `max_in_flight` requests the subscription waits, and messages queue
         in the client."""
-        await self._admit.acquire()
+        with QUEUED.track_inprogress():
+            await self._admit.acquire()
         task = asyncio.create_task(self._handle_admitted(msg))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
