@@ -182,7 +182,17 @@ def test_production_refuses_auth_off_and_default_secrets():
     from treadle_common.settings import Settings
     from treadle_weight_store.settings import WeightStoreSettings
 
-    creds = {"redis_url": "redis://:pw@redis:6379", "nats_url": "nats://u:pw@nats:4222"}
+    creds = {
+        "redis_url": "redis://:pw@redis:6379",
+        "nats_url": "nats://u:pw@nats:4222",
+        "transport_security": "mesh",
+    }
+    with pytest.raises(ValueError, match="production needs TLS between services"):
+        Settings(environment="production", **{**creds, "transport_security": "tls"})
+    tls = {f"tls_{f}_file": f"/run/tls/{f}.pem" for f in ("cert", "key", "ca")}
+    assert Settings(environment="production", **{**creds, "transport_security": "tls", **tls})
+    said = Settings(environment="production", **creds).transport_warning() or ""
+    assert "in clear" in said and "mesh" in said
     with pytest.raises(ValueError, match="TREADLE_AUTH=off is refused in production"):
         Settings(environment="production", auth="off", **creds)
     with pytest.raises(ValueError, match="TREADLE_REDIS_URL must carry credentials"):

@@ -164,6 +164,8 @@ class ServiceRuntime:
         self.progress = Progress(service, settings.stall_after_s)
         self._add_routes()
         configure_logging(service, settings.log_level, settings.log_json)
+        if warning := settings.transport_warning():
+            log.warning(warning)
         tracing.setup(
             service,
             settings.traces,

@@ -34,6 +34,14 @@ class Settings(BaseSettings):
     environment: Literal["local", "production"] = Field(
         "local", description="`production` refuses the default secrets"
     )
+    transport_security: Literal["tls", "mesh", "private-network"] = Field(
+        "tls",
+        description="Who encrypts the traffic between services in production: `tls` (this "
+        "process, with TREADLE_TLS_CERT_FILE, _KEY_FILE and _CA_FILE, which production then "
+        "requires), `mesh` (a service mesh's mTLS) or `private-network` (a network only this "
+        "deployment uses, e.g. compose's bridge on one host); the last two are logged as a "
+        "warning at every start",
+    )
     state_dir: Path = Field(Path(".treadle"), description="Local state: infra data, logs, pids")
     redis_url: str = Field(
         f"redis://127.0.0.1:{names.DEFAULT_INFRA_PORTS['redis']}", description="Redis URL"
@@ -164,7 +172,24 @@ class Settings(BaseSettings):
                 raise ValueError(
                     f"TREADLE_{name}_URL must carry credentials in production ({form})"
                 )
+        tls = (self.tls_cert_file, self.tls_key_file, self.tls_ca_file)
+        if self.transport_security == "tls" and not all(tls):
+            raise ValueError(
+                "production needs TLS between services: set TREADLE_TLS_CERT_FILE, "
+                "TREADLE_TLS_KEY_FILE and TREADLE_TLS_CA_FILE, or say what provides it "
+                "instead (TREADLE_TRANSPORT_SECURITY=mesh or private-network)"
+            )
         return self
+
+    def transport_warning(self) -> str | None:
+        """What a production process says at start when it does not encrypt its traffic."""
+        if self.environment != "production" or self.transport_security == "tls":
+            return None
+        return (
+            f"traffic between services is in clear here: TREADLE_TRANSPORT_SECURITY="
+            f"{self.transport_security} says the {self.transport_security} provides "
+            "confidentiality; set the TREADLE_TLS_* files otherwise"
+        )
 
     def token_table(self) -> TokenTable | None:
         """This server's token table; None only when auth is off. Auth on without a table is
