@@ -42,6 +42,7 @@ from nats.js.kv import KeyValue
 
 from treadle_common import __version__, auth, metrics, names, tls, tracing
 from treadle_common.api.ops import Readiness, ServiceInfo
+from treadle_common.auth_middleware import IDENTITY, Authenticate, declared_roles
 from treadle_common.body_limit import BodyLimit
 from treadle_common.clients import grpc_options
 from treadle_common.grpc_auth import ServerAuth
@@ -147,6 +148,14 @@ class ServiceRuntime:
             max_bytes=int(settings.max_body_mb * 1024 * 1024),
             on_refuse=metrics.DROPPED.labels(service, "request", "body_too_large").inc,
         )
+        self.app.add_middleware(  # outermost: a stranger's body is never read
+            Authenticate,
+            routes=lambda: self.app.routes,
+            identify=self._identify,
+            on_refuse=lambda status: metrics.AUTH_REFUSED.labels(
+                service, "http", str(status)
+            ).inc(),
+        )
         self._redis: aioredis.Redis | None = (
             aioredis.from_url(settings.redis_url, socket_timeout=10) if uses_redis else None
         )
@@ -229,33 +238,25 @@ class ServiceRuntime:
         return self.nats
 
     # -- HTTP routes -------------------------------------------------------------------------
+    def _identify(self, token: str | None, declared: list[str] | None, what: str) -> auth.Identity:
+        return self.authorizer.identify(token, auth.parse_roles(declared), what)
+
     async def _authorize(
         self,
         request: Request,
-        credentials: HTTPAuthorizationCredentials | None = Depends(_BEARER),
+        _credentials: HTTPAuthorizationCredentials | None = Depends(_BEARER),  # OpenAPI's
     ) -> None:
-        """Every route: the caller's token must name a role the route declares (its
-        `openapi_extra` `x-treadle-roles`); a route that declares none is refused."""
-        route = request.scope.get("route")
-        declared = (getattr(route, "openapi_extra", None) or {}).get(auth.ROLES_KEY)
-        request.state.role = None
-        request.state.identity = auth.ANONYMOUS
-        auth.CALLER.set(auth.ANONYMOUS)
-        if declared == [auth.PUBLIC]:
-            return
-        path = getattr(route, "path", request.url.path)
-        token = credentials.credentials if credentials else None
-        token = token or auth.api_key_token(request.headers.get("x-api-key"))
-        try:
-            who = self.authorizer.identify(
-                token, auth.parse_roles(declared), f"{request.method} {path}"
-            )
-            request.state.role, request.state.identity = who.role, who
-            auth.CALLER.set(who)
-        except auth.AuthError as error:
-            metrics.AUTH_REFUSED.labels(self.service, "http", str(error.status)).inc()
-            headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
-            raise HTTPException(error.status, error.message, headers=headers) from None
+        """Every route: the caller the `Authenticate` middleware found (it checked the token
+        against the route's `x-treadle-roles` before the body was read), as `request.state`;
+        a request that reached a route without it is refused."""
+        who = request.scope.get("state", {}).get(IDENTITY)
+        if who is None:
+            route = request.scope.get("route")
+            if declared_roles(route) != [auth.PUBLIC]:
+                raise HTTPException(403, "this request passed no authentication; refused")
+            who = auth.ANONYMOUS
+        request.state.role, request.state.identity = who.role, who
+        auth.CALLER.set(who)
 
     def _add_routes(self) -> None:
         app = self.app
