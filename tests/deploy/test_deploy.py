@@ -153,10 +153,10 @@ def test_the_cli_image_installs_the_cli_and_no_service():
 
 
 # --- compose -------------------------------------------------------------------------------------
+_TABLE = auth.TokenTable.generate()
 COMPOSE_TOKENS = {
-    **{
-        f"TREADLE_TOKEN_{role.upper()}": token for role, token in auth.TokenTable.generate().items()
-    },
+    **{f"TREADLE_TOKEN_{role.upper()}": token for role, token in _TABLE.items()},
+    **{f"TREADLE_TOKEN_{role.upper()}_SHA256": auth.token_hash(t) for role, t in _TABLE.items()},
     **InfraSecrets.generate().env(),
     "TREADLE_S3_ACCESS_KEY": "test-access",
     "TREADLE_S3_SECRET_KEY": "test-secret",
@@ -182,6 +182,8 @@ def compose_config(*profiles: str, env: dict[str, str] | None = None) -> dict:
 def test_compose_has_no_default_secrets_and_gives_each_service_its_role():
     bare = {k: v for k, v in os.environ.items() if not k.startswith(SECRET_VARS)}
     for name in COMPOSE_TOKENS:  # each secret is required on its own: no defaults
+        if name == "TREADLE_TOKEN_AGENT":
+            continue  # an agent's: no container presents it (servers hold its hash)
         refused = subprocess.run(
             [str(COMPOSE), "-f", str(ROOT / "compose.yaml"), "config", "-q"],
             capture_output=True,
@@ -213,6 +215,10 @@ def test_compose_has_no_default_secrets_and_gives_each_service_its_role():
             continue
         role = auth.Role.admin if name == "demo" else auth.SERVICE_ROLES[name]
         assert table.role_of(environment["TREADLE_TOKEN"]) is role, name
+        if name != "demo":  # a service holds hashes and its own token, no other token
+            others = {t for r, t in _TABLE.items() if r != auth.SERVICE_ROLES[name].value}
+            assert not others & {str(v) for v in environment.values()}, name
+            assert not any(t in json.dumps(environment) for t in others), name
         if name != "demo":
             assert (
                 environment["TREADLE_AUTH_TOKENS"]

@@ -9,6 +9,7 @@ descriptors of every `treadle.v1` proto, so a new route or method without a poli
 from __future__ import annotations
 
 import importlib
+import json
 import pkgutil
 import re
 import socket
@@ -229,6 +230,26 @@ def test_production_refuses_auth_off_and_default_secrets():
         WeightStoreSettings(environment="production", weight_store_backend="s3", **creds)
     assert Settings(environment="production", **creds).auth == "on"
     assert WeightStoreSettings(environment="production", **creds)  # local backend: no S3
+
+
+def test_a_server_holds_hashes_and_still_knows_every_caller():
+    """What compose, k8s and `treadle up` give servers: each token's SHA-256, never a token;
+    a presented token is hashed and found, tenants kept; a malformed hash is refused."""
+    raw = {
+        "admin": "admin-token-0123456789",
+        "trainer": [{"token": "tenant-a-trainer-0123", "tenant": "a"}, "fleet-trainer-012345"],
+    }
+    hashed = auth.TokenTable.hashed(raw)
+    assert "admin-token-0123456789" not in json.dumps(hashed)
+    table = auth.TokenTable.parse(json.dumps(hashed), "hashed")
+    assert table.role_of("admin-token-0123456789") is auth.Role.admin
+    a = table.identify("tenant-a-trainer-0123")
+    assert a is not None and a.role is auth.Role.trainer and a.tenant == "a"
+    assert table.identify("fleet-trainer-012345").tenant == auth.DEFAULT_TENANT  # type: ignore[union-attr]
+    assert table.role_of(hashed["admin"]) is None  # the hash itself is no token
+    assert table.token_of(auth.Role.admin) is None  # nothing to hand out
+    with pytest.raises(ValueError, match="64 lowercase hex"):
+        auth.TokenTable.parse('{"admin": "sha256:abc"}', "bad")
 
 
 def test_token_table_rejects_short_tokens_and_unknown_roles():

@@ -202,16 +202,16 @@ def secrets(
     ] = "env",
     namespace: Annotated[str | None, typer.Option(help="k8s: the Secret's namespace")] = None,
 ) -> None:
-    """Generate a deployment's secrets: a token per role, the Redis password, a password per
-    NATS user and the S3 keys. `--format env` prints the lines compose.yaml reads from
-    `.env`; `--format k8s` prints the `treadle-auth` Secret the manifests read
-    (`kubectl apply -f -`). Nothing is stored."""
+    """Generate a deployment's secrets: a token per role (and its SHA-256, what servers
+    hold), the Redis password, a password per NATS user and the S3 keys. `--format env`
+    prints the lines compose.yaml reads from `.env`; `--format k8s` prints the
+    `treadle-auth` Secret the manifests read (`kubectl apply -f -`). Nothing is stored."""
     import json as json_lib
     import secrets as secrets_lib
 
     import yaml
 
-    from treadle_common.auth import TokenTable
+    from treadle_common.auth import TokenTable, token_hash
     from treadle_common.infra_auth import InfraSecrets
 
     table = TokenTable.generate()
@@ -223,6 +223,7 @@ def secrets(
     if output == "env":
         for role, token in table.items():
             print(f"TREADLE_TOKEN_{role.upper()}={token}")
+            print(f"TREADLE_TOKEN_{role.upper()}_SHA256={token_hash(token)}")  # for servers
         for key, value in {**infra.env(), **s3}.items():
             print(f"{key}={value}")
     elif output == "k8s":
@@ -237,7 +238,12 @@ def secrets(
             "kind": "Secret",
             "metadata": metadata,
             "type": "Opaque",
-            "stringData": {"tokens.json": json_lib.dumps(table), **table, **keys},
+            # servers read tokens.json: hashes only; each pod its own role's token by key
+            "stringData": {
+                "tokens.json": json_lib.dumps(TokenTable.hashed(table)),
+                **table,
+                **keys,
+            },
         }
         print(yaml.safe_dump(secret, sort_keys=False), end="")
     else:

@@ -185,8 +185,12 @@ class StackSpec:
         path = Path(self.auth_tokens_file)
         table = auth.TokenTable.parse(path.read_text(), str(path))
         token = table.token_of(auth.SERVICE_ROLES[service])
+        hashed = Path(self.state_dir) / "auth" / "tokens.hashed.json"  # what servers hold
+        if not hashed.exists():
+            raw = json.loads(path.read_text())
+            auth.write_private(hashed, json.dumps(auth.TokenTable.hashed(raw), indent=2))
         return {
-            "TREADLE_AUTH_TOKENS_FILE": str(path),
+            "TREADLE_AUTH_TOKENS_FILE": str(hashed),
             **({"TREADLE_TOKEN": token} if token else {}),
         }
 

@@ -34,6 +34,7 @@ wants; `admin` sees every tenant's too. Give each tenant's people tokens that na
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import os
@@ -149,17 +150,55 @@ class AuthError(Exception):
         self.message = message
 
 
+HASH_PREFIX = "sha256:"
+"""A table entry that is a token's SHA-256 (hex) rather than the token: what a server holds,
+so that no service's environment carries another's (or the admin's) token."""
+
+
+def token_hash(token: str) -> str:
+    """The table entry that stands for `token` (`sha256:` and its hex digest)."""
+    return HASH_PREFIX + hashlib.sha256(token.encode()).hexdigest()
+
+
+def _digest(entry: str) -> bytes:
+    """The digest an entry stands for: a `sha256:` entry's own, or a plain token's."""
+    if entry.startswith(HASH_PREFIX):
+        hexdigest = entry.removeprefix(HASH_PREFIX)
+        if len(hexdigest) != 64 or any(c not in "0123456789abcdef" for c in hexdigest):
+            raise ValueError("a sha256: entry must be 64 lowercase hex digits")
+        return bytes.fromhex(hexdigest)
+    if len(entry) < 16:
+        raise ValueError("every token must be at least 16 characters")
+    return hashlib.sha256(entry.encode()).digest()
+
+
 class TokenTable:
-    """Tokens by role: who a presented token is."""
+    """Tokens by role: who a presented token is. Entries are tokens or their hashes
+    (`token_hash`); either way the table keeps only digests, and a presented token is
+    hashed and compared with each."""
 
     def __init__(self, tokens: dict[Role, list[str]], tenants: dict[str, str] | None = None):
-        """`tenants`: token -> its tenant (tokens not in it: `DEFAULT_TENANT`)."""
-        self.entries = [(role, tok.encode()) for role, toks in tokens.items() for tok in toks]
-        self.tenants = {tok.encode(): tenant for tok, tenant in (tenants or {}).items()}
+        """`tenants`: token (or hash entry) -> its tenant (others: `DEFAULT_TENANT`)."""
+        self.entries = [(role, _digest(tok)) for role, toks in tokens.items() for tok in toks]
+        self.tokens = {role: next(iter(toks), None) for role, toks in tokens.items()}
+        self.tenants = {_digest(tok): tenant for tok, tenant in (tenants or {}).items()}
         if not self.entries:
             raise ValueError("the token table is empty")
-        if any(len(tok) < 16 for _, tok in self.entries):
-            raise ValueError("every token must be at least 16 characters")
+
+    @staticmethod
+    def hashed(raw: dict[str, Any]) -> dict[str, Any]:
+        """A table's JSON object as servers should hold it: every token replaced by its hash
+        (`{"token": ..., "tenant": ...}` entries keep their tenant)."""
+
+        def one(item: Any) -> Any:
+            if isinstance(item, dict):
+                return {**item, "token": one(item["token"])}
+            return item if item.startswith(HASH_PREFIX) else token_hash(item)
+
+        return {
+            role: one(value) if isinstance(value, str | dict) else [one(v) for v in value]
+            for role, value in raw.items()
+        }
 
     @classmethod
     def parse(cls, text: str, source: str) -> TokenTable:
@@ -184,21 +223,23 @@ class TokenTable:
         return {role.value: secrets.token_urlsafe(32) for role in Role}
 
     def token_of(self, role: Role) -> str | None:
-        """The first token of `role` (what a launcher hands the service it starts)."""
-        return next((tok.decode() for r, tok in self.entries if r is role), None)
+        """The first token of `role` (what a launcher hands the service it starts); None if
+        the table holds only its hash."""
+        token = self.tokens.get(role)
+        return None if token is None or token.startswith(HASH_PREFIX) else token
 
     def identify(self, token: str) -> Identity | None:
         """The presented token's role and tenant; None for an unknown token."""
         role = self.role_of(token)
         if role is None:
             return None
-        tenant = self.tenants.get(token.encode())
+        tenant = self.tenants.get(hashlib.sha256(token.encode()).digest())
         return Identity(role, tenant or DEFAULT_TENANT, scoped=tenant is not None)
 
     def role_of(self, token: str) -> Role | None:
-        """The presented token's role; every entry is compared (constant time per entry), so
-        the time taken does not say which entry or how much of one matched."""
-        presented = token.encode()
+        """The presented token's role; its hash is compared with every entry (constant time
+        per entry), so the time taken does not say which entry or how much of one matched."""
+        presented = hashlib.sha256(token.encode()).digest()
         found: Role | None = None
         for role, known in self.entries:
             if hmac.compare_digest(presented, known):
