@@ -148,6 +148,8 @@ async def test_fifo_is_the_baseline_and_goes_by_feeding_time_alone(redis_client)
 
 A_TOKEN, B_TOKEN = "tenant-a-token-0123456789", "tenant-b-token-0123456789"
 A_AGENT, B_AGENT = "tenant-a-agent-0123456789", "tenant-b-agent-0123456789"
+KEY_1, KEY_2 = "tenant-a-tinker-key-one-0123", "tenant-a-tinker-key-two-0123"
+"""Two Tinker API keys of tenant a (role `tinker`)."""
 
 
 class Overlapping:
@@ -221,6 +223,7 @@ def tenants(infra, tiny_model, tmp_path_factory):
             {"token": A_AGENT, "tenant": "a"},
             {"token": B_AGENT, "tenant": "b"},
         ],
+        "tinker": [{"token": KEY_1, "tenant": "a"}, {"token": KEY_2, "tenant": "a"}],
     }
     env = {"TREADLE_AUTH_TOKENS": json.dumps(table), "TREADLE_AUTH_TOKENS_FILE": ""}
     store = start_service(
@@ -386,6 +389,51 @@ def test_a_tenant_reaches_only_its_own_tinker_sessions_clients_futures_and_check
     assert a.post("/api/v1/weights_info", json={"tinker_path": path}).status_code == 200
     assert a.post(f"/api/v1/sessions/{sid}/finish").status_code == 204
     b.post(f"/api/v1/sessions/{b_sid}/finish")
+
+
+async def test_a_tinker_key_reaches_only_what_it_made_and_no_weight_store_mutation(tenants):
+    """A `tinker` key trains through the Tinker API and nothing else: another key of its own
+    tenant does not reach its session, client, future or checkpoint; it mutates nothing in
+    the weight store and starts no run (the `trainer` role could do both)."""
+    from tinker import types
+
+    trainer, store, _ = tenants
+    one, two = _as(KEY_1, trainer.http), _as(KEY_2, trainer.http)
+    a = _as(A_TOKEN, trainer.http)  # the tenant's own trainer token sees its keys' work
+    session = {"tags": [], "user_metadata": None, "sdk_version": "0.38.0"}
+    sid = one.post("/api/v1/create_session", json=session).json()["session_id"]
+    create = types.CreateModelRequest(
+        session_id=sid, model_seq_id=0, base_model="tiny", lora_config=types.LoraConfig(rank=4)
+    ).model_dump(mode="json")
+    model_id = _future(one, one.post("/api/v1/create_model", json=create))["model_id"]
+    save = {"model_id": model_id, "path": "k1", "type": "save_weights"}
+    path = _future(one, one.post("/api/v1/save_weights", json=save))["path"]
+    refused = {
+        "get_info": two.post("/api/v1/get_info", json={"model_id": model_id}),
+        "heartbeat": two.post("/api/v1/session_heartbeat", json={"session_id": sid}),
+        "weights_info": two.post("/api/v1/weights_info", json={"tinker_path": path}),
+        "finish": two.post(f"/api/v1/sessions/{sid}/finish"),
+        "start a run": one.post("/v1/runs", json={}),
+        "evaluate a run": one.post("/v1/runs/some-run/evaluations", json={}),
+    }
+    assert {k: r.status_code for k, r in refused.items()} == dict.fromkeys(refused, 403)
+    assert one.post("/api/v1/get_info", json={"model_id": model_id}).status_code == 200
+    assert a.post("/api/v1/weights_info", json={"tinker_path": path}).status_code == 200
+    key = WeightStoreClient(store.grpc_addr or "", token=KEY_1, attempts=1)
+    raw = state_dict_to_raw({"w": torch.ones(4)})
+    try:
+        for call in (
+            key.publish(f"k1-{uuid.uuid4().hex[:6]}", raw),
+            key.delete_version("tiny", 1),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as denied:
+                await call
+            assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        listed = await key.stub.ListModels(weights_pb2.ListModelsRequest())
+        assert not [m for m in listed.models if not m.startswith("fleet")], listed.models
+    finally:
+        await key.close()
+    assert one.post(f"/api/v1/sessions/{sid}/finish").status_code == 204
 
 
 async def test_a_tenant_reaches_only_its_own_and_the_fleets_weights(tenants):

@@ -61,6 +61,9 @@ class Role(StrEnum):
     """Generates: fetches weights, drives environment sessions, asks for scores."""
     agent = "agent"
     """An agent under training: the OpenAI-compatible and recording API on rollout."""
+    tinker = "tinker"
+    """A Tinker API key: its own sessions on the trainer's Tinker API, nothing else (no
+    weight-store, no runs); what it makes belongs to the key that made it."""
     read = "read"
     """Status, listings and metrics only."""
 
@@ -70,6 +73,8 @@ ANY = frozenset(Role)
 TRAINER = frozenset({Role.admin, Role.trainer})
 ROLLOUT = frozenset({Role.admin, Role.rollout})
 AGENT = frozenset({Role.admin, Role.agent})
+TINKER = frozenset({Role.admin, Role.trainer, Role.tinker})
+"""The Tinker API: a Tinker key, or the trainer role (which may do more elsewhere)."""
 WORKERS = frozenset({Role.admin, Role.trainer, Role.rollout})
 """The services that run the loop (trainer and rollout), e.g. fetching weights, scoring."""
 
@@ -117,10 +122,27 @@ class Identity:
     tenant: str = DEFAULT_TENANT
     scoped: bool = False
     """Whether the token names its tenant (a fleet token does not: it acts for every one)."""
+    key: str = ""
+    """A `tinker` key's own id (the start of its hash): what it makes is the key's."""
+
+    @property
+    def owner(self) -> str:
+        """Whom what this caller makes belongs to: its tenant, or for a `tinker` key
+        `tenant/key` (another key of the same tenant does not reach it)."""
+        return f"{self.tenant}/{self.key}" if self.role is Role.tinker else self.tenant
 
     def may_see(self, tenant: str) -> bool:
         """Whether this caller may see and control what belongs to `tenant`."""
+        if self.role is Role.tinker:
+            return False  # a key owns what it made (`may_own`), no tenant's other things
         return self.role in (None, Role.admin) or not self.scoped or tenant == self.tenant
+
+    def may_own(self, owner: str) -> bool:
+        """Whether this caller may use what belongs to `owner` (an `owner` value): a key
+        only its own; anyone else what its tenant's keys made, as `may_see` says."""
+        if self.role is Role.tinker:
+            return owner == self.owner
+        return self.may_see(owner.partition("/")[0])
 
 
 ANONYMOUS = Identity(None)
@@ -132,6 +154,13 @@ code below a route asks `caller()` instead of threading the request through)."""
 
 def caller() -> Identity:
     return CALLER.get()
+
+
+def refuse_unless_owns(owner: str | None, what: str) -> None:
+    """403 (`AuthError`) unless the caller may use `what`, which belongs to `owner` (an
+    `Identity.owner`; None: unowned)."""
+    if owner is not None and not caller().may_own(owner):
+        raise AuthError(403, f"{what} belongs to another tenant or key")
 
 
 def refuse_unless_sees(tenant: str | None, what: str) -> None:
@@ -233,8 +262,10 @@ class TokenTable:
         role = self.role_of(token)
         if role is None:
             return None
-        tenant = self.tenants.get(hashlib.sha256(token.encode()).digest())
-        return Identity(role, tenant or DEFAULT_TENANT, scoped=tenant is not None)
+        digest = hashlib.sha256(token.encode()).digest()
+        tenant = self.tenants.get(digest)
+        key = digest.hex()[:12] if role is Role.tinker else ""
+        return Identity(role, tenant or DEFAULT_TENANT, scoped=tenant is not None, key=key)
 
     def role_of(self, token: str) -> Role | None:
         """The presented token's role; its hash is compared with every entry (constant time

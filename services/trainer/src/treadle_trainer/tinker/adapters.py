@@ -80,13 +80,20 @@ class LoraClient:
     optimizer: torch.optim.AdamW | None = None
     steps: int = 0
     tenant: str | None = None
-    """Its session's tenant (written into its checkpoints' meta)."""
+    """Its session's tenant (written into its checkpoints' meta, stamped on its weights)."""
+    owner: str | None = None
+    """Its session's owner (`auth.Identity.owner`: a Tinker key's own), in checkpoints' meta."""
 
     @classmethod
     def create(
-        cls, model_id: str, base: BaseModel, config: lora.AdapterConfig, tenant: str | None = None
+        cls,
+        model_id: str,
+        base: BaseModel,
+        config: lora.AdapterConfig,
+        tenant: str | None = None,
+        owner: str | None = None,
     ) -> LoraClient:
-        client = cls(model_id, base, config, tenant=tenant)
+        client = cls(model_id, base, config, tenant=tenant, owner=owner or tenant)
         client.params = lora.add_adapter(base.model, model_id, config)
         for p in client.params:
             p.requires_grad_(True)
@@ -240,6 +247,7 @@ class LoraClient:
             },
             "step": self.steps,
             "tenant": self.tenant,
+            "owner": self.owner,
         }
 
 

@@ -10,8 +10,9 @@ trainer's dependencies) talks to: `tinker.ServiceClient(base_url=<trainer>, api_
 
 Request and response bodies are the SDK's own pydantic types (`tinker.types`), so the server
 parses exactly what the SDK sends. Auth: the SDK sends `X-API-Key: tml-<key>`; the key after
-the prefix is a Treadle token with the trainer role (`treadle_common.auth`); its tenant owns
-the sessions it creates and everything made in them (`state.py`).
+the prefix is a Treadle token with the `tinker` role (or trainer/admin: `auth.TINKER`); the
+caller's owner (`auth.Identity.owner`: a tinker key's own, else its tenant) owns the sessions
+it creates and everything made in them (`state.py`).
 
 Base models are named by `TREADLE_TRAINER_TINKER_MODELS` (`{"name": "<HF dir>"}`); each is
 loaded once, on its first training client, and every client on it is a LoRA adapter on that
@@ -93,7 +94,7 @@ def mount(
         await reap()
         session_id = uuid.uuid4().hex[:16]
         state.sessions[session_id] = time.monotonic()
-        state.tenants[session_id] = auth.caller().tenant
+        state.tenants[session_id] = auth.caller().owner
         return types.CreateSessionResponse(session_id=session_id).model_dump()
 
     @app.post("/api/v1/session_heartbeat", tags=["tinker"], openapi_extra=ROLES)

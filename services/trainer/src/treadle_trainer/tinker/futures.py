@@ -92,7 +92,7 @@ class Futures:
         """The result, or None while it is still running after `wait_s`; KeyError if unknown,
         `auth.AuthError` (403) if another tenant's."""
         entry = self.entries[request_id]
-        auth.refuse_unless_sees(entry.tenant, f"request {request_id}")
+        auth.refuse_unless_owns(entry.tenant, f"request {request_id}")
         done, _ = await asyncio.wait({entry.task}, timeout=wait_s)
         if not done:
             return None

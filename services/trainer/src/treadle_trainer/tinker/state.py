@@ -25,7 +25,7 @@ from treadle_trainer.tinker.checkpoints import read_meta
 from treadle_trainer.tinker.futures import Futures, Result
 from treadle_trainer.tinker.sampling import RolloutSampler, Sampler, SamplerWeights
 
-ROLES = auth.roles(auth.TRAINER)
+ROLES = auth.roles(auth.TINKER)
 CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 TINKER_PATH = re.compile(r"^tinker://([^/]+)/(weights|sampler_weights)/([^/]+)$")
 
@@ -44,7 +44,8 @@ class TinkerState:
     sessions: dict[str, float] = field(default_factory=dict)
     """Open sessions -> when the last heartbeat (or creation) was seen (monotonic)."""
     tenants: dict[str, str] = field(default_factory=dict)
-    """Open sessions -> the tenant that created them."""
+    """Open sessions -> the owner that created them (`auth.Identity.owner`: its tenant, or
+    a Tinker key's own)."""
     sampler_weights: dict[str, SamplerWeights] = field(default_factory=dict)
     samplers: dict[str, Sampler] = field(default_factory=dict)
     futures: Futures = field(default_factory=Futures)
@@ -54,7 +55,7 @@ class TinkerState:
     def owned(self, name: str) -> str:
         """`name` (a session id, or an id made in one) if the caller may use it, else 403."""
         session_id = name.split(":", 1)[0]
-        auth.refuse_unless_sees(self.tenants.get(session_id), f"tinker session {session_id!r}")
+        auth.refuse_unless_owns(self.tenants.get(session_id), f"tinker session {session_id!r}")
         return name
 
     def session(self, session_id: str) -> str:
@@ -97,7 +98,8 @@ class TinkerState:
         directory = self.checkpoint_dir(match.group(1), kind, match.group(3))
         if not (directory / "meta.json").exists():
             raise BadRequest(f"no checkpoint at {path}")
-        auth.refuse_unless_sees(read_meta(directory).get("tenant"), f"checkpoint {path}")
+        meta = read_meta(directory)
+        auth.refuse_unless_owns(meta.get("owner", meta.get("tenant")), f"checkpoint {path}")
         return directory
 
     def sampler_weights_of(self, path: str) -> SamplerWeights:
@@ -112,7 +114,7 @@ class TinkerState:
     # --- futures ----------------------------------------------------------------------------
     def submit(self, work: Any, queue: str, seq_id: int | None = None, **kw: Any) -> str:
         """`Futures.submit` in the caller's tenant (its request ids are the tenant's)."""
-        return self.futures.submit(work, queue, seq_id, tenant=auth.caller().tenant, **kw)
+        return self.futures.submit(work, queue, seq_id, tenant=auth.caller().owner, **kw)
 
 
 def json_result(result: Any) -> Result:

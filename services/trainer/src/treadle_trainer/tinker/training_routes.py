@@ -81,12 +81,14 @@ def mount(app: FastAPI, state: TinkerState, reap: Callable[[], Awaitable[None]])
         except BadRequest as exc:
             raise bad(exc) from exc
         state.clients[model_id] = None  # type: ignore[assignment]  # reserved while it builds
-        tenant = auth.caller().tenant
+        tenant, owner = auth.caller().tenant, auth.caller().owner
 
         async def work() -> Result:
             try:
                 base = await state.base(request.base_model)
-                client = await on_torch_thread(LoraClient.create, model_id, base, config, tenant)
+                client = await on_torch_thread(
+                    LoraClient.create, model_id, base, config, tenant, owner
+                )
             except BaseException:
                 state.clients.pop(model_id, None)
                 raise
@@ -204,13 +206,13 @@ def mount(app: FastAPI, state: TinkerState, reap: Callable[[], Awaitable[None]])
                 alpha=meta["lora"]["alpha"],
                 targets=tuple(meta["lora"]["targets"]),
             )
-            tenant = auth.caller().tenant
+            tenant, owner = auth.caller().tenant, auth.caller().owner
 
             async def create() -> Result:
                 try:
                     base = await state.base(request.base_model or meta["base_model"])
                     client = await on_torch_thread(
-                        LoraClient.create, model_id, base, config, tenant
+                        LoraClient.create, model_id, base, config, tenant, owner
                     )
                     await on_torch_thread(checkpoints.load, client, directory, request.optimizer)
                 except BaseException:
