@@ -145,6 +145,19 @@ async def test_nats_holds_each_user_to_its_subjects(infra):
     assert await nats_errors(infra.nats_for("weight-store"), announce) == []
     assert await nats_errors(infra.nats_for("reward"), join_reward) == []
 
+    async def read_others_replies(nc) -> None:  # a shared _INBOX.> once let anyone
+        await nc.subscribe("_INBOX.>")
+        await nc.subscribe(f"{infra_auth.inbox_prefix('rollout')}.>")
+
+    for service in ("trainer", "env-gateway", "weight-store", "reward"):
+        refused = await nats_errors(infra.nats_for(service), read_others_replies)
+        assert sum("permissions violation for subscription" in e for e in refused) == 2, service
+
+    async def own_replies(nc) -> None:
+        await nc.subscribe(f"{infra_auth.inbox_prefix('rollout')}.x")
+
+    assert await nats_errors(infra.nats_for("rollout"), own_replies) == []
+
     async def own_heartbeat_only(nc) -> None:
         await nc.publish(f"$KV.{names.HEARTBEAT_BUCKET}.trainer.forged", b"{}")
 

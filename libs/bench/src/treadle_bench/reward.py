@@ -23,6 +23,7 @@ import nats
 
 from treadle_bench.harness import bench_auth, free_port, start_service
 from treadle_cli.infra import Infra, terminate
+from treadle_common import infra_auth
 from treadle_common.clients.reward import RewardClient
 from treadle_common.logs import configure_logging
 from treadle_common.proto.treadle.v1 import reward_pb2 as pb
@@ -43,7 +44,7 @@ def start_replica(nats_url: str, state_dir: str) -> subprocess.Popen:
 async def load(
     nats_url: str, requests: int, concurrency: int, rounds: int
 ) -> tuple[float, list[float]]:
-    nc = await nats.connect(nats_url)
+    nc = await nats.connect(nats_url, inbox_prefix=infra_auth.inbox_prefix_of(nats_url))
     client = RewardClient(nc, timeout_s=120)
     latencies: list[float] = []
     queue = iter(range(requests))

@@ -47,13 +47,25 @@ REDIS_PASSWORD_ENV = "REDIS_PASSWORD"
 """The environment variable holding the Redis password (compose `.env`, the redis pod)."""
 
 
+def inbox_prefix(user: str | None) -> str:
+    """Where a NATS user's replies come (`{prefix}.{id}`): its own prefix, which only it may
+    subscribe to, so no service reads the answers meant for another (a shared `_INBOX.>`
+    let any of them). No user (auth off) or the admin: the client library's default."""
+    return "_INBOX" if user in (None, "", ADMIN) else f"_INBOX_{user}"
+
+
+def inbox_prefix_of(url: str) -> str:
+    """`inbox_prefix` of the user a NATS URL names."""
+    return inbox_prefix(urlsplit(url).username)
+
+
 @dataclass
 class NatsPermissions:
     """Subjects a NATS user may publish and subscribe to (`subject queue`: only in that queue
     group); `allow_responses`: may answer a request it received."""
 
     publish: list[str]
-    subscribe: list[str] = field(default_factory=lambda: ["_INBOX.>"])
+    subscribe: list[str] = field(default_factory=list)
     allow_responses: bool = False
 
 
@@ -66,7 +78,8 @@ def nats_permissions() -> dict[str, NatsPermissions]:
                 f"$JS.API.STREAM.INFO.{_HEARTBEATS}",
                 f"$JS.API.STREAM.CREATE.{_HEARTBEATS}",
                 f"$KV.{names.HEARTBEAT_BUCKET}.{service}.>",
-            ]
+            ],
+            subscribe=[f"{inbox_prefix(service)}.>"],  # its own replies only
         )
         for service in names.SERVICES
     }

@@ -40,7 +40,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from nats.aio.client import Client as NATS
 from nats.js.kv import KeyValue
 
-from treadle_common import __version__, auth, metrics, names, tls, tracing
+from treadle_common import __version__, auth, infra_auth, metrics, names, tls, tracing
 from treadle_common.api.ops import Readiness, ServiceInfo
 from treadle_common.auth_middleware import IDENTITY, Authenticate, declared_roles
 from treadle_common.body_limit import BodyLimit
@@ -321,6 +321,7 @@ class ServiceRuntime:
                 self.nats = await nats.connect(
                     self.settings.nats_url,
                     name=f"{self.service}-{self.settings.instance}",
+                    inbox_prefix=infra_auth.inbox_prefix_of(self.settings.nats_url),
                     connect_timeout=2,
                     max_reconnect_attempts=-1,
                     reconnect_time_wait=0.5,
