@@ -328,6 +328,38 @@ async def test_an_agent_is_judged_only_against_the_task_its_trainer_issued(hosti
         await redis_client.delete(names.trajectories_stream(run))
 
 
+async def test_a_run_config_planted_in_redis_is_checked_before_a_resume(hostile, redis_client):
+    """Redis is not trusted more than a caller: a run whose stored config names a path
+    outside the allowed roots (as if written by another service with Redis access) is not
+    resumed, and says so; nothing is written there."""
+    import asyncio
+
+    from treadle_common.config import load_recipe
+
+    run = f"planted-{uuid.uuid4().hex[:6]}"
+    outside = hostile["tmp"] / "outside"
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_recipe(
+        root / "recipes" / "skeleton.yaml",
+        [f"run_id={run}", f"output_dir={outside / 'runs'}", f"model.path={outside / 'model'}"],
+    )
+    before = snapshot(outside)
+    await redis_client.set(names.run_config(run), cfg.model_dump_json())
+    await redis_client.sadd(names.RUNS_KEY, run)
+    log = hostile["trainer"].log
+    try:
+        for _ in range(40):  # the trainer looks for orphans every second
+            if "refusing to resume run" in log.read_text() and run in log.read_text():
+                break
+            await asyncio.sleep(0.25)
+        assert "its stored config fails" in log.read_text(), log.read_text()[-2000:]
+        assert await redis_client.get(names.run_owner(run)) is None  # not taken
+        assert snapshot(outside) == before
+    finally:
+        await redis_client.srem(names.RUNS_KEY, run)
+        await redis_client.delete(names.run_config(run))
+
+
 def test_bodies_past_the_cap_are_refused_before_parsing(hostile):
     """413 whether the body declares its length or streams it (chunked), and the service
     counts the drop and stays up."""

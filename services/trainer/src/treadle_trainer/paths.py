@@ -14,6 +14,9 @@ from pathlib import Path
 
 from fastapi import HTTPException
 
+from treadle_common.config import RunConfig
+from treadle_trainer.backends import check_backend
+
 
 def confine(path: str | Path, roots: Sequence[Path], what: str) -> Path:
     """`path` resolved, if inside one of `roots`; else HTTP 400 naming `what`."""
@@ -26,3 +29,18 @@ def confine(path: str | Path, roots: Sequence[Path], what: str) -> Path:
         f"{what} {str(path)!r} is outside the directories this trainer allows "
         f"({allowed}; TREADLE_TRAINER_PATH_ROOTS)",
     )
+
+
+def check_config(config: RunConfig, roots: Sequence[Path]) -> None:
+    """What a run's config may name: paths inside `roots` (HTTP 400) and a backend that can
+    run it (422). Checked at a start and again at every resume from Redis."""
+    if config.model.path is not None:
+        confine(config.model.path, roots, "model.path")
+    if config.data.path is not None:
+        confine(config.data.path, roots, "data.path")
+    confine(config.output_dir, roots, "output_dir")
+    t = config.trainer
+    try:
+        check_backend(t.backend, t.tensor_parallel, t.pipeline_parallel, t.lora is not None)
+    except ValueError as exc:
+        raise HTTPException(422, f"trainer.backend: {exc}") from exc

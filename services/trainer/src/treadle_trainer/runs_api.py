@@ -29,7 +29,7 @@ from typing import Annotated
 
 from fastapi import FastAPI, HTTPException, Path, Query, Request
 
-from treadle_common import auth, fleet, names, scheduling
+from treadle_common import auth, fleet, metrics, names, scheduling
 from treadle_common.api.runs import (
     Backlog,
     EvaluationDone,
@@ -44,8 +44,7 @@ from treadle_common.config import RunConfig
 from treadle_common.logs import get_logger
 from treadle_common.progress import Stage
 from treadle_common.service import ServiceRuntime
-from treadle_trainer.backends import check_backend
-from treadle_trainer.paths import confine
+from treadle_trainer.paths import check_config
 from treadle_trainer.run import RunOwner, claims
 from treadle_trainer.run.lease import Lease
 from treadle_trainer.run.status_store import stored_status
@@ -193,10 +192,19 @@ class Runs:
             lease = self._lease(run)
             if not await (lease.reclaim_own() if mine else lease.acquire()):
                 continue
+            try:  # Redis is not trusted more than a caller: the same checks as a start
+                config = RunConfig.model_validate_json(raw)
+                check_config(config, self.settings.path_roots())
+            except (ValueError, HTTPException) as exc:
+                why = exc.detail if isinstance(exc, HTTPException) else str(exc)[:300]
+                log.error("refusing to resume run: its stored config fails", run=run, why=why)
+                metrics.DROPPED.labels("trainer", "run", "invalid_stored_config").inc()
+                await lease.release()
+                continue
             log.info("resuming run", run=run)
             policy = (await fleet.active(redis)).get(run)
             tenant = policy.tenant if policy is not None else auth.DEFAULT_TENANT
-            self._launch(RunConfig.model_validate_json(raw), lease, tenant)
+            self._launch(config, lease, tenant)
 
     async def drain(self) -> None:
         """Hand every run off at its next step boundary (checkpointed, lease released)."""
@@ -210,17 +218,7 @@ class Runs:
         tenant = request.state.identity.tenant
         if self.runtime.draining:
             raise HTTPException(503, "trainer is draining")
-        roots = self.settings.path_roots()
-        if config.model.path is not None:
-            confine(config.model.path, roots, "model.path")
-        if config.data.path is not None:
-            confine(config.data.path, roots, "data.path")
-        confine(config.output_dir, roots, "output_dir")
-        t = config.trainer
-        try:
-            check_backend(t.backend, t.tensor_parallel, t.pipeline_parallel, t.lora is not None)
-        except ValueError as exc:
-            raise HTTPException(422, f"trainer.backend: {exc}") from exc
+        check_config(config, self.settings.path_roots())
         if config.run_id in self.owners:
             raise HTTPException(409, f"run {config.run_id} already exists")
         redis = self.runtime.redis
