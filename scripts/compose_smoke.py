@@ -39,6 +39,9 @@ SERVICES = ["redis", "nats", "minio", "weight-store", "env-gateway", "reward", "
 TREADLE_SERVICES = ["weight-store", "env-gateway", "reward", "rollout", "trainer"]
 IMAGES = ["cli", "weight-store", "env-gateway", "reward", "rollout", "trainer"]
 PUBLIC_BASE = "python:3.11-slim-bookworm"
+TAG = "0.1.0"
+"""The images' tag: compose's `TREADLE_IMAGE_TAG` default, the package version (never
+`latest`: k8s names the same tag)."""
 WHEELS_PORT = 38471
 RECIPE_STEPS = 36  # recipes/compose_smoke.yaml's trainer.num_steps
 SCALE = {"rollout": 3, "reward": 2}
@@ -284,7 +287,7 @@ def smoke(report: dict, keep: bool) -> None:
                 for name, size in (line.split() for line in sizes.stdout.splitlines())
                 if name.split(":")[0] in {f"treadle/{i}" for i in IMAGES} | {"treadle/infra"}
             }
-            cli = sh("docker", "run", "--rm", "treadle/cli:latest", "--help", check=False)
+            cli = sh("docker", "run", "--rm", f"treadle/cli:{TAG}", "--help", check=False)
             checks["cli_image_runs_treadle"] = cli.returncode == 0 and "run" in cli.stdout
 
             t = time.monotonic()
@@ -319,7 +322,7 @@ def smoke(report: dict, keep: bool) -> None:
                    "--security-opt", "no-new-privileges"]  # fmt: skip
             granted = ["--security-opt", "seccomp=unconfined", "--security-opt",
                        "systempaths=unconfined"]  # fmt: skip
-            image = ["treadle/env-gateway:latest", "python", "-c", SANDBOX_CHECK]
+            image = [f"treadle/env-gateway:{TAG}", "python", "-c", SANDBOX_CHECK]
             k8s = sh(*pod, *granted, *image, check=False)
             bare = sh(*pod, *image, check=False)
             report["env_gateway_bwrap"] = {

@@ -297,6 +297,26 @@ def test_compose_scales_without_shared_identities_or_docker_socket():
     assert tracked.stdout.strip() == ""
 
 
+def test_every_image_names_a_version_never_latest(rendered):
+    """Kubernetes runs what was tested: every container image has an explicit tag (or a
+    digest), and none is `latest`."""
+    _, docs = rendered
+    images = [
+        c["image"]
+        for d in docs
+        if d["kind"] in ("Deployment", "StatefulSet", "Job", "DaemonSet")
+        for c in d["spec"]["template"]["spec"].get("initContainers", [])
+        + d["spec"]["template"]["spec"]["containers"]
+    ]
+    assert images
+    for image in images:
+        name, _, tag = image.rpartition(":")
+        assert "@sha256:" in image or (name and tag and "/" not in tag), image
+        assert not image.endswith(":latest"), image
+    compose = (ROOT / "compose.yaml").read_text()
+    assert ":latest" not in compose
+
+
 def test_no_pod_mounts_a_service_account_token_and_reward_reaches_env_gateway(rendered):
     _, docs = rendered
     pods = [
