@@ -401,6 +401,13 @@ async def test_the_work_dir_is_capped_as_a_whole(sandbox):
     assert shutil.disk_usage(sandbox.base_dir).used - before < 32 * 2**20
 
 
+async def test_the_oom_killer_takes_a_sandbox_before_the_gateway(sandbox):
+    """Where the gateway and its sandboxes share a memory limit (a bwrap gateway in its
+    container), a box that exhausts it is the kernel's first pick, never the gateway."""
+    result = await sandbox.run("print(open('/proc/self/oom_score_adj').read())")
+    assert result.status == "ok" and result.stdout.strip() == "1000", result
+
+
 def _zombies_of(pid: int) -> list[str]:
     out = subprocess.run(["ps", "-eo", "pid=,ppid=,stat=,comm="], capture_output=True, text=True)
     rows = [line.split(None, 3) for line in out.stdout.splitlines()]
