@@ -401,6 +401,23 @@ async def test_the_work_dir_is_capped_as_a_whole(sandbox):
     assert shutil.disk_usage(sandbox.base_dir).used - before < 32 * 2**20
 
 
+async def test_a_box_is_capped_as_a_whole_where_it_has_a_cgroup(sandbox):
+    """Four processes of 200 MiB each, every one under the per-process limit: together past
+    the box's memory, so its cgroup (the container's, under docker) ends the run `memory`;
+    the pids cap likewise bounds the box. A gateway that cannot make cgroups (not root, or
+    no writable cgroup filesystem) skips, saying so."""
+    if not isinstance(sandbox.backend, DockerBackend) and sandbox.backend.cgroups is None:
+        pytest.skip("this gateway cannot make cgroups here (rlimits and oom_score_adj hold)")
+    code = (
+        "import os, time\nkids = []\nfor _ in range(4):\n    pid = os.fork()\n"
+        "    if pid == 0:\n        hog = bytearray(200 * 2**20)\n        time.sleep(1)\n"
+        "        os._exit(0)\n    kids.append(pid)\nprint([os.waitpid(k, 0)[1] for k in kids])\n"
+    )
+    result = await sandbox.run(code, limits=dataclasses.replace(LIMITS, wall_seconds=20))
+    assert result.status == "memory", result
+    assert (await sandbox.run("print(6 * 7)")).stdout.strip() == "42"
+
+
 async def test_the_oom_killer_takes_a_sandbox_before_the_gateway(sandbox):
     """Where the gateway and its sandboxes share a memory limit (a bwrap gateway in its
     container), a box that exhausts it is the kernel's first pick, never the gateway."""

@@ -30,6 +30,7 @@ from treadle_env_gateway.sandbox.backends import (
     Writer,
     find_python,
 )
+from treadle_env_gateway.sandbox.cgroups import BoxCgroup, Cgroups
 from treadle_env_gateway.sandbox.limits import Limits
 
 
@@ -63,7 +64,14 @@ class _Local:
     def returncode(self) -> int | None:
         return self.proc.returncode
 
-    oom_killed = False
+    cgroup: BoxCgroup | None = None
+    _oom = False
+
+    @property
+    def oom_killed(self) -> bool:
+        """Its box's cgroup killed a process for memory (where boxes have cgroups)."""
+        return self._oom or (self.cgroup is not None and self.cgroup.oom_killed)
+
     info_fd: int | None = None
     """Read end of bwrap's `--info-fd`: the JSON naming the namespace's PID 1 (`child-pid`),
     which bwrap's monitor does not reap when it exits on the status that PID 1 reports."""
@@ -71,15 +79,27 @@ class _Local:
     """Read end of a pipe the sandbox writes one byte to just before it execs the code (bwrap):
     none means the sandbox itself failed to start (its own error, not the code's)."""
 
+    _ready: bool | None = None
+    _stopped_before_ready = False
+
+    def _became_ready(self) -> bool | None:
+        """Whether the ready byte came (None: not yet, and the pipe is still open)."""
+        if self._ready is None and self.ready_fd is not None:
+            os.set_blocking(self.ready_fd, False)
+            try:
+                self._ready = os.read(self.ready_fd, 1) == b"1"
+            except BlockingIOError:
+                return None
+        return self._ready
+
     @property
     def setup_failed(self) -> bool:
-        if self.ready_fd is None:
+        """It ended without the ready byte, on its own: a sandbox the runner stopped while it
+        was still setting up (the other side of a test run had already decided) did not
+        fail."""
+        if self.ready_fd is None or self._stopped_before_ready:
             return False
-        os.set_blocking(self.ready_fd, False)
-        try:
-            return os.read(self.ready_fd, 1) != b"1"
-        except BlockingIOError:
-            return True
+        return not self._became_ready()
 
     async def wait(self) -> int:
         return await self.proc.wait()
@@ -92,6 +112,7 @@ class _Local:
         and nothing reaps it. Then the group, whatever is left of it."""
         pid = self.proc.pid
         if self.proc.returncode is None:
+            self._stopped_before_ready = self.ready_fd is not None and not self._became_ready()
             inner = [p for p in _group(pid) if p != pid]
             for member in inner:
                 with contextlib.suppress(ProcessLookupError):
@@ -104,6 +125,21 @@ class _Local:
         if self.info_fd is not None:
             await self.proc.wait()
             await self._reap_inner()
+        if self.cgroup is not None:
+            await self._end_cgroup(self.cgroup)
+
+    async def _end_cgroup(self, cgroup: BoxCgroup) -> None:
+        """Kill what is left in the box's cgroup (whatever left the backend's group), note
+        whether it ran out of memory, and remove it once empty."""
+        cgroup.kill()
+        await self.proc.wait()
+        for _ in range(100):
+            if not cgroup.pids():
+                break
+            await asyncio.sleep(0.02)
+        self._oom = cgroup.oom_killed
+        cgroup.remove()
+        self.cgroup = None
 
     async def _reap_inner(self) -> None:
         """Reap the namespace's PID 1 that bwrap's monitor left behind: orphaned, it is
@@ -155,16 +191,25 @@ class _LocalBackend:
         self.python = python or find_python()
         self.root = os.geteuid() == 0
         self._probe: str | None | bool = False
+        self.cgroups: Cgroups | None = None
+        """Where each box gets a cgroup of its own (a root gateway with a writable cgroup
+        filesystem); None: its rlimits and its container's limit hold it (`cgroups.py`)."""
 
     def unavailable(self) -> str | None:
         if self._probe is False:
-            self._probe = self._check()
+            self._probe = self._check_all()
         return self._probe  # type: ignore[return-value]
 
     async def ready(self) -> str | None:
         if self._probe is False:  # probed once, at the first run, off the event loop
-            self._probe = await asyncio.to_thread(self._check)
+            self._probe = await asyncio.to_thread(self._check_all)
         return self._probe  # type: ignore[return-value]
+
+    def _check_all(self) -> str | None:
+        reason = self._check()
+        if reason is None and self.root:
+            self.cgroups = Cgroups.find()
+        return reason
 
     def _check(self) -> str | None:
         raise NotImplementedError
@@ -203,19 +248,30 @@ class _LocalBackend:
         return _Local(proc)
 
     async def _exec_ready(
-        self, argv: list[str], interactive: bool, ready: int, ready_w: int, *fds: int
+        self,
+        argv: list[str],
+        interactive: bool,
+        limits: Limits,
+        ready: int,
+        ready_w: int,
+        *fds: int,
     ) -> Proc:
-        """`_exec`, passing the write end of the ready pipe (`ready_w`, and `fds`) to the
-        sandbox and keeping the read end (`ready`) for `setup_failed`."""
+        """`_exec` in a cgroup of the box's own (where there are cgroups), passing the write
+        end of the ready pipe (`ready_w`, and `fds`) to the sandbox and keeping the read end
+        (`ready`) for `setup_failed`."""
+        cgroup = self.cgroups.box(limits) if self.cgroups is not None else None
         try:
-            proc = await self._exec(argv, interactive, pass_fds=(ready_w, *fds))
+            prefix = cgroup.prefix() if cgroup is not None else []
+            proc = await self._exec([*prefix, *argv], interactive, pass_fds=(ready_w, *fds))
         except BaseException:
             os.close(ready)
+            if cgroup is not None:
+                cgroup.remove()
             raise
         finally:
             os.close(ready_w)
         assert isinstance(proc, _Local)
-        proc.ready_fd = ready
+        proc.ready_fd, proc.cgroup = ready, cgroup
         return proc
 
 
@@ -257,7 +313,7 @@ class UnshareBackend(_LocalBackend):
             str(box.uid),
             str(ready_w),
         ]
-        return await self._exec_ready(argv, interactive, ready, ready_w)
+        return await self._exec_ready(argv, interactive, limits, ready, ready_w)
 
 
 class BwrapBackend(_LocalBackend):
@@ -380,7 +436,7 @@ class BwrapBackend(_LocalBackend):
             files = {name: _memfd(name, text.encode()) for name, text in box.files.items()}
             fds += files.values()
             argv = [*owner, *self.argv(box, limits, ready_w, fds[1], files, info_w)]
-            proc = await self._exec_ready(argv, interactive, ready, ready_w, *fds)
+            proc = await self._exec_ready(argv, interactive, limits, ready, ready_w, *fds)
         except BaseException:
             os.close(info)
             raise
