@@ -429,8 +429,14 @@ async def test_a_tinker_key_reaches_only_what_it_made_and_no_weight_store_mutati
             with pytest.raises(grpc.aio.AioRpcError) as denied:
                 await call
             assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        a_store = WeightStoreClient(store.grpc_addr or "", token=A_TOKEN, attempts=1)
+        a_model = f"a-k-{uuid.uuid4().hex[:6]}"
+        try:
+            await a_store.publish(a_model, raw)  # its tenant's: not the key's to see
+        finally:
+            await a_store.close()
         listed = await key.stub.ListModels(weights_pb2.ListModelsRequest())
-        assert not [m for m in listed.models if not m.startswith("fleet")], listed.models
+        assert a_model not in listed.models, listed.models
     finally:
         await key.close()
     assert one.post(f"/api/v1/sessions/{sid}/finish").status_code == 204
