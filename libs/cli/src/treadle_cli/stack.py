@@ -129,7 +129,7 @@ class StackSpec:
             if process == replica_name(name):
                 model_dir, model_name = path, name
         env = {
-            **os.environ,
+            **passed_environment(service),
             "TREADLE_STATE_DIR": self.state_dir,
             "TREADLE_REDIS_URL": self.client_url("redis"),
             "TREADLE_NATS_URL": self.client_url("nats", service),
@@ -203,6 +203,40 @@ class StackSpec:
     def port(self, service: str, kind: str) -> int:
         """`service`'s port for `kind` (`http` | `grpc`); KeyError names what it lacks."""
         return self.ports[service][kind]
+
+
+_PASSED = {"PATH", "HOME", "USER", "LOGNAME", "LANG", "TZ", "TMPDIR", "TERM", "VIRTUAL_ENV"}
+_PASSED |= {"PYTHONPATH", "PYTHONUNBUFFERED", "LD_LIBRARY_PATH", "SSL_CERT_FILE"}
+_PASSED |= {"REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE"}
+_PASSED_PREFIXES = (
+    "LC_", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "CUDA_", "NCCL_", "NVIDIA_", "HF_",
+    "TRANSFORMERS_", "TOKENIZERS_", "TORCH", "PYTORCH_", "VLLM_", "XDG_", "HTTP_PROXY",
+    "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy", "TREADLE_",
+)  # fmt: skip
+"""What of the environment `treadle up` passes its services: the runtime's (paths, locale,
+threads, accelerators, caches, proxies) and the TREADLE_* settings, not the rest of the
+caller's shell (a cloud key, another tool's token)."""
+_OWN_SECRETS = {
+    "TREADLE_S3_ACCESS_KEY": {"weight-store"},
+    "TREADLE_S3_SECRET_KEY": {"weight-store"},
+    "TREADLE_JUDGE_API_KEY": {"reward"},
+    "TREADLE_ROLLOUT_OPENAI_API_KEY": {"rollout"},
+}
+"""Settings that are one service's secret: the others never get them."""
+_CALLERS_OWN = {"TREADLE_TOKEN", "TREADLE_TOKEN_FILE", "TREADLE_AUTH_TOKENS"}
+_CALLERS_OWN |= {"TREADLE_AUTH_TOKENS_FILE"}
+"""The caller's own token and table: each service gets its own (`auth_env`)."""
+
+
+def passed_environment(service: str) -> dict[str, str]:
+    """The part of this process's environment that `service` gets (`_PASSED`)."""
+    return {
+        key: value
+        for key, value in os.environ.items()
+        if (key in _PASSED or key.startswith(_PASSED_PREFIXES))
+        and key not in _CALLERS_OWN
+        and service in _OWN_SECRETS.get(key, {service})
+    }
 
 
 def replica_name(model: str) -> str:
