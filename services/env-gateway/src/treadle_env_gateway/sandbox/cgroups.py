@@ -136,8 +136,6 @@ def _own_cgroup(controller: str) -> str:
     """This process's cgroup path in `controller`'s hierarchy ("" : the v2 one)."""
     for line in Path("/proc/self/cgroup").read_text().splitlines():
         _, controllers, path = line.split(":", 2)
-        if controllers.split(",") == [controller] or (not controller and controllers == ""):
-            return path
-        if controller and controller in controllers.split(","):
+        if (controller in controllers.split(",")) if controller else controllers == "":
             return path
     raise ValueError(f"no {controller or 'v2'} cgroup for this process")
