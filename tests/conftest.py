@@ -22,9 +22,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 
 from treadle_cli.infra import Infra, free_port_range
-from treadle_common import auth, names
+from treadle_common import auth, infra_auth, names
 from treadle_common.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,9 +110,16 @@ class InfraUrls:
     nats_url: str
     state_dir: Path
     nats_urls: dict[str, str] = field(default_factory=dict)
+    redis_urls: dict[str, str] = field(default_factory=dict)
 
     def nats_for(self, service: str) -> str:
         return self.nats_urls.get(service, self.nats_url)
+
+    def redis_for(self, service: str) -> str | None:
+        """A service's own Redis URL (its ACL user); None for one that does not use Redis."""
+        if not self.redis_urls:
+            return self.redis_url
+        return self.redis_urls.get(service)
 
 
 DOCKER_TESTS = (
@@ -160,8 +168,12 @@ def private_infra(state: Path) -> Iterator[tuple[Infra, InfraUrls]]:
             manager.url_for("nats"),
             state,
             {service: manager.url_for("nats", service) for service in names.SERVICES},
+            {user: manager.url_for("redis", user) for user in infra_auth.REDIS_SERVICES},
         )
         yield manager, urls
+        log = redis.Redis.from_url(urls.redis_url).acl_log()  # a refusal a service swallowed
+        denied = [e for e in log if e["username"] in infra_auth.REDIS_SERVICES]
+        assert denied == [], f"Redis's ACL refused a service: {denied}"
     finally:
         manager.down()
 
@@ -246,9 +258,10 @@ def start_service(name: str, infra: InfraUrls, tmp: Path, **env: str) -> Service
     http, grpc_port = free_ports(2)
     http = int(env.get("TREADLE_HTTP_PORT", http))  # a restart on the same ports
     grpc_port = int(env.get("TREADLE_GRPC_PORT", grpc_port))
+    redis_url = infra.redis_for(name)  # its own ACL user, or no Redis at all
     full_env = {
-        **os.environ,
-        "TREADLE_REDIS_URL": infra.redis_url,
+        **{k: v for k, v in os.environ.items() if k != "TREADLE_REDIS_URL"},
+        **({"TREADLE_REDIS_URL": redis_url} if redis_url else {}),
         "TREADLE_NATS_URL": infra.nats_for(name),
         "TREADLE_STATE_DIR": str(tmp),
         "TREADLE_HTTP_PORT": str(http),

@@ -166,6 +166,12 @@ keys."""
 SECRET_VARS = ("TREADLE_TOKEN", "REDIS_PASSWORD", "NATS_PASSWORD", "TREADLE_S3_")
 
 
+REDIS_USERS = infra_auth.redis_server_args(
+    lambda user: "#" + COMPOSE_TOKENS[infra_auth.redis_password_env(user) + "_SHA256"]
+)
+"""The redis-server words that define the service users, as compose renders them."""
+
+
 def compose_config(*profiles: str, env: dict[str, str] | None = None) -> dict:
     args = [str(COMPOSE), "-f", str(ROOT / "compose.yaml")]
     for profile in profiles:
@@ -192,9 +198,14 @@ def test_compose_has_no_default_secrets_and_gives_each_service_its_role():
         )
         assert refused.returncode != 0 and "treadle secrets" in refused.stderr, name
     services = compose_config("cpu", "demo")["services"]
-    # redis needs the password; nats runs the committed users file, each service its own user
+    # redis needs the admin's password and holds each service user's hash with its ACL;
+    # nats runs the committed users file; each service its own user of both
     redis_password = COMPOSE_TOKENS[infra_auth.REDIS_PASSWORD_ENV]
     assert services["redis"]["command"][1:3] == ["--requirepass", redis_password]
+    assert services["redis"]["command"][-len(REDIS_USERS) :] == REDIS_USERS
+    assert not set(services["redis"]["command"]) & {
+        COMPOSE_TOKENS[infra_auth.redis_password_env(u)] for u in infra_auth.REDIS_SERVICES
+    }  # hashes only
     assert services["nats"]["command"][:2] == ["--config", "/etc/nats/nats.conf"]
     [conf] = [v for v in services["nats"]["volumes"] if v["target"] == "/etc/nats/nats.conf"]
     assert Path(conf["source"]) == ROOT / "deploy/nats/nats.conf" and conf["read_only"]
@@ -206,7 +217,13 @@ def test_compose_has_no_default_secrets_and_gives_each_service_its_role():
         user = "admin" if name == "demo" else name
         password = COMPOSE_TOKENS[infra_auth.password_env(user)]
         assert environment["TREADLE_NATS_URL"] == f"nats://{user}:{password}@nats:4222", name
-        assert environment["TREADLE_REDIS_URL"] == f"redis://:{redis_password}@redis:6379"
+        if name in infra_auth.REDIS_SERVICES:
+            password = COMPOSE_TOKENS[infra_auth.redis_password_env(name)]
+            assert environment["TREADLE_REDIS_URL"] == f"redis://{name}:{password}@redis:6379"
+        elif name == "demo":  # the operator's CLI: the admin
+            assert environment["TREADLE_REDIS_URL"] == f"redis://:{redis_password}@redis:6379"
+        else:  # a service that never uses Redis gets no credentials for it
+            assert "TREADLE_REDIS_URL" not in environment, name
     table = auth.TokenTable.parse(services["reward"]["environment"]["TREADLE_AUTH_TOKENS"], "c")
     for name, svc in services.items():
         environment = svc.get("environment") or {}
@@ -515,6 +532,10 @@ def test_probes_headless_sessions_pdbs_and_policies(rendered):
     assert kinds(docs, "PersistentVolumeClaim")["weight-store"]
 
 
+def order(container: dict) -> list[str]:
+    return [e["name"] for e in container["env"]]
+
+
 def test_every_service_pod_gets_the_token_table_and_its_role_token(rendered):
     text, docs = rendered
     pods = {
@@ -531,14 +552,36 @@ def test_every_service_pod_gets_the_token_table_and_its_role_token(rendered):
         assert env["TREADLE_AUTH_TOKENS"] == {"name": "treadle-auth", "key": "tokens.json"}, name
         role = auth.SERVICE_ROLES[name].value
         assert env["TREADLE_TOKEN"] == {"name": "treadle-auth", "key": role}, name
-        # Redis and NATS credentials: its own NATS user, built into the URLs it reads
-        assert env["REDIS_PASSWORD"] == {"name": "treadle-auth", "key": "redis-password"}
+        # Redis and NATS credentials: its own users, built into the URLs it reads; none of
+        # Redis for a service that never uses it
         assert env["NATS_PASSWORD"] == {"name": "treadle-auth", "key": f"nats-password-{name}"}
         values = {e["name"]: e.get("value") for e in container["env"]}
-        assert values["TREADLE_REDIS_URL"] == "redis://:$(REDIS_PASSWORD)@redis:6379"
+        if name in infra_auth.REDIS_SERVICES:
+            key = f"redis-password-{name}"
+            assert env["REDIS_PASSWORD"] == {"name": "treadle-auth", "key": key}
+            assert values["TREADLE_REDIS_URL"] == f"redis://{name}:$(REDIS_PASSWORD)@redis:6379"
+            assert order(container).index("REDIS_PASSWORD") < order(container).index(
+                "TREADLE_REDIS_URL"
+            )
+        else:
+            assert "REDIS_PASSWORD" not in env and "TREADLE_REDIS_URL" not in values, name
         assert values["TREADLE_NATS_URL"] == f"nats://{name}:$(NATS_PASSWORD)@nats:4222"
-        order = [e["name"] for e in container["env"]]  # k8s expands $(VAR) of earlier ones
-        assert order.index("NATS_PASSWORD") < order.index("TREADLE_NATS_URL")
+        # k8s expands $(VAR) of earlier ones
+        assert order(container).index("NATS_PASSWORD") < order(container).index("TREADLE_NATS_URL")
+    # redis holds the admin's password and each service user's hash, with its ACL
+    [redis_pod] = [
+        d["spec"]["template"]["spec"]["containers"][0]
+        for d in docs
+        if d.get("kind") in ("Deployment", "StatefulSet") and d["metadata"]["name"] == "redis"
+    ]
+    args = infra_auth.redis_server_args(
+        lambda user: f"#$({infra_auth.redis_password_env(user)}_SHA256)"
+    )
+    assert redis_pod["args"][-len(args) :] == args
+    env = {e["name"]: e.get("valueFrom", {}).get("secretKeyRef") for e in redis_pod["env"]}
+    for user in infra_auth.REDIS_SERVICES:
+        key = f"redis-password-{user}-sha256"
+        assert env[infra_auth.redis_password_env(user) + "_SHA256"]["key"] == key
     # no Secret in the manifests: the operator generates `treadle-auth` (no default keys)
     assert kinds(docs, "Secret") == {}
     assert "treadle-local-secret" not in text

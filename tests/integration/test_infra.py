@@ -100,6 +100,74 @@ def test_redis_without_the_password_gets_noauth(infra):
     assert redis.Redis.from_url(infra.redis_url).ping()
 
 
+def refused(client: redis.Redis, *command) -> bool:
+    """The command was refused for want of permission (at the top or inside a script)."""
+    try:
+        client.execute_command(*command)
+    except redis.exceptions.ResponseError as exc:
+        said = str(exc).lower()
+        if "noperm" in said or "no permissions" in said or "can't" in said:
+            return True
+        raise
+    return False
+
+
+def test_redis_holds_each_service_to_its_keys_and_commands(infra):
+    """A service's Redis credentials reach only its own keys (and those it shares with the
+    other side of a run), never another's, and no administrative command; services that
+    never use Redis have none."""
+    assert set(infra.redis_urls) == set(infra_auth.REDIS_SERVICES) == {"rollout", "trainer"}
+    admin = redis.Redis.from_url(infra.redis_url)
+    rollout, trainer = (redis.Redis.from_url(infra.redis_for(s)) for s in ("rollout", "trainer"))
+    run = "acl-run"
+    trainers_own = [
+        names.run_config(run),
+        names.run_owner(run),
+        names.run_fence(run),
+        names.ledger_stream(run),
+        names.fed_tasks(run),
+        names.run_status(run),
+        names.run_steps(run),
+    ]
+    for key in trainers_own:  # a config a rollout could rewrite, a lease it could steal
+        admin.set(key, "x") if key != names.ledger_stream(run) else None
+        assert refused(rollout, "GET", key) and refused(rollout, "DEL", key), key
+        assert not refused(trainer, "EXISTS", key), key
+    session = names.issued_session("s1")  # what an agent is judged against
+    assert not refused(rollout, "SET", session, "{}")
+    assert refused(trainer, "GET", session) and refused(trainer, "SET", session, "{}")
+    for client in (rollout, trainer):
+        assert refused(client, "GET", "not-treadle")
+        for command in (
+            ("FLUSHALL",),
+            ("FLUSHDB",),
+            ("KEYS", "*"),
+            ("SCAN", 0),
+            ("CONFIG", "SET", "requirepass", "x"),
+            ("INFO",),
+            ("CLIENT", "LIST"),
+            ("ACL", "LIST"),
+            ("DEBUG", "SLEEP", 0),
+            ("MONITOR",),
+            ("SCRIPT", "FLUSH"),
+            ("SHUTDOWN",),
+        ):
+            assert refused(client, *command), command
+        # a script reaches only what its caller may: declared or not
+        other = session if client is trainer else names.run_config(run)
+        assert refused(client, "EVAL", "return redis.call('GET', KEYS[1])", 1, other)
+        assert refused(client, "EVAL", f"return redis.call('GET', '{other}')", 0)
+        assert refused(client, "EVAL", "return redis.call('FLUSHALL')", 0)
+    # what each side of a run shares works for both
+    for client in (rollout, trainer):
+        assert not refused(client, "HINCRBY", names.run_state(run), "n", 1)
+        assert not refused(client, "XADD", names.trajectories_stream(run), "*", "pb", b"x")
+        assert not refused(client, "SISMEMBER", names.RUNS_KEY, run)
+    assert admin.hget(names.run_state(run), "n") == b"2"
+    assert admin.get(names.run_config(run)) == b"x"  # untouched
+    admin.acl_log_reset()  # refused on purpose (the infra fixture checks nothing else was)
+
+
 async def nats_errors(url: str, act) -> list[str]:
     """What the server refused while `act(nc)` ran (permission errors arrive asynchronously)."""
     errors: list[str] = []

@@ -23,7 +23,6 @@ def test_not_ready_without_nats_and_says_why(tmp_path, infra):
     env = {
         **os.environ,
         "TREADLE_NATS_URL": dead_nats,
-        "TREADLE_REDIS_URL": infra.redis_url,
         "TREADLE_HTTP_PORT": str(http),
         "TREADLE_STATE_DIR": str(tmp_path),
     }
@@ -56,7 +55,6 @@ async def test_heartbeat_and_sigterm_drain(tmp_path, infra):
     env = {
         **os.environ,
         "TREADLE_NATS_URL": infra.nats_url,
-        "TREADLE_REDIS_URL": infra.redis_url,
         "TREADLE_HTTP_PORT": str(http),
         "TREADLE_STATE_DIR": str(tmp_path),
         "TREADLE_INSTANCE": "hb-test",

@@ -210,7 +210,7 @@ def test_ranks_that_cannot_form_their_group_stop_within_a_minute_saying_why(rank
     http, grpc_port, master = free_ports(3)
     env = {
         **os.environ,
-        "TREADLE_REDIS_URL": infra.redis_url,
+        "TREADLE_REDIS_URL": infra.redis_for("trainer"),
         "TREADLE_NATS_URL": infra.nats_for("trainer"),
         "TREADLE_STATE_DIR": str(tmp_path),
         "TREADLE_HTTP_PORT": str(http),

@@ -1,5 +1,7 @@
 """`treadle status` / `treadle run` say why a service is down: the last error its log holds."""
 
+import json
+
 import pytest
 
 from treadle_cli.stack import last_error
@@ -42,3 +44,34 @@ def test_treadle_up_gives_each_service_only_the_environment_it_needs(monkeypatch
         assert env["TREADLE_TRAINER_LEASE_S"] == "15"
         assert ("TREADLE_S3_SECRET_KEY" in env) == (service == "weight-store"), service
         assert ("TREADLE_JUDGE_API_KEY" in env) == (service == "reward"), service
+
+
+def test_treadle_up_gives_redis_credentials_only_to_the_services_that_use_redis(
+    tmp_path, monkeypatch
+):
+    from treadle_cli.stack import StackSpec
+    from treadle_common import infra_auth, names
+
+    secrets = infra_auth.InfraSecrets.generate()
+    path = tmp_path / "infra.json"
+    path.write_text(secrets.model_dump_json())
+    monkeypatch.setenv("TREADLE_REDIS_URL", "redis://:the-admins-password@127.0.0.1:1")
+    spec = StackSpec(
+        state_dir=str(tmp_path),
+        cwd=str(tmp_path),
+        redis_url="redis://127.0.0.1:16379",
+        nats_url="nats://127.0.0.1:14222",
+        model_dir=str(tmp_path),
+        model_name="m",
+        ports=StackSpec.ports_from(None),
+        infra_secrets_file=str(path),
+        secured_infra=["redis", "nats"],
+    )
+    for service in names.SERVICES:
+        env = spec.env(service)
+        assert "the-admins-password" not in json.dumps(env), service
+        if service in ("rollout", "trainer"):  # its own ACL user
+            user = f"{service}:{secrets.redis[service]}@"
+            assert env["TREADLE_REDIS_URL"] == f"redis://{user}127.0.0.1:16379"
+        else:
+            assert "TREADLE_REDIS_URL" not in env, service

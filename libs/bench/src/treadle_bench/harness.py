@@ -139,8 +139,8 @@ def bench_auth() -> Iterator[None]:
 @contextlib.contextmanager
 def infra_with_weight_store(tmp: Path) -> Iterator[tuple[Infra, dict[str, str], list]]:
     """Private redis + nats and a weight-store process; yields (the infra, whose `url_for`
-    gives a service its own NATS user; the TREADLE_* env every further service needs, with
-    the admin's NATS user; the list of processes to add yours to: all stopped on exit)."""
+    gives a service its own NATS and Redis user; the TREADLE_* env every further service
+    needs, with the admin's NATS user and no Redis URL; the list of processes to add yours to: all stopped on exit)."""
     settings = Settings(
         state_dir=tmp / "infra",
         redis_url=f"redis://127.0.0.1:{free_port()}",
@@ -152,8 +152,7 @@ def infra_with_weight_store(tmp: Path) -> Iterator[tuple[Infra, dict[str, str], 
         try:
             infra.up()
             ws_http, ws_grpc = free_port(), free_port()
-            common = {
-                "TREADLE_REDIS_URL": infra.url_for("redis"),
+            common = {  # Redis: a service that uses it adds its own user's URL
                 "TREADLE_NATS_URL": infra.url_for("nats"),
                 "TREADLE_STATE_DIR": str(tmp / "state"),
                 "TREADLE_LOG_LEVEL": "WARNING",

@@ -253,6 +253,7 @@ def run(
                     {
                         **common,
                         "TREADLE_NATS_URL": infra.url_for("nats", "rollout"),
+                        "TREADLE_REDIS_URL": infra.url_for("redis", "rollout"),
                         "TREADLE_GRPC_PORT": str(ports["ro_grpc"]),
                         "TREADLE_ROLLOUT_MODEL": str(model_dir),
                         "TREADLE_ROLLOUT_MODEL_NAME": "bench-tiny",

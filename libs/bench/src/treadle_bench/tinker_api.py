@@ -66,6 +66,7 @@ def run(
                     {
                         **common,
                         "TREADLE_NATS_URL": infra.url_for("nats", "rollout"),
+                        "TREADLE_REDIS_URL": infra.url_for("redis", "rollout"),
                         "TREADLE_GRPC_PORT": str(ro_grpc),
                         "TREADLE_ROLLOUT_MODEL": str(model_dir),
                         "TREADLE_ROLLOUT_MODEL_NAME": MODEL,
@@ -82,6 +83,7 @@ def run(
                     {
                         **common,
                         "TREADLE_NATS_URL": infra.url_for("nats", "trainer"),
+                        "TREADLE_REDIS_URL": infra.url_for("redis", "trainer"),
                         "TREADLE_TRAINER_TINKER_MODELS": json.dumps({MODEL: str(model_dir)}),
                         "TREADLE_TRAINER_ROLLOUT_URL": rollout,
                     },

@@ -111,6 +111,7 @@ def _service_run(
                 {
                     **common,
                     "TREADLE_NATS_URL": infra.url_for("nats", "trainer"),
+                    "TREADLE_REDIS_URL": infra.url_for("redis", "trainer"),
                     "TREADLE_TRAINER_PATH_ROOTS": roots,
                 },
                 http_port,

@@ -177,16 +177,23 @@ class Infra:
         if not self.secrets_path.exists():
             generated = InfraSecrets.generate().model_dump_json(indent=2)
             auth.write_private(self.secrets_path, generated)
-        return InfraSecrets.load(self.secrets_path)
+        loaded = InfraSecrets.load(self.secrets_path)
+        if not loaded.complete:  # written before a user existed: add its password, keep the rest
+            fresh = InfraSecrets.generate()
+            loaded.redis = fresh.redis | loaded.redis
+            loaded.nats = fresh.nats | loaded.nats
+            auth.write_private(self.secrets_path, loaded.model_dump_json(indent=2))
+        return loaded
 
     def url_for(self, name: str, user: str = infra_auth.ADMIN) -> str:
-        """A client's URL of `name`: with the credentials of `user` (a NATS user: the admin
-        or a service) when this state directory started that server, else as configured."""
+        """A client's URL of `name`: with the credentials of `user` (the admin or a service:
+        a NATS user, a Redis one of `REDIS_SERVICES`) when this state directory started that
+        server, else as configured."""
         url = self.url(name)
         if self._read_pidfile(name) is None or name == "s3":
             return url
         secrets = self.secrets()
-        return secrets.redis_url(url) if name == "redis" else secrets.nats_url(url, user)
+        return secrets.redis_url(url, user) if name == "redis" else secrets.nats_url(url, user)
 
     def _pidfile(self, name: str) -> Path:
         return self.state_dir / "infra" / f"{name}.json"
@@ -195,8 +202,8 @@ class Infra:
         data = self.state_dir / name
         data.mkdir(parents=True, exist_ok=True)
         if name == "redis":
-            conf = data / "redis.conf"  # the password stays off the command line
-            auth.write_private(conf, f"requirepass {self.secrets().redis_password}\n")
+            conf = data / "redis.conf"  # passwords stay off the command line; users' hashed
+            auth.write_private(conf, self.secrets().redis_conf())
             return [
                 find_binary("redis-server"),
                 str(conf),

@@ -107,7 +107,7 @@ class StackSpec:
         if name not in self.secured_infra or self.infra_secrets_file is None:
             return url
         secrets = InfraSecrets.load(Path(self.infra_secrets_file))
-        return secrets.redis_url(url) if name == "redis" else secrets.nats_url(url, user)
+        return secrets.redis_url(url, user) if name == "redis" else secrets.nats_url(url, user)
 
     @staticmethod
     def ports_from(base_port: int | None) -> dict[str, dict[str, int]]:
@@ -131,7 +131,6 @@ class StackSpec:
         env = {
             **passed_environment(service),
             "TREADLE_STATE_DIR": self.state_dir,
-            "TREADLE_REDIS_URL": self.client_url("redis"),
             "TREADLE_NATS_URL": self.client_url("nats", service),
             "TREADLE_HOST": self.host,
             "TREADLE_WEIGHT_STORE_ADDR": self.grpc_addr("weight-store"),
@@ -146,6 +145,8 @@ class StackSpec:
         # spin briefly (about 0.1 ms): a small model's training step is thousands of short
         # kernels, and waking a sleeping team for each cost a sync step 10 to 15 ms
         # (`treadle bench step`); libgomp's default spin is 100 times longer
+        if service in infra_auth.REDIS_SERVICES:  # its own Redis user; the others get none
+            env["TREADLE_REDIS_URL"] = self.client_url("redis", service)
         if service == "trainer":
             env.setdefault("GOMP_SPINCOUNT", "2000")
         else:
@@ -224,8 +225,9 @@ _OWN_SECRETS = {
 }
 """Settings that are one service's secret: the others never get them."""
 _CALLERS_OWN = {"TREADLE_TOKEN", "TREADLE_TOKEN_FILE", "TREADLE_AUTH_TOKENS"}
-_CALLERS_OWN |= {"TREADLE_AUTH_TOKENS_FILE"}
-"""The caller's own token and table: each service gets its own (`auth_env`)."""
+_CALLERS_OWN |= {"TREADLE_AUTH_TOKENS_FILE", "TREADLE_REDIS_URL", "TREADLE_NATS_URL"}
+"""The caller's own token, table and transport credentials: each service gets its own
+(`auth_env`, `client_url`)."""
 
 
 def passed_environment(service: str) -> dict[str, str]:

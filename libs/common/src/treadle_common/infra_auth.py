@@ -1,7 +1,13 @@
 """Credentials and least-privilege permissions for the shared transports (Redis, NATS).
 
-Redis needs a password (`requirepass`): a client without it gets `NOAUTH`. NATS has one user
-per service, each allowed only the subjects it uses:
+Redis has an ACL user per service that uses it (`REDIS_SERVICES`: rollout and the trainer),
+each allowed only the keys it touches and the commands it runs (`redis_acl`): rollout cannot
+read a run's config, lease, ledger or status, the trainer cannot read an agent session's
+binding, and neither may run an administrative or dangerous command (`CONFIG`, `FLUSHALL`,
+`KEYS`, `INFO`, `CLIENT`...). The other services get no Redis credentials at all. The
+`default` user (`requirepass`) is the admin: the operator, the CLI, tests and benches. A
+server holds the service users' passwords as SHA-256 hashes (`#...` rules) only. NATS has one
+user per service, each allowed only the subjects it uses:
 
     weight-store  announces weights (`treadle.weights.>`, the TREADLE_WEIGHTS stream)
     rollout       reads announcements (a consumer on TREADLE_WEIGHTS), asks for scores
@@ -19,8 +25,10 @@ which redis-py and nats-py read; `redact` hides them wherever a URL is shown.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote, urlsplit, urlunsplit
@@ -44,7 +52,81 @@ def password_env(user: str) -> str:
 
 
 REDIS_PASSWORD_ENV = "REDIS_PASSWORD"
-"""The environment variable holding the Redis password (compose `.env`, the redis pod)."""
+"""The environment variable holding the Redis admin's password (compose `.env`, the redis
+pod): the `default` user's."""
+REDIS_SERVICES = ("rollout", "trainer")
+"""The services that use Redis, each its own ACL user; the others get no Redis credentials."""
+
+
+def redis_password_env(user: str) -> str:
+    """The environment variable holding a Redis service user's password
+    (`REDIS_PASSWORD_ROLLOUT`); `..._SHA256` holds its hash, which the redis server reads."""
+    return f"{REDIS_PASSWORD_ENV}_{user.upper()}"
+
+
+def _run_keys(*kinds: str) -> list[str]:
+    every = {key.rsplit(":", 1)[1]: key for key in names.run_keys("*")}
+    return [every[kind] for kind in kinds]
+
+
+_SHARED_RUN_KEYS = ("tasks", "trajectories", "state", "admitted", "dead", "task_errors")
+"""Per-run keys both sides of a run use: the task and trajectory streams, the counters and
+admission state, the dead letters. The rest of a run (config, lease, fence, fed ids, ledger,
+status, steps) is the trainer's alone."""
+
+REDIS_COMMANDS = (
+    "-@all",
+    "+@connection",
+    "+@transaction",
+    "+@read",
+    "+@write",
+    "+select",
+    "-@dangerous",  # KEYS, FLUSHALL, CONFIG, INFO, CLIENT, DEBUG, MONITOR, SORT, RESTORE...
+    "-@admin",
+    "-@pubsub",
+    "-@scripting",  # no FUNCTION LOAD/FLUSH, no SCRIPT FLUSH; only the scripts' own calls:
+    "+eval",  # the admission and quota scripts (their keys are checked like any other)
+    "+evalsha",
+    "+script|load",
+    "-scan",  # key names outside its patterns stay unseen
+    "-randomkey",
+)
+"""What a service user may run: reads and writes of its own keys, transactions and the
+scripts; no administrative, dangerous, pub/sub or key-listing command."""
+
+
+def redis_acl() -> dict[str, list[str]]:
+    """Each Redis service user's key patterns (read and write; Redis 6.2, which `treadle up`
+    embeds, has no read-only patterns)."""
+    fleet = [names.RUNS_KEY, names.RUN_POLICIES]
+    quotas = [names.tenant_episodes("*"), names.tenant_tokens("*", "*")]  # type: ignore[arg-type]
+    return {
+        "rollout": [*fleet, *quotas, *_run_keys(*_SHARED_RUN_KEYS), names.issued_session("*")],
+        "trainer": [*fleet, *names.run_keys("*"), names.run_owner("*")],
+    }
+
+
+def redis_user_rules(user: str, password_rule: str) -> list[str]:
+    """The words of one `user` directive for a service user: `on`, its password rule
+    (`>password`, or `#sha256hex`: what a server holds), its keys and its commands."""
+    keys = [f"~{pattern}" for pattern in redis_acl()[user]]
+    return [user, "reset", "on", password_rule, *keys, "resetchannels", *REDIS_COMMANDS]
+
+
+def redis_server_args(password_rule: Callable[[str], str]) -> list[str]:
+    """redis-server's command-line words defining every service user (`--user ...`), each
+    with `password_rule(user)` (a `#` hash rule as the deployment spells it: compose
+    `#${REDIS_PASSWORD_ROLLOUT_SHA256}`, k8s `#$(REDIS_PASSWORD_ROLLOUT_SHA256)`)."""
+    return [
+        word
+        for user in REDIS_SERVICES
+        for word in ["--user", *redis_user_rules(user, password_rule(user))]
+    ]
+
+
+def redis_password_hash(password: str) -> str:
+    """A Redis ACL password hash (`#` rule): SHA-256 of the password, hex."""
+    return hashlib.sha256(password.encode()).hexdigest()
 
 
 def inbox_prefix(user: str | None) -> str:
@@ -135,6 +217,8 @@ class InfraSecrets(BaseModel):
 
     redis_password: str
     nats: dict[str, str]
+    redis: dict[str, str] = {}
+    """A password per Redis service user (`REDIS_SERVICES`)."""
 
     @classmethod
     def generate(cls) -> InfraSecrets:
@@ -145,22 +229,41 @@ class InfraSecrets(BaseModel):
         return cls(
             redis_password=secrets.token_hex(20),
             nats={user: "n" + secrets.token_hex(20) for user in NATS_USERS},
+            redis={user: secrets.token_hex(20) for user in REDIS_SERVICES},
         )
+
+    @property
+    def complete(self) -> bool:
+        """It holds every password (a file written before Redis had service users lacks
+        theirs)."""
+        return set(self.redis) >= set(REDIS_SERVICES) and set(self.nats) >= set(NATS_USERS)
 
     @classmethod
     def load(cls, path: Path) -> InfraSecrets:
         return cls.model_validate_json(path.read_text())
 
     def env(self) -> dict[str, str]:
-        """`REDIS_PASSWORD` and `NATS_PASSWORD_<USER>`: what nats.conf and the redis command
-        line read (compose `.env`, embedded servers)."""
-        return {
-            REDIS_PASSWORD_ENV: self.redis_password,
-            **{password_env(user): pw for user, pw in self.nats.items()},
-        }
+        """`REDIS_PASSWORD`, `REDIS_PASSWORD_<SERVICE>` (and its `_SHA256`, what the redis
+        server holds) and `NATS_PASSWORD_<USER>`: what nats.conf, the redis command line and
+        the services read (compose `.env`, the k8s Secret, embedded servers)."""
+        env = {REDIS_PASSWORD_ENV: self.redis_password}
+        for user, pw in self.redis.items():
+            env[redis_password_env(user)] = pw
+            env[redis_password_env(user) + "_SHA256"] = redis_password_hash(pw)
+        return env | {password_env(user): pw for user, pw in self.nats.items()}
 
-    def redis_url(self, url: str) -> str:
-        return with_credentials(url, "", self.redis_password)
+    def redis_conf(self) -> str:
+        """The redis.conf lines of the admin's password and every service user (hashes)."""
+        lines = [f"requirepass {self.redis_password}"]
+        for user, pw in self.redis.items():
+            lines.append("user " + " ".join(redis_user_rules(user, "#" + redis_password_hash(pw))))
+        return "\n".join(lines) + "\n"
+
+    def redis_url(self, url: str, user: str = ADMIN) -> str:
+        """`url` with the admin's credentials (the `default` user) or a service user's."""
+        if user == ADMIN:
+            return with_credentials(url, "", self.redis_password)
+        return with_credentials(url, user, self.redis[user])
 
     def nats_url(self, url: str, user: str = ADMIN) -> str:
         return with_credentials(url, user, self.nats[user])

@@ -130,6 +130,8 @@ class ServiceRuntime:
             raise AuthConfigError(f"{service}: {exc}") from None
         try:
             self.tls = tls.server_tls(settings.tls_cert_file, settings.tls_key_file)
+            if uses_redis:
+                settings.refuse_redis_without_credentials()
         except ValueError as exc:
             raise AuthConfigError(f"{service}: {exc}") from None
         self.app = FastAPI(

@@ -164,14 +164,13 @@ class Settings(BaseSettings):
             return self
         if self.auth == "off":
             raise ValueError("TREADLE_AUTH=off is refused in production")
-        for name, url, form in (
-            ("REDIS", self.redis_url, "redis://:PASSWORD@host:6379"),
-            ("NATS", self.nats_url, "nats://USER:PASSWORD@host:4222"),
-        ):
-            if not has_credentials(url):
-                raise ValueError(
-                    f"TREADLE_{name}_URL must carry credentials in production ({form})"
-                )
+        if "redis_url" in self.model_fields_set:  # unset: a service that uses Redis checks
+            self.refuse_redis_without_credentials()
+        if not has_credentials(self.nats_url):
+            raise ValueError(
+                "TREADLE_NATS_URL must carry credentials in production "
+                "(nats://USER:PASSWORD@host:4222)"
+            )
         tls = (self.tls_cert_file, self.tls_key_file, self.tls_ca_file)
         if self.transport_security == "tls" and not all(tls):
             raise ValueError(
@@ -180,6 +179,15 @@ class Settings(BaseSettings):
                 "instead (TREADLE_TRANSPORT_SECURITY=mesh or private-network)"
             )
         return self
+
+    def refuse_redis_without_credentials(self) -> None:
+        """Production: a Redis URL without credentials is refused (a service that uses Redis
+        checks at start; the others get no Redis URL at all)."""
+        if self.environment == "production" and not has_credentials(self.redis_url):
+            raise ValueError(
+                "TREADLE_REDIS_URL must carry credentials in production "
+                "(redis://USER:PASSWORD@host:6379)"
+            )
 
     def transport_warning(self) -> str | None:
         """What a production process says at start when it does not encrypt its traffic."""
