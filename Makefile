@@ -5,6 +5,7 @@
 #   make lint    ruff lint + format check + mypy on every library and service
 #   make bench   the `treadle bench` workloads (JSON)
 #   make nats-conf  rewrite deploy/nats/nats.conf and k8s/base/nats.conf (NATS users)
+#   make seccomp-profile  rewrite deploy/seccomp/env-gateway.json (the gateway container's)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
@@ -18,7 +19,7 @@ PYTEST_ARGS ?=
 # parallel pytest workers (pytest-xdist; a test file per unit, the Docker tests on one worker)
 PYTEST_WORKERS ?= 2
 
-.PHONY: setup demo test test-vllm lint bench protos nats-conf clean
+.PHONY: setup demo test test-vllm lint bench protos nats-conf seccomp-profile clean
 
 setup: $(STAMP)
 
@@ -46,6 +47,9 @@ protos: setup
 
 nats-conf: setup
 	$(PY) scripts/gen_nats_conf.py
+
+seccomp-profile: setup
+	$(PY) scripts/gen_seccomp_profile.py
 
 test: lint
 	$(PY) scripts/gen_protos.py --check

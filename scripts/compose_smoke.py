@@ -320,8 +320,8 @@ def smoke(report: dict, keep: bool) -> None:
             pod = ["docker", "run", "--rm", "--read-only", "--tmpfs", "/tmp",
                    "--tmpfs", "/var/lib/treadle:uid=10001", "--cap-drop", "ALL",
                    "--security-opt", "no-new-privileges"]  # fmt: skip
-            granted = ["--security-opt", "seccomp=unconfined", "--security-opt",
-                       "systempaths=unconfined"]  # fmt: skip
+            granted = ["--security-opt", f"seccomp={ROOT / 'deploy/seccomp/env-gateway.json'}",
+                       "--security-opt", "systempaths=unconfined"]  # fmt: skip
             image = [f"treadle/env-gateway:{TAG}", "python", "-c", SANDBOX_CHECK]
             k8s = sh(*pod, *granted, *image, check=False)
             bare = sh(*pod, *image, check=False)

@@ -125,6 +125,7 @@ class InfraUrls:
 DOCKER_TESTS = (
     "tests/deploy/test_compose_smoke.py",
     "tests/integration/test_sandbox.py",
+    "tests/integration/test_sandbox_stress.py",
     "tests/integration/test_bench.py::test_bench_env_json_line",
 )
 """The tests marked `docker` (they use the Docker engine): parallel workers run them on one

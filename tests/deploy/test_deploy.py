@@ -290,7 +290,10 @@ def test_compose_scales_without_shared_identities_or_docker_socket():
     gateway = services["env-gateway"]
     assert not any("docker.sock" in str(v) for v in gateway.get("volumes", [])), gateway
     assert "DOCKER_HOST" not in gateway["environment"]
-    assert {"seccomp=unconfined", "systempaths=unconfined"} <= set(gateway["security_opt"])
+    # its own seccomp profile (never Unconfined): the committed one, rendered from the
+    # sandbox's deny list
+    assert "seccomp=unconfined" not in gateway["security_opt"]
+    assert {f"seccomp=./{PROFILE}", "systempaths=unconfined"} <= set(gateway["security_opt"])
     env = {**os.environ, **COMPOSE_TOKENS}
     files = ["-f", str(ROOT / "compose.yaml")]
     for extra, check in (
@@ -599,6 +602,22 @@ def pod_specs(docs: list[dict]) -> dict[str, dict]:
     return pods
 
 
+PROFILE = "deploy/seccomp/env-gateway.json"
+
+
+def test_the_gateways_seccomp_profile_is_the_rendered_one_and_refuses_the_deny_list():
+    """The committed profile is `container_profile()`'s: everything the sandbox denies its
+    code fails with EPERM in the gateway's container, except what makes a box."""
+    from treadle_env_gateway.sandbox.seccomp import BOX_MAKING, DENIED, container_profile
+
+    committed = json.loads((ROOT / PROFILE).read_text())
+    assert committed == container_profile()
+    [rule] = committed["syscalls"]
+    assert rule["action"] == "SCMP_ACT_ERRNO" and rule["errnoRet"] == 1
+    assert set(rule["names"]) == set(DENIED) - set(BOX_MAKING)
+    assert {"keyctl", "bpf", "ptrace", "io_uring_setup", "init_module"} <= set(rule["names"])
+
+
 def test_every_pod_is_hardened(rendered):
     _, docs = rendered
     pods = pod_specs(docs)
@@ -612,7 +631,8 @@ def test_every_pod_is_hardened(rendered):
             sec = container["securityContext"]
             if name.startswith("env-gateway"):  # bubblewrap's user namespaces, own /proc
                 assert pod["hostUsers"] is False, what
-                assert sec["seccompProfile"] == {"type": "Unconfined"}, what
+                local = {"type": "Localhost", "localhostProfile": "treadle/env-gateway.json"}
+                assert sec["seccompProfile"] == local, what
                 assert sec["procMount"] == "Unmasked", what
             else:
                 assert "seccompProfile" not in sec and "procMount" not in sec, what

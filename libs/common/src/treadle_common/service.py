@@ -117,6 +117,14 @@ class _Uvicorn(uvicorn.Server):
         yield
 
 
+try:  # redis-py 7+: DriverInfo; before: lib_name/lib_version (None: nothing sent)
+    from redis.driver_info import DriverInfo  # noqa: F401
+
+    _NO_CLIENT_INFO: dict[str, Any] = {"driver_info": None}
+except ImportError:
+    _NO_CLIENT_INFO = {"lib_name": None, "lib_version": None}
+
+
 class ServiceRuntime:
     def __init__(self, service: str, settings: Settings, *, uses_redis: bool = False):
         self.service = service
@@ -159,7 +167,10 @@ class ServiceRuntime:
             ).inc(),
         )
         self._redis: aioredis.Redis | None = (
-            aioredis.from_url(settings.redis_url, socket_timeout=10) if uses_redis else None
+            # no CLIENT SETINFO on connect: a service's ACL user may not run CLIENT
+            aioredis.from_url(settings.redis_url, socket_timeout=10, **_NO_CLIENT_INFO)
+            if uses_redis
+            else None
         )
         self.nats: NATS | None = None
         self._nats_error = "not connected yet"

@@ -31,6 +31,9 @@ DENIED = (
     "settimeofday", "clock_settime", "clock_adjtime", "adjtimex",
     "iopl", "ioperm", "lookup_dcookie", "fanotify_init", "personality",
 )  # fmt: skip
+BOX_MAKING = ("unshare", "mount", "umount2", "pivot_root", "chroot")
+"""What a local backend (bwrap, unshare) calls to make a box: allowed to the gateway's own
+container (`container_profile`), denied to the code inside the box."""
 CLONE_NEWUSER = 0x10000000
 SCMP_ACT_ALLOW = 0x7FFF0000
 SCMP_CMP_MASKED_EQ = 7
@@ -124,3 +127,21 @@ def load() -> None:
             raise OSError(-code, f"seccomp_load: {os.strerror(-code)}")
     finally:
         lib.seccomp_release(ctx)
+
+
+def container_profile() -> dict:
+    """The gateway container's own seccomp profile, in the Docker/OCI JSON format (compose
+    `seccomp=deploy/seccomp/env-gateway.json`, a Kubernetes `Localhost` profile): every call
+    of `DENIED` but those that make a box (`BOX_MAKING`, and `clone` of a user namespace)
+    fails with EPERM, on the native architecture and its 32-bit ones. Tighter than
+    `Unconfined`, which a bwrap gateway needed before; looser than the engine's default, which
+    refuses the namespaces and mounts bwrap makes."""
+    denied = sorted(set(DENIED) - set(BOX_MAKING))
+    return {
+        "defaultAction": "SCMP_ACT_ALLOW",
+        "archMap": [
+            {"architecture": "SCMP_ARCH_X86_64", "subArchitectures": ["SCMP_ARCH_X86", "SCMP_ARCH_X32"]},
+            {"architecture": "SCMP_ARCH_AARCH64", "subArchitectures": ["SCMP_ARCH_ARM"]},
+        ],
+        "syscalls": [{"names": denied, "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM}],
+    }  # fmt: skip
