@@ -60,14 +60,11 @@ def test_port_taken_by_something_else_names_the_port(tmp_path):
 
 
 @pytest.mark.slow
-def test_s3_server_answers_s3(tmp_path, monkeypatch):
+def test_s3_server_answers_s3(tmp_path):
     import httpx
 
     from tests.conftest import free_port_range
 
-    # its gRPC ports are 10000 above: a parallel worker's own range (under 10000 wide with
-    # three workers or more) cannot hold both, so this one choice is made from all of them
-    monkeypatch.delenv("TREADLE_FREE_PORT_RANGE", raising=False)
     base = free_port_range(6, also_offset=10000)
     settings = Settings(
         state_dir=tmp_path,

@@ -20,8 +20,7 @@ import pytest
 from tests.conftest import start_service
 from tests.integration.test_sandbox import BACKENDS, IMAGE, BOMB
 from treadle_common.clients.env import EnvClient
-from treadle_env_gateway.sandbox.docker import DockerBackend
-from treadle_env_gateway.sandbox.local import BwrapBackend, UnshareBackend
+from treadle_env_gateway.sandbox.backends import make_backend
 
 pytestmark = [pytest.mark.integration, pytest.mark.docker]
 
@@ -83,10 +82,7 @@ def memory_cgroup(cap: int):
 
 
 def _unavailable(backend: str, tmp: Path) -> str | None:
-    kinds = {"unshare": UnshareBackend, "bwrap": BwrapBackend}
-    if backend == "docker":
-        return DockerBackend(tmp, IMAGE).unavailable()
-    return kinds[backend](tmp).unavailable()
+    return make_backend(backend, tmp, IMAGE).unavailable()
 
 
 async def _play(client: EnvClient, code: str, timeout_s: float) -> tuple[dict, str, float]:

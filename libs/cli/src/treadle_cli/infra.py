@@ -142,6 +142,8 @@ def free_port_range(n: int, also_offset: int | None = None, host: str = "127.0.0
     """
     rng = random.Random()
     low, high = port_range()
+    if high - low <= n + (also_offset or 0):  # a narrowed range too small for the offset:
+        low, high = 10000, 32768  # the whole default range (checked free all the same)
     top = high - n - (also_offset or 0)
     for _ in range(500):
         base = rng.randrange(low, top)

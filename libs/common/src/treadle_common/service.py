@@ -123,6 +123,12 @@ try:  # redis-py 7+: DriverInfo; before: lib_name/lib_version (None: nothing sen
     _NO_CLIENT_INFO: dict[str, Any] = {"driver_info": None}
 except ImportError:
     _NO_CLIENT_INFO = {"lib_name": None, "lib_version": None}
+try:  # and no maintenance-notification handshake (CLIENT MAINT_NOTIFICATIONS, RESP3)
+    from redis.maint_notifications import MaintNotificationsConfig
+
+    _NO_CLIENT_INFO["maint_notifications_config"] = MaintNotificationsConfig(enabled=False)
+except ImportError:
+    pass
 
 
 class ServiceRuntime:

@@ -73,9 +73,12 @@ class BoxCgroup:
 class Cgroups:
     """Where this gateway makes its boxes' cgroups; `find` returns None where it cannot."""
 
+    _ids = itertools.count()
+    """Box numbers, unique in this process whatever the number of `Cgroups` made (two with a
+    counter each once named two live boxes alike, and one's removal took the other's)."""
+
     def __init__(self, parents: list[Path], v2: bool):
         self.parents, self.v2 = parents, v2
-        self._ids = itertools.count()
 
     @classmethod
     def find(cls) -> Cgroups | None:

@@ -191,6 +191,7 @@ class _LocalBackend:
         self.python = python or find_python()
         self.root = os.geteuid() == 0
         self._probe: str | None | bool = False
+        self._probing = asyncio.Lock()  # many first runs at once: one probe, one `Cgroups`
         self.cgroups: Cgroups | None = None
         """Where each box gets a cgroup of its own (a root gateway with a writable cgroup
         filesystem); None: its rlimits and its container's limit hold it (`cgroups.py`)."""
@@ -201,8 +202,9 @@ class _LocalBackend:
         return self._probe  # type: ignore[return-value]
 
     async def ready(self) -> str | None:
-        if self._probe is False:  # probed once, at the first run, off the event loop
-            self._probe = await asyncio.to_thread(self._check_all)
+        async with self._probing:  # probed once, at the first run, off the event loop
+            if self._probe is False:
+                self._probe = await asyncio.to_thread(self._check_all)
         return self._probe  # type: ignore[return-value]
 
     def _check_all(self) -> str | None:
