@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from tests.conftest import start_service
-from tests.integration.test_sandbox import BACKENDS, IMAGE, BOMB
+from tests.integration.test_sandbox import BACKENDS, BOMB, IMAGE
 from treadle_common.clients.env import EnvClient
 from treadle_env_gateway.sandbox.backends import make_backend
 

@@ -140,7 +140,8 @@ def bench_auth() -> Iterator[None]:
 def infra_with_weight_store(tmp: Path) -> Iterator[tuple[Infra, dict[str, str], list]]:
     """Private redis + nats and a weight-store process; yields (the infra, whose `url_for`
     gives a service its own NATS and Redis user; the TREADLE_* env every further service
-    needs, with the admin's NATS user and no Redis URL; the list of processes to add yours to: all stopped on exit)."""
+    needs, with the admin's NATS user and no Redis URL; the list of processes to add yours
+    to: all stopped on exit)."""
     settings = Settings(
         state_dir=tmp / "infra",
         redis_url=f"redis://127.0.0.1:{free_port()}",

@@ -137,11 +137,10 @@ def container_profile() -> dict:
     `Unconfined`, which a bwrap gateway needed before; looser than the engine's default, which
     refuses the namespaces and mounts bwrap makes."""
     denied = sorted(set(DENIED) - set(BOX_MAKING))
+    arches = {"SCMP_ARCH_X86_64": ["SCMP_ARCH_X86", "SCMP_ARCH_X32"]}
+    arches["SCMP_ARCH_AARCH64"] = ["SCMP_ARCH_ARM"]
     return {
         "defaultAction": "SCMP_ACT_ALLOW",
-        "archMap": [
-            {"architecture": "SCMP_ARCH_X86_64", "subArchitectures": ["SCMP_ARCH_X86", "SCMP_ARCH_X32"]},
-            {"architecture": "SCMP_ARCH_AARCH64", "subArchitectures": ["SCMP_ARCH_ARM"]},
-        ],
+        "archMap": [{"architecture": a, "subArchitectures": s} for a, s in arches.items()],
         "syscalls": [{"names": denied, "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM}],
-    }  # fmt: skip
+    }
