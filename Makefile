@@ -6,12 +6,15 @@
 #   make bench   the `treadle bench` workloads (JSON)
 #   make nats-conf  rewrite deploy/nats/nats.conf and k8s/base/nats.conf (NATS users)
 #   make seccomp-profile  rewrite deploy/seccomp/env-gateway.json (the gateway container's)
+#   make lock    rewrite requirements/ (hashes) from what the venvs have installed (pip-tools)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-# CPU build of torch (from local disk on the dev machines); override for CUDA, e.g.
+# Every third-party package comes from requirements/ci.txt, pinned with its hashes
+# (`make lock` rewrites it and the images' parts from a working .venv); torch there is the
+# CPU build. A different torch (CUDA) is an unpinned override, e.g.
 #   make setup TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128'
-TORCH_SPEC ?= torch==2.13.0
+TORCH_SPEC ?=
 SERVICES := weight-store env-gateway reward rollout trainer
 LIBS := common cli bench
 STAMP := $(VENV)/.treadle-installed
@@ -19,18 +22,19 @@ PYTEST_ARGS ?=
 # parallel pytest workers (pytest-xdist; a test file per unit, the Docker tests on one worker)
 PYTEST_WORKERS ?= 2
 
-.PHONY: setup demo test test-vllm lint bench protos nats-conf seccomp-profile clean
+.PHONY: setup demo test test-vllm lint bench protos nats-conf seccomp-profile lock clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml examples/verifiers/vf-tiny-arith/pyproject.toml examples/agents/arith-agent/pyproject.toml $(foreach l,$(LIBS),libs/$(l)/pyproject.toml) $(foreach s,$(SERVICES),services/$(s)/pyproject.toml)
+$(STAMP): requirements/ci.txt pyproject.toml examples/verifiers/vf-tiny-arith/pyproject.toml examples/agents/arith-agent/pyproject.toml $(foreach l,$(LIBS),libs/$(l)/pyproject.toml) $(foreach s,$(SERVICES),services/$(s)/pyproject.toml)
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet $(TORCH_SPEC)
-	$(PIP) install --quiet -e 'libs/common[hf]' -e 'libs/cli[hf,infra,report]' -e libs/bench \
-		$(foreach s,$(SERVICES),-e services/$(s)) -e '.[dev]' \
-		-e 'services/env-gateway[verifiers]' -e examples/verifiers/vf-tiny-arith \
+	$(PIP) install --quiet --require-hashes -r requirements/ci.txt
+	$(if $(TORCH_SPEC),$(PIP) install --quiet $(TORCH_SPEC))
+	$(PIP) install --quiet --no-deps --no-build-isolation -e 'libs/common[hf]' \
+		-e 'libs/cli[hf,infra,report]' -e libs/bench $(foreach s,$(SERVICES),-e services/$(s)) \
+		-e '.[dev]' -e 'services/env-gateway[verifiers]' -e examples/verifiers/vf-tiny-arith \
 		-e examples/agents/arith-agent
+	$(PIP) check  # the lock holds everything our packages ask for
 	$(PY) scripts/install_kubectl.py $(VENV)  # kubectl + kustomize, for the k8s/ tests
 	touch $@
 
@@ -50,6 +54,14 @@ nats-conf: setup
 
 seccomp-profile: setup
 	$(PY) scripts/gen_seccomp_profile.py
+
+lock: setup  # pip-tools in a venv of its own, so it is not in what it locks
+	test -x .venv-lock/bin/pip-compile || (python3 -m venv .venv-lock && .venv-lock/bin/pip install --quiet pip-tools)
+	$(PY) scripts/lock.py --pip-compile .venv-lock/bin/pip-compile
+	scripts/setup_cookbook.sh && $(PY) scripts/lock.py --venv .venv-cookbook \
+		--out requirements/cookbook.txt --pip-compile .venv-lock/bin/pip-compile
+	scripts/setup_vllm.sh && $(PY) scripts/lock.py --venv .venv-vllm \
+		--out requirements/vllm.txt --pip-compile .venv-lock/bin/pip-compile
 
 test: lint
 	$(PY) scripts/gen_protos.py --check
@@ -72,4 +84,4 @@ bench: setup
 	$(VENV)/bin/treadle bench rollout --json
 
 clean:
-	rm -rf $(VENV) .venv-vllm .venv-cookbook .treadle
+	rm -rf $(VENV) .venv-vllm .venv-cookbook .venv-lock .treadle

@@ -287,6 +287,16 @@ def smoke(report: dict, keep: bool) -> None:
                 for name, size in (line.split() for line in sizes.stdout.splitlines())
                 if name.split(":")[0] in {f"treadle/{i}" for i in IMAGES} | {"treadle/infra"}
             }
+            # each image was built from this tree: it holds this tree's lock for it
+            stale = [
+                image
+                for image in IMAGES
+                if sh("docker", "run", "--rm", "--entrypoint", "cat", f"treadle/{image}:{TAG}",
+                      "/opt/treadle/requirements.txt", check=False).stdout
+                != (ROOT / "requirements" / "images" / f"{image}.txt").read_text()
+            ]  # fmt: skip
+            report["images_not_from_this_tree"] = stale
+            checks["images_built_from_this_trees_locks"] = not stale
             cli = sh("docker", "run", "--rm", f"treadle/cli:{TAG}", "--help", check=False)
             checks["cli_image_runs_treadle"] = cli.returncode == 0 and "run" in cli.stdout
 

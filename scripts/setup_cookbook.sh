@@ -8,18 +8,26 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${COOKBOOK_VENV:-.venv-cookbook}
+# the default specs install from requirements/cookbook.txt (hashes; `make lock`); others do not
+LOCK=requirements/cookbook.txt
+[[ -n "${COOKBOOK_SPEC:-}${TINKER_SPEC:-}${TORCH_SPEC:-}" || ! -f "$LOCK" ]] && LOCK=
 COOKBOOK_SPEC=${COOKBOOK_SPEC:-tinker-cookbook==0.5.8}
 TINKER_SPEC=${TINKER_SPEC:-tinker==0.38.0}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
-key="$COOKBOOK_SPEC|$TINKER_SPEC|$TORCH_SPEC"
+key="$COOKBOOK_SPEC|$TINKER_SPEC|$TORCH_SPEC|${LOCK:+$(sha256sum "$LOCK" | cut -c1-16)}"
 stamp="$VENV/.treadle-installed"
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$key" ]]; then
   exit 0
 fi
 test -x "$VENV/bin/python" || python3 -m venv "$VENV"
 pip=("$VENV/bin/python" -m pip)
-"${pip[@]}" install --quiet --upgrade pip
-"${pip[@]}" install --quiet "$TORCH_SPEC"  # first: the CPU build, kept by what follows
-"${pip[@]}" install --quiet "$TINKER_SPEC" "$COOKBOOK_SPEC"
+if [[ -n "$LOCK" ]]; then  # every package pinned with its hashes
+  "${pip[@]}" install --quiet --require-hashes -r "$LOCK"
+  "${pip[@]}" check
+else
+  "${pip[@]}" install --quiet --upgrade pip
+  "${pip[@]}" install --quiet "$TORCH_SPEC"  # first: the CPU build, kept by what follows
+  "${pip[@]}" install --quiet "$TINKER_SPEC" "$COOKBOOK_SPEC"
+fi
 "$VENV/bin/python" -c "import tinker, tinker_cookbook.rl.train" >/dev/null
 echo "$key" > "$stamp"

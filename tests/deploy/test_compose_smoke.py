@@ -34,6 +34,7 @@ def test_compose_up_demo_faults_and_down():
     checks = report["checks"]
     assert set(checks) >= {
         "cli_image_runs_treadle",
+        "images_built_from_this_trees_locks",
         "every_service_healthy",
         "services_run_as_non_root",
         "env_gateway_sandbox_judges_in_a_container",

@@ -98,7 +98,8 @@ def test_each_service_image_installs_only_its_distribution_and_common(service):
             ["/src/libs/common", f"/src/services/{service}"]
         ), (path, packages)
         copied = [args.split()[0] for k, args in steps if k == "COPY" and "--from" not in args]
-        assert copied == ["libs/common", f"services/{service}"], (path, copied)
+        lock = [f"requirements/images/{service}.txt"] if name == "Dockerfile" else []
+        assert copied == [*lock, "libs/common", f"services/{service}"], (path, copied)
         users = [args for k, args in steps if k == "USER"]
         assert users and users[-1] not in ("root", "0"), path
         assert "HEALTHCHECK" in keywords and "CMD" in keywords, path
@@ -818,3 +819,57 @@ def test_treadle_secrets_feeds_compose_and_kubernetes(tmp_path):
     # two runs never give the same tokens
     again = subprocess.run([treadle, "secrets"], capture_output=True, text=True, check=True)
     assert set(again.stdout.splitlines()).isdisjoint(env_lines.splitlines())
+
+
+# --- supply chain --------------------------------------------------------------------------------
+LOCK_IMAGES = {
+    "services/weight-store/Dockerfile": "weight-store",
+    "services/env-gateway/Dockerfile": "env-gateway",
+    "services/reward/Dockerfile": "reward",
+    "services/rollout/Dockerfile": "rollout",
+    "services/trainer/Dockerfile": "trainer",
+    "libs/cli/Dockerfile": "cli",
+}
+
+
+def lock_entries(path: Path) -> dict[str, tuple[str, frozenset[str]]]:
+    """name -> (version, its hashes) of a pip lock file; every entry must carry hashes."""
+    out = {}
+    for block in re.split(r"\n(?=[A-Za-z0-9])", path.read_text()):
+        match = re.match(r"([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^\]]*\])?==(\S+)", block)
+        if not match:
+            continue
+        hashes = frozenset(re.findall(r"--hash=sha256:([0-9a-f]{64})", block))
+        assert hashes, f"{path.name}: {match.group(1)} has no hash"
+        out[re.sub(r"[-_.]+", "-", match.group(1)).lower()] = (match.group(2), hashes)
+    return out
+
+
+def test_ci_and_every_image_install_third_party_packages_only_by_hash():
+    """`make setup` and each image install every third-party package from a lock that pins
+    it with its files' hashes (`--require-hashes`), then our own packages without resolving
+    anything more (`--no-deps`, no build isolation: the build backend is locked too), then
+    `pip check`; an image's lock is the part of CI's (same versions, same hashes) its own
+    packages need."""
+    ci = lock_entries(ROOT / "requirements/ci.txt")
+    assert {"torch", "hatchling", "editables", "grpcio", "fastapi", "redis"} <= set(ci)
+    assert ci["torch"][0] == "2.13.0+cpu"
+    makefile = (ROOT / "Makefile").read_text()
+    assert "install --quiet --require-hashes -r requirements/ci.txt" in makefile
+    assert "--no-deps --no-build-isolation -e 'libs/common[hf]'" in makefile
+    assert "$(PIP) check" in makefile
+    for dockerfile, image in LOCK_IMAGES.items():
+        lock = lock_entries(ROOT / f"requirements/images/{image}.txt")
+        assert lock and all(ci[name] == entry for name, entry in lock.items()), image
+        steps = " ".join(a for k, a in instructions(ROOT / dockerfile) if k == "RUN")
+        assert "--require-hashes" in steps and "-r /src/requirements.txt" in steps, dockerfile
+        assert "pip install --no-deps --no-build-isolation" in steps and "pip check" in steps
+        copies = [a for k, a in instructions(ROOT / dockerfile) if k == "COPY"]
+        assert f"requirements/images/{image}.txt /src/requirements.txt" in copies, dockerfile
+        # what its own packages ask for is in its lock (pip check proves it in the build)
+        wanted = {"grpcio", "pydantic", "redis"} if image != "cli" else {"typer", "grpcio"}
+        assert wanted <= set(lock), image
+    for setup, lock_file in (("setup_vllm.sh", "vllm"), ("setup_cookbook.sh", "cookbook")):
+        text = (ROOT / "scripts" / setup).read_text()
+        assert f"LOCK=requirements/{lock_file}.txt" in text and "--require-hashes" in text
+        assert lock_entries(ROOT / f"requirements/{lock_file}.txt"), lock_file
