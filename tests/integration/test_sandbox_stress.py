@@ -21,6 +21,7 @@ from tests.conftest import start_service
 from tests.integration.test_sandbox import BACKENDS, BOMB, IMAGE
 from treadle_common.clients.env import EnvClient
 from treadle_env_gateway.sandbox.backends import make_backend
+from treadle_env_gateway.sandbox.cgroups import _own_cgroup
 
 pytestmark = [pytest.mark.integration, pytest.mark.docker]
 
@@ -42,24 +43,17 @@ ENDINGS = {"failed", "timeout", "memory", "crash"}
 """How a hostile run may end: the code's failure or a limit, never `sandbox_error`."""
 
 
-def _own(controller: str) -> str:
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
-        if (controller in controllers.split(",")) if controller else controllers == "":
-            return path
-    raise OSError(f"no {controller or 'v2'} cgroup")
-
-
 @contextlib.contextmanager
 def memory_cgroup(cap: int):
     """A memory cgroup of `cap` bytes (no swap) beside this process's; yields its procs file,
     where a pid written joins it. Skips where none can be made."""
     v2 = (ROOT / "cgroup.controllers").exists()
     try:
-        own = ROOT / _own("").lstrip("/") if v2 else ROOT / "memory" / _own("memory").lstrip("/")
+        hierarchy, controller = (ROOT, "") if v2 else (ROOT / "memory", "memory")
+        own = hierarchy / _own_cgroup(controller).lstrip("/")
         box = (own.parent if v2 else own) / f"treadle-stress-{os.getpid()}"
         box.mkdir()
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         pytest.skip(f"no memory cgroup can be made here: {exc}")
     try:
         if v2:
