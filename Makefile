@@ -61,7 +61,8 @@ lock: setup  # pip-tools in a venv of its own, so it is not in what it locks
 	scripts/setup_cookbook.sh && $(PY) scripts/lock.py --venv .venv-cookbook \
 		--out requirements/cookbook.txt --pip-compile .venv-lock/bin/pip-compile
 	scripts/setup_vllm.sh && $(PY) scripts/lock.py --venv .venv-vllm \
-		--out requirements/vllm.txt --pip-compile .venv-lock/bin/pip-compile
+		--out requirements/vllm.txt --pip-compile .venv-lock/bin/pip-compile \
+		--without torchvision,torchaudio,torchcodec
 
 test: lint
 	$(PY) scripts/gen_protos.py --check

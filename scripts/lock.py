@@ -117,10 +117,22 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "requirements/ci.txt")
     parser.add_argument("--pip-compile", default=shutil.which("pip-compile") or "pip-compile")
     parser.add_argument("--images", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument(
+        "--without",
+        default="",
+        help="comma-separated packages left out of the lock (installed with --no-deps)",
+    )
     args = parser.parse_args()
     args.venv, args.out = args.venv.resolve(), args.out.resolve()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     compile_lock(args.venv, args.out, args.pip_compile)
+    if args.without:  # what the environment removed on purpose (vLLM's torchvision...)
+        left_out = {canonical(n) for n in args.without.split(",")}
+        lines = args.out.read_text().split("\n", 1)
+        kept = subset(
+            lines[1], {canonical(m.group(1)) for m in _ENTRY.finditer(lines[1])} - left_out
+        )
+        args.out.write_text(f"{lines[0]}\n# without (installed --no-deps): {args.without}\n{kept}")
     print(f"wrote {args.out.relative_to(ROOT)}")
     if args.images is False or (args.images is None and args.venv != ROOT / ".venv"):
         return

