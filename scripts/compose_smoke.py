@@ -34,6 +34,9 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from tests import hostile  # noqa: E402  (the hostile programs the stress test runs too)
+
 PROJECT = "treadle-smoke"
 SERVICES = ["redis", "nats", "minio", "weight-store", "env-gateway", "reward", "rollout", "trainer"]
 TREADLE_SERVICES = ["weight-store", "env-gateway", "reward", "rollout", "trainer"]
@@ -61,6 +64,27 @@ box = Sandbox(base, backend=s.env_sandbox, image=s.env_sandbox_image)
 r = asyncio.run(box.run_tests('def add(a, b):\\n    return a + b\\n', 'assert add(2, 3) == 5'))
 print(r.backend, r.status, r.verdict, r.stderr[-300:].replace('\\n', ' '))
 """
+
+STRESS_CHECK = """
+import asyncio, json, os, sys
+from treadle_common.clients.env import EnvClient
+HOSTILE, RIGHT, TASK = json.loads(sys.argv[1])
+async def play(client, code, timeout_s):
+    session = await client.create('python_tests', TASK, options={'timeout_s': timeout_s})
+    step = await client.step(session.session_id, text='```python' + chr(10) + code + '```')
+    return json.loads(step.info_json)['sandbox'], step.status, step.reward
+async def main():
+    client = EnvClient('127.0.0.1:50052', token=os.environ['STRESS_TOKEN'])
+    kinds = [k for k in HOSTILE for _ in range(4)]
+    runs = [play(client, HOSTILE[k], 5.0) for k in kinds]
+    runs += [play(client, RIGHT, 60.0) for _ in range(8)]
+    results = await asyncio.gather(*runs)
+    hostile = [[k, *r] for k, r in zip(kinds, results)]
+    print(json.dumps({'hostile': hostile, 'honest': results[16:]}))
+asyncio.run(main())
+"""
+"""16 hostile programs and 8 honest runs at once through the env-gateway container's own gRPC
+API (run inside it, with the rollout token): the container is capped at 2 GiB."""
 
 
 def log(message: str) -> None:
@@ -318,6 +342,22 @@ def smoke(report: dict, keep: bool) -> None:
             report["env_gateway_sandbox"] = (sandbox.stdout + sandbox.stderr).strip()[-500:]
             checks["env_gateway_sandbox_judges_in_a_container"] = sandbox.stdout.startswith(
                 "bwrap ok pass"
+            )
+            # the sandbox under siege in its 2 GiB container (compose's mem_limit)
+            token = ["-e", f"STRESS_TOKEN={secrets['TREADLE_TOKEN_ROLLOUT']}"]
+            programs = json.dumps([hostile.HOSTILE, hostile.RIGHT, hostile.TASK])
+            siege = stack("exec", "-T", *token, "env-gateway", "python", "-c", STRESS_CHECK,
+                          programs, check=False, timeout=600)  # fmt: skip
+            try:
+                stress = json.loads(siege.stdout.strip().splitlines()[-1])
+            except (ValueError, IndexError):
+                stress = {"error": (siege.stdout + siege.stderr)[-1000:]}
+            report["env_gateway_stress"] = stress
+            checks["env_gateway_survives_sixteen_hostile_programs"] = (
+                "error" not in stress
+                and all(r[1] in hostile.ENDINGS and r[2] == "ok" for r in stress["hostile"])
+                and all(r == ["ok", "ok", 1.0] for r in stress["honest"])
+                and health(stack).get("env-gateway") == "healthy"
             )
             probe = "import os; print(os.path.exists('/var/run/docker.sock'))"
             socket = stack("exec", "-T", "env-gateway", "python", "-c", probe, check=False)

@@ -35,6 +35,7 @@ def test_compose_up_demo_faults_and_down():
     assert set(checks) >= {
         "cli_image_runs_treadle",
         "images_built_from_this_trees_locks",
+        "env_gateway_survives_sixteen_hostile_programs",
         "every_service_healthy",
         "services_run_as_non_root",
         "env_gateway_sandbox_judges_in_a_container",

@@ -17,8 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests import hostile
 from tests.conftest import start_service
-from tests.integration.test_sandbox import BACKENDS, BOMB, IMAGE
+from tests.integration.test_sandbox import BACKENDS, IMAGE
 from treadle_common.clients.env import EnvClient
 from treadle_env_gateway.sandbox.backends import make_backend
 from treadle_env_gateway.sandbox.cgroups import _own_cgroup
@@ -27,20 +28,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.docker]
 
 CAP = 2 * 2**30
 ROOT = Path("/sys/fs/cgroup")
-RIGHT = "```python\ndef add(a, b):\n    return a + b\n```"
-HOSTILE = {
-    # four processes of 400 MiB: each under its own rlimit, together past the box's memory
-    "memory": "import os, time\nfor _ in range(4):\n    if os.fork() == 0:\n"
-    "        hog = bytearray(400 * 2**20)\n        time.sleep(3)\n        os._exit(0)\n"
-    "os.wait()\n",
-    "pids": BOMB,
-    # 128 MiB on the solution's channel, no line end
-    "flood": "import os\nchunk = b'x' * 2**20\nfor _ in range(128):\n    os.write(3, chunk)\n",
-    "disk": "for n in range(40):\n    with open(f'f{n}', 'wb') as f:\n"
-    "        f.write(b'x' * 8 * 2**20)\n",
-}
-ENDINGS = {"failed", "timeout", "memory", "crash"}
-"""How a hostile run may end: the code's failure or a limit, never `sandbox_error`."""
+RIGHT = "```python\n" + hostile.RIGHT + "```"
+HOSTILE, ENDINGS = hostile.HOSTILE, hostile.ENDINGS
 
 
 @contextlib.contextmanager
@@ -82,7 +71,7 @@ def _unavailable(backend: str, tmp: Path) -> str | None:
 async def _play(client: EnvClient, code: str, timeout_s: float) -> tuple[dict, str, float]:
     session = await client.create(
         "python_tests",
-        {"prompt": "Write add(a, b).", "tests": "assert add(1, 2) == 3\n", "entry_point": "add"},
+        hostile.TASK,
         options={"timeout_s": timeout_s},
     )
     step = await client.step(session.session_id, text=code)
