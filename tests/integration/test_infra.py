@@ -130,7 +130,7 @@ def test_redis_holds_each_service_to_its_keys_and_commands(infra):
         names.run_steps(run),
     ]
     for key in trainers_own:  # a config a rollout could rewrite, a lease it could steal
-        admin.set(key, "x") if key != names.ledger_stream(run) else None
+        admin.set(key, "x")
         assert refused(rollout, "GET", key) and refused(rollout, "DEL", key), key
         assert not refused(trainer, "EXISTS", key), key
     session = names.issued_session("s1")  # what an agent is judged against

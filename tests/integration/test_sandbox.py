@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import hostile
 from treadle_env_gateway.sandbox.docker import DockerBackend
 from treadle_env_gateway.sandbox.local import BwrapBackend, UnshareBackend
 from treadle_env_gateway.sandbox.runner import UID_BASE, UID_COUNT, Limits, Sandbox
@@ -44,7 +45,7 @@ LIMITS = Limits(wall_seconds=5, cpu_seconds=2)
 TESTS = "assert add(1, 2) == 3\nassert add(-1, 1) == 0\nassert pair(2) == (2, 2)\n"
 RIGHT = "def add(a, b):\n    return a + b\ndef pair(x):\n    return (x, x)\n"
 PR_SET_CHILD_SUBREAPER = 36
-BOMB = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+BOMB = hostile.BOMB
 
 
 @pytest.fixture(scope="module", params=BACKENDS)

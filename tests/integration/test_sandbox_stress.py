@@ -34,8 +34,8 @@ HOSTILE, ENDINGS = hostile.HOSTILE, hostile.ENDINGS
 
 @contextlib.contextmanager
 def memory_cgroup(cap: int):
-    """A memory cgroup of `cap` bytes (no swap) beside this process's; yields its procs file,
-    where a pid written joins it. Skips where none can be made."""
+    """A memory cgroup of `cap` bytes (no swap) beside this process's; yields its directory
+    (a pid written to its `cgroup.procs` joins it). Skips where none can be made."""
     v2 = (ROOT / "cgroup.controllers").exists()
     try:
         hierarchy, controller = (ROOT, "") if v2 else (ROOT / "memory", "memory")
