@@ -2,7 +2,8 @@
 #   make setup   create .venv and install the whole workspace editable (idempotent)
 #   make demo    run recipes/demo.yaml on the embedded stack
 #   make test    setup + lint + proto check + the whole test suite, vLLM included (CI)
-#   make lint    ruff lint + format check + mypy on every library and service
+#   make lint    ruff lint + format check + mypy + import contracts (import-linter) + size check
+#   make docs    regenerate docs/reference/ from the code, build the docs site (--strict)
 #   make bench   the `treadle bench` workloads (JSON)
 #   make nats-conf  rewrite deploy/nats/nats.conf and k8s/base/nats.conf (NATS users)
 #   make seccomp-profile  rewrite deploy/seccomp/env-gateway.json (the gateway container's)
@@ -25,7 +26,7 @@ PYTEST_ARGS ?=
 # parallel pytest workers (pytest-xdist; a test file per unit, the Docker tests on one worker)
 PYTEST_WORKERS ?= 2
 
-.PHONY: setup demo test test-vllm lint bench protos nats-conf seccomp-profile lock clean
+.PHONY: setup demo test test-vllm lint docs bench protos nats-conf seccomp-profile lock clean
 
 setup: $(STAMP)
 
@@ -45,6 +46,13 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy $(wildcard libs/*/src/treadle_*) $(wildcard services/*/src/treadle_*)
+	$(VENV)/bin/lint-imports  # the layering contracts in pyproject.toml
+	$(PY) scripts/check_sizes.py  # no function over 60 lines, no class over 400
+
+# the docs site: reference pages generated from the code, then mkdocs (material) --strict
+docs: setup
+	$(PY) scripts/gen_docs.py
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 protos: setup
 	$(PY) scripts/gen_protos.py
@@ -71,6 +79,8 @@ lock:
 
 test: lint
 	$(PY) scripts/gen_protos.py --check
+	$(PY) scripts/gen_docs.py --check  # the reference pages match the code
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 	scripts/setup_cookbook.sh  # the Tinker Cookbook, a client in its own venv (its test)
 	@# vLLM's venv builds (pip: mostly download and unpack) while the suite runs
 	scripts/setup_vllm.sh > $(VENV)/vllm-setup.log 2>&1 & setup=$$!; \
@@ -90,4 +100,4 @@ bench: setup
 	$(VENV)/bin/treadle bench rollout --json
 
 clean:
-	rm -rf $(VENV) .venv-vllm .venv-cookbook .venv-lock .treadle
+	rm -rf $(VENV) .venv-vllm .venv-cookbook .venv-lock .treadle .site

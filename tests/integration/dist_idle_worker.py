@@ -5,7 +5,9 @@ import os
 import sys
 import time
 
-from treadle_trainer.backends.ranks import follow, init_distributed, ping, shutdown_followers
+from treadle_trainer.backends.follower import follow
+from treadle_trainer.backends.group import init_distributed
+from treadle_trainer.backends.ranks import ping, shutdown_followers
 
 if int(os.environ["RANK"]) > 0:
     follow()

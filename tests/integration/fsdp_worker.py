@@ -18,8 +18,10 @@ import torch
 from safetensors.torch import save_file
 
 from treadle_trainer.backends import AdamParams, BackendSpec, build_backend
+from treadle_trainer.backends.follower import follow
 from treadle_trainer.backends.fsdp import FSDPBackend
-from treadle_trainer.backends.ranks import follow, leave, shutdown_followers
+from treadle_trainer.backends.group import leave
+from treadle_trainer.backends.ranks import shutdown_followers
 from treadle_trainer.batches import Datum, pack
 from treadle_trainer.losses import LossParams
 

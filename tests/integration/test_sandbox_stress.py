@@ -21,8 +21,8 @@ from tests import hostile
 from tests.conftest import start_service
 from tests.integration.test_sandbox import BACKENDS, IMAGE
 from treadle_common.clients.env import EnvClient
-from treadle_env_gateway.sandbox.backends import make_backend
 from treadle_env_gateway.sandbox.cgroups import _own_cgroup
+from treadle_env_gateway.sandbox.factory import make_backend
 
 pytestmark = [pytest.mark.integration, pytest.mark.docker]
 

@@ -9,10 +9,12 @@ examples, coverage and fuzzing phases.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.conftest import TOKENS, start_service
@@ -20,6 +22,8 @@ from tests.conftest import TOKENS, start_service
 pytestmark = pytest.mark.integration
 CHECKS = "not_a_server_error,response_schema_conformance"
 MAX_EXAMPLES = "12"
+OPENAPI_DIR = Path(__file__).resolve().parents[2] / "docs/reference/openapi"
+AUTH = {"Authorization": f"Bearer {TOKENS['admin']}"}
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +85,20 @@ def test_fuzzed_requests_get_no_5xx_and_conform_to_the_schema(stack, service):
     assert done.returncode == 0, output[-8000:] + "\n" + svc.log.read_text()[-4000:]
     assert "passed" in output or "No issues found" in output, output[-4000:]
     assert svc.proc.poll() is None, "the service died under fuzzing"
+
+
+def test_the_docs_openapi_snapshots_match_the_running_services(stack):
+    """`docs/reference/openapi/<service>.json` (which `scripts/gen_docs.py` renders into the
+    docs' HTTP reference) is what each running service serves; `TREADLE_WRITE_OPENAPI=1`
+    rewrites the snapshots. Every route names typed JSON models: no bare `object` body."""
+    _, started = stack
+    stale = []
+    for service, svc in started.items():
+        live = httpx.get(f"{svc.http}/openapi.json", headers=AUTH, timeout=30).json()
+        snapshot = OPENAPI_DIR / f"{service}.json"
+        text = json.dumps(live, indent=1, sort_keys=True) + "\n"
+        if os.environ.get("TREADLE_WRITE_OPENAPI") == "1":
+            snapshot.write_text(text)
+        elif not snapshot.exists() or snapshot.read_text() != text:
+            stale.append(service)
+    assert not stale, f"stale OpenAPI snapshots {stale}: run with TREADLE_WRITE_OPENAPI=1"

@@ -1,7 +1,7 @@
 """Workspace shape: services depend on treadle-common only; reward/env-gateway stay torch-free;
-imports only point down (common <- services, common <- cli <- bench)."""
+every service has the same shape. (Which module may import which is import-linter's: the
+contracts in pyproject.toml, checked by `make lint`.)"""
 
-import ast
 import subprocess
 import sys
 import tomllib
@@ -37,68 +37,6 @@ def test_light_services_do_not_pull_torch(service):
     assert not [d for d in common if d.startswith(TORCH_STACK)]
 
 
-# --- layering: imports only point down ----------------------------------------------------------
-SERVICE_PACKAGES = {
-    "treadle_rollout",
-    "treadle_trainer",
-    "treadle_env_gateway",
-    "treadle_weight_store",
-    "treadle_reward",
-}
-PACKAGES = {
-    "treadle_common": ROOT / "libs/common/src/treadle_common",
-    "treadle_cli": ROOT / "libs/cli/src/treadle_cli",
-    "treadle_bench": ROOT / "libs/bench/src/treadle_bench",
-    **{
-        name: ROOT / "services" / name.removeprefix("treadle_").replace("_", "-") / "src" / name
-        for name in SERVICE_PACKAGES
-    },
-}
-MAY_IMPORT = {
-    "treadle_common": {"treadle_common"},
-    "treadle_cli": {"treadle_common", "treadle_cli"},
-    "treadle_bench": {"treadle_common", "treadle_cli", "treadle_bench", *SERVICE_PACKAGES},
-    **{name: {"treadle_common", name} for name in SERVICE_PACKAGES},
-}
-
-
-def imported_packages(source: Path) -> set[str]:
-    """Every top-level `treadle*` package a module imports, at any depth (lazy imports too)."""
-    found = set()
-    for node in ast.walk(ast.parse(source.read_text(), str(source))):
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [node.module]
-        else:
-            continue
-        found |= {n.split(".")[0] for n in names if n.startswith("treadle")}
-    return found
-
-
-@pytest.mark.parametrize("package", sorted(PACKAGES))
-def test_imports_only_point_down(package):
-    root = PACKAGES[package]
-    modules = sorted(root.rglob("*.py"))
-    assert modules, f"no modules under {root}"
-    wrong = {
-        f"{m.relative_to(ROOT)} imports {other}"
-        for m in modules
-        for other in imported_packages(m) - MAY_IMPORT[package]
-    }
-    assert wrong == set()
-
-
-def test_the_walker_sees_lazy_and_from_imports(tmp_path):
-    module = tmp_path / "m.py"
-    module.write_text(
-        "import treadle_common.names\n"
-        "def f():\n    from treadle_rollout.engines import hf\n"
-        "from . import sibling\n"
-    )
-    assert imported_packages(module) == {"treadle_common", "treadle_rollout"}
-
-
 def test_only_the_cli_distribution_owns_the_treadle_script():
     owners = {
         path.parent.name: tomllib.loads(path.read_text())["project"].get("scripts", {})
@@ -118,6 +56,19 @@ def test_the_installed_treadle_script_runs_with_its_plugins():
         [str(script), "bench", "--help"], capture_output=True, text=True, check=True
     )
     assert "step" in out.stdout and "e2e" in out.stdout
+
+
+SERVICE_PACKAGES = {
+    "treadle_rollout",
+    "treadle_trainer",
+    "treadle_env_gateway",
+    "treadle_weight_store",
+    "treadle_reward",
+}
+PACKAGES = {
+    name: ROOT / "services" / name.removeprefix("treadle_").replace("_", "-") / "src" / name
+    for name in SERVICE_PACKAGES
+}
 
 
 # --- one service shape ----------------------------------------------------------------------

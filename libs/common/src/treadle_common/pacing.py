@@ -3,10 +3,10 @@
 Fair share by virtual time (`scheduling.WeightedFairShare`) is work-conserving: a weight buys
 more only where runs queue for the resource. A sync run spends most of its cycle elsewhere
 (generation, env, reward, publishing), so on a busy 2-core stack four runs weighted 2:1:1:1
-stepped at about 1.4:1:1:1 (README, `treadle bench multirun`). Pacing makes the weights hold
-for what a user counts, steps: a run's turns advance it by 1 / weight, and a run `lead` or
-more ahead of the least advanced peer at its priority waits for its turn, so the cores it
-would have used go to the runs behind.
+stepped at about 1.4:1:1:1 (docs/concepts/many-runs.md, `treadle bench multirun`). Pacing
+makes the weights hold for what a user counts, steps: a run's turns advance it by
+1 / weight, and a run `lead` or more ahead of the least advanced peer at its priority waits
+for its turn, so the cores it would have used go to the runs behind.
 
 A peer counts only while it keeps up: it waits for or holds a turn, or its last one ended
 within the window (`keep_up` times the runs' median gap between a turn and their next request,

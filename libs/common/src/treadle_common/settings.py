@@ -26,6 +26,31 @@ LOCAL_SECRET = "treadle-local-secret"
 """The S3 keys of local development (the embedded S3); production refuses them."""
 
 
+PROCESS_ENVIRONMENT: dict[str, tuple[str, str]] = {
+    "TREADLE_MALLOC_TUNING": (
+        "1",
+        "`0` leaves glibc's malloc defaults in weight-moving processes (`treadle_common.malloc`, "
+        "applied at start, before the settings are read)",
+    ),
+    "TREADLE_MALLOC_TRIM_MB": (
+        "1024",
+        "glibc's `M_TRIM_THRESHOLD` in MiB: freed memory below it stays in the process",
+    ),
+    "TREADLE_FREE_PORT_RANGE": (
+        "10000-32768",
+        "`low-high`: where `treadle up`, `treadle infra up`, `treadle bench` and the test "
+        "fixtures choose free ports (parallel test workers each get a slice)",
+    ),
+    "TREADLE_TRAINER_TORCH_THREADS": (
+        "cores / lanes",
+        "`treadle up`: the trainer's torch threads (its `TREADLE_TORCH_THREADS`); by default "
+        "the cores divided among its torch lanes",
+    ),
+}
+"""`TREADLE_*` variables read outside the settings classes: name -> (default, what it does).
+The docs' settings reference lists them with the fields (`scripts/gen_docs.py`)."""
+
+
 class Settings(BaseSettings):
     """What every process reads. `TREADLE_REDIS_URL=... treadle-rollout` and so on."""
 
@@ -95,7 +120,11 @@ class Settings(BaseSettings):
     grpc_port: int | None = Field(
         None, description="gRPC port of this service (default per service)"
     )
-    instance: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    instance: str = Field(
+        default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
+        description="This process's name in heartbeats, leases and consumer groups "
+        "(default: host name and pid)",
+    )
 
     weight_store_addr: str = Field("127.0.0.1:50051", description="weight-store gRPC address")
     weight_store_retry_s: float = Field(

@@ -204,7 +204,7 @@ class WeightStore:
         if digest in self._dirty:
             return
         # inline: xxh3 hashes 4 MiB in 0.1 to 0.4 ms; a hop to a thread and back per chunk
-        # made publishes slower on a busy 2-core machine (README, weight-store numbers)
+        # made publishes slower on a busy 2-core machine (docs/services/weight-store.md)
         if chunk_hash(data) != digest:
             raise BadRequest(f"chunk {digest} does not match its content hash")
         if frame is None:
@@ -226,7 +226,7 @@ class WeightStore:
         self.cache.put(digest, frame)
         self._failed.pop(digest, None)
         # queued for the writers: a deque append per chunk, no task or retry state while the
-        # stream runs (the writers take it in a gap, README: weight-store numbers)
+        # stream runs (the writers take it in a gap, docs/services/weight-store.md)
         self._queue.append((digest, time.monotonic()))
         if len(self._writers) < self._num_writers:
             self._start_writers()

@@ -25,7 +25,7 @@ import abc
 from typing import Any
 
 from treadle_env_gateway.envs.base import Model, PlayedEnv, StepResult
-from treadle_env_gateway.relay import openai_client
+from treadle_env_gateway.envs.relay import openai_client
 
 
 class OpenAIAgentEnv(PlayedEnv):

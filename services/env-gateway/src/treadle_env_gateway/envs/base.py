@@ -95,7 +95,7 @@ class ModelReply:
 
 class Model(Protocol):
     """The policy, as a played env reaches it: one HTTP request of the OpenAI API at a time
-    (`treadle_env_gateway.relay.openai_client` wraps it in an `openai.AsyncOpenAI`)."""
+    (`treadle_env_gateway.envs.relay.openai_client` wraps it in an `openai.AsyncOpenAI`)."""
 
     async def request(self, method: str, path: str, body: bytes) -> ModelReply: ...
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from treadle_env_gateway.envs import register
 from treadle_env_gateway.envs.base import EnvError, Message, Model, PlayedEnv, StepResult
-from treadle_env_gateway.relay import openai_client
+from treadle_env_gateway.envs.relay import openai_client
 
 ID_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,127}$")
 

@@ -29,7 +29,6 @@ import asyncio
 import contextlib
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 from treadle_env_gateway.sandbox import bootstrap
@@ -98,18 +97,3 @@ def find_python() -> str:
         if os.path.exists(candidate) and os.stat(os.path.realpath(candidate)).st_mode & 0o001:
             return candidate
     raise RuntimeError("no world-executable /usr/bin/python3 for the sandbox (install python3)")
-
-
-def make_backend(
-    name: str, base_dir: Path, image: str = "python:3.11-slim-bookworm", python: str | None = None
-) -> Backend:
-    from treadle_env_gateway.sandbox.docker import DockerBackend  # noqa: PLC0415
-    from treadle_env_gateway.sandbox.local import BwrapBackend, UnshareBackend  # noqa: PLC0415
-
-    if name == "unshare":
-        return UnshareBackend(base_dir, python)
-    if name == "bwrap":
-        return BwrapBackend(base_dir, python)
-    if name == "docker":
-        return DockerBackend(image)
-    raise ValueError(f"unknown sandbox backend {name!r} (one of {', '.join(BACKENDS)})")

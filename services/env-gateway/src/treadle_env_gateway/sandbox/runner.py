@@ -42,8 +42,8 @@ from treadle_env_gateway.sandbox.backends import (
     Backend,
     Proc,
     find_python,
-    make_backend,
 )
+from treadle_env_gateway.sandbox.factory import make_backend
 from treadle_env_gateway.sandbox.limits import Limits
 
 __all__ = ["Limits", "Sandbox", "SandboxResult", "find_python"]

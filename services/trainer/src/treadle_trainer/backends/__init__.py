@@ -8,18 +8,17 @@
 - `LoraBackend` (`lora.py`): one process, a LoRA adapter on the frozen base model.
 
 Under torchrun, rank 0 runs the service and leads; the other ranks follow the commands it
-broadcasts as tensors (`ranks.py`).
+broadcasts as tensors (`ranks.py`, `follower.py`). `factory.py` is the one table of backends.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from treadle_common.config import TrainerBackend
+from treadle_trainer.backends.factory import build_backend, check_backend, world_size
 from treadle_trainer.backends.single import AdamParams, TorchBackend
 from treadle_trainer.backends.spec import BackendSpec
 
@@ -50,54 +49,6 @@ async def on_torch_thread(fn: Callable[..., T], *args: Any) -> T:
     (each is awaited), whichever lane takes them.
     """
     return await asyncio.get_running_loop().run_in_executor(_TORCH_THREAD, fn, *args)
-
-
-def world_size() -> int:
-    """Ranks in this trainer's `torchrun` job (1 without torchrun)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def check_backend(
-    kind: TrainerBackend, tensor_parallel: int, pipeline_parallel: int, lora: bool = False
-) -> None:
-    """Refuse, with the reason, a backend this trainer's ranks cannot run."""
-    ranks = world_size()
-    if lora and (kind in ("fsdp", "megatron") or ranks > 1):
-        raise ValueError(
-            f"trainer.lora trains in one process (backend single); this trainer has {ranks} "
-            f"rank(s) and the recipe asks for backend {kind}"
-        )
-    if kind == "single" and ranks > 1:
-        raise ValueError(f"backend single runs in one process; this trainer has {ranks} ranks")
-    if kind != "megatron" and (tensor_parallel, pipeline_parallel) != (1, 1):
-        raise ValueError("tensor_parallel and pipeline_parallel need backend megatron")
-    model_parallel = tensor_parallel * pipeline_parallel
-    if kind == "megatron" and ranks % model_parallel:
-        raise ValueError(
-            f"backend megatron with tensor_parallel={tensor_parallel} x pipeline_parallel="
-            f"{pipeline_parallel} needs a multiple of {model_parallel} ranks; this trainer "
-            f"has {ranks} (start it with torchrun --nproc-per-node {model_parallel}, or "
-            f"treadle up --trainer-ranks {model_parallel})"
-        )
-
-
-def build_backend(spec: BackendSpec) -> TorchBackend:
-    """The backend `spec.kind` names; `auto`: FSDP2 when this process is rank 0 of a
-    multi-rank `torchrun` job, else single-process."""
-    check_backend(spec.kind, spec.tensor_parallel, spec.pipeline_parallel, spec.lora is not None)
-    if spec.lora is not None:
-        from treadle_trainer.backends.lora import LoraBackend
-
-        return LoraBackend(spec)
-    if spec.kind == "megatron":
-        from treadle_trainer.backends.megatron import MegatronBackend
-
-        return MegatronBackend.lead(spec)
-    if spec.kind == "fsdp" or (spec.kind == "auto" and world_size() > 1):
-        from treadle_trainer.backends.fsdp import FSDPBackend
-
-        return FSDPBackend.lead(spec)
-    return TorchBackend(spec)
 
 
 __all__ = [

@@ -13,7 +13,6 @@ leader chose.
 from __future__ import annotations
 
 import json
-import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from treadle_trainer.backends.group import init_distributed, leave
+from treadle_trainer.backends.group import init_distributed
 from treadle_trainer.backends.single import AdamParams, TorchBackend
 from treadle_trainer.backends.spec import BackendSpec
 from treadle_trainer.batches import MicroBatch
@@ -167,7 +166,7 @@ def _send(op: str, header: dict[str, Any], tensors: list[torch.Tensor] | None = 
         dist.broadcast(t.contiguous().to(device), src=0)
 
 
-def _recv(device: str) -> tuple[str, dict[str, Any]]:
+def receive(device: str) -> tuple[str, dict[str, Any]]:
     size = torch.zeros(1, dtype=torch.long, device=device)
     dist.broadcast(size, src=0)
     raw = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
@@ -188,44 +187,6 @@ def _recv_micro_batches(shapes: list[list[int]], device: str) -> list[MicroBatch
             tensors.append(tensor.cpu())
         mbs.append(MicroBatch(*tensors))
     return mbs
-
-
-def ranked_backend(spec: BackendSpec) -> RankedBackend:
-    """The multi-rank backend `spec` names, built on this rank."""
-    if spec.kind == "megatron":
-        from treadle_trainer.backends.megatron import MegatronBackend
-
-        return MegatronBackend(spec)
-    from treadle_trainer.backends.fsdp import FSDPBackend
-
-    return FSDPBackend(spec)
-
-
-def follow() -> None:
-    """Ranks 1..N of a torchrun job: build and drive backends as rank 0 commands.
-
-    SIGTERM is ignored: a stop reaches the whole process group, and rank 0 drains its run (which
-    needs every rank) and then tells the followers to leave. If rank 0 dies instead, their next
-    collective fails, and torchrun's SIGKILL follows its SIGTERM."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    init_distributed()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    backend: RankedBackend | None = None
-    while True:
-        op, header = _recv(device)
-        if op == "ping":  # rank 0 is alive and idle
-            continue
-        if op == "build":
-            backend = ranked_backend(BackendSpec(**header))
-        elif op == "shutdown":
-            break
-        elif backend is None:
-            raise RuntimeError(f"command {op!r} before build")
-        elif not backend.run_command(op, header):
-            backend = None
-    dist.barrier()  # both sides leave together; a one-sided teardown aborts gloo's peer
-    dist.destroy_process_group()
-    leave(0)
 
 
 def shutdown_followers() -> None:

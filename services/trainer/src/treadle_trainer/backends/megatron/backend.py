@@ -70,7 +70,8 @@ class MegatronBackend(RankedBackend):
         patch_for_cpu()
         if spec.pipeline_parallel > 1:
             raise ValueError(
-                "backend megatron: pipeline_parallel > 1 is not supported yet (see the README)"
+                "backend megatron: pipeline_parallel > 1 is not supported yet "
+                "(see docs/services/trainer.md)"
             )
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         if torch.cuda.is_available() and spec.device is None:

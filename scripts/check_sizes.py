@@ -1,0 +1,125 @@
+"""Small pieces: no function over 60 lines and no class over 400, outside tests and generated
+code (`make lint` runs this; it prints the largest of each either way).
+
+    python scripts/check_sizes.py          # exit 1 on a piece over its limit
+    python scripts/check_sizes.py --top 20
+
+A piece's size is its lines from `def`/`class` to its last line, docstring included.
+`OVERSIZE` names the pieces still being split, each with the size it may not grow past: a
+new piece over the limit fails, and so does a listed one that grew.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = ["libs", "services"]
+LIMITS = {"function": 60, "class": 400}
+OVERSIZE: dict[str, int] = {
+    "services/trainer/src/treadle_trainer/tinker/training_routes.py:mount": 224,
+    "services/trainer/src/treadle_trainer/training_api.py:mount": 156,
+    "services/trainer/src/treadle_trainer/tinker/api.py:mount": 112,
+    "libs/bench/src/treadle_bench/step.py:inproc_loop": 94,
+    "services/trainer/src/treadle_trainer/run/owner.py:RunOwner._execute": 90,
+    "services/rollout/src/treadle_rollout/engines/hf.py:HFEngine.__init__": 86,
+    "libs/cli/src/treadle_cli/run_client.py:RunClient._follow": 83,
+    "libs/bench/src/treadle_bench/chaos.py:_run": 80,
+    "services/rollout/src/treadle_rollout/episodes.py:EpisodeRunner._play": 80,
+    "libs/bench/src/treadle_bench/trainer.py:_service_run": 77,
+    "services/rollout/src/treadle_rollout/openai_api.py:mount": 75,
+    "services/rollout/src/treadle_rollout/engines/vllm.py:VLLMEngine._run": 74,
+    "libs/common/src/treadle_common/clients/weights.py:WeightStoreClient.publish_pending": 72,
+    "libs/common/src/treadle_common/service.py:ServiceRuntime.__init__": 70,
+    "services/rollout/src/treadle_rollout/episodes.py:EpisodeRunner._played": 70,
+    "services/rollout/src/treadle_rollout/worker.py:TaskWorker._run_task": 70,
+    "libs/bench/src/treadle_bench/rollout.py:run": 69,
+    "libs/cli/src/treadle_cli/cli.py:up": 68,
+    "services/rollout/src/treadle_rollout/openai_api.py:OpenAIFrontend._chat_stream": 68,
+    "libs/bench/src/treadle_bench/rollout.py:_measure": 66,
+    "libs/bench/src/treadle_bench/tinker_api.py:run": 66,
+    "services/env-gateway/src/treadle_env_gateway/sandbox/local.py:BwrapBackend.argv": 65,
+    "services/weight-store/src/treadle_weight_store/store.py:WeightStore.commit": 65,
+    "libs/bench/src/treadle_bench/tinker_api.py:_sample": 64,
+    "services/rollout/src/treadle_rollout/evaluate.py:mount": 64,
+    "libs/bench/src/treadle_bench/e2e.py:run": 63,
+    "services/trainer/src/treadle_trainer/run/stepping.py:RunStepper.step": 63,
+    "libs/bench/src/treadle_bench/e2e.py:both_modes": 62,
+    "services/trainer/src/treadle_trainer/tinker/sampling_routes.py:mount": 62,
+    "services/weight-store/src/treadle_weight_store/store.py:WeightStore": 665,
+    "services/rollout/src/treadle_rollout/engines/hf.py:HFEngine": 658,
+    "services/rollout/src/treadle_rollout/openai_api.py:OpenAIFrontend": 631,
+    "services/rollout/src/treadle_rollout/worker.py:TaskWorker": 510,
+    "libs/cli/src/treadle_cli/run_client.py:RunClient": 430,
+}
+"""`path:qualified.name` -> the most lines it may have until it is split."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    kind: str
+    where: str
+    lines: int
+
+
+def pieces(path: Path) -> list[Piece]:
+    tree = ast.parse(path.read_text(), str(path))
+    found: list[Piece] = []
+    rel = path.relative_to(ROOT)
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                name = f"{prefix}{child.name}"
+                kind = "class" if isinstance(child, ast.ClassDef) else "function"
+                size = (child.end_lineno or child.lineno) - child.lineno + 1
+                found.append(Piece(kind, f"{rel}:{name}", size))
+                visit(child, f"{name}.")
+            else:
+                visit(child, prefix)
+
+    visit(tree, "")
+    return found
+
+
+def source_files() -> list[Path]:
+    return sorted(
+        path
+        for top in SOURCES
+        for path in (ROOT / top).rglob("*.py")
+        if "/proto/" not in path.as_posix() and not path.name.endswith(("_pb2.py", "_grpc.py"))
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--top", type=int, default=5, help="how many of the largest to print")
+    args = parser.parse_args()
+    every = [piece for path in source_files() for piece in pieces(path)]
+    failures = []
+    for kind, limit in LIMITS.items():
+        ranked = sorted((p for p in every if p.kind == kind), key=lambda p: -p.lines)
+        print(f"largest {kind}s (limit {limit}):")
+        for piece in ranked[: args.top]:
+            print(f"  {piece.lines:5d}  {piece.where}")
+        for piece in ranked:
+            if piece.lines <= limit:
+                break
+            allowed = OVERSIZE.get(piece.where)
+            if allowed is None or piece.lines > allowed:
+                failures.append(f"{piece.where}: {piece.lines} lines (limit {limit})")
+    known = {p.where for p in every}
+    failures += [
+        f"{where}: listed in OVERSIZE but gone" for where in OVERSIZE if where not in known
+    ]
+    for failure in failures:
+        print(f"too large: {failure}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
