@@ -14,7 +14,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from tests.conftest import free_port
-from treadle_rollout import openai_api
+from treadle_rollout import errors, openai_api, openai_router
 from treadle_rollout.engines.base import Generation, Sampling
 from treadle_rollout.engines.hf import HFEngine
 
@@ -49,14 +49,22 @@ def _record(engine: HFEngine, calls: list) -> None:
     engine.stream = recorded_stream  # type: ignore[method-assign]
 
 
+def openai_app(frontend: openai_api.OpenAIFrontend) -> FastAPI:
+    """Rollout's OpenAI routes and OpenAI-format errors on an app of their own."""
+    app = FastAPI()
+    app.state.frontend = frontend
+    errors.install(app)
+    app.include_router(openai_router.router)
+    return app
+
+
 @contextlib.asynccontextmanager
 async def serve(model_dir: Path, redis=None, **frontend_kwargs) -> AsyncIterator[Served]:
     engine = HFEngine(model_dir, "tiny")
     frontend = openai_api.OpenAIFrontend(
         engine, openai_api.SessionRecorder(engine.tokenizer), redis=redis, **frontend_kwargs
     )
-    app = FastAPI()
-    openai_api.mount(app, frontend)
+    app = openai_app(frontend)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))
     task = asyncio.create_task(server.serve())

@@ -10,9 +10,9 @@ import uuid
 import openai
 import pytest
 import uvicorn
-from fastapi import FastAPI
 
 from tests.conftest import free_port
+from tests.openai_server import openai_app
 from treadle_common import admission, names
 from treadle_common.clients import streams
 from treadle_common.proto.treadle.v1 import task_pb2
@@ -31,8 +31,7 @@ async def openai_server(tiny_model, redis_client):
     frontend = openai_api.OpenAIFrontend(
         engine, openai_api.SessionRecorder(engine.tokenizer), redis=redis_client
     )
-    app = FastAPI()
-    openai_api.mount(app, frontend)
+    app = openai_app(frontend)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))
     task = asyncio.create_task(server.serve())

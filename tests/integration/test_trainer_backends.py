@@ -60,7 +60,7 @@ def test_two_rank_fsdp_matches_single_process(tiny_model, tmp_path):
 
 def test_checkpoint_of_another_model_is_refused(tiny_model, tmp_path):
     from treadle_trainer.backends import BackendSpec, TorchBackend
-    from treadle_trainer.backends.checkpoint_files import IncompatibleCheckpoint
+    from treadle_trainer.errors import IncompatibleCheckpoint
 
     backend = TorchBackend(BackendSpec(model_dir=str(tiny_model)))
     backend.save(tmp_path / "ckpt", {"step": 3})

@@ -4,6 +4,7 @@ current and builds the site with mkdocs --strict)."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -37,3 +38,25 @@ def test_the_readme_is_a_front_door():
     for link in re.findall(r"\]\((docs/[^)#]+)", readme):
         assert (ROOT / link).exists(), link
     assert not re.search(r"\bsession of issue|issue \d+'s|this session\b", readme)
+
+
+def test_every_route_has_typed_request_and_response_models():
+    """In each service's OpenAPI (the snapshots the docs render, kept equal to the running
+    services by tests/integration/test_schemathesis.py), a JSON body or answer names a model:
+    no bare `object`. Answers without content (204) and Prometheus' text are the exceptions."""
+    untyped = []
+    for snapshot in sorted((ROOT / "docs/reference/openapi").glob("*.json")):
+        spec = json.loads(snapshot.read_text())
+        for path, operations in spec["paths"].items():
+            for method, op in operations.items():
+                where = f"{snapshot.stem} {method.upper()} {path}"
+                body = op.get("requestBody", {}).get("content", {}).get("application/json")
+                if body is not None and "$ref" not in json.dumps(body["schema"]):
+                    untyped.append(f"{where}: request")
+                ok = next(r for code, r in op["responses"].items() if code.startswith("2"))
+                content = ok.get("content", {})
+                if content and "text/plain" not in content:
+                    answer = content.get("application/json", {}).get("schema", {})
+                    if "$ref" not in json.dumps(answer):
+                        untyped.append(f"{where}: response")
+    assert not untyped, untyped

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from treadle_common import errors
 from treadle_common.evaluation import without_held_out
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
-from treadle_rollout import evaluate
+from treadle_rollout import http
 
 
 class ScriptedRunner:
@@ -31,8 +33,13 @@ class ScriptedRunner:
 
 
 def client(runner) -> TestClient:
+    """Rollout's HTTP edge over a replica whose only part is the scripted runner (None: not
+    connected to NATS yet), with the runtime's answer to a service error."""
     app = FastAPI()
-    evaluate.mount(app, lambda: runner)
+    worker = SimpleNamespace(runner=runner) if runner is not None else None
+    app.state.rollout = SimpleNamespace(worker=worker, policies=None)
+    app.add_exception_handler(errors.ServiceError, errors.http_response)
+    app.include_router(http.router)
     return TestClient(app)
 
 

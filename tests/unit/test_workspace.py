@@ -75,7 +75,8 @@ PACKAGES = {
 @pytest.mark.parametrize("package", sorted(SERVICE_PACKAGES))
 def test_every_service_has_the_same_shape(package):
     """`settings.py` (its own settings class), `app.py` with `async build(settings) ->
-    Service`, its HTTP routes in `http.py` (the trainer: `runs_api.py`, `training_api.py`);
+    Service`, its HTTP edge in `http.py` (a module-level `router`, which may include its
+    features' routers), its refusals in `errors.py` (`treadle_common.errors` classes);
     `__main__` runs it with that settings class; nothing reads a global settings object."""
     import importlib
     import inspect
@@ -86,8 +87,16 @@ def test_every_service_has_the_same_shape(package):
 
     root = PACKAGES[package]
     files = {p.name for p in root.iterdir()}
-    assert {"app.py", "settings.py", "__main__.py"} <= files
-    assert "http.py" in files or {"runs_api.py", "training_api.py"} <= files
+    assert {"app.py", "settings.py", "__main__.py", "http.py", "errors.py"} <= files
+    from fastapi import APIRouter
+
+    from treadle_common.errors import ServiceError
+
+    assert isinstance(importlib.import_module(f"{package}.http").router, APIRouter)
+    service_errors = importlib.import_module(f"{package}.errors")
+    assert any(
+        isinstance(v, type) and issubclass(v, ServiceError) for v in vars(service_errors).values()
+    )
     app = importlib.import_module(f"{package}.app")
     assert inspect.iscoroutinefunction(app.build)
     hints = typing.get_type_hints(app.build)

@@ -34,14 +34,14 @@ import redis.asyncio as aioredis
 import uvicorn
 from fastapi import Depends, FastAPI, HTTPException, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from nats.aio.client import Client as NATS
 from nats.js.kv import KeyValue
 
-from treadle_common import __version__, auth, infra_auth, metrics, names, tls, tracing
-from treadle_common.api.ops import Readiness, ServiceInfo
+from treadle_common import __version__, auth, errors, infra_auth, metrics, names, tls, tracing
+from treadle_common.api.ops import Liveness, Readiness, ServiceInfo
 from treadle_common.auth_middleware import IDENTITY, Authenticate, declared_roles
 from treadle_common.body_limit import BodyLimit
 from treadle_common.clients import grpc_options
@@ -148,30 +148,7 @@ class ServiceRuntime:
                 settings.refuse_redis_without_credentials()
         except ValueError as exc:
             raise AuthConfigError(f"{service}: {exc}") from None
-        self.app = FastAPI(
-            title=f"treadle {service}",
-            version=__version__,
-            dependencies=[Depends(self._authorize)],
-            openapi_url=None,  # served below, behind a token like every other route
-            docs_url=None,
-            redoc_url=None,
-            **_NO_FASTAPI_TELEMETRY,
-        )
-        self.app.add_exception_handler(RequestValidationError, _invalid_request)
-        self.app.add_exception_handler(auth.AuthError, _refused)
-        self.app.add_middleware(
-            BodyLimit,
-            max_bytes=int(settings.max_body_mb * 1024 * 1024),
-            on_refuse=metrics.DROPPED.labels(service, "request", "body_too_large").inc,
-        )
-        self.app.add_middleware(  # outermost: a stranger's body is never read
-            Authenticate,
-            routes=lambda: self.app.routes,
-            identify=self._identify,
-            on_refuse=lambda status: metrics.AUTH_REFUSED.labels(
-                service, "http", str(status)
-            ).inc(),
-        )
+        self.app = self._make_app()
         self._redis: aioredis.Redis | None = (
             # no CLIENT SETINFO on connect: a service's ACL user may not run CLIENT
             aioredis.from_url(settings.redis_url, socket_timeout=10, **_NO_CLIENT_INFO)
@@ -202,6 +179,37 @@ class ServiceRuntime:
             settings.otlp_endpoint,
             sample=settings.trace_sample,
         )
+
+    def _make_app(self) -> FastAPI:
+        """The HTTP app: every route behind the token check, errors answered in one place
+        (validation 422, `auth.AuthError`, `errors.ServiceError`), bodies capped."""
+        service, settings = self.service, self.settings
+        app = FastAPI(
+            title=f"treadle {service}",
+            version=__version__,
+            dependencies=[Depends(self._authorize)],
+            openapi_url=None,  # served below, behind a token like every other route
+            docs_url=None,
+            redoc_url=None,
+            **_NO_FASTAPI_TELEMETRY,
+        )
+        app.add_exception_handler(RequestValidationError, _invalid_request)
+        app.add_exception_handler(auth.AuthError, _refused)
+        app.add_exception_handler(errors.ServiceError, errors.http_response)
+        app.add_middleware(
+            BodyLimit,
+            max_bytes=int(settings.max_body_mb * 1024 * 1024),
+            on_refuse=metrics.DROPPED.labels(service, "request", "body_too_large").inc,
+        )
+        app.add_middleware(  # outermost: a stranger's body is never read
+            Authenticate,
+            routes=lambda: app.routes,
+            identify=self._identify,
+            on_refuse=lambda status: metrics.AUTH_REFUSED.labels(
+                service, "http", str(status)
+            ).inc(),
+        )
+        return app
 
     # -- configuration ---------------------------------------------------------------------
     def add_check(self, name: str, check: Check) -> None:
@@ -280,16 +288,28 @@ class ServiceRuntime:
     def _add_routes(self) -> None:
         app = self.app
 
-        @app.get("/healthz", tags=["ops"], openapi_extra=auth.public())
+        @app.get(
+            "/healthz",
+            tags=["ops"],
+            openapi_extra=auth.public(),
+            response_model=Liveness,
+            responses={503: {"model": Liveness}},
+        )
         async def healthz() -> JSONResponse:
             """Alive and making progress: 503 naming the wedged stages otherwise."""
             wedged = self.progress.wedged(self.settings.liveness_stall_s)
             if wedged:
-                body = {"status": "stalled", "service": self.service, "stages": wedged}
-                return JSONResponse(body, status_code=503)
-            return JSONResponse({"status": "ok", "service": self.service})
+                body = Liveness(status="stalled", service=self.service, stages=list(wedged))
+                return JSONResponse(body.model_dump(), status_code=503)
+            return JSONResponse(Liveness(status="ok", service=self.service).model_dump())
 
-        @app.get("/readyz", tags=["ops"], openapi_extra=auth.public())
+        @app.get(
+            "/readyz",
+            tags=["ops"],
+            openapi_extra=auth.public(),
+            response_model=Readiness,
+            responses={503: {"model": Readiness}},
+        )
         async def readyz() -> JSONResponse:
             checks = await self.readiness()
             ready = not self.draining and all(v == "ok" for v in checks.values())
@@ -302,14 +322,29 @@ class ServiceRuntime:
             """The service's OpenAPI document (each route's roles in `x-treadle-roles`)."""
             return JSONResponse(app.openapi())
 
-        @app.get("/metrics", tags=["ops"], openapi_extra=auth.roles(auth.ANY))
+        @app.get(
+            "/metrics",
+            tags=["ops"],
+            openapi_extra=auth.roles(auth.ANY),
+            response_class=PlainTextResponse,
+        )
         async def prometheus() -> Response:
+            """Prometheus' text exposition format."""
             body, content_type = metrics.render()
             return Response(body, media_type=content_type)
 
-        @app.get("/v1/info", tags=["ops"], openapi_extra=auth.roles(auth.ANY))
-        async def info() -> dict[str, Any]:
-            body = self._info_model(
+    def _add_info_route(self) -> None:
+        """`/v1/info`, in the shape the service declared (`set_info`, before it starts)."""
+        app = self.app
+
+        @app.get(
+            "/v1/info",
+            tags=["ops"],
+            openapi_extra=auth.roles(auth.ANY),
+            response_model=self._info_model,
+        )
+        async def info() -> ServiceInfo:
+            return self._info_model(
                 service=self.service,
                 version=__version__,
                 instance=self.settings.instance,
@@ -317,7 +352,6 @@ class ServiceRuntime:
                 progress=self.progress.snapshot(),
                 **self._info(),
             )
-            return body.model_dump(mode="json")
 
     # -- background tasks --------------------------------------------------------------------
     async def _on_nats_error(self, exc: Exception) -> None:
@@ -397,6 +431,7 @@ class ServiceRuntime:
                 raise PortInUseError(self.service, "grpc", host, grpc_port)
             await self.grpc_server.start()
             await self.grpc_health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self._add_info_route()
         self._install_signals()
         # what startup made (modules, models, servers) lives as long as the process: moved out
         # of the collector's reach, so a full collection does not stop the event loop to scan

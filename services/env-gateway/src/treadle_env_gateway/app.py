@@ -34,7 +34,8 @@ async def build(settings: EnvGatewaySettings) -> Service:
         runtime.make_grpc_server(POLICY),
     )
     runtime.set_info(lambda: {"envs": sorted(sessions.envs), "sessions": len(sessions.sessions)})
-    http.mount(runtime.app, sessions)
+    runtime.app.state.sessions = sessions
+    runtime.app.include_router(http.router)
     return Service(runtime, loops=[lambda: expire_loop(runtime, sessions)])
 
 

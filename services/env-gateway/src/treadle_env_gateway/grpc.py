@@ -20,6 +20,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from treadle_common import auth, metrics, tracing
 from treadle_common.auth import ANY, ROLLOUT, WORKERS
+from treadle_common.errors import ServiceError, grpc_abort
 from treadle_common.progress import Stage
 from treadle_common.proto.treadle.v1 import env_pb2 as pb
 from treadle_common.proto.treadle.v1 import env_pb2_grpc
@@ -29,15 +30,8 @@ from treadle_env_gateway.envs.base import (
     Message,
     ModelReply,
     ToolCall,
-    UnknownEnv,
 )
-from treadle_env_gateway.sessions import (
-    SERVICE,
-    CapacityExceeded,
-    EnvCrashed,
-    SessionManager,
-    UnknownSession,
-)
+from treadle_env_gateway.sessions import SERVICE, SessionManager
 
 POLICY = auth.grpc_policy(
     pb,
@@ -91,15 +85,6 @@ def action_from_pb(action: pb.Action) -> Action:
     return Action(text=action.text, tool_calls=[tool_call_from_pb(c) for c in action.tool_calls])
 
 
-CODES = {
-    EnvError: grpc.StatusCode.INVALID_ARGUMENT,
-    UnknownEnv: grpc.StatusCode.NOT_FOUND,
-    UnknownSession: grpc.StatusCode.NOT_FOUND,
-    CapacityExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    EnvCrashed: grpc.StatusCode.INTERNAL,
-}
-
-
 def step_pb(result) -> pb.StepResponse:
     return pb.StepResponse(
         observation=observation_pb(result.observation),
@@ -115,7 +100,6 @@ def step_pb(result) -> pb.StepResponse:
 
 @contextlib.asynccontextmanager
 async def _as_status(context: grpc.aio.ServicerContext, method: str):
-    codes = CODES
     parent = tracing.from_grpc(context.invocation_metadata())
     with tracing.tracer().start_as_current_span(
         f"env.{method}", context=parent, kind=SpanKind.SERVER
@@ -123,11 +107,10 @@ async def _as_status(context: grpc.aio.ServicerContext, method: str):
         try:
             yield span
             metrics.REQUESTS.labels(SERVICE, method, "ok").inc()
-        except tuple(codes) as exc:
+        except ServiceError as exc:
             metrics.REQUESTS.labels(SERVICE, method, type(exc).__name__).inc()
-            message = exc.args[0] if exc.args else str(exc)
-            span.set_status(Status(StatusCode.ERROR, message))
-            await context.abort(codes[type(exc)], message)
+            span.set_status(Status(StatusCode.ERROR, exc.message))
+            await grpc_abort(context, exc)
 
 
 class EnvGatewayServicer(env_pb2_grpc.EnvGatewayServicer):
@@ -218,13 +201,12 @@ class EnvGatewayServicer(env_pb2_grpc.EnvGatewayServicer):
                 try:
                     with tracing.item_span("env.Step", step.trace):
                         result = await self._step(step)
-                except tuple(CODES) as exc:
+                except ServiceError as exc:
                     metrics.REQUESTS.labels(SERVICE, "Step", type(exc).__name__).inc()
-                    message = exc.args[0] if exc.args else str(exc)
                     return pb.StepManyItem(
                         index=index,
-                        result=pb.StepResponse(status="request_error", error=message),
-                        code=CODES[type(exc)].name,
+                        result=pb.StepResponse(status="request_error", error=exc.message),
+                        code=exc.grpc_status.name,
                     )
                 metrics.REQUESTS.labels(SERVICE, "Step", "ok").inc()
                 return pb.StepManyItem(index=index, result=result)
@@ -257,9 +239,9 @@ class EnvGatewayServicer(env_pb2_grpc.EnvGatewayServicer):
                 span.set_attribute("treadle.session_id", session_id)
                 sampling = parse_json(first.sampling_json, "sampling_json")
                 self.sessions.get(session_id)
-            except tuple(CODES) as exc:
+            except ServiceError as exc:
                 metrics.REQUESTS.labels(SERVICE, "Play", type(exc).__name__).inc()
-                await context.abort(CODES[type(exc)], exc.args[0] if exc.args else str(exc))
+                await grpc_abort(context, exc)
                 return
             play = asyncio.ensure_future(
                 self.sessions.play(session_id, relay, first.model, sampling)
@@ -267,9 +249,9 @@ class EnvGatewayServicer(env_pb2_grpc.EnvGatewayServicer):
             try:
                 async for message in relay.down(play):
                     yield message
-            except tuple(CODES) as exc:
+            except ServiceError as exc:
                 metrics.REQUESTS.labels(SERVICE, "Play", type(exc).__name__).inc()
-                await context.abort(CODES[type(exc)], exc.args[0] if exc.args else str(exc))
+                await grpc_abort(context, exc)
                 return
             finally:
                 play.cancel()

@@ -4,13 +4,16 @@ GET    /v1/envs                      registered environments
 POST   /v1/sessions                  open a session: its first observation
 POST   /v1/sessions/{id}/step        act: observation, done, reward, info
 DELETE /v1/sessions/{id}
+
+A refusal is the gateway's error (`errors.py`), answered by the service runtime.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict
+from typing import Annotated
 
-from fastapi import FastAPI, HTTPException
+from fastapi import APIRouter, Depends, Request
 
 from treadle_common import auth
 from treadle_common.api.envs import (
@@ -22,52 +25,46 @@ from treadle_common.api.envs import (
     SessionOpened,
     Stepped,
 )
-from treadle_env_gateway.envs.base import Action, EnvError, Message, UnknownEnv
-from treadle_env_gateway.sessions import CapacityExceeded, SessionManager, UnknownSession
+from treadle_env_gateway.envs.base import Action, Message
+from treadle_env_gateway.sessions import SessionManager
+
+router = APIRouter(prefix="/v1")
 
 
-def _http_errors(exc: Exception) -> HTTPException:
-    status = {EnvError: 400, UnknownEnv: 404, UnknownSession: 404, CapacityExceeded: 429}[type(exc)]
-    return HTTPException(status, exc.args[0] if exc.args else str(exc))
+def session_manager(request: Request) -> SessionManager:
+    return request.app.state.sessions
 
 
-def mount(app: FastAPI, sessions: SessionManager) -> None:
+Sessions = Annotated[SessionManager, Depends(session_manager)]
+ROLLOUT = auth.roles(auth.ROLLOUT)
 
-    @app.get("/v1/envs", tags=["envs"], openapi_extra=auth.roles(auth.ANY))
-    async def list_envs() -> EnvList:
-        return EnvList(envs=sorted(sessions.envs))
 
-    @app.post("/v1/sessions", tags=["sessions"], openapi_extra=auth.roles(auth.ROLLOUT))
-    async def create(body: CreateSession) -> SessionOpened:
-        try:
-            session, observation = await sessions.create(
-                body.env, body.task, body.seed, body.options
-            )
-        except (EnvError, CapacityExceeded) as exc:
-            raise _http_errors(exc) from exc
-        return SessionOpened(session_id=session.session_id, observation=_messages(observation))
+@router.get("/envs", tags=["envs"], openapi_extra=auth.roles(auth.ANY))
+async def list_envs(sessions: Sessions) -> EnvList:
+    return EnvList(envs=sorted(sessions.envs))
 
-    @app.post(
-        "/v1/sessions/{session_id}/step", tags=["sessions"], openapi_extra=auth.roles(auth.ROLLOUT)
+
+@router.post("/sessions", tags=["sessions"], openapi_extra=ROLLOUT)
+async def create(body: CreateSession, sessions: Sessions) -> SessionOpened:
+    session, observation = await sessions.create(body.env, body.task, body.seed, body.options)
+    return SessionOpened(session_id=session.session_id, observation=_messages(observation))
+
+
+@router.post("/sessions/{session_id}/step", tags=["sessions"], openapi_extra=ROLLOUT)
+async def step(session_id: str, body: Act, sessions: Sessions) -> Stepped:
+    result = await sessions.step(session_id, Action(text=body.text))
+    return Stepped(
+        observation=_messages(result.observation),
+        done=result.done,
+        reward=result.reward,
+        info=result.info,
     )
-    async def step(session_id: str, body: Act) -> Stepped:
-        try:
-            result = await sessions.step(session_id, Action(text=body.text))
-        except (EnvError, UnknownSession) as exc:
-            raise _http_errors(exc) from exc
-        return Stepped(
-            observation=_messages(result.observation),
-            done=result.done,
-            reward=result.reward,
-            info=result.info,
-        )
 
-    @app.delete(
-        "/v1/sessions/{session_id}", tags=["sessions"], openapi_extra=auth.roles(auth.ROLLOUT)
-    )
-    async def close(session_id: str) -> SessionClosed:
-        await sessions.close(session_id)
-        return SessionClosed(closed=session_id)
+
+@router.delete("/sessions/{session_id}", tags=["sessions"], openapi_extra=ROLLOUT)
+async def close(session_id: str, sessions: Sessions) -> SessionClosed:
+    await sessions.close(session_id)
+    return SessionClosed(closed=session_id)
 
 
 def _messages(messages: list[Message]) -> list[ObservationMessage]:

@@ -26,6 +26,7 @@ from treadle_env_gateway.envs.base import (
     StepResult,
     UnknownEnv,
 )
+from treadle_env_gateway.errors import CapacityExceeded, EnvCrashed, UnknownSession
 from treadle_env_gateway.latency import Latency, latency_from
 from treadle_env_gateway.sandbox.runner import RUNS as sandbox_runs
 from treadle_env_gateway.settings import EnvGatewaySettings
@@ -33,18 +34,6 @@ from treadle_env_gateway.settings import EnvGatewaySettings
 log = get_logger(__name__)
 
 SERVICE = "env-gateway"
-
-
-class UnknownSession(KeyError):
-    pass
-
-
-class CapacityExceeded(RuntimeError):
-    pass
-
-
-class EnvCrashed(RuntimeError):
-    """The env raised while starting an episode (its bug, not the request's)."""
 
 
 @dataclass

@@ -38,7 +38,8 @@ async def build(settings: RewardSettings) -> Service:
     )
     runtime.set_info(lambda: {"scorers": sorted(scoring.scorers)})
 
-    http.mount(runtime.app, scoring)
+    runtime.app.state.scoring = scoring
+    runtime.app.include_router(http.router)
 
     ping = "treadle.reward._ping." + settings.instance.replace(".", "_").replace(" ", "_")
 

@@ -12,46 +12,40 @@ serves LoRA adapters); the Tinker API's sampling clients use this.
 from __future__ import annotations
 
 import grpc
-from fastapi import FastAPI, HTTPException, Response
 
-from treadle_common import auth, lora
+from treadle_common import lora
 from treadle_common.api.rollout import Adapters, LoadAdapter
 from treadle_common.clients.torch_weights import fetch_state_dict
 from treadle_common.clients.weights import WeightStoreClient
 from treadle_rollout.engines.base import AdapterUnsupported, Engine
+from treadle_rollout.errors import BadAdapter, NoAdapter, TooManyAdapters
 
 MAX_ADAPTERS = 64
 """Adapters served at once; loading one more is refused (unload one)."""
 
 
-def mount(app: FastAPI, engine: Engine, store: WeightStoreClient) -> None:
-    @app.post("/v1/adapters", tags=["adapters"], openapi_extra=auth.roles(auth.TRAINER))
-    async def load(request: LoadAdapter) -> Adapters:
-        if request.name == engine.model_name:
-            raise HTTPException(400, f"{request.name!r} is the policy's own name")
-        served = engine.adapters()
-        if request.name not in served and len(served) >= MAX_ADAPTERS:
-            raise HTTPException(429, f"{len(served)} adapters are served, the most; unload one")
-        try:
-            manifest, tensors = await fetch_state_dict(store, request.model, request.version)
-            config = lora.from_metadata(dict(manifest.metadata))
-            await engine.load_adapter(request.name, tensors, config, version=request.version)
-        except (AdapterUnsupported, ValueError) as exc:
-            raise HTTPException(400, f"adapter {request.name}: {exc}") from exc
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.NOT_FOUND:
-                raise
-            where = f"{request.model}@{request.version}"
-            raise HTTPException(404, f"adapter {request.name}: no {where}") from exc
-        return Adapters(adapters=engine.adapters())
+async def load(engine: Engine, store: WeightStoreClient, request: LoadAdapter) -> Adapters:
+    """Fetch the adapter version from the weight store and serve it as `request.name`."""
+    if request.name == engine.model_name:
+        raise BadAdapter(f"{request.name!r} is the policy's own name")
+    served = engine.adapters()
+    if request.name not in served and len(served) >= MAX_ADAPTERS:
+        raise TooManyAdapters(f"{len(served)} adapters are served, the most; unload one")
+    try:
+        manifest, tensors = await fetch_state_dict(store, request.model, request.version)
+        config = lora.from_metadata(dict(manifest.metadata))
+        await engine.load_adapter(request.name, tensors, config, version=request.version)
+    except (AdapterUnsupported, ValueError) as exc:
+        raise BadAdapter(f"adapter {request.name}: {exc}") from exc
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() != grpc.StatusCode.NOT_FOUND:
+            raise
+        where = f"{request.model}@{request.version}"
+        raise NoAdapter(f"adapter {request.name}: no {where}") from exc
+    return Adapters(adapters=engine.adapters())
 
-    @app.get("/v1/adapters", tags=["adapters"], openapi_extra=auth.roles(auth.ANY))
-    async def listing() -> Adapters:
-        return Adapters(adapters=engine.adapters())
 
-    @app.delete("/v1/adapters/{name}", tags=["adapters"], openapi_extra=auth.roles(auth.TRAINER))
-    async def unload(name: str) -> Response:
-        if name not in engine.adapters():
-            raise HTTPException(404, f"no adapter {name!r}")
-        await engine.unload_adapter(name)
-        return Response(status_code=204)
+async def unload(engine: Engine, name: str) -> None:
+    if name not in engine.adapters():
+        raise NoAdapter(f"no adapter {name!r}")
+    await engine.unload_adapter(name)

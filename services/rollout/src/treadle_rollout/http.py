@@ -1,33 +1,69 @@
-"""Rollout's HTTP API: `/v1/info` (what it serves, how busy, weight sync; mounted by the
-runtime), `/v1/swaps`, `/v1/evaluate` (`evaluate.py`), LoRA adapters (`adapters.py`) and the
-OpenAI-compatible API (`openai_api.py`)."""
+"""Rollout's HTTP edge: one router of handlers of a few lines over the service's parts
+(`app.Rollout`): `/v1/swaps`, `/v1/evaluate` (`evaluate.py`), LoRA adapters (`adapters.py`),
+and the OpenAI-compatible API (`openai_router.py`). `/v1/info` (what it serves, how busy,
+weight sync) is the runtime's, with `info` below as its rollout fields. Refusals are
+`errors.py`'s."""
 
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI
+from fastapi import APIRouter, Depends, Request
 
 from treadle_common import auth
-from treadle_common.api.rollout import RolloutInfo, Swap, Swaps
-from treadle_common.service import ServiceRuntime
-from treadle_rollout import adapters, evaluate, metrics, openai_api
+from treadle_common.api.rollout import (
+    Adapters,
+    EvaluateRequest,
+    EvaluateResult,
+    LoadAdapter,
+    Swap,
+    Swaps,
+)
+from treadle_rollout import adapters, evaluate, metrics
+from treadle_rollout.openai_router import router as openai_router
+from treadle_rollout.replica import Rollout
 
-if TYPE_CHECKING:
-    from treadle_rollout.app import Rollout
+router = APIRouter()
+router.include_router(openai_router)
 
 
-def mount(runtime: ServiceRuntime, rollout: Rollout) -> None:
-    app: FastAPI = runtime.app
-    openai_api.mount(app, rollout.frontend)
-    adapters.mount(app, rollout.engine, rollout.store)
-    evaluate.mount(app, lambda: rollout.worker.runner if rollout.worker else None, rollout.policies)
-    runtime.set_info(lambda: info(rollout), RolloutInfo)
+def the_rollout(request: Request) -> Rollout:
+    return request.app.state.rollout
 
-    @app.get("/v1/swaps", tags=["weights"], openapi_extra=auth.roles(auth.ANY))
-    async def swaps() -> Swaps:
-        return Swaps(swaps=[Swap(**asdict(s)) for s in rollout.sync.swaps])
+
+Service = Annotated[Rollout, Depends(the_rollout)]
+
+
+@router.get("/v1/swaps", tags=["weights"], openapi_extra=auth.roles(auth.ANY))
+async def swaps(rollout: Service) -> Swaps:
+    return Swaps(swaps=[Swap(**asdict(s)) for s in rollout.sync.swaps])
+
+
+@router.post("/v1/evaluate", tags=["evaluate"], openapi_extra=auth.roles(auth.WORKERS))
+async def evaluate_tasks(request: EvaluateRequest, rollout: Service) -> EvaluateResult:
+    runner = rollout.worker.runner if rollout.worker else None
+    return await evaluate.evaluate(runner, rollout.policies, request)
+
+
+@router.post("/v1/adapters", tags=["adapters"], openapi_extra=auth.roles(auth.TRAINER))
+async def load_adapter(request: LoadAdapter, rollout: Service) -> Adapters:
+    return await adapters.load(rollout.engine, rollout.store, request)
+
+
+@router.get("/v1/adapters", tags=["adapters"], openapi_extra=auth.roles(auth.ANY))
+async def list_adapters(rollout: Service) -> Adapters:
+    return Adapters(adapters=rollout.engine.adapters())
+
+
+@router.delete(
+    "/v1/adapters/{name}",
+    tags=["adapters"],
+    openapi_extra=auth.roles(auth.TRAINER),
+    status_code=204,
+)
+async def unload_adapter(name: str, rollout: Service) -> None:
+    await adapters.unload(rollout.engine, name)
 
 
 def info(rollout: Rollout) -> dict[str, Any]:

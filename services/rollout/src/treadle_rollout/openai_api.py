@@ -32,35 +32,34 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, cast
 
-from fastapi import APIRouter, FastAPI, Path, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from fastapi import Path
+from pydantic import ValidationError
 
-from treadle_common import auth, fleet, names
-from treadle_common.clients import streams
-from treadle_common.proto.treadle.v1 import reward_pb2
-from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
-from treadle_rollout import issued, metrics, tool_calls
+from treadle_common import auth, names
+from treadle_common.api.rollout import (
+    ModelCard,
+    ModelList,
+)
+from treadle_rollout import metrics, tool_calls
+from treadle_rollout.agent_sessions import AgentSessions
 from treadle_rollout.engines.base import ContextOverflow, Engine, Generation, Sampling
+from treadle_rollout.errors import OpenAIError, invalid_openai_request
 from treadle_rollout.gate import Busy, RequestGate
 from treadle_rollout.openai_types import (
     ChatRequest,
     CompletionRequest,
     NamedToolChoice,
-    OpenAIError,
     SamplingFields,
 )
-from treadle_rollout.quota_gate import REQUEST_TENANT, QuotaGate
-from treadle_rollout.sse import EventStream, Final
+from treadle_rollout.quota_gate import QuotaGate
+from treadle_rollout.sse import Final
 from treadle_rollout.transcript import TemplateNotPrefixStable, Transcript, encode, opening, render
 
 SESSION_HEADER = "X-Treadle-Session"
@@ -69,35 +68,7 @@ MAX_GENERATIONS = 256
 SessionId = Annotated[
     str, Path(pattern=names.NAME_PATTERN, max_length=names.NAME_MAX, description="A session id")
 ]
-OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 DEFAULT_MAX_TOKENS = 1024
-
-
-def _json_error(exc: OpenAIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
-
-
-class FinishSession(BaseModel):
-    """`POST /v1/sessions/{id}/finish`. A session opened with `POST /v1/sessions` is finished
-    with an empty body (what it is judged against was set then); the `agent` role may finish
-    only such a session. A trusted caller may finish any other naming all of it."""
-
-    model_config = ConfigDict(extra="forbid")
-    run_id: str | None = Field(
-        None,
-        pattern=names.ID_PATTERN,
-        description="Active run whose trajectory stream receives it (names.ID_PATTERN)",
-    )
-    reward: float | None = Field(
-        None, allow_inf_nan=False, description="The reward, if the caller computed it"
-    )
-    scorer: str | None = Field(None, description="Or: a reward-service scorer to ask")
-    task_json: str | None = Field(None, description="Task payload passed to the scorer")
-    group_id: str | None = Field(None, description="GRPO group (defaults to the session id)")
-    task_id: str | None = None
-
-    def names_anything(self) -> bool:
-        return any(v is not None for v in self.model_dump().values())
 
 
 @dataclass(frozen=True)
@@ -212,8 +183,8 @@ class OpenAIFrontend:
         self.quota = quota or QuotaGate()
         self.tokenizer = recorder.tokenizer
         self.recorder = recorder
-        self.redis = redis
-        self.reward = reward
+        self.sessions = AgentSessions(recorder, redis, reward)
+        """The recorded sessions' own API: issue, finish, info, discard."""
         self.eos_id = self.tokenizer.eos_token_id
         self.tool_parser = tool_calls.for_model(
             tool_parser, getattr(self.tokenizer, "chat_template", None)
@@ -583,6 +554,9 @@ class OpenAIFrontend:
             prompts.append(cast(list[int], p))
         if not all(prompts):
             raise OpenAIError(400, "prompt is empty", param="prompt")
+        vocab = len(self.tokenizer)
+        if any(t >= vocab for p in prompts for t in p):
+            raise OpenAIError(400, f"prompt: token ids must be in 0..{vocab - 1}", param="prompt")
         if len(prompts) * req.n > MAX_GENERATIONS:
             raise OpenAIError(
                 400,
@@ -685,83 +659,12 @@ class OpenAIFrontend:
 
         return _sse(one, len(prompts) * req.n, header, include_usage)
 
-    async def finish(
-        self, session_id: str, body: FinishSession, role: auth.Role | None = None
-    ) -> dict:
-        """Turn a recorded session into a trajectory in `treadle:{run}:trajectories` of an
-        active run. `role`: the caller's; an `agent` says only that it is done, on a session
-        issued against a task (`issued.py`)."""
-        if self.redis is None:
-            raise OpenAIError(503, "this replica has no Redis connection", type_="server_error")
-        session = self.recorder.get(session_id)  # its tenant's alone
-        bound = await issued.lookup(self.redis, session_id)
-        body = _judged_by(session_id, body, bound, role)
-        assert body.run_id is not None
-        if not await self.redis.sismember(names.RUNS_KEY, body.run_id):
-            raise OpenAIError(404, f"no active run {body.run_id!r}", param="run_id")
-        run_tenant = await fleet.tenant_of(self.redis, body.run_id)
-        if run_tenant is not None and not auth.caller().may_see(run_tenant):
-            raise OpenAIError(403, f"run {body.run_id!r} belongs to another tenant", param="run_id")
-        async with session.lock:
-            t = session.transcript
-            traj = tpb.Trajectory(
-                trajectory_id=uuid.uuid4().hex,
-                group_id=body.group_id or session_id,
-                task_id=body.task_id or session_id,
-                run_id=body.run_id,
-                env="openai-session",
-                num_turns=session.turns,
-                status=tpb.TRAJECTORY_STATUS_OK,
-            )
-            t.fill(traj)
-            traj.timings.total_s = time.time() - session.created
-            if body.reward is not None:
-                traj.reward = body.reward
-            else:
-                traj.reward = await self._score(body, t)
-            async with self.redis.pipeline(transaction=True) as pipe:
-                await streams.add(pipe, names.trajectories_stream(body.run_id), traj)
-                pipe.hincrby(names.run_state(body.run_id), "trajectories_produced", 1)
-                pipe.delete(names.issued_session(session_id))  # judged once
-                await pipe.execute()
-            del self.recorder.sessions[session_id]
-        return {
-            "trajectory_id": traj.trajectory_id,
-            "run_id": body.run_id,
-            "num_tokens": len(traj.tokens),
-            "num_generated": sum(traj.loss_mask),
-            "reward": traj.reward,
-        }
-
-    async def issue(self, req: issued.OpenSession) -> dict:
-        """Open an agent's session against a task of an active run (`issued.py`)."""
-        if self.redis is None:
-            raise OpenAIError(503, "this replica has no Redis connection", type_="server_error")
-        if not await self.redis.sismember(names.RUNS_KEY, req.run_id):
-            raise OpenAIError(404, f"no active run {req.run_id!r}", param="run_id")
-        run_tenant = await fleet.tenant_of(self.redis, req.run_id)
-        if run_tenant is not None and not auth.caller().may_see(run_tenant):
-            raise OpenAIError(403, f"run {req.run_id!r} belongs to another tenant", param="run_id")
-        sid, bound = issued.binding(req)
-        if sid in self.recorder.sessions or not await issued.store(
-            self.redis, sid, bound, req.ttl_s
-        ):
-            raise OpenAIError(409, f"session {sid!r} exists", param="session_id")
-        return {"session_id": sid, "run_id": req.run_id, "expires_in_s": req.ttl_s}
-
-    async def _score(self, body: FinishSession, t: Transcript) -> float:
-        if self.reward is None:
-            raise OpenAIError(503, "this replica has no reward client", type_="server_error")
-        assert body.scorer is not None
-        result = await self.reward.score(t.score_request(body.scorer, body.task_json or "{}"))
-        if result.status != reward_pb2.SCORE_STATUS_OK:
-            raise OpenAIError(
-                502,
-                f"scorer {body.scorer}: {reward_pb2.ScoreStatus.Name(result.status)}: "
-                f"{result.message}",
-                type_="server_error",
-            )
-        return result.reward
+    def models(self) -> ModelList:
+        """The policy (with its version) and every adapter served on it."""
+        engine = self.engine
+        policy = ModelCard(id=engine.model_name, policy_version=engine.version)
+        adapters = [ModelCard(id=name, parent=engine.model_name) for name in engine.adapters()]
+        return ModelList(data=[policy, *adapters])
 
     # -- played episodes (env-gateway `Play`) -------------------------------------------
     def open_played(self, session_id: str, transcript: Transcript) -> None:
@@ -792,7 +695,7 @@ class OpenAIFrontend:
             try:
                 req = ChatRequest.model_validate_json(body)
             except ValidationError as exc:
-                raise _invalid(exc.errors()) from exc
+                raise invalid_openai_request(exc.errors()) from exc
             asked = req.max_completion_tokens or req.max_tokens or run.max_tokens
             req = req.model_copy(
                 update={
@@ -810,65 +713,6 @@ class OpenAIFrontend:
         if isinstance(result, dict):
             return 200, "application/json", json.dumps(result).encode()
         return 200, "text/event-stream", "".join([event async for event in result]).encode()
-
-    def info(self, session_id: str) -> dict:
-        session = self.recorder.get(session_id)
-        t = session.transcript
-        return {
-            "session_id": session_id,
-            "turns": session.turns,
-            "num_tokens": len(t.tokens),
-            "num_generated": sum(t.loss_mask),
-            "versions": sorted({v for v in t.versions if v >= 0}),
-            "messages": t.messages,
-        }
-
-
-def _judged_by(
-    session_id: str, body: FinishSession, bound: issued.Issued | None, role: auth.Role | None
-) -> FinishSession:
-    """What `session_id` is judged against: its issued binding, or (a trusted caller's
-    session that was not issued) what the body names. An agent names nothing."""
-    if role is auth.Role.agent and body.names_anything():
-        raise OpenAIError(
-            403,
-            "an agent only says a session is done (an empty body): its run, task, scorer and "
-            "group were set when the session was opened (POST /v1/sessions)",
-            code="permission_denied",
-        )
-    if bound is not None:
-        if body.names_anything():
-            raise OpenAIError(
-                400, f"session {session_id!r} was issued against a task: finish it with {{}}"
-            )
-        return FinishSession(**bound.model_dump())
-    if role is auth.Role.agent:
-        raise OpenAIError(
-            403,
-            f"session {session_id!r} was not issued against a task: an agent finishes only "
-            "sessions its trainer opened (POST /v1/sessions)",
-            code="permission_denied",
-        )
-    if body.run_id is None:
-        raise OpenAIError(
-            400, "name the run_id (or open the session against a task)", param="run_id"
-        )
-    if body.reward is None and not body.scorer:
-        raise OpenAIError(400, "give a reward or a scorer", param="reward")
-    return body
-
-
-def _invalid(errors: Sequence[Any], skip: int = 0) -> OpenAIError:
-    """A request body's validation errors as OpenAI's 400 naming the first bad field (`skip`:
-    location parts before the field, e.g. FastAPI's `body`)."""
-    first = errors[0] if errors else {}
-    param = ".".join(str(p) for p in first.get("loc", ())[skip:]) or None
-    message = f"invalid request: {first.get('msg', 'malformed')}"
-    if first.get("type") == "extra_forbidden":
-        message = f"unsupported field `{param}`: this server does not implement it"
-    elif param:
-        message = f"invalid `{param}`: {first.get('msg')}"
-    return OpenAIError(400, message, param=param)
 
 
 def _cut(text: str, stops: tuple[str, ...]) -> str:
@@ -1055,86 +899,3 @@ async def _merge(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def mount(app: FastAPI, frontend: OpenAIFrontend) -> None:
-    """Add the OpenAI routes and OpenAI-format errors for them to `app`."""
-    router = APIRouter(tags=["openai"])
-
-    @app.exception_handler(OpenAIError)
-    async def openai_error(_request: Request, exc: OpenAIError) -> JSONResponse:
-        return _json_error(exc)
-
-    default_handler = app.exception_handlers.get(RequestValidationError)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, exc: RequestValidationError):
-        if request.url.path.startswith(OPENAI_PATHS):
-            return _json_error(_invalid(exc.errors(), skip=1))
-        if default_handler is not None:
-            response = default_handler(request, exc)
-            return await response if inspect.isawaitable(response) else response
-        return JSONResponse({"detail": exc.errors()}, status_code=422)
-
-    @router.get("/v1/models", openapi_extra=auth.roles(auth.ANY))
-    async def models() -> dict:
-        engine = frontend.engine
-        policy = {
-            "id": engine.model_name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "treadle",
-            "policy_version": engine.version,
-        }
-        adapters = [
-            {
-                "id": name,
-                "object": "model",
-                "created": 0,
-                "owned_by": "treadle",
-                "parent": engine.model_name,
-            }
-            for name in engine.adapters()
-        ]
-        return {"object": "list", "data": [policy, *adapters]}
-
-    @router.post("/v1/chat/completions", openapi_extra=auth.roles(auth.AGENT), response_model=None)
-    async def chat(req: ChatRequest, request: Request) -> Any:
-        REQUEST_TENANT.set(auth.caller().tenant)  # its generations count to its quotas
-        return _respond(await frontend.chat(req, request.headers.get(SESSION_HEADER)))
-
-    @router.post(
-        "/v1/completions", openapi_extra=auth.roles(auth.AGENT, auth.TRAINER), response_model=None
-    )
-    async def completions(req: CompletionRequest) -> Any:
-        REQUEST_TENANT.set(auth.caller().tenant)
-        return _respond(await frontend.completions(req))
-
-    @router.post("/v1/sessions", openapi_extra=auth.roles(auth.TRAINER), status_code=201)
-    async def open_session(req: issued.OpenSession) -> dict:
-        return await frontend.issue(req)
-
-    @router.get("/v1/sessions/{session_id}", openapi_extra=auth.roles(auth.AGENT))
-    async def session_info(session_id: SessionId) -> dict:
-        return frontend.info(session_id)
-
-    @router.post(
-        "/v1/sessions/{session_id}/finish", openapi_extra=auth.roles(auth.AGENT | auth.WORKERS)
-    )
-    async def finish(session_id: SessionId, body: FinishSession, request: Request) -> dict:
-        # the caller's role, as the service runtime's auth found it (none without auth)
-        return await frontend.finish(session_id, body, getattr(request.state, "role", None))
-
-    @router.delete("/v1/sessions/{session_id}", openapi_extra=auth.roles(auth.AGENT))
-    async def discard(session_id: SessionId) -> dict:
-        frontend.recorder.get(session_id)
-        del frontend.recorder.sessions[session_id]
-        return {"deleted": session_id}
-
-    app.include_router(router)
-
-
-def _respond(result: dict | AsyncIterator[str]) -> Any:
-    if isinstance(result, dict):
-        return result
-    return EventStream(result)

@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
+from treadle_rollout.errors import OpenAIError
+
 MAX_MESSAGES = 1024
 MAX_PROMPT_CHARS = 1_000_000
 """Text a request may bring (a prompt, one message's content): far past any context, and
@@ -21,36 +23,6 @@ MAX_BATCH_PROMPTS = 64
 """Prompts one completions request may batch (OpenAI's array `prompt`)."""
 MAX_TOOLS = 128
 FUNCTION_NAME = r"^[a-zA-Z0-9_.\-]{1,64}$"
-
-
-class OpenAIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        type_: str = "invalid_request_error",
-    ):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = (
-            status,
-            message,
-            param,
-            code,
-            type_,
-        )
-
-    def body(self) -> dict:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
 
 
 class Strict(BaseModel):
@@ -243,12 +215,15 @@ class ChatRequest(SamplingFields):
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
 
+TokenId = Annotated[int, Field(ge=0)]
+
+
 class CompletionRequest(SamplingFields):
     prompt: (
         Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
-        | Annotated[list[int], Field(max_length=MAX_PROMPT_CHARS)]
+        | Annotated[list[TokenId], Field(max_length=MAX_PROMPT_CHARS)]
         | Annotated[
-            list[Annotated[list[int], Field(max_length=MAX_PROMPT_CHARS)]],
+            list[Annotated[list[TokenId], Field(max_length=MAX_PROMPT_CHARS)]],
             Field(min_length=1, max_length=MAX_BATCH_PROMPTS),
         ]
         | Annotated[
@@ -273,3 +248,89 @@ class CompletionRequest(SamplingFields):
             _refuse("suffix", "insertion (suffix) is not implemented")
         if self.best_of is not None and self.best_of != self.n:
             _refuse("best_of", "best_of is not implemented: omit it or set it to n")
+
+
+# --- responses (their shapes; the frontend builds them as dicts on its hot path) -------------
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+    """The arguments as a JSON text, as OpenAI sends them."""
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatCompletion(BaseModel):
+    """`POST /v1/chat/completions` without `stream` (with it: server-sent events of
+    `chat.completion.chunk` objects, then `data: [DONE]`)."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: str = Field(description="`treadle-v<policy version>`")
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int] | None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: CompletionLogprobs | None = None
+
+
+class Completion(BaseModel):
+    """`POST /v1/completions` without `stream` (with it: server-sent events of
+    `text_completion` chunks, then `data: [DONE]`)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[CompletionChoice]
+    usage: Usage

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from contextvars import ContextVar
 
 from treadle_common.quotas import QuotaExceeded, TenantQuotas
-from treadle_rollout.openai_types import OpenAIError
+from treadle_rollout.errors import OpenAIError
 
 REQUEST_TENANT: ContextVar[str | None] = ContextVar("treadle_request_tenant", default=None)
 

@@ -1,8 +1,8 @@
 """Trainer service: owns runs (submitted over HTTP, resumed after a crash) and serves the
 Tinker-style training API.
 
-    /v1/runs...       see `runs_api.py` (the runs, their leases, orphan resume)
-    /v1/training/...  see `training_api.py`
+    /v1/runs...       the runs (`runs.py`: their leases, orphan resume; routes: `http.py`)
+    /v1/training/...  caller-owned training sessions (`training/`)
     /api/v1/...       the Tinker SDK's API, LoRA clients on shared base models (`tinker/`)
 
 See `run/` for the dataflow of one run.
@@ -22,12 +22,14 @@ from treadle_common.clients.env import EnvClient
 from treadle_common.clients.weights import WeightStoreClient
 from treadle_common.logs import get_logger
 from treadle_common.service import Service, ServiceRuntime
-from treadle_trainer import training_api
+from treadle_trainer import http
 from treadle_trainer.backends import set_torch_lanes
 from treadle_trainer.run import SERVICE
-from treadle_trainer.runs_api import Runs
+from treadle_trainer.runs import Runs
 from treadle_trainer.settings import TrainerSettings
-from treadle_trainer.tinker import api as tinker_api
+from treadle_trainer.tinker.sampling import RolloutSampler
+from treadle_trainer.tinker.state import TinkerState
+from treadle_trainer.training.sessions import TrainingSessions
 
 log = get_logger(__name__)
 
@@ -48,25 +50,24 @@ async def build(settings: TrainerSettings) -> Service:
     )
     trajectories.pending = lambda: runs.collecting
     runtime.set_info(lambda: {"runs": runs.states()}, TrainerInfo)
-    runs.mount(runtime.app)
-    training_api.mount(
-        runtime.app,
+    runtime.app.state.runs = runs
+    runtime.app.state.training_sessions = TrainingSessions(
         store,
         settings.state_dir,
         settings.path_roots(),
         max_sessions=settings.trainer_max_training_sessions,
         redis=runtime.redis,
     )
-    tinker_api.mount(
-        runtime.app,
-        store,
-        settings.state_dir,
+    rollout_url = settings.trainer_rollout_url
+    runtime.app.state.tinker = TinkerState(
         {name: str(path) for name, path in settings.trainer_tinker_models.items()},
-        max_clients=settings.trainer_tinker_max_clients,
-        rollout_url=settings.trainer_rollout_url or None,
-        token=token,
+        settings.state_dir / "tinker",
+        store,
+        settings.trainer_tinker_max_clients,
+        RolloutSampler(rollout_url, token) if rollout_url else None,
         session_ttl_s=settings.trainer_tinker_session_ttl_s,
     )
+    runtime.app.include_router(http.router)
     runtime.on_drain(runs.drain)
     loops: list[Callable[[], Awaitable[None]]] = [runs.resume_orphans]
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # rank 0 of a torchrun job

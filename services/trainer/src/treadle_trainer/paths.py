@@ -12,9 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from fastapi import HTTPException
-
 from treadle_common.config import RunConfig
+from treadle_trainer import errors
 from treadle_trainer.backends import check_backend
 
 
@@ -24,8 +23,7 @@ def confine(path: str | Path, roots: Sequence[Path], what: str) -> Path:
     if any(resolved.is_relative_to(root) for root in roots):
         return resolved
     allowed = ", ".join(str(r) for r in roots)
-    raise HTTPException(
-        400,
+    raise errors.PathNotAllowed(
         f"{what} {str(path)!r} is outside the directories this trainer allows "
         f"({allowed}; TREADLE_TRAINER_PATH_ROOTS)",
     )
@@ -43,4 +41,4 @@ def check_config(config: RunConfig, roots: Sequence[Path]) -> None:
     try:
         check_backend(t.backend, t.tensor_parallel, t.pipeline_parallel, t.lora is not None)
     except ValueError as exc:
-        raise HTTPException(422, f"trainer.backend: {exc}") from exc
+        raise errors.BackendRefused(f"trainer.backend: {exc}") from exc

@@ -84,7 +84,8 @@ async def build(settings: WeightStoreSettings) -> Service:
             "readers": store.readers(),
         }
     )
-    http.mount(runtime.app, store, servicer.tenancy)
+    runtime.app.state.store, runtime.app.state.tenancy = store, servicer.tenancy
+    runtime.app.include_router(http.router)
     return Service(runtime, loops=[lambda: gc_loop(runtime, store)])
 
 

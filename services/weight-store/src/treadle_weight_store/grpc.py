@@ -27,15 +27,8 @@ from treadle_common.logs import get_logger
 from treadle_common.proto.treadle.v1 import weights_pb2 as pb
 from treadle_common.proto.treadle.v1 import weights_pb2_grpc
 from treadle_weight_store.errors import (
-    BackendError,
     BadRequest,
-    ChunksMissing,
-    CorruptChunk,
-    NotFound,
-    Precondition,
-    QuotaExceeded,
     StoreError,
-    VersionConflict,
 )
 from treadle_weight_store.store import WeightStore
 from treadle_weight_store.tenancy import Tenancy
@@ -67,17 +60,6 @@ ANNOUNCE_RETRY_S = 300.0
 """How long an announcement is retried while NATS is away (then rollout's poll finds it)."""
 SERVICE_NAME = "treadle.v1.WeightStore"
 
-_STATUS = {
-    BadRequest: grpc.StatusCode.INVALID_ARGUMENT,
-    NotFound: grpc.StatusCode.NOT_FOUND,
-    VersionConflict: grpc.StatusCode.ALREADY_EXISTS,
-    CorruptChunk: grpc.StatusCode.DATA_LOSS,
-    Precondition: grpc.StatusCode.FAILED_PRECONDITION,
-    QuotaExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    BackendError: grpc.StatusCode.UNAVAILABLE,
-    ChunksMissing: grpc.StatusCode.ABORTED,
-}
-
 
 @contextlib.asynccontextmanager
 async def _as_status(context: grpc.aio.ServicerContext, method: str):
@@ -86,7 +68,7 @@ async def _as_status(context: grpc.aio.ServicerContext, method: str):
         metrics.REQUESTS.labels(SERVICE, method, "ok").inc()
     except StoreError as exc:
         metrics.REQUESTS.labels(SERVICE, method, type(exc).__name__).inc()
-        await context.abort(_STATUS[type(exc)], str(exc))
+        await context.abort(exc.grpc_status, exc.message)
     except auth.AuthError as exc:  # another tenant's model (`tenancy.py`)
         metrics.REQUESTS.labels(SERVICE, method, "refused").inc()
         await context.abort(grpc.StatusCode.PERMISSION_DENIED, exc.message)

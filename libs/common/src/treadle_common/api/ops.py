@@ -14,6 +14,15 @@ class StageProgress(BaseModel):
     stalled: bool
 
 
+class Liveness(BaseModel):
+    """`GET /healthz`: 200 while the process makes progress, 503 (same body) naming the
+    stages that stalled."""
+
+    status: str = Field(description="'ok' or 'stalled'")
+    service: str
+    stages: list[str] = Field(default_factory=list, description="The stalled stages")
+
+
 class Readiness(BaseModel):
     """`GET /readyz`: 200 when every dependency answers, 503 (same body) when one does not."""
 

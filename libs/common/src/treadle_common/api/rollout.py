@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from treadle_common import names
 from treadle_common.api.ops import ServiceInfo
@@ -113,3 +113,80 @@ class LoadAdapter(BaseModel):
 
 class Adapters(BaseModel):
     adapters: list[str]
+
+
+# --- the OpenAI-compatible API's own routes (rollout's `openai_router.py`) ---------------------
+class ModelCard(BaseModel):
+    """One entry of `GET /v1/models`: the policy (with its version) or an adapter on it."""
+
+    id: str
+    object: str = "model"
+    created: int = 0
+    owned_by: str = "treadle"
+    policy_version: int | None = Field(None, description="The policy's weight version")
+    parent: str | None = Field(None, description="An adapter's base policy")
+
+
+class ModelList(BaseModel):
+    """`GET /v1/models`, as OpenAI's."""
+
+    object: str = "list"
+    data: list[ModelCard]
+
+
+class SessionIssued(BaseModel):
+    """`POST /v1/sessions`: an agent's session, opened against a task of an active run."""
+
+    session_id: str
+    run_id: str
+    expires_in_s: float
+
+
+class SessionInfo(BaseModel):
+    """`GET /v1/sessions/{id}`: what a recorded session holds so far."""
+
+    session_id: str
+    turns: int
+    num_tokens: int
+    num_generated: int
+    versions: list[int] = Field(description="The policy versions its tokens came from")
+    messages: list[dict[str, Any]] = Field(description="The conversation, as recorded")
+
+
+class FinishSession(BaseModel):
+    """`POST /v1/sessions/{id}/finish`. A session opened with `POST /v1/sessions` is finished
+    with an empty body (what it is judged against was set then); the `agent` role may finish
+    only such a session. A trusted caller may finish any other naming all of it."""
+
+    model_config = ConfigDict(extra="forbid")
+    run_id: str | None = Field(
+        None,
+        pattern=names.ID_PATTERN,
+        description="Active run whose trajectory stream receives it (names.ID_PATTERN)",
+    )
+    reward: float | None = Field(
+        None, allow_inf_nan=False, description="The reward, if the caller computed it"
+    )
+    scorer: str | None = Field(None, description="Or: a reward-service scorer to ask")
+    task_json: str | None = Field(None, description="Task payload passed to the scorer")
+    group_id: str | None = Field(None, description="GRPO group (defaults to the session id)")
+    task_id: str | None = None
+
+    def names_anything(self) -> bool:
+        return any(v is not None for v in self.model_dump().values())
+
+
+class SessionFinished(BaseModel):
+    """`POST /v1/sessions/{id}/finish`: the trajectory it became."""
+
+    trajectory_id: str
+    run_id: str
+    num_tokens: int
+    num_generated: int
+    reward: float
+
+
+class SessionDeleted(BaseModel):
+    """`DELETE /v1/sessions/{id}`: discarded, never trained on."""
+
+    deleted: str

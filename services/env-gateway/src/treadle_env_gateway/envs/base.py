@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from treadle_common import errors
 from treadle_env_gateway.settings import EnvGatewaySettings
 
 
@@ -121,12 +122,16 @@ class PlayedEnv(Env):
         `max_tokens`). Return the done result with the reward."""
 
 
-class EnvError(ValueError):
-    """A request the env cannot serve (bad task, bad action); answered as a client error."""
+class EnvError(errors.BadRequest, ValueError):
+    """A request the env cannot serve (bad task, bad action); answered as a client error
+    (INVALID_ARGUMENT / 400)."""
 
 
 class UnknownEnv(EnvError):
-    """No environment of that name is registered; answered as NOT_FOUND."""
+    """No environment of that name is registered (NOT_FOUND / 404)."""
+
+    http_status = errors.NotFound.http_status
+    grpc_status = errors.NotFound.grpc_status
 
 
 _Number = TypeVar("_Number", int, float)

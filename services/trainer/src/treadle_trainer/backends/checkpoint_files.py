@@ -8,15 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from treadle_common import durable
-
-
-class IncompatibleCheckpoint(ValueError):
-    """A checkpoint written for a different model."""
-
-
-class CorruptCheckpoint(ValueError):
-    """A checkpoint directory that is incomplete or damaged (a crash mid-write, a bad disk)."""
-
+from treadle_trainer.errors import CorruptCheckpoint
 
 CHECKPOINT_FILES = ("model.safetensors", "optimizer.pt", "rng.safetensors")
 

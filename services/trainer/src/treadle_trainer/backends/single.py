@@ -35,13 +35,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from treadle_common import durable
 from treadle_common.api.training import AdamParams  # the API's shape, re-exported here
-from treadle_trainer.backends.checkpoint_files import (
-    CHECKPOINT_FILES,
-    IncompatibleCheckpoint,
-)
+from treadle_trainer.backends.checkpoint_files import CHECKPOINT_FILES
 from treadle_trainer.backends.logprobs import token_logprobs
 from treadle_trainer.backends.spec import BackendSpec
 from treadle_trainer.batches import MicroBatch
+from treadle_trainer.errors import IncompatibleCheckpoint
 from treadle_trainer.losses import NEEDS_PROXIMAL, LossParams, TokenInputs, total_loss
 
 

@@ -27,7 +27,8 @@ from treadle_common.config import RunConfig
 from treadle_common.logs import get_logger
 from treadle_trainer import metrics as tm
 from treadle_trainer.backends import TorchBackend, on_torch_thread
-from treadle_trainer.backends.checkpoint_files import CorruptCheckpoint, verify_checkpoint
+from treadle_trainer.backends.checkpoint_files import verify_checkpoint
+from treadle_trainer.errors import CorruptCheckpoint
 from treadle_trainer.run.collector import Collector
 from treadle_trainer.run.feeder import Feeder
 from treadle_trainer.run.lease import Lease

@@ -13,13 +13,13 @@ left by a run that does neither is stale and ignored.
 from __future__ import annotations
 
 import redis.asyncio as aioredis
-from fastapi import HTTPException
 
 from treadle_common import auth, fleet, names
 from treadle_common.api.runs import Backlog, RunStatus, Usage
 from treadle_common.clients import streams
 from treadle_common.clients.weights import WeightStoreClient, build_manifest, chunk_positions
 from treadle_common.config import RunConfig
+from treadle_trainer import errors
 
 
 def policy_of(config: RunConfig, tenant: str = auth.DEFAULT_TENANT) -> fleet.RunPolicy:
@@ -69,7 +69,7 @@ def visible(status: RunStatus, who: auth.Identity) -> RunStatus:
     """`status`, unless the caller's tenant may not see it (403, naming nothing of the run but
     its id)."""
     if not who.may_see(status.tenant):
-        raise HTTPException(403, f"run {status.run_id} belongs to another tenant")
+        raise errors.Forbidden(f"run {status.run_id} belongs to another tenant")
     return status
 
 

@@ -11,11 +11,11 @@ import grpc
 import httpx
 import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
-from fastapi import HTTPException
 
 from treadle_common import names, retention
 from treadle_common.api.runs import RunState, RunStatus, StepRecord
 from treadle_common.logs import get_logger
+from treadle_trainer import errors
 from treadle_trainer.run.lease import Fenced, Lease
 
 log = get_logger(__name__)
@@ -105,13 +105,13 @@ async def stored_status(r: aioredis.Redis, run_id: str, steps_from: int = 0) -> 
     try:
         raw = await r.get(names.run_status(run_id))
         if raw is None:
-            raise HTTPException(404, f"no run {run_id}")
+            raise errors.NotFound(f"no run {run_id}")
         status = RunStatus.model_validate_json(raw)
         fields = [str(s) for s in range(steps_from + 1, status.step + 1)]
         records = await r.hmget(names.run_steps(run_id), fields) if fields else []
-    except HTTPException:
+    except errors.ServiceError:
         raise
     except Exception as exc:
-        raise HTTPException(503, f"run {run_id}: its state cannot be read: {exc!r}") from exc
+        raise errors.Unavailable(f"run {run_id}: its state cannot be read: {exc!r}") from exc
     status.steps = [StepRecord.model_validate_json(r) for r in records if r is not None]
     return status

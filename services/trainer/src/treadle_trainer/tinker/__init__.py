@@ -1,3 +1,4 @@
-"""Treadle as a self-hosted Tinker: the SDK's REST surface (`api.py`), its protobuf bodies
-(`wire.py`), futures (`futures.py`) and LoRA training clients sharing base models
-(`adapters.py`)."""
+"""Treadle as a self-hosted Tinker: the SDK's REST surface (`api_router.py`) over the sessions
+and ownership (`state.py`), training clients (`training.py`: LoRA adapters sharing base models,
+`adapters.py`), sampling (`sampling_sessions.py`, through rollout: `sampling.py`), futures
+(`futures.py`) and the protobuf bodies (`wire.py`)."""

@@ -30,15 +30,12 @@ from treadle_common import lora
 from treadle_common.api.training import AdamParams, LossParams
 from treadle_trainer.backends.logprobs import token_logprobs
 from treadle_trainer.batches import MicroBatch
+from treadle_trainer.errors import InvalidInput
 from treadle_trainer.losses import TokenInputs, total_loss
 
 TINKER_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo")
 MICRO_BATCH_TOKENS = 8192
 """Padded tokens per forward pass."""
-
-
-class BadRequest(ValueError):
-    """The caller's input cannot be trained on (HTTP 400 / a `user` error in a future)."""
 
 
 @dataclass
@@ -113,23 +110,23 @@ class LoraClient:
         for i, d in enumerate(data):
             n = len(d.tokens)
             if n == 0:
-                raise BadRequest(f"data[{i}]: model_input is empty")
+                raise InvalidInput(f"data[{i}]: model_input is empty")
             if d.tokens.min() < 0 or d.tokens.max() > top:
-                raise BadRequest(f"data[{i}]: token ids must be in 0..{top}")
+                raise InvalidInput(f"data[{i}]: token ids must be in 0..{top}")
             missing = sorted(needed - set(d.inputs))
             if missing:
-                raise BadRequest(f"data[{i}]: loss {loss_fn} needs loss_fn_inputs {missing}")
+                raise InvalidInput(f"data[{i}]: loss {loss_fn} needs loss_fn_inputs {missing}")
             for key, values in d.inputs.items():
                 if len(values) != n:
-                    raise BadRequest(
+                    raise InvalidInput(
                         f"data[{i}]: loss_fn_inputs[{key!r}] has {len(values)} values for "
                         f"{n} input tokens"
                     )
                 if not np.isfinite(values).all():
-                    raise BadRequest(f"data[{i}]: loss_fn_inputs[{key!r}] is not finite")
+                    raise InvalidInput(f"data[{i}]: loss_fn_inputs[{key!r}] is not finite")
             targets = d.inputs["target_tokens"]
             if targets.min() < 0 or targets.max() > top:
-                raise BadRequest(f"data[{i}]: target_tokens must be in 0..{top}")
+                raise InvalidInput(f"data[{i}]: target_tokens must be in 0..{top}")
 
     def _collate(self, chunk: list[TinkerDatum]) -> MicroBatch:
         """Right-padded tensors (padding carries weight 0); Tinker sums, so every coef is 1."""
@@ -163,16 +160,16 @@ class LoraClient:
     ) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
         """Per-datum `logprobs` and `elementwise_loss`, and the metrics (`loss:sum`)."""
         if loss_fn not in TINKER_LOSSES:
-            raise BadRequest(
+            raise InvalidInput(
                 f"loss_fn {loss_fn!r} is not served; served: {', '.join(TINKER_LOSSES)}"
             )
         unknown = sorted(set(config) - {"clip_low_threshold", "clip_high_threshold"})
         if unknown:
-            raise BadRequest(f"loss_fn_config keys {unknown} are not understood by {loss_fn}")
+            raise InvalidInput(f"loss_fn_config keys {unknown} are not understood by {loss_fn}")
         low = float(config.get("clip_low_threshold", 0.8))
         high = float(config.get("clip_high_threshold", 1.2))
         if not 0 <= low <= 1 <= high:
-            raise BadRequest(
+            raise InvalidInput(
                 "loss_fn_config needs 0 <= clip_low_threshold <= 1 <= clip_high_threshold"
             )
         params = LossParams(clip_low=1 - low, clip_high=high - 1)

@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from treadle_common import durable, lora
-from treadle_trainer.tinker.adapters import BadRequest, LoraClient
+from treadle_trainer.errors import InvalidInput
+from treadle_trainer.tinker.adapters import LoraClient
 
 
 def read_meta(path: Path) -> dict[str, Any]:
@@ -43,14 +44,14 @@ def load(client: LoraClient, path: Path, optimizer: bool) -> None:
     try:
         client.params = lora.load_adapter(client.base.model, client.model_id, state, client.config)
     except ValueError as exc:
-        raise BadRequest(f"checkpoint {path.name}: {exc}") from exc
+        raise InvalidInput(f"checkpoint {path.name}: {exc}") from exc
     for p in client.params:
         p.requires_grad_(True)
     client.optimizer = torch.optim.AdamW(client.params, lr=1e-4)
     client.steps = int(json.loads((path / "meta.json").read_text()).get("step", 0))
     if optimizer:
         if not (path / "optimizer.pt").exists():
-            raise BadRequest(f"checkpoint {path.name} holds no optimizer state")
+            raise InvalidInput(f"checkpoint {path.name} holds no optimizer state")
         saved = torch.load(path / "optimizer.pt", weights_only=True)
         client.optimizer.load_state_dict(_optimizer_from_names(client, saved))
 
@@ -71,7 +72,7 @@ def _optimizer_from_names(client: LoraClient, saved: dict[str, Any]) -> dict[str
     names = list(client.adapter_state())
     missing = sorted(set(names) - set(saved["state"]))
     if missing:
-        raise BadRequest(f"optimizer state does not fit the adapter: missing {missing[:3]}")
+        raise InvalidInput(f"optimizer state does not fit the adapter: missing {missing[:3]}")
     sd = client.optimizer.state_dict()
     sd["state"] = {i: saved["state"][name] for i, name in enumerate(names)}
     return sd

@@ -23,7 +23,7 @@ from typing import Any
 
 from treadle_common import auth
 from treadle_common.logs import get_logger
-from treadle_trainer.tinker.adapters import BadRequest
+from treadle_trainer.errors import ServiceError
 
 log = get_logger(__name__)
 
@@ -75,8 +75,9 @@ class Futures:
             async with lock or contextlib.nullcontext():
                 try:
                     return await work()
-                except BadRequest as exc:
-                    return Result(error=str(exc), category="user")
+                except ServiceError as exc:  # a refusal (4xx) is the caller's, 5xx the server's
+                    category = "user" if exc.http_status < 500 else "server"
+                    return Result(error=exc.message, category=category)
                 except Exception as exc:  # reported to the caller through its future
                     log.exception("tinker request failed", queue=queue)
                     return Result(error=f"{type(exc).__name__}: {exc}", category="server")

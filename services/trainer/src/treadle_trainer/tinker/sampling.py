@@ -25,7 +25,7 @@ import httpx
 from tinker import types
 
 from treadle_common import auth
-from treadle_trainer.tinker.adapters import BadRequest
+from treadle_trainer.errors import InvalidInput
 
 MAX_LOADED = 16
 """Adapters this trainer keeps loaded in rollout."""
@@ -171,7 +171,7 @@ class RolloutSampler:
     async def _flush(self, batch: _Batch) -> None:
         try:
             results = await self._completions(batch.body, batch.prompts)
-        except BadRequest as exc:
+        except InvalidInput as exc:
             if len(batch.prompts) == 1:
                 batch.futures[0].set_exception(exc)
                 return
@@ -195,7 +195,7 @@ class RolloutSampler:
         """One rollout completions call for a batch of prompts; the samples of each."""
         response = await self.client.post("/v1/completions", json={**body, "prompt": prompts})
         if 400 <= response.status_code < 500:
-            raise BadRequest(f"rollout: {response.text}")
+            raise InvalidInput(f"rollout: {response.text}")
         response.raise_for_status()
         choices = response.json()["choices"]
         n = body["n"]
@@ -216,14 +216,14 @@ def stop_fields(stop: str | list[str] | list[int] | Any) -> dict[str, Any]:
     if isinstance(stop, str):
         stop = [stop]
     if len(stop) == 0:
-        raise BadRequest("stop=[] (no end-of-turn stop) is not served")
+        raise InvalidInput("stop=[] (no end-of-turn stop) is not served")
     strings = [s for s in stop if isinstance(s, str)]
     if len(strings) == len(stop):
         if len(strings) > 4 or not all(0 < len(s) <= 256 for s in strings):
-            raise BadRequest("at most 4 stop strings of 1..256 characters")
+            raise InvalidInput("at most 4 stop strings of 1..256 characters")
         return {"stop": strings}
     if strings:
-        raise BadRequest("stop mixes strings and token ids")
+        raise InvalidInput("stop mixes strings and token ids")
     return {"stop_token_ids": [int(s) for s in stop]}
 
 
@@ -239,22 +239,22 @@ def check_sample_request(request: types.SampleRequest) -> None:
     }
     named = [k for k, v in unsupported.items() if v]
     if named:
-        raise BadRequest(f"not served here: {', '.join(named)}")
+        raise InvalidInput(f"not served here: {', '.join(named)}")
     params = request.sampling_params
     if params.top_k not in (-1, 0):
-        raise BadRequest("sampling_params.top_k is not served (top_p is)")
+        raise InvalidInput("sampling_params.top_k is not served (top_p is)")
     if not 1 <= request.num_samples <= 256:
-        raise BadRequest("num_samples must be in 1..256")
+        raise InvalidInput("num_samples must be in 1..256")
     if params.max_tokens is not None and params.max_tokens < 1:
-        raise BadRequest("sampling_params.max_tokens must be >= 1")
+        raise InvalidInput("sampling_params.max_tokens must be >= 1")
     if not 0 <= params.temperature <= 2 or not 0 < params.top_p <= 1:
-        raise BadRequest("temperature must be in [0, 2] and top_p in (0, 1]")
+        raise InvalidInput("temperature must be in [0, 2] and top_p in (0, 1]")
     stop_fields(params.stop)
     try:
         if not request.prompt.to_ints():
-            raise BadRequest("the prompt is empty")
+            raise InvalidInput("the prompt is empty")
     except ValueError as exc:
-        raise BadRequest(f"prompt: {exc}") from exc
+        raise InvalidInput(f"prompt: {exc}") from exc
 
 
 def sequence_ids(n: int) -> list[str]:

@@ -10,23 +10,26 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastapi import HTTPException
-
 from treadle_common import auth
 from treadle_common.clients.weights import WeightStoreClient
+from treadle_common.logs import get_logger
+from treadle_trainer import errors
 from treadle_trainer.backends import on_torch_thread
-from treadle_trainer.tinker.adapters import BadRequest, BaseModel, LoraClient
+from treadle_trainer.errors import InvalidInput
+from treadle_trainer.tinker.adapters import BaseModel, LoraClient
 from treadle_trainer.tinker.checkpoints import read_meta
 from treadle_trainer.tinker.futures import Futures, Result
 from treadle_trainer.tinker.sampling import RolloutSampler, Sampler, SamplerWeights
 
 ROLES = auth.roles(auth.TINKER)
 CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+log = get_logger(__name__)
 TINKER_PATH = re.compile(r"^tinker://([^/]+)/(weights|sampler_weights)/([^/]+)$")
 
 
@@ -60,14 +63,72 @@ class TinkerState:
 
     def session(self, session_id: str) -> str:
         if session_id not in self.sessions:
-            raise HTTPException(404, f"no session {session_id!r} (create_session first)")
+            raise errors.NotFound(f"no session {session_id!r} (create_session first)")
         return self.owned(session_id)
 
+    # --- sessions ---------------------------------------------------------------------------
+    async def open_session(self) -> str:
+        """A new session, the caller's owner's."""
+        await self.reap()
+        session_id = uuid.uuid4().hex[:16]
+        self.sessions[session_id] = time.monotonic()
+        self.tenants[session_id] = auth.caller().owner
+        return session_id
+
+    def heartbeat(self, session_id: str) -> None:
+        if session_id not in self.sessions:
+            raise errors.Gone(f"session {session_id} has finished")
+        self.owned(session_id)
+        self.sessions[session_id] = time.monotonic()
+
+    async def end_session(self, session_id: str) -> None:
+        """Its training clients and their adapters go (saved checkpoints and published
+        sampler weights stay); a client still being built is dropped when it is done."""
+        self.sessions.pop(session_id, None)
+        self.tenants.pop(session_id, None)
+        for model_id in [m for m in self.clients if m.startswith(f"{session_id}:")]:
+            client = self.clients[model_id]
+            if client is None:
+                continue
+            del self.clients[model_id]
+            self.futures.forget(model_id)
+            await on_torch_thread(client.close)
+
+    async def reap(self) -> None:
+        """End the sessions whose SDK stopped heartbeating (it beats every 10 s) more than
+        `session_ttl_s` ago: a script that died frees its adapters."""
+        cutoff = time.monotonic() - self.session_ttl_s
+        for session_id in [s for s, seen in self.sessions.items() if seen < cutoff]:
+            log.info("tinker session expired", session=session_id)
+            await self.end_session(session_id)
+
     # --- models, clients, samplers ----------------------------------------------------------
+    async def new_model_id(self, session_id: str, seq: int) -> str:
+        """The id of a session's `seq`-th training client, if the session may have one more."""
+        await self.reap()
+        self.session(session_id)
+        model_id = f"{session_id}:train:{seq}"
+        if model_id in self.clients:
+            raise errors.Conflict(f"training client {model_id} exists")
+        if len(self.clients) >= self.max_clients:
+            raise errors.TooManyRequests(
+                f"{len(self.clients)} training clients are open, the most this trainer holds "
+                "(TREADLE_TRAINER_TINKER_MAX_CLIENTS)"
+            )
+        return model_id
+
+    async def keep(self, model_id: str, session_id: str, client: LoraClient) -> None:
+        """A built client joins its session, unless the session ended meanwhile."""
+        if session_id not in self.sessions:
+            self.clients.pop(model_id, None)
+            await on_torch_thread(client.close)
+            raise InvalidInput(f"session {session_id} ended while its client was created")
+        self.clients[model_id] = client
+
     def check_served(self, name: str) -> None:
         if name not in self.models:
             known = ", ".join(sorted(self.models)) or "none (set TREADLE_TRAINER_TINKER_MODELS)"
-            raise HTTPException(400, f"base model {name!r} is not served here; served: {known}")
+            raise errors.InvalidInput(f"base model {name!r} is not served here; served: {known}")
 
     async def base(self, name: str) -> BaseModel:
         async with self.loading:
@@ -77,12 +138,12 @@ class TinkerState:
 
     def client(self, model_id: str) -> LoraClient:
         if model_id not in self.clients:
-            raise HTTPException(404, f"no training client {model_id!r}")
+            raise errors.NotFound(f"no training client {model_id!r}")
         return self.clients[self.owned(model_id)]
 
     def sampler(self, sampler_id: str) -> Sampler:
         if sampler_id not in self.samplers:
-            raise HTTPException(404, f"no sampler {sampler_id!r}")
+            raise errors.NotFound(f"no sampler {sampler_id!r}")
         return self.samplers[self.owned(sampler_id)]
 
     # --- checkpoints ------------------------------------------------------------------------
@@ -94,10 +155,10 @@ class TinkerState:
         tenant's)."""
         match = TINKER_PATH.match(path)
         if not match or match.group(2) != kind:
-            raise BadRequest(f"{path!r} is not a tinker://<model id>/{kind}/<name> path")
+            raise InvalidInput(f"{path!r} is not a tinker://<model id>/{kind}/<name> path")
         directory = self.checkpoint_dir(match.group(1), kind, match.group(3))
         if not (directory / "meta.json").exists():
-            raise BadRequest(f"no checkpoint at {path}")
+            raise InvalidInput(f"no checkpoint at {path}")
         meta = read_meta(directory)
         auth.refuse_unless_owns(meta.get("owner", meta.get("tenant")), f"checkpoint {path}")
         return directory
@@ -124,5 +185,5 @@ def json_result(result: Any) -> Result:
 def checkpoint_name(name: str | None, client: LoraClient) -> str:
     name = name or f"step-{client.steps:06d}-{uuid.uuid4().hex[:6]}"
     if not CHECKPOINT_NAME.match(name) or ".." in name:
-        raise BadRequest(f"checkpoint name {name!r}: letters, digits, '.', '_', '-' only")
+        raise InvalidInput(f"checkpoint name {name!r}: letters, digits, '.', '_', '-' only")
     return name

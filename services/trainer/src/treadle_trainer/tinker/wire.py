@@ -12,7 +12,8 @@ import numpy as np
 import zstandard
 from tinker.proto import tinker_public_pb2 as pb
 
-from treadle_trainer.tinker.adapters import BadRequest, TinkerDatum
+from treadle_trainer.errors import InvalidInput
+from treadle_trainer.tinker.adapters import TinkerDatum
 
 MAX_DECOMPRESSED = 256 * 1024 * 1024
 """A zstd body may not inflate past this (a decompression bomb is refused)."""
@@ -38,32 +39,32 @@ def decompress(body: bytes, encoding: str | None) -> bytes:
     if not encoding or encoding == "identity":
         return body
     if encoding != "zstd":
-        raise BadRequest(f"Content-Encoding {encoding!r} is not supported (zstd is)")
+        raise InvalidInput(f"Content-Encoding {encoding!r} is not supported (zstd is)")
     try:
         return zstandard.ZstdDecompressor().decompress(body, max_output_size=MAX_DECOMPRESSED)
     except zstandard.ZstdError as exc:
-        raise BadRequest(f"the zstd body does not decompress: {exc}") from exc
+        raise InvalidInput(f"the zstd body does not decompress: {exc}") from exc
 
 
 def _tensor(msg: pb.Tensor, what: str) -> np.ndarray:
     dtype = _NUMPY.get(msg.dtype)
     if dtype is None:
-        raise BadRequest(f"{what}: tensor dtype {msg.dtype} is not supported")
+        raise InvalidInput(f"{what}: tensor dtype {msg.dtype} is not supported")
     if msg.HasField("sparse_csr"):
         csr = msg.sparse_csr
         values = np.frombuffer(csr.values, dtype=dtype)
         cols = np.frombuffer(csr.col_indices, dtype=np.int64)
         size = int(np.prod(list(msg.shape))) if msg.shape else 0
         if len(msg.shape) != 1 or len(cols) != len(values) or (len(cols) and cols.max() >= size):
-            raise BadRequest(f"{what}: only 1-d sparse tensors with in-range columns are read")
+            raise InvalidInput(f"{what}: only 1-d sparse tensors with in-range columns are read")
         dense = np.zeros(size, dtype=dtype)
         dense[cols] = values
         return dense
     array = np.frombuffer(msg.dense, dtype=dtype)
     if msg.shape and int(np.prod(list(msg.shape))) != array.size:
-        raise BadRequest(f"{what}: shape {list(msg.shape)} does not match {array.size} values")
+        raise InvalidInput(f"{what}: shape {list(msg.shape)} does not match {array.size} values")
     if len(msg.shape) > 1:
-        raise BadRequest(f"{what}: only 1-d loss inputs are read")
+        raise InvalidInput(f"{what}: only 1-d loss inputs are read")
     return array
 
 
@@ -72,7 +73,9 @@ def _datum(msg: pb.Datum, i: int) -> TinkerDatum:
     for chunk in msg.model_input:
         kind = chunk.WhichOneof("chunk")
         if kind != "encoded_text":
-            raise BadRequest(f"data[{i}]: model_input chunk {kind!r} is not supported (text only)")
+            raise InvalidInput(
+                f"data[{i}]: model_input chunk {kind!r} is not supported (text only)"
+            )
         parts.append(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32))
     tokens = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
     inputs = {
@@ -86,11 +89,11 @@ def read_forward_backward(body: bytes) -> ForwardBackward:
     try:
         msg.ParseFromString(body)
     except Exception as exc:  # protobuf's DecodeError
-        raise BadRequest(f"the body is not a ForwardBackwardRequest protobuf: {exc}") from exc
+        raise InvalidInput(f"the body is not a ForwardBackwardRequest protobuf: {exc}") from exc
     config = {k: float(v) for k, v in msg.loss_fn_config.items()}
     for key, value in msg.loss_fn_config_v2.items():
         if value.WhichOneof("value") != "number":
-            raise BadRequest(f"loss_fn_config[{key!r}] must be a number")
+            raise InvalidInput(f"loss_fn_config[{key!r}] must be a number")
         config[key] = float(value.number)
     return ForwardBackward(
         model_id=msg.model_id,

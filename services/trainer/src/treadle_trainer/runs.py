@@ -1,4 +1,4 @@
-"""The trainer's run API and the runs it owns.
+"""The runs this trainer owns, and the run API's core (its HTTP edge: `http.py`).
 
     POST /v1/runs (a recipe as JSON) --> lease treadle:{run}:owner --> the tenant's quota and
          the run's model claimed (`run/claims.py`: 429, 409) --> RunOwner.execute
@@ -25,17 +25,11 @@ import asyncio
 import contextlib
 import random
 import time
-from typing import Annotated
-
-from fastapi import FastAPI, HTTPException, Path, Query, Request
 
 from treadle_common import auth, fleet, metrics, names, scheduling
 from treadle_common.api.runs import (
-    Backlog,
-    EvaluationDone,
     RunState,
     RunStatus,
-    Usage,
 )
 from treadle_common.clients import streams
 from treadle_common.clients.env import EnvClient
@@ -44,14 +38,13 @@ from treadle_common.config import RunConfig
 from treadle_common.logs import get_logger
 from treadle_common.progress import Stage
 from treadle_common.service import ServiceRuntime
+from treadle_trainer import errors
 from treadle_trainer.paths import check_config
 from treadle_trainer.run import RunOwner, claims
 from treadle_trainer.run.lease import Lease
-from treadle_trainer.run.status_store import stored_status
 from treadle_trainer.settings import TrainerSettings
 
 log = get_logger(__name__)
-RunId = Annotated[str, Path(pattern=names.ID_PATTERN, description="A run id (names.ID_PATTERN)")]
 MOVED: tuple[RunState, ...] = ("handed_off", "lost")
 """A local owner in these states no longer runs the run: another trainer does."""
 
@@ -84,7 +77,7 @@ class Runs:
 
     def _owner(self, run_id: str, who: auth.Identity = auth.ANONYMOUS) -> RunOwner:
         if run_id not in self.owners:
-            raise HTTPException(404, f"no run {run_id}")
+            raise errors.NotFound(f"no run {run_id}")
         owner = self.owners[run_id]
         claims.visible(owner.status, who)
         return owner
@@ -195,8 +188,8 @@ class Runs:
             try:  # Redis is not trusted more than a caller: the same checks as a start
                 config = RunConfig.model_validate_json(raw)
                 check_config(config, self.settings.path_roots())
-            except (ValueError, HTTPException) as exc:
-                why = exc.detail if isinstance(exc, HTTPException) else str(exc)[:300]
+            except (ValueError, errors.ServiceError) as exc:
+                why = str(exc)[:300]
                 log.error("refusing to resume run: its stored config fails", run=run, why=why)
                 metrics.DROPPED.labels("trainer", "run", "invalid_stored_config").inc()
                 await lease.release()
@@ -213,91 +206,50 @@ class Runs:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    async def start(self, config: RunConfig, request: Request) -> RunStatus:
-        """Start a run owned by the caller's tenant (429 past the tenant's run quota)."""
-        tenant = request.state.identity.tenant
+    async def start(self, config: RunConfig, tenant: str) -> RunStatus:
+        """Start a run owned by `tenant` (429 past the tenant's run quota)."""
         if self.runtime.draining:
-            raise HTTPException(503, "trainer is draining")
+            raise errors.Unavailable("trainer is draining")
         check_config(config, self.settings.path_roots())
         if config.run_id in self.owners:
-            raise HTTPException(409, f"run {config.run_id} already exists")
+            raise errors.Conflict(f"run {config.run_id} already exists")
         redis = self.runtime.redis
         lease = self._lease(config.run_id)
         if not await lease.acquire():  # SET NX: of two concurrent creates, one wins
-            raise HTTPException(409, f"run {config.run_id} is owned by another trainer")
+            raise errors.Conflict(f"run {config.run_id} is owned by another trainer")
         if await redis.exists(
             names.tasks_stream(config.run_id),
             names.trajectories_stream(config.run_id),
             names.run_config(config.run_id),
         ):
             await lease.release()
-            raise HTTPException(
-                409, f"run {config.run_id} already has state in Redis; use a new run_id"
+            raise errors.Conflict(
+                f"run {config.run_id} already has state in Redis; use a new run_id"
             )
         max_runs = self.settings.trainer_tenant_max_runs
         if (why := await claims.over_quota(redis, tenant, max_runs)) is not None:
             await lease.release()
-            raise HTTPException(429, why)
+            raise errors.TooManyRequests(why)
         if (why := await claims.claim_model(redis, config, tenant)) is not None:
             await lease.release()
-            raise HTTPException(409, why)
+            raise errors.Conflict(why)
         self._launch(config, lease, tenant)
         return self.owners[config.run_id].status
 
-    def mount(self, app: FastAPI) -> None:
-        app.post(
-            "/v1/runs", status_code=202, tags=["runs"], openapi_extra=auth.roles(auth.TRAINER)
-        )(self.start)
+    def status(self, run_id: str, steps_from: int, who: auth.Identity) -> RunStatus | None:
+        """The run's status from memory if this trainer runs it (None: ask Redis)."""
+        owner = self.owners.get(run_id)
+        if owner is None or owner.status.state in MOVED:
+            return None
+        status = claims.visible(owner.status, who)
+        if not steps_from:
+            return status
+        return status.model_copy(update={"steps": status.steps[steps_from:]})
 
-        @app.get("/v1/backlog", tags=["runs"], openapi_extra=auth.roles(auth.ANY))
-        async def backlog() -> Backlog:
-            """Work waiting in Redis for the active runs (KEDA scales rollout on
-            `tasks_waiting`)."""
-            return await claims.backlog(self.runtime.redis)
-
-        @app.get("/v1/usage", tags=["runs"], openapi_extra=auth.roles(auth.ANY))
-        async def usage(request: Request) -> dict[str, Usage]:
-            """What the runs this trainer owns used, summed by tenant (the caller's only;
-            admin: every tenant's)."""
-            who: auth.Identity = request.state.identity
-            return claims.usage_by_tenant([o.status for o in self.owners.values()], who)
-
-        @app.get("/v1/runs", tags=["runs"], openapi_extra=auth.roles(auth.ANY))
-        async def list_runs(request: Request) -> list[RunStatus]:
-            """The caller's tenant's runs this trainer owns (admin: every tenant's)."""
-            who: auth.Identity = request.state.identity
-            return [o.status for o in self.owners.values() if who.may_see(o.status.tenant)]
-
-        @app.get("/v1/runs/{run_id}", tags=["runs"], openapi_extra=auth.roles(auth.ANY))
-        async def get_run(
-            request: Request,
-            run_id: RunId,
-            steps_from: int = Query(
-                0,
-                ge=0,
-                description="Only the step records from this index on (a polling client "
-                "asks for the ones it has not seen: the answer stays small in a long run)",
-            ),
-        ) -> RunStatus:
-            """Any trainer answers for any run: the owner from memory, the others from the
-            status its owner keeps in Redis (so a client rides through the owner's restart
-            or a handoff to another trainer). Another tenant's run: 403."""
-            owner = self.owners.get(run_id)
-            if owner is not None and owner.status.state not in MOVED:
-                status = claims.visible(owner.status, request.state.identity)
-                if not steps_from:
-                    return status
-                return status.model_copy(update={"steps": status.steps[steps_from:]})
-            stored = await stored_status(self.runtime.redis, run_id, steps_from)
-            return claims.visible(stored, request.state.identity)
-
-        @app.post(
-            "/v1/runs/{run_id}/evaluations", tags=["runs"], openapi_extra=auth.roles(auth.TRAINER)
-        )
-        async def evaluated(request: Request, run_id: RunId, report: EvaluationDone) -> RunStatus:
-            """The client evaluated the weights of `step`: a sync run holding there goes on."""
-            owner = self._owner(run_id, request.state.identity)
-            if owner.status.state in MOVED:
-                raise HTTPException(409, f"run {run_id} moved to another trainer")
-            await owner.holds.mark_evaluated(report.step)
-            return owner.status
+    async def evaluated(self, run_id: str, step: int, who: auth.Identity) -> RunStatus:
+        """The client evaluated the weights of `step`: a sync run holding there goes on."""
+        owner = self._owner(run_id, who)
+        if owner.status.state in MOVED:
+            raise errors.Conflict(f"run {run_id} moved to another trainer")
+        await owner.holds.mark_evaluated(step)
+        return owner.status
