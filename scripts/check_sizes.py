@@ -23,7 +23,6 @@ LIMITS = {"function": 60, "class": 400}
 OVERSIZE: dict[str, int] = {
     "services/weight-store/src/treadle_weight_store/store.py:WeightStore": 665,
     "services/rollout/src/treadle_rollout/engines/hf.py:HFEngine": 658,
-    "services/rollout/src/treadle_rollout/openai_api.py:OpenAIFrontend": 551,
     "services/rollout/src/treadle_rollout/worker.py:TaskWorker": 510,
     "libs/cli/src/treadle_cli/run_client.py:RunClient": 430,
     "libs/bench/src/treadle_bench/step.py:inproc_loop": 94,
@@ -39,7 +38,6 @@ OVERSIZE: dict[str, int] = {
     "services/rollout/src/treadle_rollout/worker.py:TaskWorker._run_task": 70,
     "libs/bench/src/treadle_bench/rollout.py:run": 69,
     "libs/cli/src/treadle_cli/cli.py:up": 68,
-    "services/rollout/src/treadle_rollout/openai_api.py:OpenAIFrontend._chat_stream": 68,
     "libs/bench/src/treadle_bench/rollout.py:_measure": 66,
     "libs/bench/src/treadle_bench/tinker_api.py:run": 66,
     "services/env-gateway/src/treadle_env_gateway/sandbox/local.py:BwrapBackend.argv": 65,

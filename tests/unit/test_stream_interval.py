@@ -2,7 +2,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from treadle_rollout import openai_api
+from treadle_rollout import openai_api, openai_stream
 
 
 def frontend(interval_ms: float, events_per_s: float) -> openai_api.OpenAIFrontend:
@@ -16,18 +16,18 @@ def frontend(interval_ms: float, events_per_s: float) -> openai_api.OpenAIFronte
 
 
 def test_many_open_streams_share_a_bounded_event_rate():
-    api = frontend(10, 500)
-    assert api._interval(1) == pytest.approx(0.010)  # one stream: the configured interval
+    api = frontend(10, 500).generator
+    assert api.interval(1) == pytest.approx(0.010)  # one stream: the configured interval
     api.open_streams = 31
-    assert api._interval(1) == pytest.approx(32 / 500)  # 32 streams: 500 events/s together
-    assert frontend(10, 0)._interval(64) == pytest.approx(0.010)  # 0: no bound
+    assert api.interval(1) == pytest.approx(32 / 500)  # 32 streams: 500 events/s together
+    assert frontend(10, 0).generator.interval(64) == pytest.approx(0.010)  # 0: no bound
 
 
 async def _writes(one, count: int, include_usage: bool = True) -> list[str]:
-    header = openai_api._ChunkHeader(
+    header = openai_stream.ChunkHeader(
         "chat.completion.chunk", SimpleNamespace(model_name="m", version=1)
     )
-    return [w async for w in openai_api._sse(one, count, header, include_usage)]
+    return [w async for w in openai_stream.sse(one, count, header, include_usage)]
 
 
 async def test_chunks_ready_together_go_out_in_one_write():
@@ -39,7 +39,7 @@ async def test_chunks_ready_together_go_out_in_one_write():
         yield []  # nothing new this time: no write
         yield ['"b"']
         counts.append((3, 2))
-        yield openai_api._Last(['"c"', '"finish"'])
+        yield openai_stream.Last(['"c"', '"finish"'])
 
     writes = await _writes(one, 1)
     assert writes[:2] == ['data: "role"\n\ndata: "a"\n\n', 'data: "b"\n\n']
@@ -54,7 +54,7 @@ async def test_several_choices_each_send_their_last_chunks_and_an_error_ends_the
     async def one(index: int, counts: list):
         yield [f'"{index}"']
         counts.append((1 if index == 0 else 0, 1))
-        yield openai_api._Last([f'"end{index}"'])
+        yield openai_stream.Last([f'"end{index}"'])
 
     writes = await _writes(one, 2, include_usage=False)
     assert sorted(writes[:-1]) == [
@@ -88,13 +88,13 @@ async def test_pieces_go_at_once_until_the_client_has_some_text():
             for piece in pieces:
                 yield piece
 
-    api = frontend(60_000, 0)  # a minute
+    api = frontend(60_000, 0).generator  # a minute
     api.engine = Engine()  # type: ignore[assignment]
     got: list[list[int]] = []
 
     def shown() -> bool:  # the second piece completes a character
         return [2] in got
 
-    async for piece in api._stream([0], Sampling(1.0, 1.0, 4), shown):
+    async for piece in api.stream([0], Sampling(1.0, 1.0, 4), shown):
         got.append(piece.tokens)
     assert got == [[1], [2], [3, 4]]

@@ -125,7 +125,7 @@ class Rollout:
             quotas = TenantQuotas(
                 redis, settings.tenant_max_episodes, settings.tenant_max_tokens_per_minute
             )
-            self.frontend.quota = QuotaGate(quotas)
+            self.frontend.generator.quota = QuotaGate(quotas)
         runner = EpisodeRunner(
             self.engine,
             self.engine.tokenizer,
