@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 
 from treadle_rollout.engines.base import ContextOverflow, Engine, Generation, Sampling
 from treadle_rollout.errors import OpenAIError
@@ -19,6 +19,18 @@ from treadle_rollout.openai_types import ChatRequest, CompletionRequest, Samplin
 from treadle_rollout.quota_gate import QuotaGate
 
 DEFAULT_MAX_TOKENS = 1024
+
+
+@contextlib.contextmanager
+def refusals_as_openai_errors() -> Iterator[None]:
+    """The engine's and the gate's refusals as OpenAI answers them: too busy (429), a prompt
+    with no room left in the context (400)."""
+    try:
+        yield
+    except Busy as exc:
+        raise OpenAIError(429, str(exc), code="rate_limit_exceeded") from exc
+    except ContextOverflow as exc:
+        raise OpenAIError(400, str(exc), param="messages", code="context_length_exceeded") from exc
 
 
 class PolicyGenerator:
@@ -86,18 +98,12 @@ class PolicyGenerator:
 
     # -- generation -----------------------------------------------------------------------
     async def generate(self, prompt: list[int], sampling: Sampling) -> Generation:
-        try:
+        with refusals_as_openai_errors():
             async with self.quota.generation() as counted:
                 with self.gate.admit():
                     gen = await self.engine.generate(prompt, sampling)
                 counted[0] = len(gen.tokens)
                 return gen
-        except Busy as exc:
-            raise OpenAIError(429, str(exc), code="rate_limit_exceeded") from exc
-        except ContextOverflow as exc:
-            raise OpenAIError(
-                400, str(exc), param="messages", code="context_length_exceeded"
-            ) from exc
 
     def interval(self, starting: int = 0) -> float:
         """A stream's interval now: the configured one, longer when so many streams are open
@@ -116,25 +122,20 @@ class PolicyGenerator:
         (the last at once, and every piece until `shown()`: the client has some text)."""
         self.open_streams += 1
         try:
-            async with self.quota.generation() as counted, contextlib.AsyncExitStack() as stack:
-                stack.enter_context(self.gate.admit())
-                held: list[Generation] = []
-                last = -1e9
-                async with contextlib.aclosing(self.engine.stream(prompt, sampling)) as pieces:
-                    async for piece in pieces:
-                        counted[0] += len(piece.tokens)
-                        held.append(piece)
-                        now = time.monotonic()
-                        interval = self.interval() if shown() else 0.0
-                        if piece.finish_reason or now - last >= interval:
-                            yield held[0] if len(held) == 1 else joined(held)
-                            held, last = [], now
-        except Busy as exc:
-            raise OpenAIError(429, str(exc), code="rate_limit_exceeded") from exc
-        except ContextOverflow as exc:
-            raise OpenAIError(
-                400, str(exc), param="messages", code="context_length_exceeded"
-            ) from exc
+            with refusals_as_openai_errors():
+                async with self.quota.generation() as counted, contextlib.AsyncExitStack() as stack:
+                    stack.enter_context(self.gate.admit())
+                    held: list[Generation] = []
+                    last = -1e9
+                    async with contextlib.aclosing(self.engine.stream(prompt, sampling)) as pieces:
+                        async for piece in pieces:
+                            counted[0] += len(piece.tokens)
+                            held.append(piece)
+                            now = time.monotonic()
+                            interval = self.interval() if shown() else 0.0
+                            if piece.finish_reason or now - last >= interval:
+                                yield held[0] if len(held) == 1 else joined(held)
+                                held, last = [], now
         finally:
             self.open_streams -= 1
 
