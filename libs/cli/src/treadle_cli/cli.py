@@ -162,15 +162,26 @@ def up(
     except (stack.StackError, InfraError) as exc:
         fail(str(exc))
     if detach:
-        stack.launch_detached(spec)
-        current = stack.wait_healthy(settings.state_dir.resolve(), timeout)
-        console.print(status_table(current))
-        if not current.healthy:
-            fail(
-                f"not healthy after {timeout:.0f}s; logs in {spec.state_dir}/logs "
-                "(treadle down stops it)"
-            )
-        return
+        _up_detached(spec, settings.state_dir.resolve(), timeout)
+    else:
+        _up_in_foreground(spec)
+
+
+def _up_detached(spec: stack.StackSpec, state_dir: Path, timeout: float) -> None:
+    """Launch the supervisor in the background; return once healthy (else fail, naming the
+    logs)."""
+    stack.launch_detached(spec)
+    current = stack.wait_healthy(state_dir, timeout)
+    console.print(status_table(current))
+    if not current.healthy:
+        fail(
+            f"not healthy after {timeout:.0f}s; logs in {spec.state_dir}/logs "
+            "(treadle down stops it)"
+        )
+
+
+def _up_in_foreground(spec: stack.StackSpec) -> None:
+    """Supervise here with a live health table; Ctrl-C (or SIGTERM) stops everything."""
     supervisor = stack.Supervisor(spec)
     supervisor.start_all()
     try:

@@ -318,6 +318,12 @@ class UnshareBackend(_LocalBackend):
         return await self._exec_ready(argv, interactive, limits, ready, ready_w)
 
 
+_BWRAP_ISOLATION = ("--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL")
+"""New user, ipc, pid, net, uts and cgroup namespaces, no capabilities, a session of its own,
+and gone with the gateway."""
+_BWRAP_SYSTEM_DIRS = ("--proc", "/proc", "--dev", "/dev", "--dir", "/tmp")
+
+
 class BwrapBackend(_LocalBackend):
     """bubblewrap in new user/pid/net/ipc/uts/cgroup namespaces; works without root where the
     kernel allows unprivileged user namespaces. A root gateway starts each bwrap as the box's
@@ -373,53 +379,25 @@ class BwrapBackend(_LocalBackend):
             for name, fd in files.items()
             for arg in ("--file", str(fd), f"{INSIDE_WORKDIR}/{name}")
         ]
+        uid = str(box.uid)
+        root = ["--ro-bind", "/usr", "/usr", *_runtime_links(), *_BWRAP_SYSTEM_DIRS]
+        work = ["--size", str(limits.disk_bytes), "--perms", "0700", "--tmpfs", INSIDE_WORKDIR]
+        code = [bootstrap.LIMIT_AND_RUN, json.dumps(asdict(limits)), str(ready_fd)]
         return [
             "bwrap",
             "--info-fd",  # names the namespace's PID 1, for `_Local._reap_inner`
             str(info_fd),
-            "--unshare-all",  # user, ipc, pid, net, uts, cgroup
-            "--die-with-parent",
-            "--new-session",
-            "--cap-drop",
-            "ALL",
-            "--uid",
-            str(box.uid),
-            "--gid",
-            str(box.uid),
-            "--hostname",
-            "sandbox",
-            "--ro-bind",
-            "/usr",
-            "/usr",
-            *_runtime_links(),
-            "--proc",
-            "/proc",
-            "--dev",
-            "/dev",
-            "--dir",
-            "/tmp",
-            "--size",
-            str(limits.disk_bytes),
-            "--perms",
-            "0700",
-            "--tmpfs",
-            INSIDE_WORKDIR,
+            *_BWRAP_ISOLATION,
+            *("--uid", uid, "--gid", uid, "--hostname", "sandbox"),
+            *root,
+            *work,
             *copies,
             "--remount-ro",  # the root (and /tmp) read-only: the work dir is the one to write
             "/",
             "--seccomp",  # seccomp.py's filter, applied just before the code runs
             str(filter_fd),
-            "--chdir",
-            INSIDE_WORKDIR,
-            "--clearenv",
-            *env,
-            "--",
-            self.python,
-            "-I",
-            "-c",
-            bootstrap.LIMIT_AND_RUN,
-            json.dumps(asdict(limits)),
-            str(ready_fd),
+            *("--chdir", INSIDE_WORKDIR, "--clearenv", *env),
+            *("--", self.python, "-I", "-c", *code),
         ]
 
     async def spawn(self, box: Box, limits: Limits, interactive: bool) -> Proc:
