@@ -15,6 +15,7 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import xxhash
@@ -230,15 +231,7 @@ class WeightStoreClient:
         store is asked which of their chunks it lacks, each as soon as it is hashed; the
         manifest goes last. A retry re-asks, so it sends only the rest. A small model is one
         batch: one question, as without the pipeline."""
-        batches: list[list[Piece]] = [[]]
-        batch_bytes = 0
-        for piece in pending.pieces:
-            if batch_bytes >= PUBLISH_BATCH_BYTES:
-                batches.append([])
-                batch_bytes = 0
-            batches[-1].append(piece)
-            batch_bytes += len(piece[1])
-
+        batches = _batches(pending.pieces)
         hashing: list[asyncio.Task[None]] = []
         planned: deque[asyncio.Task[list[str]]] = deque()
 
@@ -291,9 +284,7 @@ class WeightStoreClient:
                 raise failed[0] from None
             raise
         finally:  # a broken stream: stop hashing and asking ahead
-            for task in (*hashing, *planned):
-                if not task.cancel() and not task.cancelled():
-                    task.exception()  # done: its error, if any, is the one raised here
+            _cancel_all([*hashing, *planned])
 
     async def fetch_stream(
         self, model: str, version: int = LATEST, have: Iterable[str] = (), skip_assets: bool = False
@@ -406,3 +397,24 @@ async def watch(js, model: str, callback) -> object:
     return await js.subscribe(
         names.weights_subject(model), cb=on_message, deliver_policy=DeliverPolicy.LAST_PER_SUBJECT
     )
+
+
+def _batches(pieces: list[Piece]) -> list[list[Piece]]:
+    """The pieces in order, cut into batches of about `PUBLISH_BATCH_BYTES`."""
+    batches: list[list[Piece]] = [[]]
+    batch_bytes = 0
+    for piece in pieces:
+        if batch_bytes >= PUBLISH_BATCH_BYTES:
+            batches.append([])
+            batch_bytes = 0
+        batches[-1].append(piece)
+        batch_bytes += len(piece[1])
+    return batches
+
+
+def _cancel_all(tasks: list[asyncio.Task[Any]]) -> None:
+    """Cancel what still runs; a task already done has its error (if any) retrieved: the one
+    raised to the caller is the publish's."""
+    for task in tasks:
+        if not task.cancel() and not task.cancelled():
+            task.exception()
