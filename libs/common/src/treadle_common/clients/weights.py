@@ -235,11 +235,6 @@ class WeightStoreClient:
         hashing: list[asyncio.Task[None]] = []
         planned: deque[asyncio.Task[list[str]]] = deque()
 
-        async def hash_batch(batch: list[Piece], previous: asyncio.Task[None] | None) -> None:
-            if previous is not None:  # one batch at a time, in order: one hashing thread
-                await previous
-            await asyncio.to_thread(hash_pieces, batch)
-
         async def ask(batch: list[Piece], hashed: asyncio.Task[None]) -> list[str]:
             await hashed
             hashes = list(dict.fromkeys(ref.hash for ref, _ in batch))
@@ -249,7 +244,7 @@ class WeightStoreClient:
         def plan(i: int) -> None:
             if i < len(batches):
                 hashing.append(
-                    asyncio.ensure_future(hash_batch(batches[i], hashing[-1] if hashing else None))
+                    asyncio.ensure_future(_hash_after(batches[i], hashing[-1] if hashing else None))
                 )
                 planned.append(asyncio.ensure_future(ask(batches[i], hashing[-1])))
 
@@ -410,6 +405,14 @@ def _batches(pieces: list[Piece]) -> list[list[Piece]]:
         batches[-1].append(piece)
         batch_bytes += len(piece[1])
     return batches
+
+
+async def _hash_after(batch: list[Piece], previous: asyncio.Task[None] | None) -> None:
+    """Hash `batch` in a thread once the batch before it is hashed: one batch at a time, in
+    order."""
+    if previous is not None:
+        await previous
+    await asyncio.to_thread(hash_pieces, batch)
 
 
 def _cancel_all(tasks: list[asyncio.Task[Any]]) -> None:
