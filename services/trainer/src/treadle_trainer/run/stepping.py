@@ -23,7 +23,7 @@ from treadle_trainer.losses import LossParams
 from treadle_trainer.publisher import Snapshot
 from treadle_trainer.run.ledger import Drops, Ledger, LedgerEntry
 from treadle_trainer.run.publishing import RunVersions
-from treadle_trainer.run.step import build_batch, observe, step_record, trace_step
+from treadle_trainer.run.step import Batch, build_batch, observe, step_record, trace_step
 from treadle_trainer.train import train_batch
 
 
@@ -113,6 +113,21 @@ class RunStepper:
         finally:
             if feeding is not None:
                 await feeding
+        self._account(batch, at, version, stats, (train_start, train_s, publish_s))
+        return version
+
+    def _account(
+        self,
+        batch: Batch,
+        at: StepTiming,
+        version: int,
+        stats: dict[str, float],
+        times: tuple[float, float, float],
+    ) -> None:
+        """A trained step in the ledger, the run's status and usage, its trace and metrics;
+        `times`: when training started, its seconds, the publish's seconds."""
+        step = at.step
+        train_start, train_s, publish_s = times
         self.status.trajectories_trained += len(batch.trained)
         self.ledger.add(
             LedgerEntry(step, "step", version, batch.entries, batch.trained, batch.dropped)
@@ -132,7 +147,6 @@ class RunStepper:
         if self.versions.publishes(step):
             self.versions.record(record)
         observe(self.config.run_id, record, batch.stale)
-        return version
 
     def _train(self, backend: TorchBackend, data: list[Datum]) -> dict[str, float]:
         t = self.config.trainer
