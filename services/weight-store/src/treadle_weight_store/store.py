@@ -122,6 +122,24 @@ def _idle_priority() -> None:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
+def check_manifest(manifest: pb.WeightManifest) -> None:
+    """What a publisher's manifest may say: a valid model name, a version other than 0
+    (a model's base weights), plain asset file names, chunks within `MAX_CHUNK_BYTES`."""
+    check_model(manifest.model)
+    if manifest.version == 0:
+        raise BadRequest(
+            "version 0 is reserved for a model's base weights; publish with -1 or >= 1"
+        )
+    for asset in manifest.assets:
+        if not names.valid_file_name(asset.name):
+            raise BadRequest(f"invalid asset name {asset.name!r}: one plain file name")
+    for ref in (c for t in [*manifest.tensors, *manifest.assets] for c in t.chunks):
+        if ref.size > MAX_CHUNK_BYTES:
+            raise BadRequest(
+                f"chunk {ref.hash} is {ref.size} bytes; the limit is {MAX_CHUNK_BYTES}"
+            )
+
+
 class WeightStore:
     def __init__(
         self,
@@ -568,19 +586,7 @@ class WeightStore:
         """Make a version visible once every chunk it names is held and valid; with `durable`,
         only once it is in the backend. `stored`: chunks this publish stream has just
         verified (not looked up again)."""
-        check_model(manifest.model)
-        if manifest.version == 0:
-            raise BadRequest(
-                "version 0 is reserved for a model's base weights; publish with -1 or >= 1"
-            )
-        for asset in manifest.assets:
-            if not names.valid_file_name(asset.name):
-                raise BadRequest(f"invalid asset name {asset.name!r}: one plain file name")
-        for ref in (c for t in [*manifest.tensors, *manifest.assets] for c in t.chunks):
-            if ref.size > MAX_CHUNK_BYTES:
-                raise BadRequest(
-                    f"chunk {ref.hash} is {ref.size} bytes; the limit is {MAX_CHUNK_BYTES}"
-                )
+        check_manifest(manifest)
         refs = manifest_chunks(manifest)
         failed = refs.intersection(self._failed)
         if failed:  # received, then lost: the backend refused its write
