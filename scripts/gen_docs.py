@@ -9,6 +9,8 @@
 - `recipe.md`: the recipe schema, one table per model of `treadle_common.config.RunConfig`;
 - `cli.md`: every `treadle` command (plugins included) with its arguments and options, from
   the typer app;
+- `structure.md`: who imports whom, between the packages and between each package's parts
+  (grimp, import-linter's graph: the drawing of what `[tool.importlinter]` enforces);
 - `openapi/<service>.md`: each service's HTTP routes with their request and response models,
   from the OpenAPI snapshot `docs/reference/openapi/<service>.json` (a running service's
   `/openapi.json`; `tests/integration/test_schemathesis.py` checks the snapshots against the
@@ -254,11 +256,66 @@ def json_type(schema: dict[str, Any]) -> str:
     return str(schema.get("type", "any"))
 
 
+PACKAGES = [
+    "treadle_common",
+    "treadle_rollout",
+    "treadle_trainer",
+    "treadle_env_gateway",
+    "treadle_weight_store",
+    "treadle_reward",
+    "treadle_cli",
+    "treadle_bench",
+]
+
+
+def structure_page() -> str:
+    import grimp
+
+    graph = grimp.build_graph(*PACKAGES, exclude_type_checking_imports=True)
+
+    def imports(module: str, level: str) -> list[str]:
+        """What `module` (and everything under it) imports, outside itself, under `level`."""
+        found = set()
+        for m in graph.find_descendants(module) | {module}:
+            for target in graph.find_modules_directly_imported_by(m):
+                if not target.startswith(level + ".") or target.startswith(module + "."):
+                    continue
+                part = target[len(level) + 1 :].split(".")[0]
+                if f"{level}.{part}" != module:
+                    found.add(part)
+        return sorted(found)
+
+    out = [
+        "# Structure\n",
+        "Who imports whom (type-only imports left out), from the code. The import-linter "
+        "contracts in `pyproject.toml` keep it so: services never import each other, the "
+        "layers point down (bench, cli, the services, `treadle_common`) and no package's parts "
+        "import each other in a cycle.\n",
+        "## Packages\n",
+        "| package | imports |",
+        "|---|---|",
+    ]
+    for package in PACKAGES:
+        tops = set()
+        for m in graph.find_descendants(package) | {package}:
+            tops |= {t.split(".")[0] for t in graph.find_modules_directly_imported_by(m)}
+        used = ", ".join(f"`{t}`" for t in sorted(tops - {package}))
+        out.append(f"| `{package}` | {used or '—'} |")
+    for package in PACKAGES:
+        out += ["", f"## `{package}`\n", "| part | imports (parts of the same package) |"]
+        out.append("|---|---|")
+        for child in sorted(graph.find_children(package)):
+            used = ", ".join(f"`{p}`" for p in imports(child, package))
+            out.append(f"| `{child.rsplit('.', 1)[1]}` | {used or '—'} |")
+    return "\n".join(out) + "\n"
+
+
 def pages() -> dict[Path, str]:
     result = {
         REFERENCE / "settings.md": settings_page(),
         REFERENCE / "recipe.md": recipe_page(),
         REFERENCE / "cli.md": cli_page(),
+        REFERENCE / "structure.md": structure_page(),
     }
     for service in SERVICES:
         spec = json.loads((REFERENCE / "openapi" / f"{service}.json").read_text())
