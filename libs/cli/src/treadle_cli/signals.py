@@ -5,12 +5,22 @@ or `treadle run` killed that way left its whole private stack running (the super
 services, Redis, NATS, each in a session of its own). Here SIGTERM raises KeyboardInterrupt
 in the main thread, so the commands unwind through the same cleanup as Ctrl-C; a second
 SIGTERM while that cleanup runs is ignored rather than cutting it short.
+
+A KeyboardInterrupt raised while the main thread runs a callback from C code (grpc's
+completion callbacks) is swallowed there ("Exception ignored in ... functor_run") and the
+command would go on as if never stopped. `sys.unraisablehook` sees it written off: the stop is
+raised again in the main thread (`_thread.interrupt_main`), until it lands where it unwinds.
 """
 
 from __future__ import annotations
 
+import _thread
 import signal
+import sys
 from types import FrameType
+from typing import Any
+
+_previous_hook = sys.unraisablehook
 
 
 def _once(signum: int, _frame: FrameType | None) -> None:
@@ -22,6 +32,15 @@ def _ignored(_signum: int, _frame: FrameType | None) -> None:
     pass
 
 
+def _raise_again(unraisable: Any) -> None:
+    """A stop swallowed by C code: deliver it again (as Ctrl-C); anything else as before."""
+    if isinstance(unraisable.exc_value, KeyboardInterrupt):
+        _thread.interrupt_main()
+        return
+    _previous_hook(unraisable)
+
+
 def unwind_on_sigterm() -> None:
     """From now on, the first SIGTERM unwinds this (main) thread like Ctrl-C."""
     signal.signal(signal.SIGTERM, _once)
+    sys.unraisablehook = _raise_again

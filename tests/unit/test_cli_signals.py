@@ -1,0 +1,28 @@
+"""A stop that C code swallowed is raised again (treadle_cli.signals)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+SCRIPT = """
+import sys, time
+from types import SimpleNamespace
+from treadle_cli import signals
+signals.unwind_on_sigterm()
+try:
+    # what grpc's callback wrapper does with an exception it cannot raise: writes it off
+    swallowed = KeyboardInterrupt("stopped by signal 15")
+    sys.unraisablehook(SimpleNamespace(exc_type=KeyboardInterrupt, exc_value=swallowed,
+                                       exc_traceback=None, err_msg=None, object=None))
+    for _ in range(200):
+        time.sleep(0.01)
+    print("went on")
+except KeyboardInterrupt:
+    print("unwound")
+"""
+
+
+def test_a_stop_swallowed_by_a_c_callback_is_raised_again():
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "unwound", out.stdout + out.stderr
