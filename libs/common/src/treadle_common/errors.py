@@ -5,8 +5,8 @@ once, and every edge turns it into a response the same way.
 
 - HTTP: `ServiceRuntime` registers `http_response` for `ServiceError`, so a route never builds
   an `HTTPException`: the answer is `{"detail": message}` with the class's `http_status`.
-- gRPC: `grpc_abort(context, exc)` (or `async with grpc_errors(context)`) aborts the call with
-  the class's `grpc_status` and the message.
+- gRPC: `grpc_abort(context, exc)` aborts the call with the class's `grpc_status` and the
+  message (each servicer's one status wrapper calls it).
 
 A service's `errors.py` names its own refusals as subclasses of these (the trainer's
 `PathNotAllowed` is a `BadRequest`), so its module docstring is the one table of what it
@@ -15,8 +15,6 @@ answers. Domain code raises them; it never imports the HTTP layer.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator
 from typing import Any, ClassVar
 
 import grpc
@@ -102,12 +100,3 @@ async def http_response(_request: Request, exc: Exception) -> JSONResponse:
 async def grpc_abort(context: Any, exc: ServiceError) -> None:
     """End a gRPC call with the error's status and message (raises, as `abort` does)."""
     await context.abort(exc.grpc_status, exc.message)
-
-
-@contextlib.asynccontextmanager
-async def grpc_errors(context: Any) -> AsyncIterator[None]:
-    """A servicer method's body: a `ServiceError` becomes its gRPC status."""
-    try:
-        yield
-    except ServiceError as exc:
-        await grpc_abort(context, exc)

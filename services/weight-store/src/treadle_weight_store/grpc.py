@@ -23,6 +23,7 @@ from treadle_common import auth, metrics
 from treadle_common.auth import ANY, TRAINER, WORKERS
 from treadle_common.clients import chunk_codec as codec
 from treadle_common.clients.chunk_codec import ChunkView
+from treadle_common.errors import grpc_abort
 from treadle_common.logs import get_logger
 from treadle_common.proto.treadle.v1 import weights_pb2 as pb
 from treadle_common.proto.treadle.v1 import weights_pb2_grpc
@@ -68,7 +69,7 @@ async def _as_status(context: grpc.aio.ServicerContext, method: str):
         metrics.REQUESTS.labels(SERVICE, method, "ok").inc()
     except StoreError as exc:
         metrics.REQUESTS.labels(SERVICE, method, type(exc).__name__).inc()
-        await context.abort(exc.grpc_status, exc.message)
+        await grpc_abort(context, exc)
     except auth.AuthError as exc:  # another tenant's model (`tenancy.py`)
         metrics.REQUESTS.labels(SERVICE, method, "refused").inc()
         await context.abort(grpc.StatusCode.PERMISSION_DENIED, exc.message)
