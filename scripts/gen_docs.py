@@ -4,9 +4,9 @@
     python scripts/gen_docs.py --check   # exit 1 if a committed page is stale
 
 - `settings.md`: every `TREADLE_*` setting, from each settings class's `Field` descriptions
-  (the shared `Settings`, each service's, the CLI's) and `treadle_common.settings.
+  (the shared `Settings`, each service's, the CLI's) and `treadle_common.config.settings.
   PROCESS_ENVIRONMENT` (what a process reads before or without its settings);
-- `recipe.md`: the recipe schema, one table per model of `treadle_common.config.RunConfig`;
+- `recipe.md`: the recipe schema, one table per model of `treadle_common.config.recipe.RunConfig`;
 - `cli.md`: every `treadle` command (plugins included) with its arguments and options, from
   the typer app;
 - `structure.md`: who imports whom, between the packages and between each package's parts
@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "docs/reference"
 SERVICES = ["weight-store", "env-gateway", "reward", "rollout", "trainer"]
 SETTINGS = {  # page section -> settings class
-    "Every process": "treadle_common.settings:Settings",
+    "Every process": "treadle_common.config.settings:Settings",
     "weight-store": "treadle_weight_store.settings:WeightStoreSettings",
     "env-gateway": "treadle_env_gateway.settings:EnvGatewaySettings",
     "reward": "treadle_reward.settings:RewardSettings",
@@ -92,7 +92,7 @@ def default_of(info: FieldInfo) -> str:
 
 
 def settings_page() -> str:
-    from treadle_common.settings import PROCESS_ENVIRONMENT
+    from treadle_common.config.settings import PROCESS_ENVIRONMENT
 
     out = [
         "# Settings reference\n",
@@ -154,11 +154,12 @@ def nested_models(annotation: Any) -> list[type[BaseModel]]:
 
 
 def recipe_page() -> str:
-    from treadle_common.config import RunConfig
+    from treadle_common.config.recipe import RunConfig
 
     intro = [
         "# Recipe reference\n",
-        "A recipe is YAML validated by `treadle_common.config.RunConfig`; an unknown field or "
+        "A recipe is YAML validated by `treadle_common.config.recipe.RunConfig`; an unknown field "
+        "or "
         "a wrong type fails before anything starts. `--set a.b=c` overrides a field "
         "(see [Recipes](../guides/recipes.md)).\n",
     ]

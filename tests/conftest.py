@@ -25,8 +25,10 @@ import pytest
 import redis
 
 from treadle_cli.infra import Infra, free_port_range
-from treadle_common import auth, infra_auth, names
-from treadle_common.settings import Settings
+from treadle_common import names
+from treadle_common.auth import infra as infra_auth
+from treadle_common.auth import policy as auth
+from treadle_common.config.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -19,9 +19,10 @@ import yaml
 
 from tests.conftest import ROOT
 from treadle_cli.settings import CliSettings
-from treadle_common import auth, infra_auth
-from treadle_common.infra_auth import InfraSecrets
-from treadle_common.settings import Settings
+from treadle_common.auth import infra as infra_auth
+from treadle_common.auth import policy as auth
+from treadle_common.auth.infra import InfraSecrets
+from treadle_common.config.settings import Settings
 from treadle_env_gateway.settings import EnvGatewaySettings
 from treadle_reward.settings import RewardSettings
 from treadle_rollout.settings import RolloutSettings

@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import ROOT
 from treadle_cli.infra import alive
-from treadle_common import auth
+from treadle_common.auth import policy as auth
 from treadle_common.clients.rollout import GenerationClient
 from treadle_common.clients.trainer import TrainerClient
 

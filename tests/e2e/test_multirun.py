@@ -16,11 +16,11 @@ from safetensors.torch import load_file
 from tests.conftest import ROOT
 from tests.e2e.test_cli import TREADLE, treadle
 from treadle_cli.tiny_model import init_tiny
-from treadle_common import auth
+from treadle_common.auth import policy as auth
 from treadle_common.clients.http import ApiError
 from treadle_common.clients.trainer import TrainerClient
 from treadle_common.clients.weights import WeightStoreClient, chunk_positions
-from treadle_common.config import RunConfig
+from treadle_common.config.recipe import RunConfig
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

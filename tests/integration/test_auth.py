@@ -21,7 +21,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from tests.conftest import ADMIN, TOKENS, start_service
-from treadle_common import auth
+from treadle_common.auth import policy as auth
 from treadle_common.proto.treadle import v1 as proto_v1
 
 pytestmark = pytest.mark.integration
@@ -206,7 +206,7 @@ def test_a_service_without_tokens_refuses_to_start(infra, tmp_path, monkeypatch)
 
 
 def test_production_refuses_auth_off_and_default_secrets():
-    from treadle_common.settings import Settings
+    from treadle_common.config.settings import Settings
     from treadle_weight_store.settings import WeightStoreSettings
 
     creds = {

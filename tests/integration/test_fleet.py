@@ -1,5 +1,5 @@
 """Many runs, one fleet, on a real Redis: which run's task a rollout replica starts next
-(`treadle_common.scheduling` in `TaskWorker`), and which runs it serves at all."""
+(`treadle_common.fleet.scheduling` in `TaskWorker`), and which runs it serves at all."""
 
 from __future__ import annotations
 
@@ -14,14 +14,17 @@ import redis
 import torch
 
 from tests.conftest import TOKENS, start_service
-from treadle_common import auth, fleet, names, scheduling
+from treadle_common import names
+from treadle_common.auth import policy as auth
 from treadle_common.clients import streams
 from treadle_common.clients.torch_weights import state_dict_to_raw
 from treadle_common.clients.weights import WeightStoreClient
-from treadle_common.config import RunConfig
+from treadle_common.config.recipe import RunConfig
+from treadle_common.fleet import runs as fleet
+from treadle_common.fleet import scheduling
+from treadle_common.fleet.quotas import TenantQuotas
 from treadle_common.proto.treadle.v1 import task_pb2, weights_pb2
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
-from treadle_common.quotas import TenantQuotas
 from treadle_rollout.worker import TaskWorker
 
 pytestmark = pytest.mark.integration

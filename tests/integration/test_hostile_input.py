@@ -18,9 +18,10 @@ import pytest
 import redis
 
 from tests.conftest import ADMIN, TOKENS, start_service
-from treadle_common import auth, names
+from treadle_common import names
+from treadle_common.auth import policy as auth
 from treadle_common.clients.weights import RawTensor, WeightStoreClient, layout_manifest
-from treadle_common.weights_export import write_hf
+from treadle_common.model.export import write_hf
 
 pytestmark = pytest.mark.integration
 JSON = {"content-type": "application/json"}
@@ -334,7 +335,7 @@ async def test_a_run_config_planted_in_redis_is_checked_before_a_resume(hostile,
     resumed, and says so; nothing is written there."""
     import asyncio
 
-    from treadle_common.config import load_recipe
+    from treadle_common.config.recipe import load_recipe
 
     run = f"planted-{uuid.uuid4().hex[:6]}"
     outside = hostile["tmp"] / "outside"
@@ -486,8 +487,8 @@ def test_an_unknown_env_fails_its_episode_at_once(hostile):
 async def test_grpc_generation_past_the_queue_bound_gets_resource_exhausted(hostile):
     import asyncio
 
-    from treadle_common.clients import grpc_options
     from treadle_common.proto.treadle.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+    from treadle_common.runtime import grpc_options
 
     sampling = common_pb2.SamplingParams(temperature=1.0, max_new_tokens=48)
     request = generation_pb2.GenerateRequest(prompt_tokens=[1, 2, 3], sampling=sampling)

@@ -11,8 +11,9 @@ import redis
 
 from tests.conftest import free_ports
 from treadle_cli.infra import Infra, InfraError, alive
-from treadle_common import infra_auth, names
-from treadle_common.settings import Settings
+from treadle_common import names
+from treadle_common.auth import infra as infra_auth
+from treadle_common.config.settings import Settings
 
 pytestmark = pytest.mark.integration
 

@@ -13,8 +13,9 @@ import uvicorn
 
 from tests.conftest import free_port
 from tests.openai_server import openai_app
-from treadle_common import admission, names
+from treadle_common import names
 from treadle_common.clients import streams
+from treadle_common.fleet import admission
 from treadle_common.proto.treadle.v1 import task_pb2
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
 from treadle_rollout import openai_api

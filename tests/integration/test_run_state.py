@@ -9,8 +9,9 @@ import uuid
 import pytest
 import redis.asyncio as aioredis
 
-from treadle_common import names, retention
+from treadle_common import names
 from treadle_common.clients import streams
+from treadle_common.fleet import retention
 
 pytestmark = pytest.mark.integration
 

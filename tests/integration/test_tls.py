@@ -24,7 +24,8 @@ import redis
 
 from tests.conftest import TOKENS, free_ports, start_service
 from treadle_cli.infra import find_binary
-from treadle_common import auth, infra_auth
+from treadle_common.auth import infra as infra_auth
+from treadle_common.auth import policy as auth
 from treadle_common.clients.weights import RawTensor, WeightStoreClient
 from treadle_common.proto.treadle.v1 import weights_pb2, weights_pb2_grpc
 

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from treadle_common.config import RecipeError, RunConfig, load_recipe
+from treadle_common.config.recipe import RecipeError, RunConfig, load_recipe
 
 pytestmark = pytest.mark.unit
 RECIPES = sorted((Path(__file__).resolve().parents[2] / "recipes").glob("*.yaml"))

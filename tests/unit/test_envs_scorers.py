@@ -225,7 +225,7 @@ async def test_timeouts_exceptions_and_concurrency_limits():
 def test_safe_math_refuses_a_tower_of_small_powers_before_computing_it():
     from fractions import Fraction
 
-    from treadle_common.safe_math import MAX_POWER_BITS, ExpressionError, evaluate
+    from treadle_common.tasks.safe_math import MAX_POWER_BITS, ExpressionError, evaluate
 
     with pytest.raises(ExpressionError, match=f"{MAX_POWER_BITS} bits"):
         evaluate("((9**64)**64)**64", allow_pow=True)

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from treadle_common import errors
-from treadle_common.evaluation import without_held_out
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
+from treadle_common.runtime import errors
+from treadle_common.tasks.evaluation import without_held_out
 from treadle_rollout import http
 
 

@@ -3,8 +3,9 @@ policy model, and a recipe's scheduling fields."""
 
 import pytest
 
-from treadle_common import fleet, names
-from treadle_common.config import RunConfig
+from treadle_common import names
+from treadle_common.config.recipe import RunConfig
+from treadle_common.fleet import runs as fleet
 
 pytestmark = pytest.mark.unit
 
@@ -47,7 +48,7 @@ def test_scheduling_fields_are_validated():
 
 
 def test_weighted_fair_share_gives_shares_by_weight_and_priority_first():
-    from treadle_common import scheduling
+    from treadle_common.fleet import scheduling
 
     policy = scheduling.WeightedFairShare()
     claims = [scheduling.Claim("a", 2.0), scheduling.Claim("b"), scheduling.Claim("c")]
@@ -67,7 +68,7 @@ def test_weighted_fair_share_gives_shares_by_weight_and_priority_first():
 async def test_fair_turns_hand_the_thread_to_the_policys_pick():
     import asyncio
 
-    from treadle_common import scheduling
+    from treadle_common.fleet import scheduling
 
     turns = scheduling.FairTurns(scheduling.WeightedFairShare())
     order = []
@@ -99,7 +100,7 @@ async def test_fair_turns_hand_the_thread_to_the_policys_pick():
 async def test_fair_turns_with_two_holders_run_two_at_once_and_never_three():
     import asyncio
 
-    from treadle_common import scheduling
+    from treadle_common.fleet import scheduling
 
     turns = scheduling.FairTurns(scheduling.WeightedFairShare(), holders=2)
     now, most = 0, 0

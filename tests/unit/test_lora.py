@@ -1,4 +1,5 @@
-"""`treadle_common.lora`: many adapters on one base model, chosen per call or per batch row."""
+"""`treadle_common.model.lora`: many adapters on one base model, chosen per call or per batch
+row."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from treadle_common import lora
+from treadle_common.model import lora
 
 
 @pytest.fixture(scope="module")

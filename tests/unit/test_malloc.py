@@ -1,4 +1,4 @@
-"""`treadle_common.malloc`: freed chunk-sized buffers keep their pages for the next ones."""
+"""`treadle_common.runtime.malloc`: freed chunk-sized buffers keep their pages for the next ones."""
 
 import os
 import subprocess
@@ -10,7 +10,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gl
 
 PROBE = """
 import resource, sys
-from treadle_common.malloc import reuse_freed_memory
+from treadle_common.runtime.malloc import reuse_freed_memory
 applied = reuse_freed_memory()
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

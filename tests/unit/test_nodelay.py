@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import socket
 
-from treadle_common.service import bind_socket
+from treadle_common.runtime.service import bind_socket
 
 
 async def _accepted_nodelay() -> int:

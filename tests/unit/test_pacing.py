@@ -1,12 +1,12 @@
-"""Paced shares on the trainer's turns (`treadle_common.pacing`): step counts follow the
+"""Paced shares on the trainer's turns (`treadle_common.fleet.pacing`): step counts follow the
 weights among runs that keep up; a stalled run holds the others back for a window at most."""
 
 import asyncio
 
 import pytest
 
-from treadle_common import scheduling
-from treadle_common.pacing import Pacing
+from treadle_common.fleet import scheduling
+from treadle_common.fleet.pacing import Pacing
 
 pytestmark = pytest.mark.unit
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
-from treadle_common import lora
+from treadle_common.model import lora
 from treadle_rollout.engines.base import ContextOverflow, Sampling
 from treadle_rollout.engines.hf import HFEngine
 from treadle_rollout.engines.process import EngineProcessGone, ProcessEngine

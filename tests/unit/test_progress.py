@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from treadle_common.progress import Progress
+from treadle_common.runtime.progress import Progress
 
 pytestmark = pytest.mark.unit
 
@@ -40,8 +40,8 @@ def test_healthz_fails_while_a_liveness_stage_makes_no_progress():
     still past the liveness limit; a stage that waits on other services never fails it."""
     from fastapi.testclient import TestClient
 
-    from treadle_common.service import ServiceRuntime
-    from treadle_common.settings import Settings
+    from treadle_common.config.settings import Settings
+    from treadle_common.runtime.service import ServiceRuntime
 
     runtime = ServiceRuntime("svc", Settings(liveness_stall_s=0.05))
     waiting = runtime.progress.stage("batches", pending=lambda: 1)  # waits on another service

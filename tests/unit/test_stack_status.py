@@ -50,7 +50,8 @@ def test_treadle_up_gives_redis_credentials_only_to_the_services_that_use_redis(
     tmp_path, monkeypatch
 ):
     from treadle_cli.stack import StackSpec
-    from treadle_common import infra_auth, names
+    from treadle_common import names
+    from treadle_common.auth import infra as infra_auth
 
     secrets = infra_auth.InfraSecrets.generate()
     path = tmp_path / "infra.json"

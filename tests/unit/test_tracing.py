@@ -7,8 +7,8 @@ from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 
-from treadle_common import tracing
 from treadle_common.proto.treadle.v1 import common_pb2
+from treadle_common.runtime import tracing
 
 pytestmark = pytest.mark.unit
 
@@ -47,8 +47,8 @@ def test_a_span_line_holds_ids_times_and_service():
 def test_services_trace_tasks_not_each_http_request(tmp_path):
     """FastAPI (0.165 and later) would add its own span, metrics and send wrapper to every
     request once a tracer provider exists, as a service's tracing makes one: it is off."""
-    from treadle_common.service import ServiceRuntime
-    from treadle_common.settings import Settings
+    from treadle_common.config.settings import Settings
+    from treadle_common.runtime.service import ServiceRuntime
 
     runtime = ServiceRuntime("svc", Settings(state_dir=tmp_path))
     assert not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)

@@ -350,7 +350,7 @@ async def test_a_wholly_stale_group_does_not_take_a_batch_slot():
 def test_a_malformed_member_completes_its_group_and_its_step_drops_it():
     """An episode that failed before generating (too short to train) still completes its
     group: the other members are trained, it is dropped with its reason."""
-    from treadle_common.config import TrainerConfig
+    from treadle_common.config.recipe import TrainerConfig
     from treadle_trainer.batches import Group
     from treadle_trainer.run.step import build_batch
 
@@ -405,7 +405,7 @@ def test_a_step_trains_groups_in_feed_order_whatever_order_they_finished_in():
 async def test_a_sync_run_waits_at_each_evaluated_step_until_the_client_reports():
     import asyncio
 
-    from treadle_common.config import RunConfig
+    from treadle_common.config.recipe import RunConfig
     from treadle_trainer.run.step import EvaluationHold
 
     def owner(mode: str, hold_s: float = 600.0) -> EvaluationHold:
@@ -438,7 +438,7 @@ def test_every_loss_name_has_an_implementation_and_back():
     """A recipe or training-API request may name exactly the losses the trainer implements."""
     import typing
 
-    from treadle_common.config import LossName
+    from treadle_common.config.recipe import LossName
     from treadle_trainer.losses import LOSSES
 
     assert set(typing.get_args(LossName)) == set(LOSSES)

@@ -8,7 +8,7 @@ import pytest
 from treadle_cli.report import EvalRow, RunReport, SftRow
 from treadle_cli.warmup import TrainingSession, WarmUp
 from treadle_common.api.training import DatumIn
-from treadle_common.config import RunConfig
+from treadle_common.config.recipe import RunConfig
 
 pytestmark = pytest.mark.unit
 

@@ -76,21 +76,21 @@ PACKAGES = {
 def test_every_service_has_the_same_shape(package):
     """`settings.py` (its own settings class), `app.py` with `async build(settings) ->
     Service`, its HTTP edge in `http.py` (a module-level `router`, which may include its
-    features' routers), its refusals in `errors.py` (`treadle_common.errors` classes);
+    features' routers), its refusals in `errors.py` (`treadle_common.runtime.errors` classes);
     `__main__` runs it with that settings class; nothing reads a global settings object."""
     import importlib
     import inspect
     import typing
 
-    from treadle_common.service import Service
-    from treadle_common.settings import Settings
+    from treadle_common.config.settings import Settings
+    from treadle_common.runtime.service import Service
 
     root = PACKAGES[package]
     files = {p.name for p in root.iterdir()}
     assert {"app.py", "settings.py", "__main__.py", "http.py", "errors.py"} <= files
     from fastapi import APIRouter
 
-    from treadle_common.errors import ServiceError
+    from treadle_common.runtime.errors import ServiceError
 
     assert isinstance(importlib.import_module(f"{package}.http").router, APIRouter)
     service_errors = importlib.import_module(f"{package}.errors")

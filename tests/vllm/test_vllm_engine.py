@@ -115,9 +115,9 @@ async def test_vllm_generates_with_logprobs_applies_a_weight_update_and_orders_b
 async def test_vllm_serves_lora_adapters_like_the_hf_engine(tmp_path):
     """Named adapters (the Tinker API's sampler weights) and a LoRA run's adapter version as
     the policy: vLLM's LoRA (from the PEFT files the engine writes) gives the tokens and
-    logprobs the `treadle_common.lora` layers give."""
-    from treadle_common import lora
+    logprobs the `treadle_common.model.lora` layers give."""
     from treadle_common.clients.torch_weights import state_dict_to_raw
+    from treadle_common.model import lora
 
     model_dir = init_tiny(tmp_path / "tiny")
     server = grpc.aio.server()

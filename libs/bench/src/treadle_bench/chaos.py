@@ -55,7 +55,7 @@ from treadle_cli.settings import CliSettings
 from treadle_cli.tiny_model import init_for
 from treadle_common import names
 from treadle_common.api.runs import RunStatus
-from treadle_common.config import RunConfig, load_recipe
+from treadle_common.config.recipe import RunConfig, load_recipe
 
 GAP_STEPS = 2
 """Steps the run must make between two faults (so each fault hits a run that recovered)."""

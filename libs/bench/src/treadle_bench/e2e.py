@@ -40,7 +40,7 @@ from treadle_cli import stack
 from treadle_cli.report import RunReport, StepRow
 from treadle_cli.run_client import RunClient
 from treadle_cli.tiny_model import init_for
-from treadle_common.config import RunConfig, load_recipe
+from treadle_common.config.recipe import RunConfig, load_recipe
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 DEFAULT_RECIPE = RECIPES / "agentic.yaml"

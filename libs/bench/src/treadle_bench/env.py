@@ -22,8 +22,8 @@ import grpc
 
 from treadle_bench.harness import free_port, server_process
 from treadle_common.clients.env import EnvClient
-from treadle_common.logs import configure_logging
 from treadle_common.proto.treadle.v1 import env_pb2 as pb
+from treadle_common.runtime.logs import configure_logging
 
 
 async def _ours(

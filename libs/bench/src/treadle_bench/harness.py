@@ -18,8 +18,8 @@ import httpx
 
 from treadle_cli.infra import Infra, free_port_range, terminate
 from treadle_cli.settings import CliSettings
-from treadle_common.auth import Role, TokenTable
-from treadle_common.settings import Settings
+from treadle_common.auth.policy import Role, TokenTable
+from treadle_common.config.settings import Settings
 
 
 def identity(data: bytes) -> bytes:

@@ -27,7 +27,7 @@ from treadle_cli import stack
 from treadle_cli.report import RunReport
 from treadle_cli.run_client import RunClient
 from treadle_cli.tiny_model import init_for
-from treadle_common.config import load_recipe
+from treadle_common.config.recipe import load_recipe
 
 DEMO_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "demo.yaml"
 

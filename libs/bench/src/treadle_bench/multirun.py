@@ -52,8 +52,8 @@ from treadle_common.api.runs import RunStatus
 from treadle_common.clients.env import EnvClient
 from treadle_common.clients.rollout import RolloutClient
 from treadle_common.clients.trainer import TrainerClient
-from treadle_common.config import RunConfig, load_recipe
-from treadle_common.evaluation import held_out_tasks
+from treadle_common.config.recipe import RunConfig, load_recipe
+from treadle_common.tasks.evaluation import held_out_tasks
 
 DEMO_RECIPE = Path(__file__).resolve().parents[4] / "recipes" / "demo.yaml"
 

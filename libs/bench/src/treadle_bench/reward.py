@@ -23,11 +23,11 @@ import nats
 
 from treadle_bench.harness import bench_auth, free_port, start_service
 from treadle_cli.infra import Infra, terminate
-from treadle_common import infra_auth
+from treadle_common.auth import infra as infra_auth
 from treadle_common.clients.reward import RewardClient
-from treadle_common.logs import configure_logging
+from treadle_common.config.settings import Settings
 from treadle_common.proto.treadle.v1 import reward_pb2 as pb
-from treadle_common.settings import Settings
+from treadle_common.runtime.logs import configure_logging
 
 
 def start_replica(nats_url: str, state_dir: str) -> subprocess.Popen:

@@ -48,10 +48,10 @@ import torch
 from treadle_bench.harness import free_port, infra_with_weight_store, start_service
 from treadle_bench.sse_client import SSEClient
 from treadle_cli.tiny_model import init_tiny
-from treadle_common.auth import bearer, token_from_env
+from treadle_common.auth.policy import bearer, token_from_env
 from treadle_common.clients.rollout import GenerationClient
 from treadle_common.clients.torch_weights import TorchWeightClient
-from treadle_common.logs import configure_logging
+from treadle_common.runtime.logs import configure_logging
 from treadle_rollout.engines import cpus
 from treadle_rollout.engines.base import Sampling
 from treadle_rollout.engines.hf import HFEngine

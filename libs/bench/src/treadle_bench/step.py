@@ -37,8 +37,8 @@ from treadle_bench import e2e
 from treadle_cli import stack
 from treadle_cli.report import RunReport, StepRow
 from treadle_common.clients.weights import WeightStoreClient
-from treadle_common.config import RunConfig, load_recipe
-from treadle_common.weights_export import export_hf
+from treadle_common.config.recipe import RunConfig, load_recipe
+from treadle_common.model.export import export_hf
 
 STEP_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "step.yaml"
 ERROR_LINE = re.compile(r"\[error\s*\]|Traceback \(most recent call last\)")

@@ -30,11 +30,11 @@ import httpx
 
 from treadle_bench.harness import free_port, infra_with_weight_store, start_service
 from treadle_cli.tiny_model import init_tiny
-from treadle_common import lora
-from treadle_common.auth import bearer, token_from_env
+from treadle_common.auth.policy import bearer, token_from_env
 from treadle_common.clients.torch_weights import state_dict_to_raw
 from treadle_common.clients.weights import WeightStoreClient
-from treadle_common.logs import configure_logging
+from treadle_common.model import lora
+from treadle_common.runtime.logs import configure_logging
 
 MODEL = "bench-tiny"
 

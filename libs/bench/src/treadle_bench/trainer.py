@@ -34,10 +34,10 @@ from transformers import AutoModelForCausalLM
 from treadle_bench.harness import free_port, infra_with_weight_store, start_service
 from treadle_bench.synthetic_rollout import SyntheticRollout
 from treadle_cli.tiny_model import init_tiny
-from treadle_common.auth import bearer, token_from_env
+from treadle_common.auth.policy import bearer, token_from_env
 from treadle_common.clients.weights import WeightStoreClient
-from treadle_common.logs import configure_logging
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
+from treadle_common.runtime.logs import configure_logging
 
 MODEL = "bench-trainer"
 WARMUP_STEPS = 2

@@ -44,7 +44,7 @@ import torch
 from treadle_bench.harness import free_port, server_process
 from treadle_common.clients.torch_weights import ChunkCache, fetch_into, state_dict_to_raw
 from treadle_common.clients.weights import WeightStoreClient
-from treadle_common.logs import configure_logging
+from treadle_common.runtime.logs import configure_logging
 
 CHUNK = 4 * 2**20
 CHANNEL_OPTIONS = [

@@ -15,7 +15,7 @@ import grpc
 
 from treadle_bench.harness import identity
 from treadle_bench.harness import serve as serve_forever
-from treadle_common.logs import configure_logging
+from treadle_common.runtime.logs import configure_logging
 from treadle_weight_store.backends.local import LocalBackend
 from treadle_weight_store.grpc import WeightStoreServicer, add_to_server
 from treadle_weight_store.store import WeightStore

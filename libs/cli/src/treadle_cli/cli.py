@@ -29,7 +29,7 @@ from treadle_cli import signals, stack
 from treadle_cli.infra import Infra, InfraError, states_json
 from treadle_cli.settings import get_settings
 from treadle_common import names
-from treadle_common.config import RecipeError, load_recipe
+from treadle_common.config.recipe import RecipeError, load_recipe
 
 app = typer.Typer(
     no_args_is_help=True, add_completion=False, help="Treadle: service-oriented RL post-training."
@@ -222,8 +222,8 @@ def secrets(
 
     import yaml
 
-    from treadle_common.auth import TokenTable, token_hash
-    from treadle_common.infra_auth import InfraSecrets
+    from treadle_common.auth.infra import InfraSecrets
+    from treadle_common.auth.policy import TokenTable, token_hash
 
     table = TokenTable.generate()
     infra = InfraSecrets.generate()
@@ -347,7 +347,7 @@ def runs_gc(
     TREADLE_TRAINER_RUN_RETENTION_S)."""
     import redis.asyncio as aioredis
 
-    from treadle_common import retention
+    from treadle_common.fleet import retention
 
     async def go() -> tuple[list[str], int]:
         r = aioredis.from_url(redis_url or Infra(get_settings()).url_for("redis"))
@@ -400,7 +400,7 @@ def weights_export(model: str, version: int, out_dir: Path, store: StoreOption =
     """Write MODEL@VERSION (-1 = latest) as an HF directory (config, tokenizer, safetensors)."""
     import grpc
 
-    from treadle_common.weights_export import export_hf
+    from treadle_common.model.export import export_hf
 
     async def go():
         client = _store(store)

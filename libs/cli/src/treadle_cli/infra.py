@@ -6,7 +6,7 @@ keeps its data under `{state_dir}/{name}/` and logs to `{state_dir}/logs/{name}.
 sits in `{state_dir}/infra/{name}.json`. If a configured URL already answers, it is used as
 is and nothing is started (`treadle infra down` never stops what it did not start).
 
-The servers it starts require credentials (`treadle_common.infra_auth`): redis a password,
+The servers it starts require credentials (`treadle_common.auth.infra`): redis a password,
 nats one user per service with its permissions (the same `nats.conf` as compose and k8s).
 The secrets are generated on the first start into `{state_dir}/auth/infra.json` (0600) and
 kept; `Infra.url_for` gives a client's URL with its credentials.
@@ -29,9 +29,10 @@ from urllib.parse import urlparse
 
 from pydantic import BaseModel
 
-from treadle_common import auth, infra_auth
-from treadle_common.infra_auth import InfraSecrets, redact
-from treadle_common.settings import Settings
+from treadle_common.auth import infra as infra_auth
+from treadle_common.auth import policy as auth
+from treadle_common.auth.infra import InfraSecrets, redact
+from treadle_common.config.settings import Settings
 
 INFRA = ("redis", "nats", "s3")
 

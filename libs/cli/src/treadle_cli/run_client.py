@@ -44,9 +44,9 @@ from treadle_common.clients.http import ApiError
 from treadle_common.clients.rollout import RolloutClient
 from treadle_common.clients.trainer import TrainerClient
 from treadle_common.clients.weights import WeightStoreClient
-from treadle_common.config import RunConfig, dump_resolved
-from treadle_common.evaluation import held_out_tasks
-from treadle_common.weights_export import export_hf
+from treadle_common.config.recipe import RunConfig, dump_resolved
+from treadle_common.model.export import export_hf
+from treadle_common.tasks.evaluation import held_out_tasks
 
 T = TypeVar("T")
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from pydantic import Field
 
-from treadle_common import auth
-from treadle_common.settings import Settings
+from treadle_common.auth import policy as auth
+from treadle_common.config.settings import Settings
 
 
 class CliSettings(Settings):

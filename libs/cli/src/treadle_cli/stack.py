@@ -33,13 +33,16 @@ from pydantic import BaseModel, Field
 
 from treadle_cli.infra import Infra, alive, port_free, probe, terminate
 from treadle_cli.settings import CliSettings, admin_token_file, auth_dir
-from treadle_common import auth, infra_auth, names, tls
+from treadle_common import names
 from treadle_common.api.ops import Readiness, ServiceInfo, StageProgress
 from treadle_common.api.rollout import RolloutInfo
 from treadle_common.api.runs import RunStatus, Usage
+from treadle_common.auth import infra as infra_auth
+from treadle_common.auth import policy as auth
+from treadle_common.auth import tls
+from treadle_common.auth.infra import InfraSecrets, redact
 from treadle_common.clients.http import ApiError, info, readiness
 from treadle_common.clients.trainer import TrainerClient
-from treadle_common.infra_auth import InfraSecrets, redact
 
 
 class StackError(RuntimeError):

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from treadle_common.config import ModelConfig
+    from treadle_common.config.recipe import ModelConfig
 
 CHAT_TEMPLATE = (
     # ChatML; with `tools`, Hermes/Qwen-style tool calling: the tools in the system turn,

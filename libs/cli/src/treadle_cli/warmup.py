@@ -22,8 +22,8 @@ from treadle_cli.report import SftRow
 from treadle_common.api.training import AdamParams, CreateSession, DatumIn, ForwardBackward
 from treadle_common.clients.env import EnvClient
 from treadle_common.clients.trainer import TrainingClient
-from treadle_common.config import RunConfig
-from treadle_common.evaluation import distinct_tasks, without_held_out
+from treadle_common.config.recipe import RunConfig
+from treadle_common.tasks.evaluation import distinct_tasks, without_held_out
 
 SFT_SPLIT = "sft"
 VALIDATION_SPLIT = "sft_val"

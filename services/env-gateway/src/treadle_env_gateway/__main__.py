@@ -3,7 +3,7 @@
 Settings come from the environment (TREADLE_*), see `treadle_env_gateway.settings`.
 """
 
-from treadle_common.service import run_service
+from treadle_common.runtime.service import run_service
 from treadle_env_gateway.settings import EnvGatewaySettings
 
 

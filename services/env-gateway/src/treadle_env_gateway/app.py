@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 
 from treadle_common.proto.treadle.v1 import env_pb2_grpc
-from treadle_common.service import Service, ServiceRuntime
+from treadle_common.runtime.service import Service, ServiceRuntime
 from treadle_env_gateway import http
 from treadle_env_gateway.grpc import POLICY, EnvGatewayServicer
 from treadle_env_gateway.sandbox import reaping

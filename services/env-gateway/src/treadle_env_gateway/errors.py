@@ -1,5 +1,5 @@
 """What the env-gateway refuses a caller with. Each error's gRPC and HTTP status is its
-class's (`treadle_common.errors`); the gRPC servicer (`grpc.py`) and the HTTP runtime answer
+class's (`treadle_common.runtime.errors`); the gRPC servicer (`grpc.py`) and the HTTP runtime answer
 with it, each in one place.
 
 | error | gRPC | HTTP | when |
@@ -13,7 +13,7 @@ with it, each in one place.
 
 from __future__ import annotations
 
-from treadle_common import errors
+from treadle_common.runtime import errors
 from treadle_env_gateway.envs.base import EnvError, UnknownEnv
 
 

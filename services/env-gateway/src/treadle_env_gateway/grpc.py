@@ -18,12 +18,13 @@ from asyncio import FIRST_COMPLETED
 import grpc
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from treadle_common import auth, metrics, tracing
-from treadle_common.auth import ANY, ROLLOUT, WORKERS
-from treadle_common.errors import ServiceError, grpc_abort
-from treadle_common.progress import Stage
+from treadle_common.auth import policy as auth
+from treadle_common.auth.policy import ANY, ROLLOUT, WORKERS
 from treadle_common.proto.treadle.v1 import env_pb2 as pb
 from treadle_common.proto.treadle.v1 import env_pb2_grpc
+from treadle_common.runtime import metrics, tracing
+from treadle_common.runtime.errors import ServiceError, grpc_abort
+from treadle_common.runtime.progress import Stage
 from treadle_env_gateway.envs.base import (
     Action,
     EnvError,

@@ -15,7 +15,6 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
 
-from treadle_common import auth
 from treadle_common.api.envs import (
     Act,
     CreateSession,
@@ -25,6 +24,7 @@ from treadle_common.api.envs import (
     SessionOpened,
     Stepped,
 )
+from treadle_common.auth import policy as auth
 from treadle_env_gateway.envs.base import Action, Message
 from treadle_env_gateway.sessions import SessionManager
 

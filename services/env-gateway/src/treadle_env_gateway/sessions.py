@@ -13,8 +13,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from treadle_common import metrics
-from treadle_common.logs import get_logger
+from treadle_common.runtime import metrics
+from treadle_common.runtime.logs import get_logger
 from treadle_env_gateway.envs import registry
 from treadle_env_gateway.envs.base import (
     Action,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 
 from treadle_common import names
-from treadle_common.service import Service, ServiceRuntime
+from treadle_common.runtime.service import Service, ServiceRuntime
 from treadle_reward import http
 from treadle_reward.pool import ScorerPool
 from treadle_reward.scorers import registry

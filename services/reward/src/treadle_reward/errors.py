@@ -1,5 +1,5 @@
 """What the reward service refuses a caller with (HTTP; over NATS a failed score is a status in
-its result, never an error). Each error's status is its class's (`treadle_common.errors`),
+its result, never an error). Each error's status is its class's (`treadle_common.runtime.errors`),
 answered by the service runtime.
 
 | error | HTTP | when |
@@ -10,7 +10,7 @@ answered by the service runtime.
 
 from __future__ import annotations
 
-from treadle_common import errors
+from treadle_common.runtime import errors
 
 
 class UnknownScorer(errors.NotFound):

@@ -11,8 +11,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body, Depends, Request
 
-from treadle_common import auth
 from treadle_common.api.reward import MAX_BATCH, ScoreBatchOut, ScoreBody, ScoreOut
+from treadle_common.auth import policy as auth
 from treadle_common.proto.treadle.v1 import reward_pb2 as pb
 from treadle_reward.errors import UnknownScorer
 from treadle_reward.worker import ScoringService

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from treadle_common.settings import Settings
+from treadle_common.config.settings import Settings
 
 
 class RewardSettings(Settings):

@@ -20,10 +20,11 @@ from nats.aio.msg import Msg
 from opentelemetry.trace import SpanKind
 from prometheus_client import Gauge
 
-from treadle_common import metrics, names, tracing
-from treadle_common.logs import get_logger
-from treadle_common.progress import Stage
+from treadle_common import names
 from treadle_common.proto.treadle.v1 import reward_pb2 as pb
+from treadle_common.runtime import metrics, tracing
+from treadle_common.runtime.logs import get_logger
+from treadle_common.runtime.progress import Stage
 from treadle_reward.scorers.base import CpuScorer, ScoreInput, Scorer
 
 log = get_logger(__name__)

@@ -3,7 +3,7 @@
 Settings come from the environment (TREADLE_*), see `treadle_rollout.settings`.
 """
 
-from treadle_common.service import run_service
+from treadle_common.runtime.service import run_service
 from treadle_rollout.engines import cpus, prestart
 from treadle_rollout.settings import RolloutSettings
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import grpc
 
-from treadle_common import lora
 from treadle_common.api.rollout import Adapters, LoadAdapter
 from treadle_common.clients.torch_weights import fetch_state_dict
 from treadle_common.clients.weights import WeightStoreClient
+from treadle_common.model import lora
 from treadle_rollout.engines.base import AdapterUnsupported, Engine
 from treadle_rollout.errors import BadAdapter, NoAdapter, TooManyAdapters
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from treadle_common import auth, fleet, names
+from treadle_common import names
 from treadle_common.api.rollout import (
     FinishSession,
     SessionDeleted,
@@ -19,7 +19,9 @@ from treadle_common.api.rollout import (
     SessionInfo,
     SessionIssued,
 )
+from treadle_common.auth import policy as auth
 from treadle_common.clients import streams
+from treadle_common.fleet import runs as fleet
 from treadle_common.proto.treadle.v1 import reward_pb2
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
 from treadle_rollout import issued

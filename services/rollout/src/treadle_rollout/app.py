@@ -18,7 +18,7 @@ import torch
 
 from treadle_common.api.rollout import RolloutInfo
 from treadle_common.proto.treadle.v1 import generation_pb2_grpc
-from treadle_common.service import Service, ServiceRuntime
+from treadle_common.runtime.service import Service, ServiceRuntime
 from treadle_rollout import errors, http
 from treadle_rollout.engines.process import ProcessEngine
 from treadle_rollout.grpc import POLICY, GenerationServicer

@@ -14,13 +14,13 @@ import uuid
 
 import grpc
 
-from treadle_common import tracing
 from treadle_common.clients.env import EnvClient, EnvRequestError
 from treadle_common.clients.reward import RewardClient
-from treadle_common.logs import get_logger
-from treadle_common.progress import Stage
 from treadle_common.proto.treadle.v1 import env_pb2, reward_pb2, task_pb2
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
+from treadle_common.runtime import tracing
+from treadle_common.runtime.logs import get_logger
+from treadle_common.runtime.progress import Stage
 from treadle_rollout import metrics
 from treadle_rollout.engines.base import ContextOverflow, Engine, Sampling
 from treadle_rollout.openai_api import OpenAIFrontend, PlayedSampling

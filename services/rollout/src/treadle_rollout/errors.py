@@ -1,6 +1,6 @@
 """What rollout refuses a caller with, and how each edge answers it, in one place.
 
-- Its own API's refusals are `treadle_common.errors` classes (status in the class), answered
+- Its own API's refusals are `treadle_common.runtime.errors` classes (status in the class), answered
   `{"detail": message}` by the service runtime:
 
 | error | HTTP | when |
@@ -27,7 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from treadle_common import errors
+from treadle_common.runtime import errors
 
 
 class NoAdapter(errors.NotFound):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from treadle_common import metrics
+from treadle_common.runtime import metrics
 
 
 class Busy(Exception):

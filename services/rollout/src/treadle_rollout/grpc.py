@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import grpc
 
-from treadle_common import auth
+from treadle_common.auth import policy as auth
 from treadle_common.proto.treadle.v1 import generation_pb2 as gpb
 from treadle_common.proto.treadle.v1 import generation_pb2_grpc
 from treadle_rollout.engines.base import ContextOverflow, Engine, Sampling

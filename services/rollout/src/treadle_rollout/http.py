@@ -11,7 +11,6 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 
-from treadle_common import auth
 from treadle_common.api.rollout import (
     Adapters,
     EvaluateRequest,
@@ -20,6 +19,7 @@ from treadle_common.api.rollout import (
     Swap,
     Swaps,
 )
+from treadle_common.auth import policy as auth
 from treadle_rollout import adapters, evaluate, metrics
 from treadle_rollout.openai_router import router as openai_router
 from treadle_rollout.replica import Rollout

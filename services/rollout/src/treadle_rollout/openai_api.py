@@ -41,11 +41,12 @@ from typing import Annotated, Any
 from fastapi import Path
 from pydantic import ValidationError
 
-from treadle_common import auth, names
+from treadle_common import names
 from treadle_common.api.rollout import (
     ModelCard,
     ModelList,
 )
+from treadle_common.auth import policy as auth
 from treadle_rollout import metrics, tool_calls
 from treadle_rollout.agent_sessions import AgentSessions
 from treadle_rollout.completions import CompletionsAPI

@@ -18,7 +18,6 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 
-from treadle_common import auth
 from treadle_common.api.rollout import (
     FinishSession,
     ModelList,
@@ -27,6 +26,7 @@ from treadle_common.api.rollout import (
     SessionInfo,
     SessionIssued,
 )
+from treadle_common.auth import policy as auth
 from treadle_rollout import issued
 from treadle_rollout.openai_api import SESSION_HEADER, OpenAIFrontend, SessionId
 from treadle_rollout.openai_types import (

@@ -23,11 +23,11 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable
 
-from treadle_common import lora
 from treadle_common.clients.torch_weights import fetch_state_dict
 from treadle_common.clients.weights import WeightStoreClient, watch
-from treadle_common.logs import get_logger
+from treadle_common.model import lora
 from treadle_common.proto.treadle.v1 import weights_pb2 as pb
+from treadle_common.runtime.logs import get_logger
 from treadle_rollout.engines.base import Engine
 
 log = get_logger(__name__)

@@ -1,4 +1,4 @@
-"""Tenant quotas on the OpenAI API's generations (`treadle_common.quotas`): each generation
+"""Tenant quotas on the OpenAI API's generations (`treadle_common.fleet.quotas`): each generation
 (one choice of a request) is one of its tenant's episodes while it runs, and its tokens count
 toward the tenant's minute. Past a quota the request gets 429 naming it.
 
@@ -13,7 +13,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextvars import ContextVar
 
-from treadle_common.quotas import QuotaExceeded, TenantQuotas
+from treadle_common.fleet.quotas import QuotaExceeded, TenantQuotas
 from treadle_rollout.errors import OpenAIError
 
 REQUEST_TENANT: ContextVar[str | None] = ContextVar("treadle_request_tenant", default=None)

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from treadle_common import auth, scheduling
+from treadle_common.auth import policy as auth
 from treadle_common.clients.env import EnvClient
 from treadle_common.clients.reward import RewardClient
 from treadle_common.clients.weights import WeightStoreClient
-from treadle_common.quotas import TenantQuotas
-from treadle_common.service import ServiceRuntime
+from treadle_common.fleet import scheduling
+from treadle_common.fleet.quotas import TenantQuotas
+from treadle_common.runtime.service import ServiceRuntime
 from treadle_rollout import openai_api, usage
 from treadle_rollout.engines import prestart
 from treadle_rollout.engines.base import Engine

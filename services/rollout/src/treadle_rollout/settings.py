@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from treadle_common.settings import Settings
+from treadle_common.config.settings import Settings
 
 
 class RolloutSettings(Settings):

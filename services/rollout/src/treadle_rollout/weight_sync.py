@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from nats.aio.client import Client as NATS
 
 from treadle_common.clients.weights import WeightStoreClient, watch
-from treadle_common.logs import get_logger
-from treadle_common.progress import Stage
 from treadle_common.proto.treadle.v1 import weights_pb2 as pb
+from treadle_common.runtime.logs import get_logger
+from treadle_common.runtime.progress import Stage
 from treadle_rollout import metrics
 from treadle_rollout.engines.base import Engine
 

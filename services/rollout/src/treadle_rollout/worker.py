@@ -2,7 +2,7 @@
 
     treadle:runs (set) -> for each active run: XREADGROUP treadle:{run}:tasks (group `rollout`)
       -> one task read per run and held ready; when a slot frees, the scheduling policy
-       (`treadle_common.scheduling`: priority, then weighted fair share of slot-seconds)
+       (`treadle_common.fleet.scheduling`: priority, then weighted fair share of slot-seconds)
        picks whose starts
     -> validate (a malformed task is acked and counted as invalid, with its reason)
       -> staleness admission (shared Redis bound; a refused group waits for a newer version)
@@ -36,11 +36,14 @@ from collections.abc import Callable
 import redis.asyncio as aioredis
 from opentelemetry.trace import SpanKind
 
-from treadle_common import admission, fleet, metrics, names, scheduling, tracing
+from treadle_common import names
 from treadle_common.clients import streams
-from treadle_common.logs import get_logger
+from treadle_common.fleet import admission, scheduling
+from treadle_common.fleet import runs as fleet
+from treadle_common.fleet.quotas import QuotaExceeded, TenantQuotas
 from treadle_common.proto.treadle.v1 import task_pb2
-from treadle_common.quotas import QuotaExceeded, TenantQuotas
+from treadle_common.runtime import metrics, tracing
+from treadle_common.runtime.logs import get_logger
 from treadle_rollout import metrics as rollout_metrics
 from treadle_rollout import usage
 from treadle_rollout.episodes import EpisodeRunner
@@ -99,7 +102,7 @@ class TaskWorker:
         """The base model this replica serves (None: it takes every run's tasks)."""
         self.policies = policies
         self.policy = policy or scheduling.WeightedFairShare()
-        """Which run's ready task starts when a slot frees (`treadle_common.scheduling`)."""
+        """Which run's ready task starts when a slot frees (`treadle_common.fleet.scheduling`)."""
         self._claims: dict[str, scheduling.Claim] = {}
         self._ready: dict[str, list[tuple[str, object, float]]] = {}
         """Per task stream: tasks read (ours, pending) waiting for the policy's turn."""

@@ -7,7 +7,7 @@ Settings come from the environment (TREADLE_*), see `treadle_trainer.settings`. 
 
 import os
 
-from treadle_common.service import run_service
+from treadle_common.runtime.service import run_service
 from treadle_trainer.settings import TrainerSettings
 
 

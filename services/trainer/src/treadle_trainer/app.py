@@ -20,8 +20,8 @@ import torch
 from treadle_common.api.runs import TrainerInfo
 from treadle_common.clients.env import EnvClient
 from treadle_common.clients.weights import WeightStoreClient
-from treadle_common.logs import get_logger
-from treadle_common.service import Service, ServiceRuntime
+from treadle_common.runtime.logs import get_logger
+from treadle_common.runtime.service import Service, ServiceRuntime
 from treadle_trainer import http
 from treadle_trainer.backends import set_torch_lanes
 from treadle_trainer.run import SERVICE

@@ -1,5 +1,5 @@
 """What the trainer refuses a caller with. Each error's HTTP and gRPC status is its class's
-(`treadle_common.errors`); the service runtime turns any of them into the response, so no
+(`treadle_common.runtime.errors`); the service runtime turns any of them into the response, so no
 route or domain module builds an HTTP error itself.
 
 | error | status | when |
@@ -19,7 +19,7 @@ route or domain module builds an HTTP error itself.
 
 from __future__ import annotations
 
-from treadle_common.errors import (
+from treadle_common.runtime.errors import (
     BadRequest,
     Conflict,
     Forbidden,

@@ -17,9 +17,10 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Query, Request
 
-from treadle_common import auth, names
+from treadle_common import names
 from treadle_common.api.runs import Backlog, EvaluationDone, RunStatus, Usage
-from treadle_common.config import RunConfig
+from treadle_common.auth import policy as auth
+from treadle_common.config.recipe import RunConfig
 from treadle_trainer.run import claims
 from treadle_trainer.run.status_store import stored_status
 from treadle_trainer.runs import Runs

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from treadle_common.config import RunConfig
+from treadle_common.config.recipe import RunConfig
 from treadle_trainer import errors
 from treadle_trainer.backends import check_backend
 

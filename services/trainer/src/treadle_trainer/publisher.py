@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from treadle_common.logs import get_logger
+from treadle_common.runtime.logs import get_logger
 
 log = get_logger(__name__)
 

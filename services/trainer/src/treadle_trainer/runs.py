@@ -8,7 +8,8 @@
     GET  /v1/backlog                  work waiting in Redis, by model (KEDA scales rollout on it)
 
 Runs share this process's torch thread through one scheduling policy (`turns`: priority,
-then weighted fair share of step seconds, paced by weighted steps; `treadle_common.scheduling`).
+then weighted fair share of step seconds, paced by weighted steps;
+`treadle_common.fleet.scheduling`).
 
 A run is owned by one trainer at a time, through a fenced lease (`run/lease.py`): created
 with SET NX, renewed by compare-and-PEXPIRE while the owner executes the run; an owner whose
@@ -26,18 +27,22 @@ import contextlib
 import random
 import time
 
-from treadle_common import auth, fleet, metrics, names, scheduling
+from treadle_common import names
 from treadle_common.api.runs import (
     RunState,
     RunStatus,
 )
+from treadle_common.auth import policy as auth
 from treadle_common.clients import streams
 from treadle_common.clients.env import EnvClient
 from treadle_common.clients.weights import WeightStoreClient
-from treadle_common.config import RunConfig
-from treadle_common.logs import get_logger
-from treadle_common.progress import Stage
-from treadle_common.service import ServiceRuntime
+from treadle_common.config.recipe import RunConfig
+from treadle_common.fleet import runs as fleet
+from treadle_common.fleet import scheduling
+from treadle_common.runtime import metrics
+from treadle_common.runtime.logs import get_logger
+from treadle_common.runtime.progress import Stage
+from treadle_common.runtime.service import ServiceRuntime
 from treadle_trainer import errors
 from treadle_trainer.paths import check_config
 from treadle_trainer.run import RunOwner, claims

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from treadle_common.settings import Settings
+from treadle_common.config.settings import Settings
 
 
 class TrainerSettings(Settings):
@@ -30,7 +30,7 @@ class TrainerSettings(Settings):
         ge=0,
         description="trainer: with the fair policy, a run this many weighted steps ahead of the "
         "least advanced run of its priority that keeps up waits for its turn, so step rates "
-        "follow the weights (`treadle_common.pacing`; 0: work-conserving shares only)",
+        "follow the weights (`treadle_common.fleet.pacing`; 0: work-conserving shares only)",
     )
     trainer_tenant_max_runs: int = Field(
         0,

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from treadle_common.config import TrainerConfig
+from treadle_common.config.recipe import TrainerConfig
 from treadle_trainer.backends import AdamParams, TorchBackend
 from treadle_trainer.batches import Datum, pack, split_minibatches
 from treadle_trainer.losses import NEEDS_PROXIMAL, LossParams

@@ -3,7 +3,7 @@
 Settings come from the environment (TREADLE_*), see `treadle_weight_store.settings`.
 """
 
-from treadle_common.service import run_service
+from treadle_common.runtime.service import run_service
 from treadle_weight_store.settings import WeightStoreSettings
 
 

@@ -14,9 +14,9 @@ import asyncio
 
 from treadle_common import names
 from treadle_common.clients.weights import ensure_weights_stream
-from treadle_common.logs import get_logger
 from treadle_common.proto.treadle.v1 import weights_pb2 as pb
-from treadle_common.service import Service, ServiceRuntime
+from treadle_common.runtime.logs import get_logger
+from treadle_common.runtime.service import Service, ServiceRuntime
 from treadle_weight_store import http
 from treadle_weight_store.backends import make_backend
 from treadle_weight_store.errors import StoreError

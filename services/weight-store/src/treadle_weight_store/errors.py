@@ -1,5 +1,5 @@
 """What the weight store refuses a caller with. Each error's gRPC and HTTP status is its
-class's (`treadle_common.errors`): the gRPC servicer (`grpc.py`) and the HTTP runtime answer
+class's (`treadle_common.runtime.errors`): the gRPC servicer (`grpc.py`) and the HTTP runtime answer
 with it, each in one place.
 
 | error | gRPC | HTTP | when |
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import grpc
 
-from treadle_common import errors
+from treadle_common.runtime import errors
 
 
 class StoreError(errors.ServiceError):

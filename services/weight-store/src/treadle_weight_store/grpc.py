@@ -19,14 +19,15 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from treadle_common import auth, metrics
-from treadle_common.auth import ANY, TRAINER, WORKERS
+from treadle_common.auth import policy as auth
+from treadle_common.auth.policy import ANY, TRAINER, WORKERS
 from treadle_common.clients import chunk_codec as codec
 from treadle_common.clients.chunk_codec import ChunkView
-from treadle_common.errors import grpc_abort
-from treadle_common.logs import get_logger
 from treadle_common.proto.treadle.v1 import weights_pb2 as pb
 from treadle_common.proto.treadle.v1 import weights_pb2_grpc
+from treadle_common.runtime import metrics
+from treadle_common.runtime.errors import grpc_abort
+from treadle_common.runtime.logs import get_logger
 from treadle_weight_store.errors import (
     BadRequest,
     StoreError,

@@ -14,8 +14,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
 
-from treadle_common import auth
 from treadle_common.api.weights import Manifest, Models, VersionInfo, Versions
+from treadle_common.auth import policy as auth
 from treadle_weight_store.store import WeightStore
 from treadle_weight_store.tenancy import Tenancy
 

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from treadle_common.settings import LOCAL_SECRET, Settings
+from treadle_common.config.settings import LOCAL_SECRET, Settings
 
 
 class WeightStoreSettings(Settings):

@@ -51,12 +51,13 @@ from typing import Any
 
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from treadle_common import metrics, names
+from treadle_common import names
 from treadle_common.clients.chunk_codec import frame_header, frame_payload
 from treadle_common.clients.weights import chunk_hash
-from treadle_common.logs import get_logger
-from treadle_common.malloc import reuse_freed_memory
 from treadle_common.proto.treadle.v1 import weights_pb2 as pb
+from treadle_common.runtime import metrics
+from treadle_common.runtime.logs import get_logger
+from treadle_common.runtime.malloc import reuse_freed_memory
 from treadle_weight_store.backends.base import Backend
 from treadle_weight_store.cache import ChunkCache
 from treadle_weight_store.errors import (

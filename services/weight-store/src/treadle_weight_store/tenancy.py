@@ -19,7 +19,8 @@ deduplication), over its models' listed versions, at each of its publishes.
 
 from __future__ import annotations
 
-from treadle_common import auth, names
+from treadle_common import names
+from treadle_common.auth import policy as auth
 from treadle_common.proto.treadle.v1 import weights_pb2 as pb
 from treadle_weight_store.errors import NotFound, QuotaExceeded
 from treadle_weight_store.store import WeightStore

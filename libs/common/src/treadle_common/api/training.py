@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from treadle_common import names
-from treadle_common.config import LossName
+from treadle_common.config.recipe import LossName
 
 MAX_DATA = 4096
 """Sequences in one `forward_backward`."""

@@ -17,11 +17,10 @@ from typing import Any
 
 import grpc
 
-from treadle_common import tracing
-from treadle_common.clients import grpc_options
 from treadle_common.clients.coalesce import Coalescer, Pending
 from treadle_common.proto.treadle.v1 import env_pb2 as pb
 from treadle_common.proto.treadle.v1 import env_pb2_grpc
+from treadle_common.runtime import grpc_options, tracing
 
 
 class EnvRequestError(RuntimeError):

@@ -23,9 +23,10 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from prometheus_client import Counter
 
-from treadle_common import names, tracing
+from treadle_common import names
 from treadle_common.clients.coalesce import Coalescer, Pending
 from treadle_common.proto.treadle.v1 import reward_pb2 as pb
+from treadle_common.runtime import tracing
 
 RETRIES = Counter("treadle_reward_retries_total", "Reward requests asked again after a timeout")
 

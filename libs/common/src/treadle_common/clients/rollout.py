@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import httpx
 
-from treadle_common import tls
 from treadle_common.api.rollout import EvaluateRequest, EvaluateResult, RolloutInfo, Swaps
-from treadle_common.auth import bearer, token_from_env
-from treadle_common.clients import grpc_options
+from treadle_common.auth import tls
+from treadle_common.auth.policy import bearer, token_from_env
 from treadle_common.clients.http import parse
 from treadle_common.proto.treadle.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from treadle_common.runtime import grpc_options
 
 
 class GenerationClient:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import httpx
 
-from treadle_common import tls
 from treadle_common.api.runs import Backlog, EvaluationDone, RunStatus, TrainerInfo
 from treadle_common.api.training import (
     AdamParams,
@@ -21,9 +20,10 @@ from treadle_common.api.training import (
     SaveState,
     SessionCreated,
 )
-from treadle_common.auth import bearer, token_from_env
+from treadle_common.auth import tls
+from treadle_common.auth.policy import bearer, token_from_env
 from treadle_common.clients.http import parse, parse_list
-from treadle_common.config import RunConfig
+from treadle_common.config.recipe import RunConfig
 
 
 class TrainerClient:

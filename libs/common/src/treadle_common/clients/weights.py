@@ -30,11 +30,11 @@ from tenacity.stop import stop_base
 
 from treadle_common import names
 from treadle_common.clients import chunk_codec as codec
-from treadle_common.clients import grpc_options
 from treadle_common.clients.chunk_codec import ChunkView
-from treadle_common.malloc import reuse_freed_memory
 from treadle_common.proto.treadle.v1 import weights_pb2 as pb
 from treadle_common.proto.treadle.v1 import weights_pb2_grpc
+from treadle_common.runtime import grpc_options
+from treadle_common.runtime.malloc import reuse_freed_memory
 
 CHUNK_BYTES = 4 * 1024 * 1024
 PUBLISH_BATCH_BYTES = 32 * 1024 * 1024  # chunk bytes per MissingChunks question in a publish

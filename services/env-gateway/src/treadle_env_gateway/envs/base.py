@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from treadle_common import errors
+from treadle_common.runtime import errors
 from treadle_env_gateway.settings import EnvGatewaySettings
 
 

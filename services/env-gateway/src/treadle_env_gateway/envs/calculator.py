@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from treadle_common.safe_math import ExpressionError, evaluate, format_number
+from treadle_common.tasks.safe_math import ExpressionError, evaluate, format_number
 from treadle_env_gateway.envs import register
 from treadle_env_gateway.envs.base import Action, Env, EnvError, Message, StepResult, option
 

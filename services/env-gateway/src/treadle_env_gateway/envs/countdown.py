@@ -6,7 +6,7 @@ import random
 from collections import Counter
 from typing import Any
 
-from treadle_common.safe_math import ExpressionError, evaluate
+from treadle_common.tasks.safe_math import ExpressionError, evaluate
 from treadle_env_gateway.envs import register
 from treadle_env_gateway.envs.base import Action, Env, EnvError, Message, StepResult, option
 

@@ -1,7 +1,7 @@
 """`math_verify`: numeric and symbolic equivalence of the final answer and the reference.
 
 The answer is extracted from the last `\\boxed{...}`, else from "answer is ...", else the last
-number. Both sides are parsed safely (`treadle_common.safe_math`, no eval): LaTeX fractions,
+number. Both sides are parsed safely (`treadle_common.tasks.safe_math`, no eval): LaTeX fractions,
 percentages and thousands separators are understood; expressions with single-letter
 variables are compared at several random rational points (symbolic equivalence).
 """
@@ -12,7 +12,7 @@ import random
 import re
 from fractions import Fraction
 
-from treadle_common.safe_math import ExpressionError, evaluate
+from treadle_common.tasks.safe_math import ExpressionError, evaluate
 from treadle_reward.scorers import register
 from treadle_reward.scorers.base import CpuScorer, Score, ScoreInput, reference
 

@@ -140,7 +140,7 @@ class Engine(abc.ABC):
     async def load_adapter(
         self, name: str, tensors: dict[str, Any], config: Any, version: int = 0
     ) -> None:
-        """Serve LoRA adapter `name` (`treadle_common.lora` tensors and `AdapterConfig`) on
+        """Serve LoRA adapter `name` (`treadle_common.model.lora` tensors and `AdapterConfig`) on
         the base model, next to the others; replaces an adapter of the same name. Tokens
         sampled through it are tagged with `version` (a run's policy version)."""
         raise AdapterUnsupported(f"the {self.name} engine does not serve LoRA adapters")

@@ -28,7 +28,7 @@ swap or adapter change waits for the pause point; the event loop keeps serving m
 LoRA adapters (`load_adapter`, from the Tinker API's sampler weights; and the policy itself
 when a run trains one: `policy_adapter`) sit on the one base model: a request names its
 adapter (`Sampling.adapter`) and each forward pass routes every row through its own
-(`treadle_common.lora.using`), so requests on different adapters and on the policy share a
+(`treadle_common.model.lora.using`), so requests on different adapters and on the policy share a
 batch. Rows of a named adapter neither use nor fill the prefix cache (their KV is not the
 policy's). Loading one happens at the pause point, like a swap.
 
@@ -56,9 +56,9 @@ import torch
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from treadle_common import lora
 from treadle_common.clients.torch_weights import ChunkCache, apply_fetch, tensors_of
 from treadle_common.clients.weights import FetchResult, WeightStoreClient
+from treadle_common.model import lora
 from treadle_rollout import metrics
 from treadle_rollout.engines import cpus as cpus_mod
 from treadle_rollout.engines import prefix_cache

@@ -36,9 +36,9 @@ from typing import Any
 from safetensors.torch import save as save_safetensors
 from transformers import AutoTokenizer
 
-from treadle_common import lora
 from treadle_common.clients.weights import WeightStoreClient
-from treadle_common.logs import get_logger
+from treadle_common.model import lora
+from treadle_common.runtime.logs import get_logger
 from treadle_rollout.engines import prestart, wire
 from treadle_rollout.engines.base import (
     AdapterUnsupported,

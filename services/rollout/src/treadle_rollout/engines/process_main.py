@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from treadle_common.clients.weights import WeightStoreClient
-from treadle_common.logs import configure_logging, get_logger
+from treadle_common.runtime.logs import configure_logging, get_logger
 from treadle_rollout import metrics
 from treadle_rollout.engines import cpus, wire
 from treadle_rollout.engines.base import AdapterUnsupported, ContextOverflow, Generation, SwapStats

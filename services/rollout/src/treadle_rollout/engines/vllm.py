@@ -29,9 +29,9 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from treadle_common import lora
 from treadle_common.clients.torch_weights import fetch_state_dict
 from treadle_common.clients.weights import WeightStoreClient
+from treadle_common.model import lora
 from treadle_rollout import metrics
 from treadle_rollout.engines.base import (
     AdapterUnsupported,
@@ -347,7 +347,7 @@ class VLLMEngine(Engine):
 
 
 def write_peft(path: Path, tensors: dict, config: Any, base_model: str) -> None:
-    """A `treadle_common.lora` adapter as a PEFT LoRA directory (what vLLM's LoRARequest
+    """A `treadle_common.model.lora` adapter as a PEFT LoRA directory (what vLLM's LoRARequest
     loads): `base_model.model.<layer>.lora_A.weight` tensors and the LoRA config."""
     from safetensors.torch import save_file
 

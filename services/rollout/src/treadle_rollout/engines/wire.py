@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import msgpack
 
-from treadle_common import lora
+from treadle_common.model import lora
 from treadle_rollout.engines.base import Generation, Sampling
 
 MAX_FRAME = 1 << 31

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from treadle_common import durable
+from treadle_common.runtime import durable
 from treadle_trainer.errors import CorruptCheckpoint
 
 CHECKPOINT_FILES = ("model.safetensors", "optimizer.pt", "rng.safetensors")

@@ -8,7 +8,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from treadle_common.config import TrainerBackend
+from treadle_common.config.recipe import TrainerBackend
 from treadle_trainer.backends.single import TorchBackend
 from treadle_trainer.backends.spec import BackendSpec
 

@@ -1,7 +1,7 @@
 """`LoraBackend`: the single-process backend training a LoRA adapter (`trainer.lora`).
 
 The base model is loaded once and frozen; the policy is the adapter `policy` on it
-(`treadle_common.lora`), the frozen reference for the KL penalty is the same base model with
+(`treadle_common.model.lora`), the frozen reference for the KL penalty is the same base model with
 no adapter (no second copy), and decoupled PPO's proximal policy is a second adapter,
 `proximal`, copied from the policy. AdamW sees the adapter's parameters only.
 
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from treadle_common import lora
+from treadle_common.model import lora
 from treadle_trainer.backends.single import TorchBackend
 from treadle_trainer.backends.spec import BackendSpec
 

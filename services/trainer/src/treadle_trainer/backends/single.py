@@ -33,8 +33,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from treadle_common import durable
 from treadle_common.api.training import AdamParams  # the API's shape, re-exported here
+from treadle_common.runtime import durable
 from treadle_trainer.backends.checkpoint_files import CHECKPOINT_FILES
 from treadle_trainer.backends.logprobs import token_logprobs
 from treadle_trainer.backends.spec import BackendSpec

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from treadle_common.config import TrainerBackend
+from treadle_common.config.recipe import TrainerBackend
 
 
 class BackendSpec(BaseModel):

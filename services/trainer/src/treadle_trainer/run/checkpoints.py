@@ -23,8 +23,8 @@ import redis.asyncio as aioredis
 from treadle_common import names
 from treadle_common.api.runs import RunStatus
 from treadle_common.clients import streams
-from treadle_common.config import RunConfig
-from treadle_common.logs import get_logger
+from treadle_common.config.recipe import RunConfig
+from treadle_common.runtime.logs import get_logger
 from treadle_trainer import metrics as tm
 from treadle_trainer.backends import TorchBackend, on_torch_thread
 from treadle_trainer.backends.checkpoint_files import verify_checkpoint

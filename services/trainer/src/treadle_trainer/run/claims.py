@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
-from treadle_common import auth, fleet, names
+from treadle_common import names
 from treadle_common.api.runs import Backlog, RunStatus, Usage
+from treadle_common.auth import policy as auth
 from treadle_common.clients import streams
 from treadle_common.clients.weights import WeightStoreClient, build_manifest, chunk_positions
-from treadle_common.config import RunConfig
+from treadle_common.config.recipe import RunConfig
+from treadle_common.fleet import runs as fleet
 from treadle_trainer import errors
 
 

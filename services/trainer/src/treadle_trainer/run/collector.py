@@ -19,10 +19,10 @@ import redis.asyncio as aioredis
 from treadle_common import names
 from treadle_common.api.runs import RunStatus
 from treadle_common.clients import streams
-from treadle_common.config import RunConfig
-from treadle_common.logs import get_logger
-from treadle_common.progress import Stage
+from treadle_common.config.recipe import RunConfig
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
+from treadle_common.runtime.logs import get_logger
+from treadle_common.runtime.progress import Stage
 from treadle_trainer.batches import Entry, Group, GroupBuffer, invalid_reason, staleness
 from treadle_trainer.run.feeder import Feeder
 from treadle_trainer.run.lease import Lease

@@ -20,13 +20,14 @@ import redis.asyncio as aioredis
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind
 
-from treadle_common import names, tracing
+from treadle_common import names
 from treadle_common.api.runs import RunStatus
 from treadle_common.clients import streams
 from treadle_common.clients.env import EnvClient
-from treadle_common.config import RunConfig
-from treadle_common.evaluation import held_out_tasks, without_held_out
+from treadle_common.config.recipe import RunConfig
 from treadle_common.proto.treadle.v1 import common_pb2, task_pb2
+from treadle_common.runtime import tracing
+from treadle_common.tasks.evaluation import held_out_tasks, without_held_out
 from treadle_trainer.data import DatasetError, TaskSource, load_rows
 from treadle_trainer.run.lease import Lease
 

@@ -21,9 +21,10 @@ from typing import Any, Literal
 
 import redis.asyncio as aioredis
 
-from treadle_common import metrics, names
+from treadle_common import names
 from treadle_common.api.runs import RunStatus
 from treadle_common.clients import streams
+from treadle_common.runtime import metrics
 from treadle_trainer.run.lease import Lease
 
 SERVICE = "trainer"

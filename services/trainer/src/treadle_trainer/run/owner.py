@@ -18,14 +18,16 @@ from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 
-from treadle_common import admission, fleet, names, scheduling
+from treadle_common import names
 from treadle_common.api.runs import FINAL_STATES, RunState, RunStatus
 from treadle_common.clients import streams
 from treadle_common.clients.env import EnvClient
 from treadle_common.clients.weights import WeightStoreClient
-from treadle_common.config import RunConfig
-from treadle_common.logs import get_logger
-from treadle_common.progress import Stage
+from treadle_common.config.recipe import RunConfig
+from treadle_common.fleet import admission, scheduling
+from treadle_common.fleet import runs as fleet
+from treadle_common.runtime.logs import get_logger
+from treadle_common.runtime.progress import Stage
 from treadle_trainer.backends import (
     BackendSpec,
     TorchBackend,

@@ -19,13 +19,15 @@ import redis.asyncio as aioredis
 import torch
 from opentelemetry.context import Context
 
-from treadle_common import lora, names, tracing
+from treadle_common import names
 from treadle_common.api.runs import RunStatus, StepRecord
 from treadle_common.clients.torch_weights import model_assets, state_dict_to_raw
 from treadle_common.clients.weights import WeightStoreClient, build_manifest, chunk_positions
-from treadle_common.config import RunConfig
+from treadle_common.config.recipe import RunConfig
+from treadle_common.model import lora
+from treadle_common.model.export import export_hf
 from treadle_common.proto.treadle.v1 import weights_pb2
-from treadle_common.weights_export import export_hf
+from treadle_common.runtime import tracing
 from treadle_trainer import metrics as tm
 from treadle_trainer.backends import on_torch_thread
 from treadle_trainer.backends.lora import LoraBackend

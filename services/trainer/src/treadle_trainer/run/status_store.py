@@ -12,9 +12,10 @@ import httpx
 import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 
-from treadle_common import names, retention
+from treadle_common import names
 from treadle_common.api.runs import RunState, RunStatus, StepRecord
-from treadle_common.logs import get_logger
+from treadle_common.fleet import retention
+from treadle_common.runtime.logs import get_logger
 from treadle_trainer import errors
 from treadle_trainer.run.lease import Fenced, Lease
 

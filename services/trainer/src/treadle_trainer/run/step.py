@@ -13,11 +13,11 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from treadle_common import tracing
 from treadle_common.api.runs import StepRecord
-from treadle_common.config import RunConfig, TrainerConfig
-from treadle_common.logs import get_logger
+from treadle_common.config.recipe import RunConfig, TrainerConfig
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
+from treadle_common.runtime import tracing
+from treadle_common.runtime.logs import get_logger
 from treadle_trainer import metrics as tm
 from treadle_trainer.batches import (
     Datum,

@@ -13,10 +13,10 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from treadle_common import scheduling
 from treadle_common.api.runs import RunStatus
-from treadle_common.config import RunConfig
-from treadle_common.progress import Stage
+from treadle_common.config.recipe import RunConfig
+from treadle_common.fleet import scheduling
+from treadle_common.runtime.progress import Stage
 from treadle_trainer.backends import AdamParams, TorchBackend, on_torch_thread
 from treadle_trainer.batches import Datum, Group
 from treadle_trainer.losses import LossParams

@@ -1,7 +1,7 @@
 """LoRA training clients sharing one frozen base model per base-model name.
 
     BaseModel    an HF causal LM loaded once, frozen, every targetable Linear wrapped by
-                 `treadle_common.lora.LoRALinear`; holds the adapters of all its clients
+                 `treadle_common.model.lora.LoRALinear`; holds the adapters of all its clients
     LoraClient   one Tinker training client: an adapter on a base model, its own AdamW over
                  the adapter's parameters only, its step count
 
@@ -26,8 +26,8 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from treadle_common import lora
 from treadle_common.api.training import AdamParams, LossParams
+from treadle_common.model import lora
 from treadle_trainer.backends.logprobs import token_logprobs
 from treadle_trainer.batches import MicroBatch
 from treadle_trainer.errors import InvalidInput

@@ -33,7 +33,7 @@ from pydantic import BaseModel
 from tinker import types
 from tinker.types.try_again_response import TryAgainResponse
 
-from treadle_common import auth
+from treadle_common.auth import policy as auth
 from treadle_trainer import errors
 from treadle_trainer.tinker import sampling_sessions, training, wire
 from treadle_trainer.tinker.state import ROLES, TinkerState

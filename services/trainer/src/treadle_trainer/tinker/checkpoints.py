@@ -12,7 +12,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from treadle_common import durable, lora
+from treadle_common.model import lora
+from treadle_common.runtime import durable
 from treadle_trainer.errors import InvalidInput
 from treadle_trainer.tinker.adapters import LoraClient
 

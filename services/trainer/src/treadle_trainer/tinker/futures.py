@@ -21,8 +21,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from treadle_common import auth
-from treadle_common.logs import get_logger
+from treadle_common.auth import policy as auth
+from treadle_common.runtime.logs import get_logger
 from treadle_trainer.errors import ServiceError
 
 log = get_logger(__name__)

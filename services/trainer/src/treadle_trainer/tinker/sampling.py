@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 from tinker import types
 
-from treadle_common import auth
+from treadle_common.auth import policy as auth
 from treadle_trainer.errors import InvalidInput
 
 MAX_LOADED = 16

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from tinker import types
 
-from treadle_common import auth
+from treadle_common.auth import policy as auth
 from treadle_trainer.errors import InvalidInput, NotFound
 from treadle_trainer.tinker import wire
 from treadle_trainer.tinker.futures import Result

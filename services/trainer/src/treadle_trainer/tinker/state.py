@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from treadle_common import auth
+from treadle_common.auth import policy as auth
 from treadle_common.clients.weights import WeightStoreClient
-from treadle_common.logs import get_logger
+from treadle_common.runtime.logs import get_logger
 from treadle_trainer import errors
 from treadle_trainer.backends import on_torch_thread
 from treadle_trainer.errors import InvalidInput

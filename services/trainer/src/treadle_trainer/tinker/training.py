@@ -13,9 +13,10 @@ from typing import Any
 
 from tinker import types
 
-from treadle_common import auth, lora
 from treadle_common.api.training import AdamParams
+from treadle_common.auth import policy as auth
 from treadle_common.clients.torch_weights import state_dict_to_raw
+from treadle_common.model import lora
 from treadle_trainer.backends import on_torch_thread
 from treadle_trainer.errors import InvalidInput, NotFound
 from treadle_trainer.tinker import checkpoints, wire

@@ -15,7 +15,6 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
 
-from treadle_common import auth
 from treadle_common.api.training import (
     AdamParams,
     CreateSession,
@@ -29,6 +28,7 @@ from treadle_common.api.training import (
     SaveState,
     SessionCreated,
 )
+from treadle_common.auth import policy as auth
 from treadle_trainer.training.sessions import TrainingSessions
 
 router = APIRouter(prefix="/v1/training/sessions", tags=["training"])

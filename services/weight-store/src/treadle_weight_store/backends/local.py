@@ -20,8 +20,8 @@ import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from treadle_common import durable
-from treadle_common.durable import fsync
+from treadle_common.runtime import durable
+from treadle_common.runtime.durable import fsync
 from treadle_weight_store.backends.base import Backend, chunk_key, manifest_key
 from treadle_weight_store.errors import NotFound, VersionConflict
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from treadle_common.scheduling import Claim
+    from treadle_common.fleet.scheduling import Claim
 
 GAP_SMOOTHING = 0.2
 """Weight of the newest gap in a run's moving average."""

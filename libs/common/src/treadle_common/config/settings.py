@@ -19,8 +19,8 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from treadle_common import names
-from treadle_common.auth import TokenTable, load_table, read_token
-from treadle_common.infra_auth import has_credentials
+from treadle_common.auth.infra import has_credentials
+from treadle_common.auth.policy import TokenTable, load_table, read_token
 
 LOCAL_SECRET = "treadle-local-secret"
 """The S3 keys of local development (the embedded S3); production refuses them."""
@@ -29,7 +29,8 @@ LOCAL_SECRET = "treadle-local-secret"
 PROCESS_ENVIRONMENT: dict[str, tuple[str, str]] = {
     "TREADLE_MALLOC_TUNING": (
         "1",
-        "`0` leaves glibc's malloc defaults in weight-moving processes (`treadle_common.malloc`, "
+        "`0` leaves glibc's malloc defaults in weight-moving processes "
+        "(`treadle_common.runtime.malloc`, "
         "applied at start, before the settings are read)",
     ),
     "TREADLE_MALLOC_TRIM_MB": (
@@ -80,7 +81,7 @@ class Settings(BaseSettings):
     scheduling_policy: Literal["fair", "fifo"] = Field(
         "fair",
         description="How runs share rollout's task slots and the trainer's torch thread "
-        "(`treadle_common.scheduling`): fair (priority, then weighted fair share) or fifo",
+        "(`treadle_common.fleet.scheduling`): fair (priority, then weighted fair share) or fifo",
     )
     s3_access_key: str = Field(LOCAL_SECRET, description="S3 access key")
     s3_secret_key: str = Field(LOCAL_SECRET, description="S3 secret key")
@@ -88,7 +89,7 @@ class Settings(BaseSettings):
     auth: Literal["on", "off"] = Field(
         "on",
         description="`on`: every endpoint but /healthz and /readyz needs a bearer token of a "
-        "role allowed to call it (`treadle_common.auth`); `off` only with environment=local",
+        "role allowed to call it (`treadle_common.auth.policy`); `off` only with environment=local",
     )
     auth_tokens: SecretStr | None = Field(
         None,

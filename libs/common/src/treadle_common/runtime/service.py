@@ -9,7 +9,7 @@ Every service gets `/healthz` (process alive), `/readyz` (every dependency answe
 the reason otherwise), `/metrics` (Prometheus) and `/v1/info`, a heartbeat every few seconds
 into the NATS KV bucket `treadle_heartbeats`, and `grpc.health.v1` on its gRPC server.
 
-Every other endpoint is checked against the caller's bearer token (`treadle_common.auth`):
+Every other endpoint is checked against the caller's bearer token (`treadle_common.auth.policy`):
 HTTP routes by one app-wide dependency that reads each route's declared roles, gRPC methods
 by one interceptor over the policy the service passes to `make_grpc_server`.
 """
@@ -40,16 +40,19 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from nats.aio.client import Client as NATS
 from nats.js.kv import KeyValue
 
-from treadle_common import __version__, auth, errors, infra_auth, metrics, names, tls, tracing
+from treadle_common import __version__, names
 from treadle_common.api.ops import Liveness, Readiness, ServiceInfo
-from treadle_common.auth_middleware import IDENTITY, Authenticate, declared_roles
-from treadle_common.body_limit import BodyLimit
-from treadle_common.clients import grpc_options
-from treadle_common.grpc_auth import ServerAuth
-from treadle_common.infra_auth import redact
-from treadle_common.logs import configure_logging, get_logger
-from treadle_common.progress import Progress
-from treadle_common.settings import Settings
+from treadle_common.auth import infra as infra_auth
+from treadle_common.auth import policy as auth
+from treadle_common.auth import tls
+from treadle_common.auth.infra import redact
+from treadle_common.auth.interceptor import ServerAuth
+from treadle_common.auth.middleware import IDENTITY, Authenticate, declared_roles
+from treadle_common.config.settings import Settings
+from treadle_common.runtime import errors, grpc_options, metrics, tracing
+from treadle_common.runtime.body_limit import BodyLimit
+from treadle_common.runtime.logs import configure_logging, get_logger
+from treadle_common.runtime.progress import Progress
 
 log = get_logger(__name__)
 Check = Callable[[], Awaitable[None]]
@@ -205,9 +208,7 @@ class ServiceRuntime:
             Authenticate,
             routes=lambda: app.routes,
             identify=self._identify,
-            on_refuse=lambda status: metrics.AUTH_REFUSED.labels(
-                service, "http", str(status)
-            ).inc(),
+            on_refuse=lambda status: auth.REFUSED.labels(service, "http", str(status)).inc(),
         )
         return app
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import grpc
 
-from treadle_common import auth, tls
-from treadle_common.grpc_auth import client_interceptors
+from treadle_common.auth import policy as auth
+from treadle_common.auth import tls
+from treadle_common.auth.interceptor import client_interceptors
 
 MESSAGE_BYTES = 64 * 1024 * 1024
 KEEPALIVE_S = 20
@@ -40,7 +41,7 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
 def channel(address: str, token: str | None = None) -> grpc.aio.Channel:
     """A channel to a Treadle gRPC server that presents `token` on every call (default: the
     caller's `TREADLE_TOKEN` / `TREADLE_TOKEN_FILE`); over TLS when `TREADLE_TLS_CA_FILE` is
-    set (`treadle_common.tls`)."""
+    set (`treadle_common.auth.tls`)."""
     token = token if token is not None else auth.token_from_env()
     credentials = tls.channel_credentials()
     if credentials is not None:  # TREADLE_TLS_CA_FILE: the server must prove itself

@@ -24,7 +24,7 @@ from typing import Any
 
 from prometheus_client import Gauge
 
-from treadle_common.logs import get_logger
+from treadle_common.runtime.logs import get_logger
 
 log = get_logger(__name__)
 STALLED = Gauge(

@@ -14,8 +14,8 @@ from typing import Any
 
 import grpc
 
-from treadle_common import metrics
-from treadle_common.auth import CALLER, AuthError, Authorizer, GrpcPolicy, bearer_token
+from treadle_common.auth import policy as auth
+from treadle_common.auth.policy import CALLER, AuthError, Authorizer, GrpcPolicy, bearer_token
 
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 _CODES = {401: grpc.StatusCode.UNAUTHENTICATED, 403: grpc.StatusCode.PERMISSION_DENIED}
@@ -63,7 +63,7 @@ class ServerAuth(grpc.aio.ServerInterceptor):
             token = bearer_token(metadata.get("authorization"))
             who = self.authorizer.identify(token, self.policy.get(method), method)
         except AuthError as error:
-            metrics.AUTH_REFUSED.labels(self.service, "grpc", str(error.status)).inc()
+            auth.REFUSED.labels(self.service, "grpc", str(error.status)).inc()
             return _refusing(handler, error)
         # the handler runs in this call's task, after this: `auth.caller()` answers `who`
         CALLER.set(who)

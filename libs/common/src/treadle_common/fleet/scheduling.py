@@ -35,7 +35,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from treadle_common.pacing import Pacing
+from treadle_common.fleet.pacing import Pacing
 
 
 @dataclass(frozen=True)

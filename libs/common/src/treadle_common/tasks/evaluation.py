@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from treadle_common.clients.env import EnvClient
-from treadle_common.config import RunConfig, task_key
+from treadle_common.config.recipe import RunConfig, task_key
 
 EVAL_SPLIT = "eval"
 

@@ -21,11 +21,6 @@ REQUESTS = Counter(
 LATENCY = Histogram(
     "treadle_request_seconds", "Request latency, by service and method", ["service", "method"]
 )
-AUTH_REFUSED = Counter(
-    "treadle_auth_refused_total",
-    "Calls refused by authentication (401) or authorization (403), by service and transport",
-    ["service", "transport", "status"],
-)
 READY = Gauge("treadle_ready", "1 when the service is ready", ["service"])
 
 

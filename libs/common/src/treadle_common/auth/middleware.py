@@ -19,7 +19,7 @@ from starlette.datastructures import Headers
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from treadle_common import auth
+from treadle_common.auth import policy as auth
 
 IDENTITY = "identity"
 """Where the middleware leaves the caller in `scope["state"]`."""

@@ -46,6 +46,14 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from prometheus_client import Counter
+
+REFUSED = Counter(
+    "treadle_auth_refused_total",
+    "Calls refused by authentication (401) or authorization (403), by service and transport",
+    ["service", "transport", "status"],
+)
+
 ROLES_KEY = "x-treadle-roles"
 """The OpenAPI extension on every route: the roles that may call it (or `public`)."""
 PUBLIC = "public"

@@ -258,7 +258,7 @@ class EvalConfig(Strict):
 
 
 class SchedulingConfig(Strict):
-    """How this run shares a fleet with other runs (`treadle_common.scheduling`)."""
+    """How this run shares a fleet with other runs (`treadle_common.fleet.scheduling`)."""
 
     weight: float = Field(
         1.0, gt=0, le=1000, description="Share of contended capacity relative to other runs"

@@ -46,7 +46,7 @@ def write_hf(fetched: FetchResult, out_dir: Path, adapter: FetchResult | None = 
     tensors = _tensors(fetched)
     version = manifest.version
     if adapter is not None:
-        from treadle_common import lora
+        from treadle_common.model import lora
 
         config = lora.from_metadata(dict(adapter.manifest.metadata))
         tensors = lora.merge(tensors, _tensors(adapter), config)

@@ -1,0 +1,2 @@
+"""Who may call what: tokens and roles, the HTTP and gRPC checks, infrastructure credentials,
+TLS."""

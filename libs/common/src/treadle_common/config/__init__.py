@@ -1,0 +1,1 @@
+"""What configures a run and a stack: recipes, TREADLE_* settings, every Redis/NATS name."""

@@ -1,0 +1,1 @@
+"""Many runs on one fleet: admission, scheduling, pacing, quotas, retention."""

@@ -1,0 +1,1 @@
+"""Model-side helpers shared by services: LoRA adapters, exporting a version as an HF directory."""

@@ -1,0 +1,1 @@
+"""The process a service runs as: lifecycle, errors, logs, metrics, traces, stall detection."""

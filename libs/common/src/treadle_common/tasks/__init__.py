@@ -1,0 +1,1 @@
+"""Task-side helpers: the held-out evaluation split, safe arithmetic on model text."""
