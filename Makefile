@@ -17,9 +17,9 @@ PIP := $(PY) -m pip
 #   make setup TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128'
 TORCH_SPEC ?=
 SERVICES := weight-store env-gateway reward rollout trainer
-LIBS := common cli bench
+LIBS := common cli
 STAMP := $(VENV)/.treadle-installed
-WORKSPACE := -e 'libs/common[hf]' -e 'libs/cli[hf,infra,report]' -e libs/bench \
+WORKSPACE := -e 'libs/common[hf]' -e 'libs/cli[hf,infra,report]' -e bench \
 	$(foreach s,$(SERVICES),-e services/$(s)) -e '.[dev]' -e 'services/env-gateway[verifiers]' \
 	-e examples/verifiers/vf-tiny-arith -e examples/agents/arith-agent
 PYTEST_ARGS ?=
@@ -30,7 +30,7 @@ PYTEST_WORKERS ?= 2
 
 setup: $(STAMP)
 
-$(STAMP): requirements/ci.txt pyproject.toml examples/verifiers/vf-tiny-arith/pyproject.toml examples/agents/arith-agent/pyproject.toml $(foreach l,$(LIBS),libs/$(l)/pyproject.toml) $(foreach s,$(SERVICES),services/$(s)/pyproject.toml)
+$(STAMP): requirements/ci.txt pyproject.toml examples/verifiers/vf-tiny-arith/pyproject.toml examples/agents/arith-agent/pyproject.toml $(foreach l,$(LIBS),libs/$(l)/pyproject.toml) bench/pyproject.toml $(foreach s,$(SERVICES),services/$(s)/pyproject.toml)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --quiet --require-hashes -r requirements/ci.txt
 	$(if $(TORCH_SPEC),$(PIP) install --quiet $(TORCH_SPEC))
@@ -45,7 +45,7 @@ demo: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy $(wildcard libs/*/src/treadle_*) $(wildcard services/*/src/treadle_*)
+	$(VENV)/bin/mypy $(wildcard libs/*/src/treadle_*) bench/src/treadle_bench $(wildcard services/*/src/treadle_*)
 	$(VENV)/bin/lint-imports  # the layering contracts in pyproject.toml
 	$(PY) scripts/check_sizes.py  # no function over 60 lines, no class over 400
 

@@ -18,29 +18,28 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ["libs", "services"]
+SOURCES = ["libs", "services", "bench"]
 LIMITS = {"function": 60, "class": 400}
 OVERSIZE: dict[str, int] = {
     "services/rollout/src/treadle_rollout/engines/hf.py:HFEngine": 658,
     "services/weight-store/src/treadle_weight_store/store.py:WeightStore": 653,
     "services/rollout/src/treadle_rollout/worker.py:TaskWorker": 510,
     "libs/cli/src/treadle_cli/run_client.py:RunClient": 430,
-    "libs/bench/src/treadle_bench/step.py:inproc_loop": 94,
     "services/trainer/src/treadle_trainer/run/owner.py:RunOwner._execute": 90,
     "services/rollout/src/treadle_rollout/engines/hf.py:HFEngine.__init__": 86,
     "libs/cli/src/treadle_cli/run_client.py:RunClient._follow": 83,
-    "libs/bench/src/treadle_bench/chaos.py:_run": 80,
+    "bench/src/treadle_bench/chaos.py:_run": 80,
     "services/rollout/src/treadle_rollout/episodes.py:EpisodeRunner._play": 80,
-    "libs/bench/src/treadle_bench/trainer.py:_service_run": 77,
+    "bench/src/treadle_bench/trainer.py:_service_run": 77,
     "services/rollout/src/treadle_rollout/engines/vllm.py:VLLMEngine._run": 74,
     "services/rollout/src/treadle_rollout/episodes.py:EpisodeRunner._played": 70,
     "services/rollout/src/treadle_rollout/worker.py:TaskWorker._run_task": 70,
-    "libs/bench/src/treadle_bench/rollout.py:run": 69,
-    "libs/bench/src/treadle_bench/rollout.py:_measure": 66,
-    "libs/bench/src/treadle_bench/tinker_api.py:run": 66,
-    "libs/bench/src/treadle_bench/tinker_api.py:_sample": 64,
-    "libs/bench/src/treadle_bench/e2e.py:run": 63,
-    "libs/bench/src/treadle_bench/e2e.py:both_modes": 62,
+    "bench/src/treadle_bench/rollout.py:run": 69,
+    "bench/src/treadle_bench/rollout.py:_measure": 66,
+    "bench/src/treadle_bench/tinker_api.py:run": 66,
+    "bench/src/treadle_bench/tinker_api.py:_sample": 64,
+    "bench/src/treadle_bench/e2e.py:run": 63,
+    "bench/src/treadle_bench/e2e.py:both_modes": 62,
 }
 """`path:qualified.name` -> the most lines it may have until it is split."""
 

@@ -15,7 +15,7 @@ ENV_NAME = re.compile(r"\bTREADLE_[A-Z0-9_]*[A-Z0-9]\b")
 
 def variables_in_code() -> set[str]:
     found: set[str] = set()
-    for top in ("libs", "services"):
+    for top in ("libs", "services", "bench"):
         for path in (ROOT / top).rglob("*.py"):
             found |= set(ENV_NAME.findall(path.read_text()))
     return found - NOT_SETTINGS

@@ -40,11 +40,15 @@ def test_light_services_do_not_pull_torch(service):
 def test_only_the_cli_distribution_owns_the_treadle_script():
     owners = {
         path.parent.name: tomllib.loads(path.read_text())["project"].get("scripts", {})
-        for path in [ROOT / "pyproject.toml", *ROOT.glob("libs/*/pyproject.toml")]
+        for path in [
+            ROOT / "pyproject.toml",
+            ROOT / "bench/pyproject.toml",
+            *ROOT.glob("libs/*/pyproject.toml"),
+        ]
     }
     assert {name for name, scripts in owners.items() if "treadle" in scripts} == {"cli"}
     assert owners["cli"]["treadle"] == "treadle_cli.cli:main"
-    bench = tomllib.loads((ROOT / "libs/bench/pyproject.toml").read_text())["project"]
+    bench = tomllib.loads((ROOT / "bench/pyproject.toml").read_text())["project"]
     assert bench["entry-points"]["treadle.commands"] == {"bench": "treadle_bench.cli:app"}
 
 

@@ -137,7 +137,7 @@ def _train(trainer, model_dir, steps, rounds, batch, seq_len, rank) -> dict:
     from tinker import types
 
     from treadle_common.api.training import AdamParams
-    from treadle_trainer.tinker.adapters import BaseModel, LoraClient, TinkerDatum
+    from treadle_trainer.public import BaseModel, LoraClient, TinkerDatum
 
     adam = types.AdamParams(learning_rate=1e-4)
     data = _datums(batch, seq_len)
@@ -264,7 +264,7 @@ def _wait_for_adapter(sampler, rollout, prompt, params) -> str:
 
 async def _publish_bytes(store_addr: str, model_dir: Path, rank: int) -> dict:
     """One adapter version and one full-weight version, each into a fresh model name."""
-    from treadle_trainer.tinker.adapters import BaseModel, LoraClient
+    from treadle_trainer.public import BaseModel, LoraClient
 
     base = BaseModel(MODEL, str(model_dir))
     client = LoraClient.create("publish", base, lora.AdapterConfig(rank=rank))

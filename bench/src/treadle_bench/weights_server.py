@@ -16,9 +16,12 @@ import grpc
 from treadle_bench.harness import identity
 from treadle_bench.harness import serve as serve_forever
 from treadle_common.runtime.logs import configure_logging
-from treadle_weight_store.backends.local import LocalBackend
-from treadle_weight_store.grpc import WeightStoreServicer, add_to_server
-from treadle_weight_store.store import WeightStore
+from treadle_weight_store.public import (
+    LocalBackend,
+    WeightStore,
+    WeightStoreServicer,
+    add_to_server,
+)
 
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 64 * 2**20),

@@ -52,10 +52,7 @@ from treadle_common.auth.policy import bearer, token_from_env
 from treadle_common.clients.rollout import GenerationClient
 from treadle_common.clients.torch_weights import TorchWeightClient
 from treadle_common.runtime.logs import configure_logging
-from treadle_rollout.engines import cpus
-from treadle_rollout.engines.base import Sampling
-from treadle_rollout.engines.hf import HFEngine
-from treadle_rollout.openai_api import session_free_prompt
+from treadle_rollout.public import HFEngine, Sampling, cpus, session_free_prompt
 
 
 def make_prompts(tokenizer, n: int) -> list[list[int]]:

@@ -71,7 +71,7 @@ async def _raw(address: str, task: dict, sessions: int, seconds: float) -> int:
 
 def run(sessions: int = 256, seconds: float = 10.0) -> dict:
     configure_logging("bench", level="WARNING")
-    from treadle_env_gateway.envs.arith import Arith
+    from treadle_env_gateway.public import Arith
 
     tasks = Arith.sample_tasks(64, seed=0, split="bench", options={})
     port = free_port()
@@ -140,7 +140,7 @@ def sandbox_run(sessions: int = 64, seconds: float = 10.0, backends: tuple[str, 
     import tempfile
     from pathlib import Path
 
-    from treadle_env_gateway.sandbox.runner import Sandbox
+    from treadle_env_gateway.public import Sandbox
 
     configure_logging("bench", level="WARNING")
     backends = backends or ("unshare", "bwrap", "docker")

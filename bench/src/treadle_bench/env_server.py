@@ -15,8 +15,7 @@ from treadle_bench.harness import identity
 from treadle_bench.harness import serve as serve_forever
 from treadle_common.proto.treadle.v1 import env_pb2_grpc
 from treadle_common.runtime.logs import configure_logging
-from treadle_env_gateway.grpc import EnvGatewayServicer
-from treadle_env_gateway.sessions import SessionManager
+from treadle_env_gateway.public import EnvGatewayServicer, SessionManager
 
 
 async def echo(request: bytes, context) -> bytes:

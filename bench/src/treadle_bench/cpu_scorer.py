@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
-from treadle_reward.scorers import register
-from treadle_reward.scorers.base import Score, ScoreInput, Scorer
+from treadle_reward.public import Score, ScoreInput, Scorer, register
 
 
 @register("bench_cpu")

@@ -91,42 +91,44 @@ async def _export(address: str, token: str | None, model: str, version: int, out
         await client.close()
 
 
-async def inproc_loop(model_dir: Path, cfg: RunConfig, steps: int) -> dict[str, Any]:
-    """The workload in one process: generate -> score -> train -> load the weights in place."""
-    import torch
+class _InProc:
+    """The workload's pieces in one process: the engine, the backend, the env and the scorer."""
 
-    from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
-    from treadle_env_gateway.envs import registry as env_registry
-    from treadle_env_gateway.envs.base import Action
-    from treadle_reward.scorers import registry as scorer_registry
-    from treadle_reward.scorers.base import ScoreInput
-    from treadle_rollout.engines.base import Sampling
-    from treadle_rollout.engines.hf import HFEngine
-    from treadle_rollout.transcript import Transcript
-    from treadle_trainer.backends import AdamParams, BackendSpec, build_backend
-    from treadle_trainer.batches import Datum, group_advantages
-    from treadle_trainer.losses import LossParams
-    from treadle_trainer.run import task_seed
-    from treadle_trainer.train import train_batch
+    def __init__(self, model_dir: Path, cfg: RunConfig, steps: int) -> None:
+        from treadle_env_gateway.public import env_registry
+        from treadle_reward.public import scorer_registry
+        from treadle_rollout.public import HFEngine
+        from treadle_trainer.public import AdamParams, BackendSpec, LossParams, build_backend
 
-    t, r = cfg.trainer, cfg.rollout
-    engine = HFEngine(model_dir, cfg.model.name)
-    backend = build_backend(BackendSpec(model_dir=str(model_dir), seed=t.seed, bf16=False))
-    env_cls = env_registry()[cfg.env.name]
-    scorer = scorer_registry()[cfg.scorer]
-    tasks = env_cls.sample_tasks(steps * t.tasks_per_step, t.seed, "train", cfg.env.options)
-    loss = LossParams(
-        clip_low=t.clip_low,
-        clip_high=t.clip_high,
-        is_cap=t.is_cap,
-        kl_coef=t.kl_coef,
-        temperature=r.sampling.temperature or 1.0,
-    )
-    adam = AdamParams(learning_rate=t.lr, max_grad_norm=t.max_grad_norm)
+        t, r = cfg.trainer, cfg.rollout
+        self.cfg = cfg
+        self.engine = HFEngine(model_dir, cfg.model.name)
+        self.backend = build_backend(BackendSpec(model_dir=str(model_dir), seed=t.seed, bf16=False))
+        self.env_cls = env_registry()[cfg.env.name]
+        self.scorer = scorer_registry()[cfg.scorer]
+        self.tasks = self.env_cls.sample_tasks(
+            steps * t.tasks_per_step, t.seed, "train", cfg.env.options
+        )
+        self.loss = LossParams(
+            clip_low=t.clip_low,
+            clip_high=t.clip_high,
+            is_cap=t.is_cap,
+            kl_coef=t.kl_coef,
+            temperature=r.sampling.temperature or 1.0,
+        )
+        self.adam = AdamParams(learning_rate=t.lr, max_grad_norm=t.max_grad_norm)
 
-    async def episode(index: int, task: dict, sample: int) -> tpb.Trajectory:
-        env = env_cls(cfg.env.options)
-        transcript = Transcript(engine.tokenizer)
+    async def episode(self, index: int, sample: int):
+        from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
+        from treadle_env_gateway.public import Action
+        from treadle_reward.public import ScoreInput
+        from treadle_rollout.public import Sampling, Transcript
+        from treadle_trainer.public import task_seed
+
+        cfg, task = self.cfg, self.tasks[index]
+        t, r = cfg.trainer, cfg.rollout
+        env = self.env_cls(cfg.env.options)
+        transcript = Transcript(self.engine.tokenizer)
         messages = await env.reset(task, seed=sample)
         transcript.add_messages([{"role": m.role, "content": m.content} for m in messages])
         sampling = Sampling(
@@ -136,49 +138,63 @@ async def inproc_loop(model_dir: Path, cfg: RunConfig, steps: int) -> dict[str, 
             seed=task_seed(t.seed, index, r.group_size) + sample,
             last_turn=True,  # single turn, as rollout tells the engine
         )
-        gen = await engine.generate(transcript.tokens, sampling)
+        gen = await self.engine.generate(transcript.tokens, sampling)
         text = transcript.add_generation(gen)
         result = await env.step(Action(text=text))
-        score = await scorer.score(
+        score = await self.scorer.score(
             ScoreInput(task=task, answer=text, info=result.info, options=cfg.scorer_options)
         )
         traj = tpb.Trajectory(group_id=str(index), sample_index=sample, reward=score.reward)
         transcript.fill(traj)
         return traj
 
-    finished: list[float] = []
-    stages: dict[str, list[float]] = {"generate_s": [], "train_s": [], "load_s": []}
-    rewards: list[float] = []
-    for step in range(steps):
-        started = time.perf_counter()
-        batch = range(step * t.tasks_per_step, (step + 1) * t.tasks_per_step)
-        groups = await asyncio.gather(
-            *(
-                asyncio.gather(*(episode(i, tasks[i], k) for k in range(r.group_size)))
-                for i in batch
-            )
-        )
-        generated = time.perf_counter()
+    def train(self, groups: list, step: int) -> None:
+        from treadle_trainer.public import Datum, group_advantages, train_batch
+
+        t = self.cfg.trainer
         data = [
             Datum.from_trajectory(traj, adv)
             for group in groups
             for traj, adv in zip(group, group_advantages(group, t.advantage), strict=True)
         ]
-        train_batch(backend, data, t, loss, adam, step + 1)  # nothing else to run meanwhile
-        trained = time.perf_counter()
-        state = backend.state_dict_cpu()
+        train_batch(self.backend, data, t, self.loss, self.adam, step)  # nothing else to run
+
+    def load(self) -> None:
+        """The trained weights into the engine, in place."""
+        import torch
+
+        state = self.backend.state_dict_cpu()
         with torch.inference_mode():
-            for name, tensor in engine.model.state_dict().items():
+            for name, tensor in self.engine.model.state_dict().items():
                 tensor.copy_(state[name])
-        engine.version += 1
-        engine.prefixes.clear()  # cached KV belongs to the old weights
+        self.engine.version += 1
+        self.engine.prefixes.clear()  # cached KV belongs to the old weights
+
+
+async def inproc_loop(model_dir: Path, cfg: RunConfig, steps: int) -> dict[str, Any]:
+    """The workload in one process: generate -> score -> train -> load the weights in place."""
+    loop = _InProc(model_dir, cfg, steps)
+    tasks, size = cfg.trainer.tasks_per_step, cfg.rollout.group_size
+    finished: list[float] = []
+    stages: dict[str, list[float]] = {"generate_s": [], "train_s": [], "load_s": []}
+    rewards: list[float] = []
+    for step in range(steps):
+        started = time.perf_counter()
+        batch = range(step * tasks, (step + 1) * tasks)
+        groups = await asyncio.gather(
+            *(asyncio.gather(*(loop.episode(i, k) for k in range(size))) for i in batch)
+        )
+        generated = time.perf_counter()
+        loop.train(list(groups), step + 1)
+        trained = time.perf_counter()
+        loop.load()
         done = time.perf_counter()
         stages["generate_s"].append(generated - started)
         stages["train_s"].append(trained - generated)
         stages["load_s"].append(done - trained)
         rewards.append(statistics.fmean(traj.reward for g in groups for traj in g))
         finished.append(done)
-    await engine.close()
+    await loop.engine.close()
     return {
         "s_per_step": per_step(finished),
         **{k: statistics.median(v[1:] or v) for k, v in stages.items()},

@@ -1,0 +1,20 @@
+"""What Treadle's rollout offers code outside the service (the benchmarks, extensions): its
+engine, sampling, the token-exact transcript and the session-free prompt. Anything else in
+`treadle_rollout` is internal and may change; `make lint` holds the benchmarks to this module.
+"""
+
+from treadle_rollout.engines import cpus
+from treadle_rollout.engines.base import Engine, Generation, Sampling
+from treadle_rollout.engines.hf import HFEngine
+from treadle_rollout.openai_api import session_free_prompt
+from treadle_rollout.transcript import Transcript
+
+__all__ = [
+    "Engine",
+    "Generation",
+    "HFEngine",
+    "Sampling",
+    "Transcript",
+    "cpus",
+    "session_free_prompt",
+]
