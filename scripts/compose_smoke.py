@@ -35,7 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from tests import hostile  # noqa: E402  (the hostile programs the stress test runs too)
+from tests.support import hostile  # noqa: E402  (the hostile programs the stress test runs too)
 
 PROJECT = "treadle-smoke"
 SERVICES = ["redis", "nats", "minio", "weight-store", "env-gateway", "reward", "rollout", "trainer"]

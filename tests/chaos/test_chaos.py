@@ -7,7 +7,7 @@ reason (from its ledger), and no service may log a traceback."""
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.support.services import ROOT
 from treadle_bench import chaos
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos, pytest.mark.slow]

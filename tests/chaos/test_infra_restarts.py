@@ -11,7 +11,7 @@ import httpx
 import nats
 import pytest
 
-from tests.conftest import api_get, private_infra, start_service
+from tests.support.services import api_get, private_infra, start_service
 from treadle_cli.infra import Infra, terminate
 from treadle_common.clients.reward import RewardClient
 from treadle_common.proto.treadle.v1 import reward_pb2 as pb

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.support.services import ROOT
 
 pytestmark = [pytest.mark.compose, pytest.mark.docker, pytest.mark.slow]
 

@@ -17,7 +17,7 @@ import compose
 import pytest
 import yaml
 
-from tests.conftest import ROOT
+from tests.support.services import ROOT
 from treadle_cli.settings import CliSettings
 from treadle_common.auth import infra as infra_auth
 from treadle_common.auth import policy as auth

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from tests.conftest import free_port_range, free_ports
+from tests.support.services import free_port_range, free_ports
 
 
 @pytest.fixture

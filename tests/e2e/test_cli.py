@@ -5,28 +5,20 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.conftest import ROOT
+from tests.support.cli import treadle
+from tests.support.services import ROOT
 from treadle_cli.infra import alive
 from treadle_common.auth import policy as auth
 from treadle_common.clients.rollout import GenerationClient
 from treadle_common.clients.trainer import TrainerClient
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-TREADLE = str(Path(sys.executable).parent / "treadle")
-
-
-def treadle(*args: str, env: dict, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [TREADLE, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout
-    )
 
 
 def test_skeleton_recipe_runs_three_steps_through_every_service(cli_env, tmp_path):

@@ -12,8 +12,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import ROOT
-from tests.e2e.test_cli import TREADLE
+from tests.support.cli import TREADLE
+from tests.support.services import ROOT
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -13,8 +13,8 @@ import httpx
 import pytest
 from safetensors.torch import load_file
 
-from tests.conftest import ROOT
-from tests.e2e.test_cli import TREADLE, treadle
+from tests.support.cli import TREADLE, treadle
+from tests.support.services import ROOT
 from treadle_cli.tiny_model import init_tiny
 from treadle_common.auth import policy as auth
 from treadle_common.clients.http import ApiError

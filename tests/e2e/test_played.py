@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from tests.conftest import ROOT
-from tests.e2e.test_cli import treadle
+from tests.support.cli import treadle
+from tests.support.services import ROOT
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -20,7 +20,7 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
-WORKER = Path(__file__).resolve().parents[1] / "integration" / "fsdp_worker.py"
+WORKER = Path(__file__).resolve().parents[1] / "support" / "fsdp_worker.py"
 
 
 @pytest.fixture(scope="module")

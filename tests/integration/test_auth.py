@@ -20,7 +20,7 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2
 
-from tests.conftest import ADMIN, TOKENS, start_service
+from tests.support.services import ADMIN, TOKENS, start_service
 from treadle_common.auth import policy as auth
 from treadle_common.proto.treadle import v1 as proto_v1
 

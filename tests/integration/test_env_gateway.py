@@ -7,7 +7,7 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.conftest import api_get, api_post
+from tests.support.services import api_get, api_post
 from treadle_common.clients.env import EnvClient
 
 pytestmark = pytest.mark.integration

@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 
-from tests.conftest import start_service
+from tests.support.services import start_service
 from treadle_common.clients.env import EnvClient
 from treadle_common.proto.treadle.v1 import env_pb2 as pb
 

@@ -13,7 +13,7 @@ import pytest
 import redis
 import torch
 
-from tests.conftest import TOKENS, start_service
+from tests.support.services import TOKENS, start_service
 from treadle_common import names
 from treadle_common.auth import policy as auth
 from treadle_common.clients import streams

@@ -17,7 +17,7 @@ import httpx
 import pytest
 import redis
 
-from tests.conftest import ADMIN, TOKENS, start_service
+from tests.support.services import ADMIN, TOKENS, start_service
 from treadle_common import names
 from treadle_common.auth import policy as auth
 from treadle_common.clients.weights import RawTensor, WeightStoreClient, layout_manifest

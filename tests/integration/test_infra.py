@@ -9,7 +9,7 @@ import nats
 import pytest
 import redis
 
-from tests.conftest import free_ports
+from tests.support.services import free_ports
 from treadle_cli.infra import Infra, InfraError, alive
 from treadle_common import names
 from treadle_common.auth import infra as infra_auth
@@ -64,7 +64,7 @@ def test_port_taken_by_something_else_names_the_port(tmp_path):
 def test_s3_server_answers_s3(tmp_path):
     import httpx
 
-    from tests.conftest import free_port_range
+    from tests.support.services import free_port_range
 
     base = free_port_range(6, also_offset=10000)
     settings = Settings(

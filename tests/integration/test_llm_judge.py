@@ -4,7 +4,7 @@ port, started by the test; no network)."""
 import pytest
 from fastapi import FastAPI
 
-from tests.conftest import serving
+from tests.support.services import serving
 from treadle_reward.scorers.base import ScoreInput
 from treadle_reward.scorers.llm_judge import LLMJudge
 

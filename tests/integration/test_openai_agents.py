@@ -10,8 +10,8 @@ import uuid
 import openai
 import pytest
 
-from tests.openai_server import serve
-from tests.tool_model import INSTRUCTIONS, TOOL, answer, weather
+from tests.support.openai_server import serve
+from tests.support.tool_model import INSTRUCTIONS, TOOL, answer, weather
 from treadle_common import names
 from treadle_common.clients import streams
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb

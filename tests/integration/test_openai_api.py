@@ -14,8 +14,8 @@ import openai
 import pytest
 from prometheus_client import REGISTRY
 
-from tests.openai_server import serve
-from tests.tool_model import TOOL, answer, conversation
+from tests.support.openai_server import serve
+from tests.support.tool_model import TOOL, answer, conversation
 from treadle_common import names
 from treadle_common.clients import streams
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb

@@ -6,7 +6,7 @@ import json
 import nats
 import pytest
 
-from tests.conftest import api_get, api_post
+from tests.support.services import api_get, api_post
 from treadle_common.clients.reward import RewardClient
 from treadle_common.proto.treadle.v1 import reward_pb2 as pb
 
@@ -116,7 +116,7 @@ async def test_one_replica_scores_requests_side_by_side_while_a_scorer_is_slow(s
 
     from fastapi import FastAPI
 
-    from tests.conftest import serving
+    from tests.support.services import serving
 
     app = FastAPI()
     together = threading.Barrier(3, timeout=20)

@@ -11,8 +11,8 @@ import openai
 import pytest
 import uvicorn
 
-from tests.conftest import free_port
-from tests.openai_server import openai_app
+from tests.support.openai_server import openai_app
+from tests.support.services import free_port
 from treadle_common import names
 from treadle_common.clients import streams
 from treadle_common.fleet import admission
@@ -238,7 +238,7 @@ async def test_openai_engine_is_token_exact_against_an_openai_compatible_server(
 ):
     """The `openai` engine driving a Treadle rollout's /v1/completions: same tokens, and
     logprobs that match the served model."""
-    from tests.reference import teacher_forced_logprobs
+    from tests.support.reference import teacher_forced_logprobs
     from treadle_rollout.engines.base import Sampling
     from treadle_rollout.engines.openai import OpenAIEngine
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import hostile
+from tests.support import hostile
 from treadle_env_gateway.sandbox.docker import DockerBackend
 from treadle_env_gateway.sandbox.local import BwrapBackend, UnshareBackend
 from treadle_env_gateway.sandbox.runner import UID_BASE, UID_COUNT, Limits, Sandbox

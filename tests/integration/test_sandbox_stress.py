@@ -17,9 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests import hostile
-from tests.conftest import start_service
 from tests.integration.test_sandbox import BACKENDS, IMAGE
+from tests.support import hostile
+from tests.support.services import start_service
 from treadle_common.clients.env import EnvClient
 from treadle_env_gateway.sandbox.cgroups import _own_cgroup
 from treadle_env_gateway.sandbox.factory import make_backend

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import TOKENS, start_service
+from tests.support.services import TOKENS, start_service
 
 pytestmark = pytest.mark.integration
 CHECKS = "not_a_server_error,response_schema_conformance"

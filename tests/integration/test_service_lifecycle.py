@@ -11,7 +11,7 @@ import httpx
 import nats
 import pytest
 
-from tests.conftest import ServiceProc, free_port, free_ports, wait_ready
+from tests.support.services import ServiceProc, free_port, free_ports, wait_ready
 from treadle_common import names
 
 pytestmark = pytest.mark.integration

@@ -1,6 +1,6 @@
 """The Tinker Cookbook's RL training loop (`tinker_cookbook.rl.train`, tinker-cookbook 0.5.8
 pinned in scripts/setup_cookbook.sh) runs unchanged against a Treadle stack on a tiny
-arithmetic task (`tests/cookbook/rl_loop.py`), and its reward rises.
+arithmetic task (`tests/support/cookbook_rl_loop.py`), and its reward rises.
 
 The cookbook pins transformers below what Treadle runs, so it lives in its own virtualenv
 (.venv-cookbook, built by `make test`), a client of the stack this test starts, as a
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TOKENS, start_service
+from tests.support.services import TOKENS, start_service
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,7 +65,7 @@ def test_the_cookbook_rl_loop_raises_the_reward(infra, tmp_path, tiny_model):
         run = subprocess.run(
             [
                 str(PYTHON),
-                str(ROOT / "tests" / "cookbook" / "rl_loop.py"),
+                str(ROOT / "tests" / "support" / "cookbook_rl_loop.py"),
                 *("--base-url", trainer.http, "--model", model),
                 *("--log-path", str(tmp_path / "cookbook"), "--iterations", str(ITERATIONS)),
                 *("--seed", "0"),  # every sample seeded: the same run every time

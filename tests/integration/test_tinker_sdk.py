@@ -12,7 +12,7 @@ import pytest
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
-from tests.conftest import ADMIN, TOKENS, ServiceProc, start_service  # noqa: E402
+from tests.support.services import ADMIN, TOKENS, ServiceProc, start_service  # noqa: E402
 
 SDK_VERSION = "0.38.0"
 

@@ -22,7 +22,7 @@ import nats
 import pytest
 import redis
 
-from tests.conftest import TOKENS, free_ports, start_service
+from tests.support.services import TOKENS, free_ports, start_service
 from treadle_cli.infra import find_binary
 from treadle_common.auth import infra as infra_auth
 from treadle_common.auth import policy as auth

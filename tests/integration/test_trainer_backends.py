@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port
+from tests.support.services import free_port
 
 pytestmark = pytest.mark.integration
-WORKER = Path(__file__).with_name("fsdp_worker.py")
+WORKER = Path(__file__).resolve().parents[1] / "support" / "fsdp_worker.py"
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 
 
@@ -204,7 +204,7 @@ def test_ranks_that_cannot_form_their_group_stop_within_a_minute_saying_why(rank
     """The trainer as one rank of a two-rank job whose other rank never starts: rank 0 (the
     service) and a follower each exit within 60 s with the reason in their output, instead of
     waiting out the collective timeout (10 min) with nothing logged."""
-    from tests.conftest import TOKENS, free_ports
+    from tests.support.services import TOKENS, free_ports
     from treadle_trainer.backends.group import RENDEZVOUS_FAILED
 
     http, grpc_port, master = free_ports(3)

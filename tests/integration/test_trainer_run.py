@@ -16,7 +16,7 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from tests.conftest import ADMIN, ServiceProc, free_ports, start_service
+from tests.support.services import ADMIN, ServiceProc, free_ports, start_service
 from treadle_bench.synthetic_rollout import SyntheticRollout
 from treadle_common import names
 from treadle_common.clients import streams

@@ -7,8 +7,8 @@ import json
 import pytest
 from vf_tiny_arith import _problems, digits, exact
 
-from tests.conftest import start_service
-from tests.tool_model import train_conversations
+from tests.support.services import start_service
+from tests.support.tool_model import train_conversations
 from treadle_common.clients.env import EnvClient
 from treadle_common.proto.treadle.v1 import reward_pb2, task_pb2
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb

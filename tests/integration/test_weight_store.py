@@ -11,7 +11,7 @@ import pytest
 import torch
 from minio import Minio
 
-from tests.conftest import api_get
+from tests.support.services import api_get
 from treadle_common.clients import weights as weights_client
 from treadle_common.clients.torch_weights import (
     ChunkCache,
@@ -289,7 +289,7 @@ def corrupt(env: dict, tmp_root, digest: str) -> None:
         return
     import io
 
-    from tests.conftest import S3Server
+    from tests.support.services import S3Server
 
     s3 = S3Server(env["TREADLE_S3_ENDPOINT"])
     client = Minio(s3.endpoint, access_key=s3.access_key, secret_key=s3.secret_key, secure=False)

@@ -18,7 +18,7 @@ import grpc  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from tests.reference import teacher_forced_logprobs  # noqa: E402
+from tests.support.reference import teacher_forced_logprobs  # noqa: E402
 from treadle_cli.tiny_model import init_tiny  # noqa: E402
 from treadle_common.clients.torch_weights import TorchWeightClient  # noqa: E402
 from treadle_rollout.engines.base import Sampling  # noqa: E402

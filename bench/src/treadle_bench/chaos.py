@@ -367,6 +367,39 @@ def run(
         os.environ.update(saved)
 
 
+def _config(recipe: Path, tmp: Path, run_id: str, steps: int | None, overrides) -> RunConfig:
+    extra = [f"trainer.num_steps={steps}"] if steps else []
+    return load_recipe(
+        recipe,
+        [
+            f"run_id={run_id}",
+            f"model.path={tmp / 'models' / 'tiny'}",
+            f"output_dir={tmp / 'runs'}",
+            *(overrides or []),
+            *extra,
+        ],
+    )
+
+
+def _baseline(config: RunConfig, settings: CliSettings, console: Console) -> float:
+    """The same run without faults: its wall time."""
+    started = time.perf_counter()
+    code = RunClient(config, settings, console).execute(180)
+    if code != 0:
+        raise RuntimeError(f"the baseline run failed; outputs in {config.output_dir}")
+    return time.perf_counter() - started
+
+
+def _second_replica(spec: stack.StackSpec, settings: CliSettings) -> tuple[subprocess.Popen, str]:
+    """Two rollout replicas in both runs; one fault kills this one (it is not restarted)."""
+    if not stack.wait_healthy(settings.state_dir.resolve(), 180).healthy:
+        raise RuntimeError(f"chaos stack not healthy; logs in {settings.state_dir}")
+    replica = start_extra(spec, "rollout", "rollout-second")
+    if not _until(lambda: stack.service_health(replica[1]).ready, 180.0):
+        raise RuntimeError("the second rollout replica did not get ready")
+    return replica
+
+
 def _run(
     steps: int | None, recipe: Path, overrides: list[str] | None, baseline: bool
 ) -> dict[str, Any]:
@@ -374,39 +407,16 @@ def _run(
     console = Console(file=sys.stderr)
     settings = private_stack(tmp)
     model_dir = tmp / "models" / "tiny"
-
-    def config(run_id: str) -> RunConfig:
-        extra = [f"trainer.num_steps={steps}"] if steps else []
-        return load_recipe(
-            recipe,
-            [
-                f"run_id={run_id}",
-                f"model.path={model_dir}",
-                f"output_dir={tmp / 'runs'}",
-                *(overrides or []),
-                *extra,
-            ],
-        )
-
-    cfg = config("chaos")
-    m = cfg.model
-    init_for(model_dir, m, cfg.trainer.seed)
+    cfg = _config(recipe, tmp, "chaos", steps, overrides)
+    init_for(model_dir, cfg.model, cfg.trainer.seed)
     monkey = replica = None
-    with stack.owned(settings, model_dir.resolve(), m.name, path_roots=[tmp]) as spec:
+    with stack.owned(settings, model_dir.resolve(), cfg.model.name, path_roots=[tmp]) as spec:
         try:
-            if not stack.wait_healthy(settings.state_dir.resolve(), 180).healthy:
-                raise RuntimeError(f"chaos stack not healthy; logs in {settings.state_dir}")
-            # two rollout replicas in both runs; one fault kills this one (it is not restarted)
-            replica = start_extra(spec, "rollout", "rollout-second")
-            if not _until(lambda: stack.service_health(replica[1]).ready, 180.0):
-                raise RuntimeError("the second rollout replica did not get ready")
+            replica = _second_replica(spec, settings)
             baseline_s = None
             if baseline:
-                started = time.perf_counter()
-                code = RunClient(config("chaos-baseline"), settings, console).execute(180)
-                baseline_s = time.perf_counter() - started
-                if code != 0:
-                    raise RuntimeError(f"the baseline run failed; outputs in {tmp / 'runs'}")
+                base = _config(recipe, tmp, "chaos-baseline", steps, overrides)
+                baseline_s = _baseline(base, settings, console)
             monkey = ChaosMonkey(spec, settings, cfg.run_id, replica)
             injector = threading.Thread(target=monkey.run, name="chaos", daemon=True)
             started = time.perf_counter()

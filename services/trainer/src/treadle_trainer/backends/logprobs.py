@@ -61,7 +61,8 @@ class SharedPrefix:
     prompt sampled several times, so they run once per distinct prefix (`unique`, `rows`:
     each row's prefix); the rows then go on from that prefix's KV cache, expanded to them.
     Gradients reach the shared prefix through the cache (its backward sums over the rows),
-    so values and gradients are those of the whole rows (`tests/unit/test_shared_prefix.py`).
+    so values and gradients are those of the whole rows
+    (`tests/unit/trainer/test_shared_prefix.py`).
     """
 
     cols: torch.Tensor

@@ -13,7 +13,7 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI
 
-from tests.conftest import free_port
+from tests.support.services import free_port
 from treadle_rollout import errors, openai_api, openai_router
 from treadle_rollout.engines.base import Generation, Sampling
 from treadle_rollout.engines.hf import HFEngine

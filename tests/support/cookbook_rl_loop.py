@@ -2,7 +2,8 @@
 pointed at a Treadle stack. Runs in .venv-cookbook (scripts/setup_cookbook.sh): a client of
 the stack, as a researcher's script is.
 
-    .venv-cookbook/bin/python tests/cookbook/rl_loop.py --base-url URL --model DIR --log-path DIR
+    .venv-cookbook/bin/python tests/support/cookbook_rl_loop.py \
+        --base-url URL --model DIR --log-path DIR
 
 The task is the cookbook's own shape: a `ProblemEnv` asking `x+y=` (x, y in 0..2), groups of
 8 by `ProblemGroupBuilder`, the `role_colon` renderer (its stop sequence is a string); reward

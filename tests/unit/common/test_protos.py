@@ -7,7 +7,7 @@ import pytest
 from treadle_common.proto.treadle.v1 import task_pb2, trajectory_pb2
 
 pytestmark = pytest.mark.unit
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_committed_stubs_match_the_protos():

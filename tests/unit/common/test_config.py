@@ -5,7 +5,7 @@ import pytest
 from treadle_common.config.recipe import RecipeError, RunConfig, load_recipe
 
 pytestmark = pytest.mark.unit
-RECIPES = sorted((Path(__file__).resolve().parents[2] / "recipes").glob("*.yaml"))
+RECIPES = sorted((Path(__file__).resolve().parents[3] / "recipes").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)

@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from tests.reference import teacher_forced_logprobs
-from tests.unit.test_episodes import ScriptedEnv, ScriptedReward, task
+from tests.support.reference import teacher_forced_logprobs
+from tests.unit.rollout.test_episodes import ScriptedEnv, ScriptedReward, task
 from treadle_common.clients.torch_weights import state_dict_to_raw
 from treadle_common.clients.weights import FetchResult, build_manifest
 from treadle_rollout.engines.base import ContextOverflow, Sampling
