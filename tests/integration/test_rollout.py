@@ -18,7 +18,7 @@ from treadle_common.clients import streams
 from treadle_common.fleet import admission
 from treadle_common.proto.treadle.v1 import task_pb2
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
-from treadle_rollout import openai_api
+from treadle_rollout import chat, openai_api
 from treadle_rollout.engines.hf import HFEngine
 from treadle_rollout.worker import TaskWorker
 
@@ -30,7 +30,7 @@ async def openai_server(tiny_model, redis_client):
     """The rollout's OpenAI routes over a real HF engine, served by uvicorn on a free port."""
     engine = HFEngine(tiny_model, "tiny")
     frontend = openai_api.OpenAIFrontend(
-        engine, openai_api.SessionRecorder(engine.tokenizer), redis=redis_client
+        engine, chat.SessionRecorder(engine.tokenizer), redis=redis_client
     )
     app = openai_app(frontend)
     port = free_port()

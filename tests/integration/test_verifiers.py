@@ -15,9 +15,10 @@ from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
 from treadle_reward.scorers.base import ScoreInput
 from treadle_reward.scorers.env_reward import EnvReward
 from treadle_reward.scorers.exact_match import ExactMatch
-from treadle_rollout import openai_api
+from treadle_rollout import chat, openai_api
 from treadle_rollout.engines.hf import HFEngine
 from treadle_rollout.episodes import EpisodeRunner
+from treadle_rollout.played import PlayedEpisodes
 
 pytestmark = pytest.mark.integration
 
@@ -66,10 +67,12 @@ def arith_model(tiny_model, tmp_path_factory):
 @pytest.fixture
 async def rollout(arith_model, gateway):
     engine = HFEngine(arith_model, "tiny")
-    frontend = openai_api.OpenAIFrontend(engine, openai_api.SessionRecorder(engine.tokenizer))
+    frontend = openai_api.OpenAIFrontend(engine, chat.SessionRecorder(engine.tokenizer))
     env = EnvClient(gateway.grpc_addr, batch=True)
     reward = EnvRewardClient()
-    runner = EpisodeRunner(engine, engine.tokenizer, env, reward, "r0", frontend=frontend)
+    runner = EpisodeRunner(
+        engine, engine.tokenizer, env, reward, "r0", played=PlayedEpisodes(frontend)
+    )
     yield runner, env, reward, frontend
     await env.close()
     await engine.close()
@@ -172,10 +175,10 @@ async def test_an_openai_client_agent_is_played_turn_by_turn(tiny_model, gateway
     from arith_agent import RETRY
 
     engine = HFEngine(tiny_model, "tiny")  # untrained: its replies are rarely numbers
-    frontend = openai_api.OpenAIFrontend(engine, openai_api.SessionRecorder(engine.tokenizer))
+    frontend = openai_api.OpenAIFrontend(engine, chat.SessionRecorder(engine.tokenizer))
     env = EnvClient(gateway.grpc_addr)
     runner = EpisodeRunner(
-        engine, engine.tokenizer, env, EnvRewardClient(), "r0", frontend=frontend
+        engine, engine.tokenizer, env, EnvRewardClient(), "r0", played=PlayedEpisodes(frontend)
     )
     options = {"max_operand": 9, "ops": ["+"]}
     tasks = await env.sample_tasks("arith_agent", 4, seed=0, options=options)
@@ -284,10 +287,10 @@ async def test_a_tool_env_plays_its_tool_turns_through_rollout(add_tool_model, g
     verifiers runs the tool and sends its result back; the trajectory holds both model turns
     (trained on) and the tool's result (context), and the rubric scores the final answer."""
     engine = HFEngine(add_tool_model, "tiny")
-    frontend = openai_api.OpenAIFrontend(engine, openai_api.SessionRecorder(engine.tokenizer))
+    frontend = openai_api.OpenAIFrontend(engine, chat.SessionRecorder(engine.tokenizer))
     env = EnvClient(gateway.grpc_addr)
     runner = EpisodeRunner(
-        engine, engine.tokenizer, env, EnvRewardClient(), "r0", frontend=frontend
+        engine, engine.tokenizer, env, EnvRewardClient(), "r0", played=PlayedEpisodes(frontend)
     )
     rows = await env.sample_tasks("verifiers", 4, seed=0, options=VF_TOOLS)
     for i, row in enumerate(rows):

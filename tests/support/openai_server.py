@@ -14,7 +14,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from tests.support.services import free_port
-from treadle_rollout import errors, openai_api, openai_router
+from treadle_rollout import chat, errors, openai_api, openai_router
 from treadle_rollout.engines.base import Generation, Sampling
 from treadle_rollout.engines.hf import HFEngine
 
@@ -62,7 +62,7 @@ def openai_app(frontend: openai_api.OpenAIFrontend) -> FastAPI:
 async def serve(model_dir: Path, redis=None, **frontend_kwargs) -> AsyncIterator[Served]:
     engine = HFEngine(model_dir, "tiny")
     frontend = openai_api.OpenAIFrontend(
-        engine, openai_api.SessionRecorder(engine.tokenizer), redis=redis, **frontend_kwargs
+        engine, chat.SessionRecorder(engine.tokenizer), redis=redis, **frontend_kwargs
     )
     app = openai_app(frontend)
     port = free_port()

@@ -2,14 +2,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from treadle_rollout import openai_api, openai_stream
+from treadle_rollout import chat, errors, openai_api, openai_stream
 
 
 def frontend(interval_ms: float, events_per_s: float) -> openai_api.OpenAIFrontend:
     tokenizer = SimpleNamespace(eos_token_id=0, chat_template=None)
     return openai_api.OpenAIFrontend(
         SimpleNamespace(),
-        openai_api.SessionRecorder(tokenizer),
+        chat.SessionRecorder(tokenizer),
         stream_interval_ms=interval_ms,
         stream_events_per_s=events_per_s,
     )
@@ -67,7 +67,7 @@ async def test_several_choices_each_send_their_last_chunks_and_an_error_ends_the
 
     async def failing(index: int, counts: list):
         yield ['"a"']
-        raise openai_api.OpenAIError(400, "bad stop", param="stop")
+        raise errors.OpenAIError(400, "bad stop", param="stop")
 
     writes = await _writes(failing, 1)
     assert writes[0] == 'data: "a"\n\n'

@@ -1,7 +1,7 @@
 """Agents' recorded sessions, the part of the OpenAI-compatible API that turns a conversation
 into training data (no HTTP: the routes are `openai_router.py`'s). A run's driver opens a
 session against one of the run's tasks (`issue`, `issued.py`); the agent's chat completions
-are recorded into it token-exactly (`openai_api.OpenAIFrontend` and `SessionRecorder`);
+are recorded into it token-exactly (`chat.py`: `ChatTurns` and `SessionRecorder`);
 `finish` makes it a trajectory of the run, scored by the task's scorer, in the same
 transaction that counts it. What it is judged against is never the agent's to say
 (`_judged_by`)."""

@@ -10,7 +10,6 @@ import asyncio
 import json
 import random
 import time
-import uuid
 
 import grpc
 
@@ -22,8 +21,8 @@ from treadle_common.runtime import tracing
 from treadle_common.runtime.logs import get_logger
 from treadle_common.runtime.progress import Stage
 from treadle_rollout import metrics
-from treadle_rollout.engines.base import ContextOverflow, Engine, Sampling
-from treadle_rollout.openai_api import OpenAIFrontend, PlayedSampling
+from treadle_rollout.engines.base import ContextOverflow, Engine, Generation, Sampling
+from treadle_rollout.played import PlayedEpisodes, PlayedSampling
 from treadle_rollout.policies import RunPolicies
 from treadle_rollout.transcript import TemplateNotPrefixStable, Transcript
 
@@ -39,12 +38,12 @@ class EpisodeRunner:
         reward: RewardClient,
         replica: str,
         generate_stage: Stage | None = None,
-        frontend: OpenAIFrontend | None = None,
+        played: PlayedEpisodes | None = None,
         policies: RunPolicies | None = None,
     ):
-        """`frontend`: the OpenAI API that answers the model calls of played envs' episodes
-        (`Session.played`, e.g. `verifiers` environments); without it they fail."""
-        self.frontend = frontend
+        """`played` answers the model calls of played envs' episodes (`Session.played`, e.g.
+        `verifiers` environments); without it they fail."""
+        self.played = played
         self.policies = policies
         self.generate_stage = generate_stage or Stage("rollout", "generate")
         self.engine = engine
@@ -203,37 +202,16 @@ class EpisodeRunner:
             if gate is not None:
                 await asyncio.shield(gate)  # shared by the group: one episode must not cancel it
             for turn in range(max(1, task.max_turns)):
-                gen_start = time.time()
-                try:
-                    with (
-                        tracing.tracer().start_as_current_span("rollout.generate") as span,
-                        self.generate_stage.track(),
-                    ):
-                        gen = await self.engine.generate(t.tokens, sampling)
-                        span.set_attributes(
-                            {"treadle.turn": turn, "treadle.new_tokens": len(gen.tokens)}
-                        )
-                except ContextOverflow as exc:  # the context is full: the episode ends here
-                    traj.status = tpb.TRAJECTORY_STATUS_TRUNCATED
-                    traj.error = str(exc)
+                gen = await self._generate(t, sampling, traj, turn)
+                if gen is None:
                     break
-                except Exception as exc:  # the engine's failure becomes a trajectory status
-                    raise _EngineFailure(f"{type(exc).__name__}: {exc}") from exc
-                traj.timings.generate_s += time.time() - gen_start
                 text = t.add_generation(gen)
                 traj.num_turns = turn + 1
                 env_start = time.time()
                 step = await self.env.step(session.session_id, text, close_when_done=True)
                 closed = step.done
                 traj.timings.env_s += time.time() - env_start
-                traj.sandbox_runs += step.sandbox_runs
-                if step.status == "env_error":
-                    raise _EnvFailure(f"env {task.env} raised: {step.error}")
-                if step.status == "sandbox_error":
-                    raise _SandboxFailure(f"sandbox failed: {step.error}")
-                info = json.loads(step.info_json or "{}")
-                if step.has_reward:  # the env's own reward, for the `env_reward` scorer
-                    info.setdefault("reward", step.reward)
+                info = _stepped(task, step, traj)
                 if step.done:
                     break
                 t.close_turn(gen)  # before the env's reply
@@ -245,6 +223,27 @@ class EpisodeRunner:
                 await self.env.close_session(session.session_id)
         return info
 
+    async def _generate(
+        self, t: Transcript, sampling: Sampling, traj: tpb.Trajectory, turn: int
+    ) -> Generation | None:
+        """One turn's generation, timed; None when the context is full (the episode ends)."""
+        gen_start = time.time()
+        try:
+            with (
+                tracing.tracer().start_as_current_span("rollout.generate") as span,
+                self.generate_stage.track(),
+            ):
+                gen = await self.engine.generate(t.tokens, sampling)
+                span.set_attributes({"treadle.turn": turn, "treadle.new_tokens": len(gen.tokens)})
+        except ContextOverflow as exc:  # the context is full: the episode ends here
+            traj.status = tpb.TRAJECTORY_STATUS_TRUNCATED
+            traj.error = str(exc)
+            return None
+        except Exception as exc:  # the engine's failure becomes a trajectory status
+            raise _EngineFailure(f"{type(exc).__name__}: {exc}") from exc
+        traj.timings.generate_s += time.time() - gen_start
+        return gen
+
     async def _played(
         self,
         task: task_pb2.Task,
@@ -255,57 +254,24 @@ class EpisodeRunner:
         gate: asyncio.Future | None,
     ) -> dict:
         """A played env's episode: the env runs its own loop in the gateway, its model calls
-        come back over `Play` and are answered by the OpenAI API, recorded into `t`."""
-        played = False
+        come back over `Play` and are answered by `played.py`, recorded into `t`."""
+        if self.played is None:
+            await self.env.close_session(gateway_session)
+            raise _EnvFailure(f"env {task.env} is played; this rollout has no OpenAI API")
         try:
-            if self.frontend is None:
-                raise _EnvFailure(f"env {task.env} is played; this rollout has no OpenAI API")
-            frontend = self.frontend
             if gate is not None:
                 await asyncio.shield(gate)
-            run = PlayedSampling(
-                temperature=task.sampling.temperature,
-                top_p=task.sampling.top_p or 1.0,
-                max_tokens=task.sampling.max_new_tokens or 16,
-                seed=task.sampling.seed + sample_index if task.sampling.seed else None,
-                model=self._adapter(task),
-            )
-            recorded = f"played-{uuid.uuid4().hex}"
-            frontend.open_played(recorded, t)
-            play_start = time.time()
-            generate_s = 0.0
-
-            async def answer(request: env_pb2.ModelRequest) -> env_pb2.ModelResponse:
-                nonlocal generate_s
-                start = time.time()
-                with self.generate_stage.track():
-                    status, content_type, body = await frontend.played(
-                        recorded, request.method, request.path, request.body, run
-                    )
-                generate_s += time.time() - start
-                if status >= 400:  # the env's request was refused: say why, here too
-                    metrics.PLAYED_REFUSED.labels(str(status)).inc()
-                    log.warning(
-                        "played env's model call refused",
-                        env=task.env,
-                        status=status,
-                        body=body[:500].decode(errors="replace"),
-                    )
-                return env_pb2.ModelResponse(status=status, content_type=content_type, body=body)
-
-            sampling = {"temperature": run.temperature, "top_p": run.top_p}
-            sampling["max_tokens"] = run.max_tokens
-            played = True
-            try:
-                model = self._adapter(task) or frontend.engine.model_name
-                result = await self.env.play(gateway_session, model, sampling, answer)
-            finally:
-                traj.num_turns = frontend.close_played(recorded)
-                traj.timings.generate_s += generate_s
-                traj.timings.env_s += max(0.0, time.time() - play_start - generate_s)
-        finally:
-            if not played:  # the gateway closes a session when its Play ends
-                await self.env.close_session(gateway_session)
+        except BaseException:
+            await self.env.close_session(gateway_session)  # a Play closes it; none began
+            raise
+        run = PlayedSampling(
+            temperature=task.sampling.temperature,
+            top_p=task.sampling.top_p or 1.0,
+            max_tokens=task.sampling.max_new_tokens or 16,
+            seed=task.sampling.seed + sample_index if task.sampling.seed else None,
+            model=self._adapter(task),
+        )
+        result = await self._play_through(self.played, task, gateway_session, run, t, traj)
         traj.sandbox_runs += result.sandbox_runs
         if result.status == "env_error":
             raise _EnvFailure(f"env {task.env} raised: {result.error}")
@@ -315,6 +281,48 @@ class EpisodeRunner:
         if result.has_reward:
             info.setdefault("reward", result.reward)
         return info
+
+    async def _play_through(
+        self,
+        played: PlayedEpisodes,
+        task: task_pb2.Task,
+        gateway_session: str,
+        run: PlayedSampling,
+        t: Transcript,
+        traj: tpb.Trajectory,
+    ):
+        """The gateway's `Play` of one episode, its model calls answered and timed."""
+        recorded = played.open(t)
+        play_start = time.time()
+        generate_s = 0.0
+
+        async def answer(request: env_pb2.ModelRequest) -> env_pb2.ModelResponse:
+            nonlocal generate_s
+            start = time.time()
+            with self.generate_stage.track():
+                status, content_type, body = await played.answer(
+                    recorded, request.method, request.path, request.body, run
+                )
+            generate_s += time.time() - start
+            if status >= 400:  # the env's request was refused: say why, here too
+                metrics.PLAYED_REFUSED.labels(str(status)).inc()
+                log.warning(
+                    "played env's model call refused",
+                    env=task.env,
+                    status=status,
+                    body=body[:500].decode(errors="replace"),
+                )
+            return env_pb2.ModelResponse(status=status, content_type=content_type, body=body)
+
+        sampling = {"temperature": run.temperature, "top_p": run.top_p}
+        sampling["max_tokens"] = run.max_tokens
+        try:
+            model = run.model or played.model_name
+            return await self.env.play(gateway_session, model, sampling, answer)
+        finally:
+            traj.num_turns = played.close(recorded)
+            traj.timings.generate_s += generate_s
+            traj.timings.env_s += max(0.0, time.time() - play_start - generate_s)
 
 
 ENV_RETRY_S = 60.0
@@ -339,6 +347,20 @@ class _EnvFailure(RuntimeError):
 
 class _SandboxFailure(RuntimeError):
     pass
+
+
+def _stepped(task: task_pb2.Task, step, traj: tpb.Trajectory) -> dict:
+    """An env step's outcome: its info (the env's own reward in it, for the `env_reward`
+    scorer); its failure raised."""
+    traj.sandbox_runs += step.sandbox_runs
+    if step.status == "env_error":
+        raise _EnvFailure(f"env {task.env} raised: {step.error}")
+    if step.status == "sandbox_error":
+        raise _SandboxFailure(f"sandbox failed: {step.error}")
+    info = json.loads(step.info_json or "{}")
+    if step.has_reward:
+        info.setdefault("reward", step.reward)
+    return info
 
 
 def _messages(observation) -> list[dict]:

@@ -17,9 +17,9 @@ from treadle_rollout.errors import OpenAIError
 from treadle_rollout.sse import Final
 
 if TYPE_CHECKING:
+    from treadle_rollout.chat import Reply
     from treadle_rollout.engines.base import Engine
     from treadle_rollout.generation import PolicyGenerator
-    from treadle_rollout.openai_api import Reply
 
 
 def usage(prompt: int, completion: int) -> dict[str, int]:

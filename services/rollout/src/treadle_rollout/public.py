@@ -3,10 +3,10 @@ engine, sampling, the token-exact transcript and the session-free prompt. Anythi
 `treadle_rollout` is internal and may change; `make lint` holds the benchmarks to this module.
 """
 
+from treadle_rollout.chat import session_free_prompt
 from treadle_rollout.engines import cpus
 from treadle_rollout.engines.base import Engine, Generation, Sampling
 from treadle_rollout.engines.hf import HFEngine
-from treadle_rollout.openai_api import session_free_prompt
 from treadle_rollout.transcript import Transcript
 
 __all__ = [

@@ -12,13 +12,14 @@ from treadle_common.clients.weights import WeightStoreClient
 from treadle_common.fleet import scheduling
 from treadle_common.fleet.quotas import TenantQuotas
 from treadle_common.runtime.service import ServiceRuntime
-from treadle_rollout import openai_api, usage
+from treadle_rollout import chat, openai_api, usage
 from treadle_rollout.engines import prestart
 from treadle_rollout.engines.base import Engine
 from treadle_rollout.engines.hf import HFEngine
 from treadle_rollout.engines.process import ProcessEngine
 from treadle_rollout.episodes import EpisodeRunner
 from treadle_rollout.gate import RequestGate
+from treadle_rollout.played import PlayedEpisodes
 from treadle_rollout.policies import RunPolicies
 from treadle_rollout.quota_gate import QuotaGate
 from treadle_rollout.settings import RolloutSettings
@@ -90,7 +91,7 @@ class Rollout:
         self.gate = RequestGate(settings.rollout_max_queued)
         self.frontend = openai_api.OpenAIFrontend(
             engine,
-            openai_api.SessionRecorder(engine.tokenizer, ttl_s=settings.rollout_session_ttl_s),
+            chat.SessionRecorder(engine.tokenizer, ttl_s=settings.rollout_session_ttl_s),
             gate=self.gate,
             tool_parser=settings.rollout_tool_parser,
             stream_interval_ms=settings.rollout_stream_interval_ms,
@@ -134,7 +135,7 @@ class Rollout:
             reward,
             settings.instance,
             generate_stage=runtime.progress.stage("generate", liveness=True),
-            frontend=self.frontend,
+            played=PlayedEpisodes(self.frontend),
             policies=self.policies,
         )
         worker = TaskWorker(
