@@ -28,15 +28,8 @@ OVERSIZE: dict[str, int] = {
     "services/trainer/src/treadle_trainer/run/owner.py:RunOwner._execute": 90,
     "services/rollout/src/treadle_rollout/engines/hf.py:HFEngine.__init__": 86,
     "libs/cli/src/treadle_cli/run_client.py:RunClient._follow": 83,
-    "bench/src/treadle_bench/trainer.py:_service_run": 77,
     "services/rollout/src/treadle_rollout/engines/vllm.py:VLLMEngine._run": 74,
     "services/rollout/src/treadle_rollout/worker.py:TaskWorker._run_task": 70,
-    "bench/src/treadle_bench/rollout.py:run": 69,
-    "bench/src/treadle_bench/rollout.py:_measure": 66,
-    "bench/src/treadle_bench/tinker_api.py:run": 66,
-    "bench/src/treadle_bench/tinker_api.py:_sample": 64,
-    "bench/src/treadle_bench/e2e.py:run": 63,
-    "bench/src/treadle_bench/e2e.py:both_modes": 62,
 }
 """`path:qualified.name` -> the most lines it may have until it is split."""
 

@@ -39,6 +39,7 @@ from treadle_bench.harness import private_stack
 from treadle_cli import stack
 from treadle_cli.report import RunReport, StepRow
 from treadle_cli.run_client import RunClient
+from treadle_cli.settings import CliSettings
 from treadle_cli.tiny_model import init_for
 from treadle_common.config.recipe import RunConfig, load_recipe
 
@@ -106,29 +107,57 @@ def both_modes(
                 warmed = sync_config.model.init_version if sync_config.sft.steps else None
                 start = [f"model.init_version={warmed}", "sft.steps=0"] if warmed else []
                 cfg = config("async", *start)
-            started = time.perf_counter()
-            http = stack.http(settings.client_token())
-            busy_before = http.get(rollout_info, timeout=10).json()["engine_busy_s"]
-            code = RunClient(cfg, settings, console).execute(health_timeout_s=180)
-            busy = http.get(rollout_info, timeout=10).json()["engine_busy_s"] - busy_before
-            if code != 0:
-                raise RuntimeError(f"{mode} run failed; outputs in {tmp / 'runs'}")
-            report = RunReport.load(cfg.output_dir / cfg.run_id)
-            results[mode] = {
-                **_timings(report.steps()),
-                **report.eval_summary().model_dump(exclude_none=True),
-                "run_s": time.perf_counter() - started,
-                "rollout_busy": busy / (time.perf_counter() - started),
-                "train_reward_last": report.steps()[-1].mean_reward,
-            }
+            results[mode] = _one_run(cfg, settings, console, rollout_info)
         if before_down is not None:
             before_down(spec, sync_config)
     return cfg.model_dump(), results
 
 
+def _one_run(cfg: RunConfig, settings: CliSettings, console: Console, rollout_info: str) -> dict:
+    """One run on the stack: its step timings, held-out rewards, wall time and how busy the
+    rollout engine was meanwhile."""
+    started = time.perf_counter()
+    http = stack.http(settings.client_token())
+    busy_before = http.get(rollout_info, timeout=10).json()["engine_busy_s"]
+    code = RunClient(cfg, settings, console).execute(health_timeout_s=180)
+    busy = http.get(rollout_info, timeout=10).json()["engine_busy_s"] - busy_before
+    if code != 0:
+        raise RuntimeError(f"{cfg.mode} run failed; outputs in {cfg.output_dir}")
+    report = RunReport.load(cfg.output_dir / cfg.run_id)
+    return {
+        **_timings(report.steps()),
+        **report.eval_summary().model_dump(exclude_none=True),
+        "run_s": time.perf_counter() - started,
+        "rollout_busy": busy / (time.perf_counter() - started),
+        "train_reward_last": report.steps()[-1].mean_reward,
+    }
+
+
 def _start(sync: dict[str, Any]) -> float | None:
     """Held-out reward of the weights both modes' RL started from."""
     return sync.get("eval_after_sft", sync.get("eval_start"))
+
+
+def _quality(recipe: Path, tmp: Path, overrides: list[str], console: Console) -> dict[str, Any]:
+    """Both modes on a task the model can learn: their held-out gains and wall times."""
+    q_config, learned = both_modes(recipe, tmp, overrides, console)
+    q_sync, q_async = learned["sync"], learned["async"]
+    start = _start(q_sync)
+    return {
+        "quality_workload": recipe.name,
+        "quality_steps": q_config["trainer"]["num_steps"],
+        "quality_max_staleness": q_config["trainer"]["max_staleness"],
+        "eval_start": start,
+        "eval_sync": q_sync["eval_end"],
+        "eval_async": q_async["eval_end"],
+        "eval_gain_sync": round(q_sync["eval_end"] - start, 4),
+        "eval_gain_async": round(q_async["eval_end"] - start, 4),
+        "eval_gap_async_vs_sync": round(q_async["eval_end"] - q_sync["eval_end"], 4),
+        "quality_sync_s": round(q_sync["wall_s"], 2),
+        "quality_async_s": round(q_async["wall_s"], 2),
+        "quality_speedup": round(q_sync["wall_s"] / q_async["wall_s"], 3),
+        "quality_max_staleness_seen": q_async["max_staleness"],
+    }
 
 
 def run(
@@ -146,26 +175,7 @@ def run(
     config, results = both_modes(recipe, tmp / "workload", [f"trainer.num_steps={steps}"], console)
     quality: dict[str, Any] = {}
     if quality_recipe is not None:  # a task the model can learn: does async learn as well?
-        q_config, learned = both_modes(
-            quality_recipe, tmp / "quality", quality_overrides or [], console
-        )
-        q_sync, q_async = learned["sync"], learned["async"]
-        start = _start(q_sync)
-        quality = {
-            "quality_workload": quality_recipe.name,
-            "quality_steps": q_config["trainer"]["num_steps"],
-            "quality_max_staleness": q_config["trainer"]["max_staleness"],
-            "eval_start": start,
-            "eval_sync": q_sync["eval_end"],
-            "eval_async": q_async["eval_end"],
-            "eval_gain_sync": round(q_sync["eval_end"] - start, 4),
-            "eval_gain_async": round(q_async["eval_end"] - start, 4),
-            "eval_gap_async_vs_sync": round(q_async["eval_end"] - q_sync["eval_end"], 4),
-            "quality_sync_s": round(q_sync["wall_s"], 2),
-            "quality_async_s": round(q_async["wall_s"], 2),
-            "quality_speedup": round(q_sync["wall_s"] / q_async["wall_s"], 3),
-            "quality_max_staleness_seen": q_async["max_staleness"],
-        }
+        quality = _quality(quality_recipe, tmp / "quality", quality_overrides or [], console)
     sync, asyn = results["sync"], results["async"]
     return {
         "workload": recipe.name,

@@ -243,28 +243,7 @@ def run(
             num_heads=max(1, hidden_size // 64),
         )
         with infra_with_weight_store(tmp) as (infra, common, procs):
-            ports = {k: free_port() for k in ("ro_http", "ro_grpc")}
-            procs.append(  # healthy is enough: the bench needs no env-gateway
-                start_service(
-                    "treadle_rollout",
-                    {
-                        **common,
-                        "TREADLE_NATS_URL": infra.url_for("nats", "rollout"),
-                        "TREADLE_REDIS_URL": infra.url_for("redis", "rollout"),
-                        "TREADLE_GRPC_PORT": str(ports["ro_grpc"]),
-                        "TREADLE_ROLLOUT_MODEL": str(model_dir),
-                        "TREADLE_ROLLOUT_MODEL_NAME": "bench-tiny",
-                        "TREADLE_TORCH_THREADS": str(threads),
-                        "TREADLE_ROLLOUT_ENGINE_CPUS": engine_cpus,
-                        "OMP_WAIT_POLICY": "PASSIVE",
-                    },
-                    ports["ro_http"],
-                    log=tmp / "rollout.log",
-                    ready_path="/healthz",
-                )
-            )
-            http = f"http://127.0.0.1:{ports['ro_http']}"
-            grpc_addr = f"127.0.0.1:{ports['ro_grpc']}"
+            http, grpc_addr = _serve(infra, common, procs, tmp, model_dir, threads, engine_cpus)
             result = asyncio.run(
                 _measure(
                     model_dir,
@@ -291,6 +270,35 @@ def run(
     }
 
 
+def _serve(
+    infra, common: dict, procs: list, tmp: Path, model_dir: Path, threads: int, engine_cpus: str
+) -> tuple[str, str]:
+    """A rollout replica on the model: its HTTP URL and gRPC address."""
+    ports = {k: free_port() for k in ("ro_http", "ro_grpc")}
+    procs.append(  # healthy is enough: the bench needs no env-gateway
+        start_service(
+            "treadle_rollout",
+            {
+                **common,
+                "TREADLE_NATS_URL": infra.url_for("nats", "rollout"),
+                "TREADLE_REDIS_URL": infra.url_for("redis", "rollout"),
+                "TREADLE_GRPC_PORT": str(ports["ro_grpc"]),
+                "TREADLE_ROLLOUT_MODEL": str(model_dir),
+                "TREADLE_ROLLOUT_MODEL_NAME": "bench-tiny",
+                "TREADLE_TORCH_THREADS": str(threads),
+                "TREADLE_ROLLOUT_ENGINE_CPUS": engine_cpus,
+                "OMP_WAIT_POLICY": "PASSIVE",
+            },
+            ports["ro_http"],
+            log=tmp / "rollout.log",
+            ready_path="/healthz",
+        )
+    )
+    http = f"http://127.0.0.1:{ports['ro_http']}"
+    grpc_addr = f"127.0.0.1:{ports['ro_grpc']}"
+    return http, grpc_addr
+
+
 async def _measure(
     model_dir, grpc_addr, http, store_addr, n, max_new, rounds, swaps, split
 ) -> dict:
@@ -304,6 +312,23 @@ async def _measure(
     # round measured a cold start, which a sustained load sees once
     await service_round(grpc_addr, prompts, max_new)
     await raw_round(engine, prompts, max_new)
+    grpc = await _grpc_rounds(engine, grpc_addr, prompts, max_new, rounds)
+    streamed = await _openai_rounds(engine, http, n, max_new, rounds)
+    await engine.close()
+    pauses = await swap_pauses(http, grpc_addr, store_addr, Path(model_dir), swaps)
+    return {
+        "max_new_tokens": max_new,
+        "rounds": rounds,
+        **grpc,
+        **streamed,
+        "swaps": len(pauses),
+        "swap_pause_ms_p50": round(statistics.median(pauses) * 1e3, 3) if pauses else None,
+        "swap_pause_ms_max": round(max(pauses) * 1e3, 3) if pauses else None,
+    }
+
+
+async def _grpc_rounds(engine: HFEngine, grpc_addr: str, prompts, max_new: int, rounds: int):
+    """The service's gRPC generation against the engine in process, round by round."""
     service_rates, raw_rates, ratios = [], [], []
     for _ in range(rounds):
         tokens_s, secs_s = await service_round(grpc_addr, prompts, max_new)
@@ -311,7 +336,15 @@ async def _measure(
         service_rates.append(tokens_s / secs_s)
         raw_rates.append(tokens_r / secs_r)
         ratios.append(service_rates[-1] / raw_rates[-1])
-    # the OpenAI API, streamed, against the engine on the same chat prompts and seeds
+    return {
+        "service_tokens_per_s": round(statistics.median(service_rates), 1),
+        "raw_engine_tokens_per_s": round(statistics.median(raw_rates), 1),
+        "ratio": round(statistics.median(ratios), 3),
+    }
+
+
+async def _openai_rounds(engine: HFEngine, http: str, n: int, max_new: int, rounds: int):
+    """The OpenAI API, streamed, against the engine on the same chat prompts and seeds."""
     conversations = chat_messages(n)
     chat_prompts = [session_free_prompt(engine.tokenizer, m) for m in conversations]
     client = openai.AsyncOpenAI(
@@ -339,21 +372,11 @@ async def _measure(
         ttfts += firsts
     await lean.close()
     await client.close()
-    await engine.close()
-    pauses = await swap_pauses(http, grpc_addr, store_addr, Path(model_dir), swaps)
     return {
-        "max_new_tokens": max_new,
-        "rounds": rounds,
-        "service_tokens_per_s": round(statistics.median(service_rates), 1),
-        "raw_engine_tokens_per_s": round(statistics.median(raw_rates), 1),
-        "ratio": round(statistics.median(ratios), 3),
         "openai_stream_tokens_per_s": round(statistics.median(stream_rates), 1),
         "openai_raw_engine_tokens_per_s": round(statistics.median(chat_raw_rates), 1),
         "openai_stream_ratio": round(statistics.median(stream_ratios), 3),
         "openai_stream_ttft_ms_p50": round(statistics.median(ttfts) * 1e3, 1) if ttfts else None,
         "openai_sdk_stream_tokens_per_s": round(statistics.median(sdk_rates), 1),
         "openai_sdk_stream_ratio": round(statistics.median(sdk_ratios), 3),
-        "swaps": len(pauses),
-        "swap_pause_ms_p50": round(statistics.median(pauses) * 1e3, 3) if pauses else None,
-        "swap_pause_ms_max": round(max(pauses) * 1e3, 3) if pauses else None,
     }

@@ -59,40 +59,7 @@ def run(
         tmp = Path(tmp_dir)
         model_dir = init_tiny(tmp / MODEL)
         with infra_with_weight_store(tmp) as (infra, common, procs):
-            ro_http, ro_grpc, tr_http = free_port(), free_port(), free_port()
-            procs.append(
-                start_service(
-                    "treadle_rollout",
-                    {
-                        **common,
-                        "TREADLE_NATS_URL": infra.url_for("nats", "rollout"),
-                        "TREADLE_REDIS_URL": infra.url_for("redis", "rollout"),
-                        "TREADLE_GRPC_PORT": str(ro_grpc),
-                        "TREADLE_ROLLOUT_MODEL": str(model_dir),
-                        "TREADLE_ROLLOUT_MODEL_NAME": MODEL,
-                    },
-                    ro_http,
-                    log=tmp / "rollout.log",
-                    ready_path="/healthz",
-                )
-            )
-            rollout = f"http://127.0.0.1:{ro_http}"
-            procs.append(
-                start_service(
-                    "treadle_trainer",
-                    {
-                        **common,
-                        "TREADLE_NATS_URL": infra.url_for("nats", "trainer"),
-                        "TREADLE_REDIS_URL": infra.url_for("redis", "trainer"),
-                        "TREADLE_TRAINER_TINKER_MODELS": json.dumps({MODEL: str(model_dir)}),
-                        "TREADLE_TRAINER_ROLLOUT_URL": rollout,
-                    },
-                    tr_http,
-                    log=tmp / "trainer.log",
-                    ready_path="/healthz",
-                )
-            )
-            trainer = f"http://127.0.0.1:{tr_http}"
+            rollout, trainer = _services(infra, common, procs, tmp, model_dir)
             train = _train(trainer, model_dir, steps, rounds, batch, seq_len, rank)
             sampling = _sample(trainer, rollout, rounds, prompts, num_samples, max_tokens, rank)
             publish = asyncio.run(
@@ -109,6 +76,44 @@ def run(
         **sampling,
         **publish,
     }
+
+
+def _services(infra, common: dict, procs: list, tmp: Path, model_dir: Path) -> tuple[str, str]:
+    """A rollout replica and a trainer serving the Tinker API on the model: their URLs."""
+    ro_http, ro_grpc, tr_http = free_port(), free_port(), free_port()
+    procs.append(
+        start_service(
+            "treadle_rollout",
+            {
+                **common,
+                "TREADLE_NATS_URL": infra.url_for("nats", "rollout"),
+                "TREADLE_REDIS_URL": infra.url_for("redis", "rollout"),
+                "TREADLE_GRPC_PORT": str(ro_grpc),
+                "TREADLE_ROLLOUT_MODEL": str(model_dir),
+                "TREADLE_ROLLOUT_MODEL_NAME": MODEL,
+            },
+            ro_http,
+            log=tmp / "rollout.log",
+            ready_path="/healthz",
+        )
+    )
+    rollout = f"http://127.0.0.1:{ro_http}"
+    procs.append(
+        start_service(
+            "treadle_trainer",
+            {
+                **common,
+                "TREADLE_NATS_URL": infra.url_for("nats", "trainer"),
+                "TREADLE_REDIS_URL": infra.url_for("redis", "trainer"),
+                "TREADLE_TRAINER_TINKER_MODELS": json.dumps({MODEL: str(model_dir)}),
+                "TREADLE_TRAINER_ROLLOUT_URL": rollout,
+            },
+            tr_http,
+            log=tmp / "trainer.log",
+            ready_path="/healthz",
+        )
+    )
+    return rollout, f"http://127.0.0.1:{tr_http}"
 
 
 def _service_client(trainer: str):
@@ -203,40 +208,13 @@ def _sample(trainer, rollout, rounds, prompts, num_samples, max_tokens, rank) ->
         tokens = sum(len(s.tokens) for f in futures for s in f.result().sequences)
         return tokens, time.perf_counter() - start
 
-    async def rollout_round() -> tuple[int, float]:
-        async with httpx.AsyncClient(base_url=rollout, headers=bearer(token_from_env())) as http:
-            start = time.perf_counter()
-            answers = await asyncio.gather(
-                *(
-                    http.post(
-                        "/v1/completions",
-                        json={
-                            "model": adapter,
-                            "prompt": p,
-                            "n": num_samples,
-                            "max_tokens": max_tokens,
-                            "temperature": 1.0,
-                            "logprobs": 0,
-                            "return_tokens_as_token_ids": True,
-                        },
-                        timeout=600,
-                    )
-                    for p in prompt_ids
-                )
-            )
-            elapsed = time.perf_counter() - start
-        tokens = sum(
-            len(c["logprobs"]["tokens"])
-            for a in answers
-            for c in a.raise_for_status().json()["choices"]
-        )
-        return tokens, elapsed
-
     sdk_rates, rollout_rates, ratios = [], [], []
     for _ in range(rounds):
         tokens, secs = sdk_round()
         sdk_rates.append(tokens / secs)
-        tokens, secs = asyncio.run(rollout_round())
+        tokens, secs = asyncio.run(
+            _rollout_round(rollout, adapter, prompt_ids, num_samples, max_tokens)
+        )
         rollout_rates.append(tokens / secs)
         ratios.append(sdk_rates[-1] / rollout_rates[-1])
     return {
@@ -247,6 +225,39 @@ def _sample(trainer, rollout, rounds, prompts, num_samples, max_tokens, rank) ->
         "rollout_tokens_per_s": round(statistics.median(rollout_rates), 1),
         "sample_ratio": round(statistics.median(ratios), 3),
     }
+
+
+async def _rollout_round(
+    rollout: str, adapter: str, prompt_ids: list[list[int]], num_samples: int, max_tokens: int
+) -> tuple[int, float]:
+    """The same samples from rollout's completions API directly: (tokens, seconds)."""
+    async with httpx.AsyncClient(base_url=rollout, headers=bearer(token_from_env())) as http:
+        start = time.perf_counter()
+        answers = await asyncio.gather(
+            *(
+                http.post(
+                    "/v1/completions",
+                    json={
+                        "model": adapter,
+                        "prompt": p,
+                        "n": num_samples,
+                        "max_tokens": max_tokens,
+                        "temperature": 1.0,
+                        "logprobs": 0,
+                        "return_tokens_as_token_ids": True,
+                    },
+                    timeout=600,
+                )
+                for p in prompt_ids
+            )
+        )
+        elapsed = time.perf_counter() - start
+    tokens = sum(
+        len(c["logprobs"]["tokens"])
+        for a in answers
+        for c in a.raise_for_status().json()["choices"]
+    )
+    return tokens, elapsed
 
 
 def _wait_for_adapter(sampler, rollout, prompt, params) -> str:

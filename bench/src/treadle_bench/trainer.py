@@ -90,6 +90,59 @@ def run(
     return report
 
 
+def _recipe(
+    tmp: Path,
+    model_dir: Path,
+    dataset: Path,
+    shape: tuple[int, int, int, int, int],
+    backend: str,
+    tensor_parallel: int,
+) -> dict:
+    """The bench's run: async, every step's batch from the dataset, one checkpoint at the end."""
+    steps, groups, group_size, _, _ = shape
+    megatron = backend == "megatron"
+    parallel = {"backend": backend, "tensor_parallel": tensor_parallel if megatron else 1}
+    return {
+        "run_id": "bench",
+        "mode": "async",
+        "model": {"path": str(model_dir), "name": MODEL},
+        "data": {"path": str(dataset)},
+        "rollout": {"group_size": group_size},
+        "trainer": {
+            "num_steps": steps,
+            "tasks_per_step": groups,
+            "loss": "ppo",
+            "lr": 1e-5,
+            "max_staleness": steps,
+            "checkpoint_every": steps,
+            **parallel,
+        },
+        "output_dir": str(tmp / "runs"),
+    }
+
+
+def _rates(status: dict, batch: int, quiet_from: int) -> dict:
+    """Step rates over the steps after warm-up (and after the trainer's quiet point)."""
+    first = max(WARMUP_STEPS + 1, quiet_from)
+    measured = [s for s in status["steps"] if s["step"] >= first] or status["steps"][-1:]
+
+    def p50(key: str) -> float:
+        return round(statistics.median(s[key] for s in measured), 4)
+
+    return {
+        "batch": batch,
+        "tokens_per_s": round(
+            statistics.median(s["num_tokens"] / s["duration_s"] for s in measured), 1
+        ),
+        "step_s": [round(s["duration_s"], 3) for s in status["steps"]],
+        "measured_steps": [s["step"] for s in measured],
+        "step_s_p50": p50("duration_s"),
+        "train_s_p50": p50("train_s"),
+        "publish_s_p50": p50("publish_s"),
+        "wait_for_batch_s_p50": p50("wait_for_batch_s"),
+    }
+
+
 def _service_run(
     tmp: Path,
     model_dir: Path,
@@ -119,24 +172,7 @@ def _service_run(
                 ranks=tensor_parallel if megatron else 1,
             )
         )
-        parallel = {"backend": backend, "tensor_parallel": tensor_parallel if megatron else 1}
-        recipe = {
-            "run_id": "bench",
-            "mode": "async",
-            "model": {"path": str(model_dir), "name": MODEL},
-            "data": {"path": str(dataset)},
-            "rollout": {"group_size": group_size},
-            "trainer": {
-                "num_steps": steps,
-                "tasks_per_step": groups,
-                "loss": "ppo",
-                "lr": 1e-5,
-                "max_staleness": steps,
-                "checkpoint_every": steps,
-                **parallel,
-            },
-            "output_dir": str(tmp / "runs"),
-        }
+        recipe = _recipe(tmp, model_dir, dataset, shape, backend, tensor_parallel)
         status, batch, quiet_from = asyncio.run(
             _service(
                 f"http://127.0.0.1:{http_port}",
@@ -149,24 +185,7 @@ def _service_run(
         )
     if status["state"] != "succeeded":
         raise RuntimeError(f"bench run ({backend}) failed: {status['error']}")
-    first = max(WARMUP_STEPS + 1, quiet_from)
-    measured = [s for s in status["steps"] if s["step"] >= first] or status["steps"][-1:]
-
-    def p50(key: str) -> float:
-        return round(statistics.median(s[key] for s in measured), 4)
-
-    return {
-        "batch": batch,
-        "tokens_per_s": round(
-            statistics.median(s["num_tokens"] / s["duration_s"] for s in measured), 1
-        ),
-        "step_s": [round(s["duration_s"], 3) for s in status["steps"]],
-        "measured_steps": [s["step"] for s in measured],
-        "step_s_p50": p50("duration_s"),
-        "train_s_p50": p50("train_s"),
-        "publish_s_p50": p50("publish_s"),
-        "wait_for_batch_s_p50": p50("wait_for_batch_s"),
-    }
+    return _rates(status, batch, quiet_from)
 
 
 async def _service(http, redis_url, store_addr, recipe, prompt_len, completion_len):
