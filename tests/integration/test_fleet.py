@@ -201,7 +201,7 @@ async def test_a_tenant_past_its_episode_quota_waits_and_the_other_does_not(redi
             await fleet.unregister(redis_client, run)
     assert episodes.done == 36
     assert episodes.most[x] == 2 and episodes.most["all"] == 4, episodes.most
-    assert worker.quota_waits > 0
+    assert worker.share.quota_waits > 0
     assert await redis_client.zcard(names.tenant_episodes(x)) == 0  # every lease released
 
 

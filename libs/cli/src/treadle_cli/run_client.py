@@ -239,10 +239,19 @@ class RunClient:
         except ApiError as exc:
             self.console.print(f"[red]trainer refused the run ({exc.status_code})[/red]: {exc}")
             return 1
+        run, lost_contact = self._watch(run, report, held_out)
+        return self._conclude(run, report, held_out, lost_contact)
+
+    def _watch(
+        self, run: RunStatus, report: RunReport, held_out: list[dict]
+    ) -> tuple[RunStatus, str | None]:
+        """Follow the run to its end, its steps into `report`, evaluating every
+        `eval.every` steps: the run as it ended, and why contact was lost (None: it was not).
+        """
+        cfg = self.config
         steps = run.steps
         evaluated = 0
-        lost_contact: str | None = None
-        with Live(self._table(run, report), console=self.console, refresh_per_second=2) as live:
+        with Live(run_table(cfg, run, report), console=self.console, refresh_per_second=2) as live:
             while not run.finished:
                 time.sleep(0.5)
                 # only the records not seen yet: a long run's answer stays small. Any trainer
@@ -254,26 +263,35 @@ class RunClient:
                         exists=True,
                     )
                 except Unreachable as exc:
-                    lost_contact = str(exc)
                     run.steps = steps
-                    break
+                    return run, str(exc)
                 for record in run.steps:
                     report.add(StepRow(**record.model_dump()), at=record.finished_at or None)
                 steps += run.steps
                 run.steps = steps
-                every = cfg.eval.every
-                if held_out and every and not run.finished and run.steps:
-                    step = run.steps[-1]
-                    last_step = step.step >= cfg.trainer.num_steps  # the end eval covers it
-                    if step.step % every == 0 and step.step != evaluated and not last_step:
-                        evaluated = step.step
-                        try:
-                            self._evaluate(
-                                held_out, f"step {evaluated}", step.version, report, own=True
-                            )
-                        finally:  # a sync run waits there until told
-                            self._evaluation_done(evaluated)
-                live.update(self._table(run, report))
+                if held_out and not run.finished and run.steps:
+                    evaluated = self._maybe_evaluate(run.steps[-1], evaluated, held_out, report)
+                live.update(run_table(cfg, run, report))
+        return run, None
+
+    def _maybe_evaluate(self, step, evaluated: int, held_out: list[dict], report) -> int:
+        """Evaluate at a step that `eval.every` names (not the last: the end's covers it);
+        the last step evaluated."""
+        every = self.config.eval.every
+        last_step = step.step >= self.config.trainer.num_steps
+        if not every or step.step % every != 0 or step.step == evaluated or last_step:
+            return evaluated
+        try:
+            self._evaluate(held_out, f"step {step.step}", step.version, report, own=True)
+        finally:  # a sync run waits there until told
+            self._evaluation_done(step.step)
+        return step.step
+
+    def _conclude(
+        self, run: RunStatus, report: RunReport, held_out: list[dict], lost_contact: str | None
+    ) -> int:
+        """The end evaluation, the final model's export, the summary: the exit status."""
+        out_dir = self.config.output_dir / self.config.run_id
         summary = self._summary(run)
         if lost_contact is not None:
             summary.error = f"treadle run lost contact with the trainer: {lost_contact}"
@@ -491,36 +509,7 @@ class RunClient:
         except Exception as exc:  # the store is away: the summary says so
             self.console.print(f"[red]weight-store: {exc!r}[/red]")
             stored = []
-        counters = run.model_dump(
-            include={
-                "run_id",
-                "state",
-                "error",
-                "tasks_fed",
-                "tasks_cancelled",
-                "tasks_dead",
-                "dead_lettered",
-                "trajectories_produced",
-                "trajectories_consumed",
-                "trajectories_trained",
-                "trajectories_acked",
-                "rejected",
-                "duplicates",
-                "pending_after_run",
-                "dropped",
-                "usage",
-            }
-        )
-        return RunSummary(
-            **counters,
-            steps=run.step,
-            exactly_once=run.exactly_once,
-            versions_published=run.versions,
-            weight_store_versions=stored,
-            rollout_policy_version=rollout.version_of(self.config.policy_model) if rollout else -1,
-            rollout_swaps=rollout.swaps if rollout else 0,
-            mean_reward_per_step=[round(s.mean_reward, 4) for s in run.steps],
-        )
+        return summarize(run, rollout, stored, self.config.policy_model)
 
     async def _stored_versions(self) -> list[int]:
         store = WeightStoreClient(self._grpc("weight-store"), token=self.settings.client_token())
@@ -537,28 +526,67 @@ class RunClient:
                 return info
             time.sleep(0.2)
 
-    def _table(self, run: RunStatus, report: RunReport) -> Table:
-        evals = ", ".join(f"{e.phase} {e.mean_reward:.3f}" for e in report.evals())
-        steps = run.steps
-        table = Table(
-            title=f"run {run.run_id} ({self.config.mode}) — {run.state}, "
-            f"step {run.step}/{self.config.trainer.num_steps}",
-            caption=f"eval: {evals}" if evals else None,
+
+def run_table(config: RunConfig, run: RunStatus, report: RunReport) -> Table:
+    """The live view of a run: its last steps and its evaluations."""
+    evals = ", ".join(f"{e.phase} {e.mean_reward:.3f}" for e in report.evals())
+    steps = run.steps
+    table = Table(
+        title=f"run {run.run_id} ({config.mode}) — {run.state}, "
+        f"step {run.step}/{config.trainer.num_steps}",
+        caption=f"eval: {evals}" if evals else None,
+    )
+    columns = ("step", "version", "reward", "trajectories", "loss", "tokens/s", "staleness")
+    for column in (*columns, "publish MB", "wait s", "s"):
+        table.add_column(column)
+    for s in steps[-12:]:
+        table.add_row(
+            str(s.step),
+            str(s.version),
+            f"{s.mean_reward:.3f}",
+            str(s.num_trajectories),
+            f"{s.loss:.4f}",
+            f"{s.tokens_per_s:.0f}",
+            str(s.max_staleness),
+            f"{s.bytes_published / 2**20:.2f}",
+            f"{s.wait_for_batch_s:.1f}",
+            f"{s.duration_s:.1f}",
         )
-        columns = ("step", "version", "reward", "trajectories", "loss", "tokens/s", "staleness")
-        for column in (*columns, "publish MB", "wait s", "s"):
-            table.add_column(column)
-        for s in steps[-12:]:
-            table.add_row(
-                str(s.step),
-                str(s.version),
-                f"{s.mean_reward:.3f}",
-                str(s.num_trajectories),
-                f"{s.loss:.4f}",
-                f"{s.tokens_per_s:.0f}",
-                str(s.max_staleness),
-                f"{s.bytes_published / 2**20:.2f}",
-                f"{s.wait_for_batch_s:.1f}",
-                f"{s.duration_s:.1f}",
-            )
-        return table
+    return table
+
+
+def summarize(
+    run: RunStatus, rollout: RolloutInfo | None, stored: list[int], policy_model: str
+) -> RunSummary:
+    """A run's summary: its counters, the versions it published and those the store and
+    rollout hold (rollout None: it did not answer)."""
+    counters = run.model_dump(
+        include={
+            "run_id",
+            "state",
+            "error",
+            "tasks_fed",
+            "tasks_cancelled",
+            "tasks_dead",
+            "dead_lettered",
+            "trajectories_produced",
+            "trajectories_consumed",
+            "trajectories_trained",
+            "trajectories_acked",
+            "rejected",
+            "duplicates",
+            "pending_after_run",
+            "dropped",
+            "usage",
+        }
+    )
+    return RunSummary(
+        **counters,
+        steps=run.step,
+        exactly_once=run.exactly_once,
+        versions_published=run.versions,
+        weight_store_versions=stored,
+        rollout_policy_version=rollout.version_of(policy_model) if rollout else -1,
+        rollout_swaps=rollout.swaps if rollout else 0,
+        mean_reward_per_step=[round(s.mean_reward, 4) for s in run.steps],
+    )

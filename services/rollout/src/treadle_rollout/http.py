@@ -88,7 +88,7 @@ def info(rollout: Rollout) -> dict[str, Any]:
         "tasks_done": worker.tasks_done if worker else 0,
         "tasks_invalid": worker.invalid_tasks if worker else 0,
         "tasks_cancelled": worker.cancelled_tasks if worker else 0,
-        "admission_waits": worker.admission_waits if worker else 0,
+        "admission_waits": worker.groups.admission_waits if worker else 0,
         "trajectories_pushed": worker.trajectories_pushed if worker else 0,
         "recorded_sessions": len(rollout.frontend.recorder.sessions),
     }

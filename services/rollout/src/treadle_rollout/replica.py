@@ -117,7 +117,7 @@ class Rollout:
 
         async def fetched(policy: str, size: int) -> None:  # a LoRA run's policy's bytes
             run = policy.removeprefix(self.engine.model_name + ".")
-            tenant = self.worker.tenant_of(run) if self.worker else auth.DEFAULT_TENANT
+            tenant = self.worker.share.tenant_of(run) if self.worker else auth.DEFAULT_TENANT
             await usage.record(redis, run, tenant, {"weight_bytes_fetched": size})
 
         self.policies.on_fetched = fetched

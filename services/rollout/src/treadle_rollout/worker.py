@@ -26,7 +26,6 @@ the run's state (`tasks_dead`, `dead:{reason}`); the trainer feeds a task in its
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import json
 import random
@@ -38,24 +37,23 @@ from opentelemetry.trace import SpanKind
 
 from treadle_common import names
 from treadle_common.clients import streams
-from treadle_common.fleet import admission, scheduling
 from treadle_common.fleet import runs as fleet
-from treadle_common.fleet.quotas import QuotaExceeded, TenantQuotas
+from treadle_common.fleet import scheduling
+from treadle_common.fleet.quotas import TenantQuotas
 from treadle_common.proto.treadle.v1 import task_pb2
 from treadle_common.runtime import metrics, tracing
 from treadle_common.runtime.logs import get_logger
-from treadle_rollout import metrics as rollout_metrics
 from treadle_rollout import usage
+from treadle_rollout.dead_letters import give_up
 from treadle_rollout.episodes import EpisodeRunner
+from treadle_rollout.fair_share import FairShare
+from treadle_rollout.groups import Groups
 from treadle_rollout.policies import RunPolicies
 from treadle_rollout.weight_sync import WeightSync
 
 log = get_logger(__name__)
 SERVICE = "rollout"
 MAX_GROUP_SIZE = 1024
-PRIORITY_HOLD_S = 2.0
-"""A run that had work this recently still holds its priority: lower-priority runs wait
-(a sync run's next tasks come after its training step)."""
 
 
 def invalid_reason(task: task_pb2.Task | streams.InvalidEntry) -> str | None:
@@ -96,22 +94,13 @@ class TaskWorker:
     ):
         self.r = r
         self.quotas = quotas
-        """Tenants' episode and token quotas: a run whose tenant is at one waits its turn."""
-        self.quota_waits = 0
+        self.share = FairShare(policy, quotas)
+        """Whose ready task starts when a slot frees, and what each run's tasks hold."""
         self.model = model
         """The base model this replica serves (None: it takes every run's tasks)."""
-        self.policies = policies
-        self.policy = policy or scheduling.WeightedFairShare()
-        """Which run's ready task starts when a slot frees (`treadle_common.fleet.scheduling`)."""
-        self._claims: dict[str, scheduling.Claim] = {}
-        self._ready: dict[str, list[tuple[str, object, float]]] = {}
-        """Per task stream: tasks read (ours, pending) waiting for the policy's turn."""
-        self._slot_s: dict[str, float] = {}  # per run: mean seconds a task held its slot
-        self._busy_at: dict[str, float] = {}  # per task stream: when it last had work
-        self._running: collections.Counter[str] = collections.Counter()  # tasks in flight
-        self._mean_slot_s = 1.0
         self.runner = runner
-        self.sync = sync
+        self.groups = Groups(r, runner, sync, policies)
+        """Admits and plays each task's group of episodes."""
         self.consumer = consumer
         self.max_concurrent_tasks = max_concurrent_tasks
         self.slots = asyncio.Semaphore(max_concurrent_tasks)
@@ -125,8 +114,7 @@ class TaskWorker:
         self.cancelled_tasks = 0
         self.dead_lettered = 0
         self.lost_tasks = 0  # reclaimed by another replica while this one worked on them
-        self.admission_waits = 0
-        self._groups: set[str] = set()
+        self._grouped: set[str] = set()
         self._resumed: set[str] = set()  # streams whose own pending entries were taken back
         self.on_task_done: Callable[[], None] = lambda: None
 
@@ -141,11 +129,11 @@ class TaskWorker:
         out = []
         for run in runs:
             stream = names.tasks_stream(run)
-            if stream not in self._groups:
+            if stream not in self._grouped:
                 await streams.ensure_group(self.r, stream, names.ROLLOUT_GROUP)
-                self._groups.add(stream)
+                self._grouped.add(stream)
             p = policies.get(run)
-            self._claims[stream] = (
+            self.share.claims[stream] = (
                 scheduling.Claim(run, p.weight, p.priority, p.tenant)
                 if p is not None
                 else scheduling.Claim(run)
@@ -163,7 +151,7 @@ class TaskWorker:
                 backoff = 0.5
             except Exception as exc:
                 log.warning("taking tasks failed; retrying", error=repr(exc), in_s=backoff)
-                self._groups.clear()  # a Redis that lost its data lost the groups too
+                self._grouped.clear()  # a Redis that lost its data lost the groups too
                 await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
                 backoff = min(backoff * 2, 10.0)
 
@@ -172,7 +160,7 @@ class TaskWorker:
         that has none ready; once a slot is free, start the ready task of the run the
         scheduling policy picks (`_dispatch`)."""
         stream_keys = await self.active_streams()
-        if not stream_keys and not any(self._ready.values()):
+        if not stream_keys and not any(self.share.ready.values()):
             await asyncio.sleep(0.2)
             return
         owed = []
@@ -186,7 +174,7 @@ class TaskWorker:
         await self.slots.acquire()
         self.slots.release()
         await self._keep_ready_claims()
-        empty = [s for s in stream_keys if not self._ready.get(s)]
+        empty = [s for s in stream_keys if not self.share.ready.get(s)]
         got = await streams.read_group(  # one per run: the policy chooses among them
             self.r,
             empty,
@@ -194,12 +182,12 @@ class TaskWorker:
             self.consumer,
             task_pb2.Task,
             count=1,
-            block_ms=None if any(self._ready.values()) else 500,
+            block_ms=None if any(self.share.ready.values()) else 500,
         )
         now = time.monotonic()
         for stream, entry_id, task in got:
-            self._ready.setdefault(stream, []).append((entry_id, task, now))
-        if not await self._dispatch(set(stream_keys)) and any(self._ready.values()):
+            self.share.ready.setdefault(stream, []).append((entry_id, task, now))
+        if not await self._dispatch(set(stream_keys)) and any(self.share.ready.values()):
             await asyncio.sleep(0.05)  # only lower priorities ready: wait, do not spin
 
     async def _dispatch(self, active: set[str]) -> int:
@@ -208,114 +196,36 @@ class TaskWorker:
         priority that has work (`_eligible`); how many started."""
         started = 0
         while not self.slots.locked():
-            ready = sorted((s for s, q in self._ready.items() if q), key=self._created)
+            ready = sorted((s for s, q in self.share.ready.items() if q), key=self.share.created)
             gone = [s for s in ready if s not in active]
-            eligible = gone or self._eligible(ready)
+            eligible = gone or self.share.eligible(ready)
             if not eligible:
                 break
             if not gone:
-                eligible = await self._within_quota(eligible)
+                eligible = await self.share.within_quota(eligible)
                 if not eligible:
                     break
             if gone:
                 stream = gone[0]
             else:
-                chosen = self.policy.pick([self._claims[s] for s in eligible])
-                stream = names.tasks_stream(chosen.run_id)
-            entry_id, task, _ = self._ready[stream][0]
-            lease = await self._lease(stream, entry_id, task) if not gone else []
+                stream = self.share.pick(eligible)
+            entry_id, task, _ = self.share.ready[stream][0]
+            lease = await self.share.lease(stream, entry_id, task) if not gone else []
             if lease is None:  # its tenant's last episodes went to another replica
                 break
-            self._ready[stream].pop(0)
+            self.share.ready[stream].pop(0)
             charge = None
             if isinstance(task, task_pb2.Task):
-                charge = self._charge(self._claims[stream])
+                charge = self.share.charge(self.share.claims[stream])
             await self._start(stream, entry_id, task, charge, lease)
             started += 1
         return started
-
-    async def _within_quota(self, ready: list[str]) -> list[str]:
-        """The ready streams whose tenant is at none of its quotas (the others wait)."""
-        if self.quotas is None:
-            return ready
-        blocked: dict[str, str | None] = {}
-        for tenant in {self._claims[s].tenant for s in ready}:
-            blocked[tenant] = await self.quotas.blocked(tenant)
-        within = [s for s in ready if blocked[self._claims[s].tenant] is None]
-        self.quota_waits += len(within) < len(ready)
-        return within
-
-    async def _lease(self, stream: str, entry_id: str, task) -> list[str] | None:
-        """Count the task's episodes against its tenant's quota: their ids, or None."""
-        if self.quotas is None or not self.quotas.max_episodes:
-            return []
-        if not isinstance(task, task_pb2.Task):
-            return []
-        ids = [f"{entry_id}/{i}" for i in range(max(1, task.group_size))]
-        try:
-            await self.quotas.take_episodes(self._claims[stream].tenant, ids)
-        except QuotaExceeded:
-            self.quota_waits += 1
-            return None
-        return ids
-
-    def _eligible(self, ready: list[str]) -> list[str]:
-        """The ready streams whose run has the highest priority among the runs with work:
-        ready, in flight, or either within the last `PRIORITY_HOLD_S` (a sync run between
-        two steps, training). Lower-priority runs wait meanwhile: a higher priority's tasks
-        never queue behind theirs, and their in-flight episodes end without successors."""
-        now = time.monotonic()
-        for stream in ready:
-            self._busy_at[stream] = now
-        if not self.policy.strict_priority:
-            return ready
-        working = [
-            s for s, at in self._busy_at.items() if now - at < PRIORITY_HOLD_S or self._running[s]
-        ]
-        if not working:
-            return ready
-        top = max(self._claims[s].priority for s in working if s in self._claims)
-        return [s for s in ready if self._claims[s].priority >= top]
-
-    def _charge(self, claim: scheduling.Claim) -> Callable[[], None]:
-        """Charge `claim` a slot now, at its run's mean slot-seconds per task so far; the
-        returned callback, when the task ends, charges the difference to what it held. A
-        run whose tasks hold slots long (slow tools, a reward timeout storm) pays for the
-        time, not for the count, so it cannot crowd the others out of the slots."""
-        estimate = self._slot_s.get(claim.run_id, self._mean_slot_s)
-        self.policy.charge(claim, estimate)
-        started = time.monotonic()
-
-        stream = names.tasks_stream(claim.run_id)
-        self._running[stream] += 1
-
-        def settle() -> None:
-            self._running[stream] -= 1
-            self._busy_at[stream] = time.monotonic()
-            held = time.monotonic() - started
-            self.policy.charge(claim, held - estimate)
-            mean = self._slot_s.get(claim.run_id, held)
-            self._slot_s[claim.run_id] = 0.8 * mean + 0.2 * held
-            self._mean_slot_s = 0.9 * self._mean_slot_s + 0.1 * held
-
-        return settle
-
-    def tenant_of(self, run: str) -> str:
-        """The tenant of an active run (from its claim; `default` when it named none)."""
-        claim = self._claims.get(names.tasks_stream(run))
-        return claim.tenant if claim is not None else "default"
-
-    def _created(self, stream: str) -> float:
-        """When the task waiting first in `stream` was fed (the claims' order: oldest first,
-        which is all a first-come policy looks at)."""
-        task = self._ready[stream][0][1]
-        return task.created_at if isinstance(task, task_pb2.Task) else 0.0
 
     async def _keep_ready_claims(self) -> None:
         """Ready tasks waiting their turn are ours: heartbeat them like running ones (one
         reclaimed meanwhile by another replica is dropped here: that replica plays it)."""
         now, every = time.monotonic(), self.reclaim_idle_ms / 4000
-        for stream, queue in self._ready.items():
+        for stream, queue in self.share.ready.items():
             for item in list(queue):
                 entry_id, task, since = item
                 if now - since < every:
@@ -394,45 +304,12 @@ class TaskWorker:
                 await self._reject(stream, entry_id, task, reason)
                 return
             assert isinstance(task, task_pb2.Task)
-            parent = tracing.from_proto(task.trace)
-            picked_up = time.time()
-            tracer = tracing.tracer()
-            tracer.start_span(
-                "rollout.queued", context=parent, start_time=tracing.ns(task.created_at)
-            ).end(end_time=tracing.ns(picked_up))
-            with tracer.start_as_current_span(
-                "rollout.task", context=parent, kind=SpanKind.CONSUMER
-            ) as span:
-                span.set_attributes(
-                    {"treadle.task_id": task.task_id, "treadle.group_size": task.group_size}
-                )
-                with tracer.start_as_current_span("rollout.admission"):
-                    if not await self._admit(task):
-                        span.set_attribute("treadle.cancelled", True)
-                        await self._cancel(stream, entry_id)
-                        return
-                group = await self._play(task)
-            heartbeat.cancel()
-            if not await streams.commit_owned(  # the trajectories with the task's ack
-                self.r,
-                stream,
-                names.ROLLOUT_GROUP,
-                self.consumer,
-                entry_id,
-                out_stream=names.trajectories_stream(task.run_id),
-                messages=group,
-                counter=(names.run_state(task.run_id), "trajectories_produced"),
-            ):
-                self._lost(entry_id)
+            group = await self._traced_play(stream, entry_id, task)
+            if group is None:
                 return
-            self.tasks_done += 1
-            self.trajectories_pushed += len(group)
-            tenant = self.tenant_of(task.run_id)
-            with contextlib.suppress(Exception):  # accounting never fails a committed task
-                counts = usage.of_group(group)
-                await usage.record(self.r, task.run_id, tenant, counts)
-                if self.quotas is not None:
-                    await self.quotas.add_tokens(tenant, int(counts["generated_tokens"]))
+            heartbeat.cancel()
+            if not await self._commit(stream, entry_id, task, group):
+                return
             self.on_task_done()
         except asyncio.CancelledError:
             if not heartbeat.done() or heartbeat.cancelled() or not heartbeat.result():
@@ -449,7 +326,56 @@ class TaskWorker:
             self.slots.release()
             if lease and self.quotas is not None:
                 with contextlib.suppress(Exception):  # the lease lapses by itself otherwise
-                    await self.quotas.release_episodes(self.tenant_of(names.run_of(stream)), lease)
+                    await self.quotas.release_episodes(
+                        self.share.tenant_of(names.run_of(stream)), lease
+                    )
+
+    async def _traced_play(self, stream: str, entry_id: str, task: task_pb2.Task) -> list | None:
+        """Admit and play a task in its trace (its queueing as a span of its own); its group's
+        trajectories, or None when admission cancelled it."""
+        parent = tracing.from_proto(task.trace)
+        picked_up = time.time()
+        tracer = tracing.tracer()
+        tracer.start_span(
+            "rollout.queued", context=parent, start_time=tracing.ns(task.created_at)
+        ).end(end_time=tracing.ns(picked_up))
+        with tracer.start_as_current_span(
+            "rollout.task", context=parent, kind=SpanKind.CONSUMER
+        ) as span:
+            span.set_attributes(
+                {"treadle.task_id": task.task_id, "treadle.group_size": task.group_size}
+            )
+            with tracer.start_as_current_span("rollout.admission"):
+                if not await self.groups.admit(task):
+                    span.set_attribute("treadle.cancelled", True)
+                    await self._cancel(stream, entry_id)
+                    return None
+            return await self.groups.play(task)
+
+    async def _commit(self, stream: str, entry_id: str, task: task_pb2.Task, group: list) -> bool:
+        """The group's trajectories pushed with the task's ack, in one step, and accounted;
+        False when the task was no longer ours (another replica took it)."""
+        if not await streams.commit_owned(
+            self.r,
+            stream,
+            names.ROLLOUT_GROUP,
+            self.consumer,
+            entry_id,
+            out_stream=names.trajectories_stream(task.run_id),
+            messages=group,
+            counter=(names.run_state(task.run_id), "trajectories_produced"),
+        ):
+            self._lost(entry_id)
+            return False
+        self.tasks_done += 1
+        self.trajectories_pushed += len(group)
+        tenant = self.share.tenant_of(task.run_id)
+        with contextlib.suppress(Exception):  # accounting never fails a committed task
+            counts = usage.of_group(group)
+            await usage.record(self.r, task.run_id, tenant, counts)
+            if self.quotas is not None:
+                await self.quotas.add_tokens(tenant, int(counts["generated_tokens"]))
+        return True
 
     async def _heartbeat(self, stream: str, entry_id: str, work: asyncio.Task | None) -> bool:
         """Keep the task ours while we work on it; True (after cancelling `work`) once it is
@@ -474,39 +400,6 @@ class TaskWorker:
         metrics.DROPPED.labels(SERVICE, "task", "not_owner").inc()
         log.warning("task reclaimed by another replica; this attempt is dropped", entry=entry_id)
 
-    async def _play(self, task: task_pb2.Task) -> list:
-        """The task's episodes. A task that demands a version the engine does not hold yet (a
-        sync run's next step, fed while the trainer trains the step that publishes it) starts
-        its episodes at once: they open their env sessions and render their prompts, then
-        wait for that version before their first generation (`EpisodeRunner.run`'s gate)."""
-        gate = None
-        if self._version(task) < task.min_policy_version:
-            gate = asyncio.ensure_future(self._weights(task))
-        try:
-            return await asyncio.gather(
-                *(self.runner.run(task, i, gate) for i in range(task.group_size))
-            )
-        finally:
-            if gate is not None and not gate.done():
-                gate.cancel()
-
-    def _version(self, task: task_pb2.Task) -> int:
-        """The version of the task's policy this replica serves now."""
-        return self.policies.version(task.model) if self.policies else self.sync.engine.version
-
-    async def _weights(self, task: task_pb2.Task) -> None:
-        with tracing.tracer().start_as_current_span("rollout.wait_for_weights"):
-            if self.policies is not None and self.policies.is_adapter(task.model):
-                await self.policies.ensure(task.model, task.min_policy_version)
-            else:
-                await self.sync.ensure_version(task.min_policy_version)
-
-    async def _wait_for_newer(self, task: task_pb2.Task, version: int) -> None:
-        if self.policies is not None and self.policies.is_adapter(task.model):
-            await self.policies.get(task.model).wait_for_newer(version, timeout_s=2.0)
-        else:
-            await self.sync.wait_for_newer(version, timeout_s=2.0)
-
     async def _reject(
         self, stream: str, entry_id: str, task: task_pb2.Task | streams.InvalidEntry, reason: str
     ) -> None:
@@ -525,38 +418,9 @@ class TaskWorker:
         deliveries: int,
         error: str | None = None,
     ) -> None:
-        """Give up on a task: to treadle:{run}:dead with why, acked and counted, at once."""
-        run = names.run_of(stream)
-        if error is None:
-            last = await self.r.hget(names.task_errors(run), entry_id)
-            error = streams.text(last) if last is not None else ""
-        fields: dict = {
-            "entry_id": entry_id,
-            "reason": reason,
-            "error": error,
-            "deliveries": deliveries,
-            "consumer": self.consumer,
-            "at": time.time(),
-        }
-        if isinstance(task, task_pb2.Task):
-            fields |= {"task_id": task.task_id, names.STREAM_FIELD: task.SerializeToString()}
-        admitted = isinstance(task, task_pb2.Task) and await self.r.hexists(
-            admission.admitted_key(run), task.task_id
-        )
+        """Give up on a task (`dead_letters.give_up`), counted here too."""
         self.dead_lettered += 1
-        metrics.DROPPED.labels(SERVICE, "task", reason).inc()
-        log.warning("task dead-lettered", entry=entry_id, reason=reason, error=error[:300])
-        async with self.r.pipeline(transaction=True) as pipe:
-            pipe.xadd(names.dead_letters(run), fields)
-            pipe.hincrby(names.run_state(run), "tasks_dead", 1)
-            pipe.hincrby(names.run_state(run), f"dead:{reason}", 1)
-            if reason == "invalid":
-                pipe.hincrby(names.run_state(run), "tasks_invalid", 1)
-            if admitted:  # its place in the staleness bound goes to its replacement
-                pipe.hincrby(names.run_state(run), "admission_released", 1)
-            pipe.hdel(names.task_errors(run), entry_id)
-            pipe.xack(stream, names.ROLLOUT_GROUP, entry_id)
-            await pipe.execute()
+        await give_up(self.r, stream, entry_id, task, reason, deliveries, self.consumer, error)
 
     async def _cancel(self, stream: str, entry_id: str) -> None:
         """The run needs no more groups (its trainer closed admission): ack, count."""
@@ -566,23 +430,6 @@ class TaskWorker:
             pipe.hincrby(names.run_state(names.run_of(stream)), "tasks_cancelled", 1)
             pipe.xack(stream, names.ROLLOUT_GROUP, entry_id)
             await pipe.execute()
-
-    async def _admit(self, task: task_pb2.Task) -> bool:
-        """Wait until the run's staleness bound lets this group start; False: cancelled.
-
-        A task's episodes generate with at least its `min_policy_version` (they wait for it),
-        so that version, when the engine holds an older one, is what the bound is checked
-        against: a sync run's next step is admitted before its weights arrive."""
-        while True:
-            version = max(self._version(task), task.min_policy_version)
-            decision = await admission.admit(self.r, task.run_id, task.task_id, version)
-            if decision.closed:
-                return False
-            if decision.admitted:
-                return True
-            self.admission_waits += 1
-            rollout_metrics.ADMISSION_WAITS.inc()
-            await self._wait_for_newer(task, version)
 
     async def drain(self) -> None:
         """Stop taking tasks; finish the ones in flight (their trajectories land, then ack)."""

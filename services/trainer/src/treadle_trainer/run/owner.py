@@ -15,6 +15,7 @@ import asyncio
 import functools
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -177,6 +178,24 @@ class RunOwner:
 
     # --- setup and restore -----------------------------------------------------------------------
     async def _execute(self) -> None:
+        source, version = await self._prepare()
+        version = await self._train(source, version)
+        if self.handing_off and self.status.step < self.config.trainer.num_steps:
+            if self.ledger.uncommitted or self.status.checkpoint_step < self.status.step:
+                await self._checkpoint(version)
+            await self.versions.publisher.flush()
+            log.info("run handed off", run=self.config.run_id, step=self.status.step)
+            return
+        await admission.close(self.r, self.config.run_id)
+        await self.collector.finish(self.feeder, self.status.step, version)
+        if self.ledger.uncommitted or self.status.checkpoint_step < self.status.step:
+            await self._checkpoint(version)
+        await self.versions.publisher.flush()  # the run's last weights are in the store
+
+    async def _prepare(self) -> tuple[Any, int]:
+        """The backend (restored from the last checkpoint, if any), the task source, the first
+        version published, admission configured and the run joined to the fleet: (the task
+        source, the version rollout generates with)."""
         cfg, t = self.config, self.config.trainer
         model_dir = await initial_model_dir(cfg, self.store, self.run_dir)
         spec = BackendSpec(
@@ -196,23 +215,8 @@ class RunOwner:
         source = await task_source(cfg, self.env, count)
         await streams.ensure_group(self.r, self.collector.stream, names.TRAINER_GROUP)
         await self.r.set(names.run_config(cfg.run_id), cfg.model_dump_json())
-        restored = await self.checkpoints.restore(backend)
-        if restored:
-            self.store_status.steps_saved = len(self.status.steps)  # the last owner wrote these
-        if isinstance(self.backend, LoraBackend):  # versions are adapters on a full base
-            await self.versions.adapter_base(self.backend, self.r)
-        if restored:
-            version = await self._publish_now(step=self.status.step)  # rollout goes back to it
-        else:
-            assert self.backend is not None
-            state = await on_torch_thread(self.backend.state_dict_cpu)
-            if isinstance(self.backend, LoraBackend):  # the new adapter (B = 0: the base)
-                version = await self.versions.publish_now(state, step=0)
-            else:
-                version = await self.versions.base_version(state)
-            self.status.base_version = version
+        version = await self._first_version(backend)
         self._v0 = version - self.status.step
-        served = version  # what rollout generates the next batch with (sync: must hold)
         await admission.configure(
             self.r,
             cfg.run_id,
@@ -223,6 +227,30 @@ class RunOwner:
         await fleet.register(self.r, claims.policy_of(cfg, self.status.tenant))  # before rollout
         await self.r.sadd(names.RUNS_KEY, cfg.run_id)
         await self.collector.replay_pending()
+        return source, version
+
+    async def _first_version(self, backend: TorchBackend) -> int:
+        """The version the run starts from: the restored step's, published again (rollout goes
+        back to it), or the base's (an adapter's: the new adapter, B = 0)."""
+        restored = await self.checkpoints.restore(backend)
+        if restored:
+            self.store_status.steps_saved = len(self.status.steps)  # the last owner wrote these
+        if isinstance(backend, LoraBackend):  # versions are adapters on a full base
+            await self.versions.adapter_base(backend, self.r)
+        if restored:
+            return await self._publish_now(step=self.status.step)
+        state = await on_torch_thread(backend.state_dict_cpu)
+        if isinstance(backend, LoraBackend):  # the new adapter (B = 0: the base)
+            version = await self.versions.publish_now(state, step=0)
+        else:
+            version = await self.versions.base_version(state)
+        self.status.base_version = version
+        return version
+
+    async def _train(self, source, version: int) -> int:
+        """Steps until the last, or until the run is handed off: the last version published."""
+        cfg, t = self.config, self.config.trainer
+        served = version  # what rollout generates the next batch with (sync: must hold)
         while self.status.step < t.num_steps and not self.handing_off:
             step = self.status.step + 1
             started = time.perf_counter()
@@ -255,17 +283,7 @@ class RunOwner:
             if step % t.checkpoint_every == 0 and step < t.num_steps:
                 await self._checkpoint(version)
             await self.holds.wait(step)
-        if self.handing_off and self.status.step < t.num_steps:
-            if self.ledger.uncommitted or self.status.checkpoint_step < self.status.step:
-                await self._checkpoint(version)
-            await self.versions.publisher.flush()
-            log.info("run handed off", run=cfg.run_id, step=self.status.step)
-            return
-        await admission.close(self.r, cfg.run_id)
-        await self.collector.finish(self.feeder, self.status.step, version)
-        if self.ledger.uncommitted or self.status.checkpoint_step < self.status.step:
-            await self._checkpoint(version)
-        await self.versions.publisher.flush()  # the run's last weights are in the store
+        return version
 
     async def _feed(self, source, upto: int, version: int) -> None:
         await self.feeder.feed(source, upto, version if self.max_staleness == 0 else 0)
