@@ -1,7 +1,7 @@
 """`hf` engine: a transformers causal LM with continuous batching, on CPU or GPU.
 
 One scheduler task owns the model. Going from idle to busy it first waits a few event-loop
-turns, so that requests released together join one prefill (`_gather`). Each iteration (a
+turns, so that requests released together join one prefill (`gather`). Each iteration (a
 *step*):
 
 1. applies pending weight swaps: this is the pause point. Policy `continue` keeps the
@@ -43,22 +43,18 @@ import asyncio
 import contextlib
 import contextvars
 import functools
-import inspect
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol, cast
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from treadle_common.clients.torch_weights import ChunkCache, apply_fetch, tensors_of
-from treadle_common.clients.weights import FetchResult, WeightStoreClient
-from treadle_common.model import lora
+from treadle_common.clients.torch_weights import ChunkCache
 from treadle_rollout import metrics
 from treadle_rollout.engines import cpus as cpus_mod
 from treadle_rollout.engines import prefix_cache
@@ -67,112 +63,33 @@ from treadle_rollout.engines.base import (
     Engine,
     Generation,
     Sampling,
-    SwapStats,
     TopLogprobs,
 )
+from treadle_rollout.engines.hf_batch import Batch, Forwards, Seq
+from treadle_rollout.engines.hf_weights import SwapPolicy, WeightChanges
 from treadle_rollout.engines.kv_slab import KVSlab
 
-SwapPolicy = Literal["continue", "abort"]
-POLICY_ADAPTER = "__policy__"
-"""The adapter name a LoRA run's policy version is loaded under (not a valid adapter name
-for `/v1/adapters`, so the two never collide)."""
 GATHER_TURNS = 32
-"""At most this many event-loop turns to gather requests when the engine wakes (`_gather`)."""
+"""At most this many event-loop turns to gather requests when the engine wakes (`gather`)."""
 QUIET_TURNS = 3
 """Turns in a row without a new request that end the gathering."""
 
 
-@dataclass(eq=False)
-class _Seq:
-    """One request: its prompt, sampling and what has been generated for it so far."""
-
-    prompt: list[int]
-    sampling: Sampling
-    future: asyncio.Future[Generation]
-    generator: torch.Generator | None
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    top: list[TopLogprobs] = field(default_factory=list)
-    finish: str | None = None
-    hit: prefix_cache.Hit | None = None
-    kv_version: int = -1
-    """The policy version that computed this row's KV (at its prefill)."""
-    progress: asyncio.Event | None = None
-    """Streamed requests: set on the event loop after each step that added tokens."""
-    ready: int = 0
-    """Streamed requests: tokens complete as of the last `progress` (the worker thread
-    may be appending past it)."""
-    reported_at: float = 0.0
-    shown: bool = False
-    """Streamed requests: the reported tokens form some text (`HFEngine._hand_over`)."""
-    on_piece: Callable[[Generation], None] | None = None
-    """`HFEngine.submit`'s callback: the tokens added since its last call."""
-    on_finish: Callable[[Generation], None] | None = None
-    """`HFEngine.submit`'s callback: the finished generation, in the call that delivers it."""
-    sent: int = 0
-    """Tokens passed to `on_piece` so far."""
-
-    @property
-    def streamed(self) -> bool:
-        return self.progress is not None or self.on_piece is not None
-
-    def restart(self) -> None:
-        self.tokens, self.logprobs, self.versions, self.top = [], [], [], []
+def _slab(model, device: str, max_batch: int) -> KVSlab:
+    """The running batch's KV slab, shaped for `model`."""
+    config = model.config
+    heads = config.num_attention_heads
+    return KVSlab(
+        config.num_hidden_layers,
+        getattr(config, "num_key_value_heads", None) or heads,
+        getattr(config, "head_dim", None) or config.hidden_size // heads,
+        model.dtype,
+        device,
+        max_batch,
+    )
 
 
-class _Batch:
-    """The running sequences; row i of the KV slab belongs to `seqs[i]`."""
-
-    def __init__(self, slab: KVSlab) -> None:
-        self.seqs: list[_Seq] = []
-        self.slab = slab
-
-    def add(self, seqs: list[_Seq], cache: DynamicCache, mask_B_T: torch.Tensor) -> None:
-        """Append prefilled sequences (their cache right-aligned, as `mask_B_T` says)."""
-        self.slab.add(
-            [layer.keys for layer in _layers(cache)],
-            [layer.values for layer in _layers(cache)],
-            mask_B_T,
-        )
-        self.seqs += seqs
-
-    def drop(self, rows: list[int]) -> None:
-        """Remove `rows`; the last rows move into the gaps, as in the slab."""
-        self.slab.remove(rows)
-        for row in sorted(rows, reverse=True):
-            last = self.seqs.pop()
-            if row < len(self.seqs):
-                self.seqs[row] = last
-
-    def clear(self) -> None:
-        self.seqs = []
-        self.slab.clear()
-
-
-class _KV(Protocol):
-    keys: torch.Tensor
-    values: torch.Tensor
-
-
-def _layers(cache: DynamicCache) -> list[_KV]:
-    """The cache's per-layer keys and values (full-attention layers: both always set)."""
-    return cast(list[_KV], cache.layers)
-
-
-def _right_align(cache: DynamicCache, mask_B_T: torch.Tensor) -> torch.Tensor:
-    """Move every row's cached columns to the right end, in order, dropping the padding
-    between a reused prefix and the prefilled rest; return the new mask."""
-    length = int(mask_B_T.sum(1).max())
-    # a stable sort puts each row's padding columns first and keeps its tokens in order
-    index_B_T = torch.sort(mask_B_T, dim=1, stable=True).indices[:, -length:]
-    for layer in _layers(cache):
-        index = index_B_T[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
-        layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
-    return mask_B_T.gather(1, index_B_T)
-
-
-class HFEngine(Engine):
+class HFEngine(WeightChanges, Engine):
     name = "hf"
 
     def __init__(
@@ -197,13 +114,6 @@ class HFEngine(Engine):
         self._text_decoder = Tokenizer.from_str(fast.to_str()) if fast else self.tokenizer
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.model = model.to(self.device)  # type: ignore[arg-type]  # transformers' `to` typing
-        # transformers 5.2x renamed the forward's `past_key_values` to `cache` (the old name
-        # warns on every call and goes in 5.40); older releases know only the old one
-        self._cache_arg = (
-            "cache"
-            if "cache" in inspect.signature(self.model.forward).parameters
-            else "past_key_values"
-        )
         self.model.eval()
         self.eos_id = self.tokenizer.eos_token_id
         self.pad_id = (
@@ -217,39 +127,29 @@ class HFEngine(Engine):
         self.version = 0
         self.cache = ChunkCache.from_state_dict(self.model.state_dict())
         self.prefixes = prefix_cache.PrefixCache(prefix_cache_mb << 20)
-        config = self.model.config
-        heads = config.num_attention_heads
-        self._batch = _Batch(
-            KVSlab(
-                config.num_hidden_layers,
-                getattr(config, "num_key_value_heads", None) or heads,
-                getattr(config, "head_dim", None) or config.hidden_size // heads,
-                self.model.dtype,
-                self.device,
-                max_batch,
-            )
-        )
-        self._waiting: list[_Seq] = []
-        self._waiting_lock = threading.Lock()
-        """`_submit` (the event loop) appends while a burst (the worker thread) takes."""
-        self._finished: list[_Seq] = []
-        self._joining: list[_Seq] = []
-        self._closed = False
-        self._swaps: list[tuple[FetchResult, asyncio.Future[float]]] = []
-        self._adapter_ops: list[tuple[Callable[[], None], asyncio.Future[None]]] = []
-        self._adapters: dict[str, int] = {}
-        """Adapters served: name -> the version their tokens are tagged with."""
-        self.base_version = 0
-        """The full-weight version the model holds (0: the model directory)."""
-        self.policy_adapter: str | None = None
-        """Set while the policy is a LoRA run's adapter version: requests that name no
-        adapter go through it."""
-        self._wake = asyncio.Event()
-        self._scheduler: asyncio.Task | None = None
+        self.forwards = Forwards(self.model, self.device, self.pad_id)
+        """The model's prefill and decode forward passes."""
+        self._batch = Batch(_slab(self.model, self.device, max_batch))
+        self._init_queues()
         self._thread = ThreadPoolExecutor(
             1, thread_name_prefix="hf-engine", initializer=cpus_mod.bind, initargs=(cpus,)
         )
         """The engine's one thread: bursts, swaps and adapter changes, one at a time."""
+        self._init_counters()
+
+    def _init_queues(self) -> None:
+        """What waits for the engine: requests, swaps, adapter changes."""
+        self._waiting: list[Seq] = []
+        self._waiting_lock = threading.Lock()
+        """`_submit` (the event loop) appends while a burst (the worker thread) takes."""
+        self._finished: list[Seq] = []
+        self._joining: list[Seq] = []
+        self._closed = False
+        self._init_changes()
+        self._wake = asyncio.Event()
+        self._scheduler: asyncio.Task | None = None
+
+    def _init_counters(self) -> None:
         self.on_delivered: Callable[[], None] | None = None
         """Called on the event loop after each step's results and pieces were delivered
         (the engine process writes them out in that same call)."""
@@ -326,7 +226,7 @@ class HFEngine(Engine):
         sampling: Sampling,
         streamed: bool = False,
         on_piece: Callable[[Generation], None] | None = None,
-    ) -> _Seq:
+    ) -> Seq:
         if len(prompt_tokens) >= self.max_context:
             raise ContextOverflow(
                 f"prompt of {len(prompt_tokens)} tokens leaves no room in the "
@@ -336,7 +236,7 @@ class HFEngine(Engine):
         if sampling.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
         future: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
-        seq = _Seq(list(prompt_tokens), sampling, future, generator, on_piece=on_piece)
+        seq = Seq(list(prompt_tokens), sampling, future, generator, on_piece=on_piece)
         if streamed:
             seq.progress = asyncio.Event()
             future.add_done_callback(lambda _: seq.progress.set() if seq.progress else None)
@@ -344,68 +244,6 @@ class HFEngine(Engine):
             self._waiting.append(seq)
         self._ensure_scheduler()
         return seq
-
-    async def update_to(self, store: WeightStoreClient, version: int) -> SwapStats:
-        """Full weights, or a LoRA run's adapter version: then first the full-weight version
-        it applies to, unless that is what the engine holds."""
-        start = time.perf_counter()
-        fetched = await store.fetch(
-            self.model_name, version, have=self.held_chunks(), skip_assets=True
-        )
-        received = fetched.bytes_received
-        metadata = dict(fetched.manifest.metadata)
-        pause_s = 0.0
-        if lora.is_adapter(metadata):
-            base = int(metadata.get("lora_base_version", "0"))
-            if base != self.base_version:
-                full = await store.fetch(
-                    self.model_name, base, have=self.held_chunks(), skip_assets=True
-                )
-                received += full.bytes_received
-                pause_s += await self.swap(full)
-        fetch_s = time.perf_counter() - start
-        pause_s += await self.swap(fetched)
-        return SwapStats(fetched.manifest.version, pause_s, fetch_s, received)
-
-    async def swap(self, fetched: FetchResult) -> float:
-        """Apply fetched weights at the next step boundary; return the pause in seconds. A
-        LoRA adapter version becomes the policy's adapter (`policy_adapter`) on the base
-        weights held; a full-weight version replaces them and drops it."""
-        future: asyncio.Future[float] = asyncio.get_running_loop().create_future()
-        self._swaps.append((fetched, future))
-        self._ensure_scheduler()
-        return await asyncio.shield(future)
-
-    def held_chunks(self) -> set[str]:
-        return self.cache.have()
-
-    async def load_adapter(
-        self, name: str, tensors: dict, config: lora.AdapterConfig, version: int = 0
-    ) -> None:
-        def apply() -> None:
-            lora.inject(self.model, lora.ATTENTION + lora.MLP + lora.UNEMBED)
-            state = {k: t.to(self.device) for k, t in tensors.items()}
-            lora.load_adapter(self.model, name, state, config)
-            self._adapters[name] = version
-
-        await self._adapter_op(apply)
-
-    async def unload_adapter(self, name: str) -> None:
-        def apply() -> None:
-            lora.remove_adapter(self.model, name)
-            self._adapters.pop(name, None)
-
-        await self._adapter_op(apply)
-
-    def adapters(self) -> list[str]:
-        return sorted(self._adapters)
-
-    async def _adapter_op(self, apply: Callable[[], None]) -> None:
-        """Run `apply` at the next step boundary (no forward pass is running)."""
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._adapter_ops.append((apply, future))
-        self._ensure_scheduler()
-        await asyncio.shield(future)
 
     @property
     def running(self) -> int:
@@ -456,7 +294,7 @@ class HFEngine(Engine):
                 await self._wake.wait()
                 continue
             if not (self._batch.seqs or self._swaps):  # idle -> busy
-                await self._gather()
+                await gather(self._waiting)
             if self._swaps:
                 await self._apply_swaps()
                 if not (self._batch.seqs or self._waiting):
@@ -478,7 +316,7 @@ class HFEngine(Engine):
                 self.busy_s += elapsed
                 metrics.ENGINE_BUSY.inc(elapsed)
 
-    def _take_joiners(self) -> list[_Seq]:
+    def _take_joiners(self) -> list[Seq]:
         """The waiting requests that fit in the batch, oldest episodes first (ties keep
         arrival order); cancelled ones are dropped."""
         with self._waiting_lock:
@@ -489,87 +327,13 @@ class HFEngine(Engine):
             joiners, self._waiting = joiners[:room], joiners[room:]
         return joiners
 
-    async def _gather(self) -> None:
-        """Idle -> busy: let the requests released together arrive together.
-
-        A weight swap un-gates every waiting group at once, but their episodes reach
-        `generate` over several event-loop turns (lock hand-offs, then each group's gate).
-        Stepping at the first request would prefill and decode the first group alone and
-        the others one step later each (measured: 20-30 ms of a 0.1 s sync generation).
-        So: a few loop turns, until `QUIET_TURNS` turns in a row add no request (at most
-        `GATHER_TURNS`); each idle turn costs microseconds."""
-        quiet, seen = 0, len(self._waiting)
-        for _ in range(GATHER_TURNS):
-            await asyncio.sleep(0)
-            quiet = quiet + 1 if len(self._waiting) == seen else 0
-            seen = len(self._waiting)
-            if quiet >= QUIET_TURNS:
-                return
-
-    def _apply(self, fetched: FetchResult) -> None:
-        """A fetched version into the model (in the worker thread, at the pause point)."""
-        metadata = dict(fetched.manifest.metadata)
-        if not lora.is_adapter(metadata):
-            apply_fetch(fetched, self.model.state_dict(), self.cache)
-            self.base_version = fetched.manifest.version
-            self.policy_adapter = None
-            return
-        lora.inject(self.model, lora.ATTENTION + lora.MLP + lora.UNEMBED)
-        tensors = {k: t.to(self.device) for k, t in tensors_of(fetched).items()}
-        lora.load_adapter(self.model, POLICY_ADAPTER, tensors, lora.from_metadata(metadata))
-        self.policy_adapter = POLICY_ADAPTER
-
-    async def _apply_swaps(self) -> None:
-        swaps, self._swaps = self._swaps, []
-        for fetched, future in swaps:
-            paused = time.perf_counter()
-            try:
-                await self._in_thread(self._apply, fetched)
-            except Exception as exc:
-                future.set_exception(exc)
-                continue
-            self.version = fetched.manifest.version
-            self.prefixes.clear()  # cached KV belongs to the weights that computed it
-            if self.swap_policy == "abort" and self._batch.seqs:
-                rows = [i for i, s in enumerate(self._batch.seqs) if not s.streamed]
-                restarted = [self._batch.seqs[i] for i in rows]
-                for seq in restarted:
-                    seq.restart()
-                self.restarted_turns += len(restarted)
-                metrics.RESTARTED_TURNS.inc(len(restarted))
-                with self._waiting_lock:
-                    self._waiting[:0] = restarted
-                if len(rows) == len(self._batch.seqs):
-                    self._batch.clear()
-                elif rows:
-                    self._batch.drop(rows)
-            future.set_result(time.perf_counter() - paused)
-
-    async def _apply_adapter_ops(self) -> None:
-        ops, self._adapter_ops = self._adapter_ops, []
-        for apply, future in ops:
-            try:
-                await self._in_thread(apply)
-            except Exception as exc:
-                future.set_exception(exc)
-            else:
-                future.set_result(None)
-
-    def _stopped_by_text(self, seq: _Seq) -> bool:
-        """A stop string in the text of the last tokens (every token is at least one
-        character, so a window one longer than the longest stop string covers it)."""
-        stops = seq.sampling.stop_strings
-        window = max(len(s) for s in stops) + 1
-        tail = self.tokenizer.decode(seq.tokens[-window:])
-        return any(s in tail for s in stops)
-
-    def _adapters_of(self, seqs: list[_Seq]) -> list[str | None] | None:
+    def _adapters_of(self, seqs: list[Seq]) -> list[str | None] | None:
         """Each row's adapter for `lora.using` (the policy's rows: its adapter, if any);
         None when no row has one (the plain model)."""
         names = [s.sampling.adapter or self.policy_adapter for s in seqs]
         return names if any(n is not None for n in names) else None
 
-    def _deliver(self, finished: list[_Seq], progressed: list[_Seq]) -> None:
+    def _deliver(self, finished: list[Seq], progressed: list[Seq]) -> None:
         """On the event loop: a step's finished requests get their results, and the streamed
         ones with new tokens are woken."""
         for seq in finished:
@@ -599,7 +363,7 @@ class HFEngine(Engine):
             self.on_delivered()
 
     # -- model work (runs in a worker thread) -----------------------------------------------
-    def _burst(self, loop: asyncio.AbstractEventLoop, joiners: list[_Seq]) -> None:
+    def _burst(self, loop: asyncio.AbstractEventLoop, joiners: list[Seq]) -> None:
         """Steps back to back, taking new requests in between, until the batch is empty or
         a swap or an adapter change waits for the pause point. The event loop needs no turn
         between steps: under load it has HTTP and gRPC work queued, and waiting for it left
@@ -639,30 +403,30 @@ class HFEngine(Engine):
                 loop.call_soon_threadsafe(self._deliver, finished, progressed)
 
     @torch.inference_mode()
-    def _step(self, joiners: list[_Seq]) -> None:
+    def _step(self, joiners: list[Seq]) -> None:
         self._match(joiners)
         # a prompt that the prefix cache holds but for its last token needs no forward of its
         # own: its row joins with the cached KV and feeds that token in this step's decode,
         # as a generated token is fed (a prefill forward of a few rows costs about 0.6 of a
         # 30-row decode step on a small model)
-        folded: list[_Seq] = []
-        rest: list[_Seq] = []
+        folded: list[Seq] = []
+        rest: list[Seq] = []
         for seq in joiners:
             whole = seq.hit is not None and seq.hit.length == len(seq.prompt) - 1
             (folded if whole else rest).append(seq)
         if rest:
             self.prefill_forwards += 1
-            cache, mask_B_T, logits_B_V = self._prefill(rest)
+            cache, mask_B_T, logits_B_V = self.forwards.prefill(rest, self._adapters_of)
             self._append(rest, logits_B_V)
             self._batch.add(rest, cache, mask_B_T)
             self._retire()
         if folded:
             self.folded_joins += len(folded)
-            self._batch.add(folded, *self._cached_rows(folded))
+            self._batch.add(folded, *self.forwards.cached_rows(folded))
         if self._batch.seqs:
             self.decode_steps += 1
             self.decode_rows += len(self._batch.seqs)
-            self._append(self._batch.seqs, self._decode())
+            self._append(self._batch.seqs, self.forwards.decode(self._batch, self._adapters_of))
             self._retire()
 
     def _retire(self) -> None:
@@ -678,7 +442,7 @@ class HFEngine(Engine):
         if gone:
             self._batch.drop(gone)
 
-    def _remember(self, row: int, seq: _Seq) -> None:
+    def _remember(self, row: int, seq: Seq) -> None:
         """Put the KV of a finished row in the prefix cache: it covers the prompt and every
         generated token but the last (which was sampled, never fed)."""
         if self.prefixes.max_bytes <= 0 or seq.kv_version != self.version:
@@ -689,122 +453,11 @@ class HFEngine(Engine):
         assert entry.keys[0].shape[1] == len(entry.tokens)
         self.prefixes.insert(entry, extends=seq.hit.entry if seq.hit else None)
 
-    def _match(self, seqs: list[_Seq]) -> None:
+    def _match(self, seqs: list[Seq]) -> None:
         """Each joiner's longest prefix in the prefix cache (adapters' rows: none)."""
         for seq in seqs:
             seq.hit = self.prefixes.match(seq.prompt) if seq.sampling.adapter is None else None
             seq.kv_version = self.version
-
-    def _cached_rows(self, seqs: list[_Seq]) -> tuple[DynamicCache, torch.Tensor]:
-        """Rows whose prompt the prefix cache holds but for its last token: their cached KV,
-        right-aligned, and its mask (the last token is fed by the decode step)."""
-        reused = [len(s.prompt) - 1 for s in seqs]
-        past = max(reused)
-        cache = DynamicCache(config=self.model.config)
-        self._load_prefixes(cache, seqs, reused, past)
-        mask_B_T = torch.zeros((len(seqs), past), dtype=torch.long, device=self.device)
-        for i, r in enumerate(reused):
-            mask_B_T[i, past - r :] = 1
-        metrics.PREFILL_TOKENS.inc(len(seqs))
-        metrics.PREFIX_CACHE_HIT_TOKENS.inc(sum(reused))
-        return cache, mask_B_T
-
-    def _prefill(self, seqs: list[_Seq]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
-        """One forward over what each distinct prompt does not find in the prefix cache
-        (`_match`): the episodes of a group share their prompt, so it is computed once and
-        its KV and logits copied to each of them (each still samples on its own)."""
-        first: dict[tuple, int] = {}
-        rows = [
-            first.setdefault(
-                (
-                    tuple(s.prompt),
-                    id(s.hit.entry) if s.hit else 0,
-                    s.hit.length if s.hit else 0,
-                    s.sampling.adapter,
-                ),
-                len(first),
-            )
-            for s in seqs
-        ]
-        if len(first) == len(seqs):
-            return self._prefill_rows(seqs)
-        distinct = list({row: seq for row, seq in zip(rows, seqs, strict=True)}.values())
-        cache, mask_B_T, logits_B_V = self._prefill_rows(distinct)
-        index = torch.tensor(rows, device=self.device)
-        for layer in _layers(cache):
-            layer.keys = layer.keys.index_select(0, index)
-            layer.values = layer.values.index_select(0, index)
-        metrics.PREFIX_CACHE_HIT_TOKENS.inc(
-            sum(len(s.prompt) for s in seqs) - sum(len(s.prompt) for s in distinct)
-        )
-        return cache, mask_B_T.index_select(0, index), logits_B_V.index_select(0, index)
-
-    def _prefill_rows(self, seqs: list[_Seq]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
-        reused = [s.hit.length if s.hit else 0 for s in seqs]
-        past = max(reused)
-        length = max(len(s.prompt) - r for s, r in zip(seqs, reused, strict=True))
-        ids_B_T = torch.full((len(seqs), length), self.pad_id, dtype=torch.long)
-        mask_B_T = torch.zeros((len(seqs), past + length), dtype=torch.long)
-        positions_B_T = torch.zeros((len(seqs), length), dtype=torch.long)
-        cache = DynamicCache(config=self.model.config)
-        for i, (seq, r) in enumerate(zip(seqs, reused, strict=True)):
-            rest = seq.prompt[r:]
-            ids_B_T[i, length - len(rest) :] = torch.tensor(rest)
-            positions_B_T[i, length - len(rest) :] = torch.arange(r, len(seq.prompt))
-            mask_B_T[i, past - r : past] = 1
-            mask_B_T[i, past + length - len(rest) :] = 1
-        if past:
-            self._load_prefixes(cache, seqs, reused, past)
-        metrics.PREFILL_TOKENS.inc(sum(len(s.prompt) for s in seqs) - sum(reused))
-        metrics.PREFIX_CACHE_HIT_TOKENS.inc(sum(reused))
-        ids_B_T, mask_B_T = ids_B_T.to(self.device), mask_B_T.to(self.device)
-        with lora.using(self._adapters_of(seqs)):
-            out = self.model(
-                input_ids=ids_B_T,
-                attention_mask=mask_B_T,
-                position_ids=positions_B_T.to(self.device),
-                use_cache=True,
-                logits_to_keep=1,
-                **{self._cache_arg: cache},
-            )
-        cache = getattr(out, self._cache_arg)
-        if past:
-            mask_B_T = _right_align(cache, mask_B_T)
-        return cache, mask_B_T, out.logits[:, -1, :]
-
-    def _load_prefixes(
-        self, cache: DynamicCache, seqs: list[_Seq], reused: list[int], past: int
-    ) -> None:
-        """Fill `cache` with each row's reused prefix, right-aligned to `past` columns."""
-        first = next(s.hit.entry for s in seqs if s.hit)
-        for layer_idx, like in enumerate(first.keys):
-            heads, _, dim = like.shape
-            keys = like.new_zeros((len(seqs), heads, past, dim), device=self.device)
-            values = torch.zeros_like(keys)
-            for i, (seq, r) in enumerate(zip(seqs, reused, strict=True)):
-                if seq.hit:
-                    keys[i, :, past - r :] = seq.hit.entry.keys[layer_idx][:, :r]
-                    values[i, :, past - r :] = seq.hit.entry.values[layer_idx][:, :r]
-            cache.update(keys, values, layer_idx)
-
-    def _decode(self) -> torch.Tensor:
-        slab = self._batch.slab
-        # a row that joined this step from the prefix cache feeds its prompt's last token
-        last_B_1 = torch.tensor(
-            [[s.tokens[-1] if s.tokens else s.prompt[-1]] for s in self._batch.seqs],
-            device=self.device,
-        )
-        cache, mask_B_T, positions_B_1 = slab.begin_step()
-        with lora.using(self._adapters_of(self._batch.seqs)):
-            out = self.model(
-                input_ids=last_B_1,
-                attention_mask=mask_B_T,
-                position_ids=positions_B_1,
-                use_cache=True,
-                **{self._cache_arg: cache},
-            )
-        slab.end_step()
-        return out.logits[:, -1, :]
 
     def _forms_text(self, tokens: list[int]) -> bool:
         """Whether `tokens` decode to some text, special tokens and an incomplete last
@@ -812,7 +465,7 @@ class HFEngine(Engine):
         text = self._text_decoder.decode(tokens, skip_special_tokens=True)
         return bool(text.rstrip("\ufffd"))
 
-    def _append(self, seqs: list[_Seq], logits_B_V: torch.Tensor) -> None:
+    def _append(self, seqs: list[Seq], logits_B_V: torch.Tensor) -> None:
         tokens, logprobs, tops = sample(logits_B_V.float(), [s.sampling for s in seqs], seqs)
         for seq, token, logprob, top in zip(seqs, tokens, logprobs, tops, strict=True):
             seq.tokens.append(token)
@@ -823,7 +476,7 @@ class HFEngine(Engine):
             seq.versions.append(self._adapters.get(adapter, 0) if adapter else self.version)
             if token == self.eos_id or token in seq.sampling.stop_token_ids:
                 seq.finish = "stop"
-            elif seq.sampling.stop_strings and self._stopped_by_text(seq):
+            elif seq.sampling.stop_strings and stopped_by_text(self.tokenizer, seq):
                 seq.finish = "stop"
             elif len(seq.tokens) >= seq.sampling.max_new_tokens:
                 seq.finish = "length"
@@ -832,8 +485,35 @@ class HFEngine(Engine):
         metrics.TOKENS.inc(len(seqs))
 
 
+async def gather(waiting: list[Seq]) -> None:
+    """Idle -> busy: let the requests released together arrive together.
+
+    A weight swap un-gates every waiting group at once, but their episodes reach
+    `generate` over several event-loop turns (lock hand-offs, then each group's gate).
+    Stepping at the first request would prefill and decode the first group alone and
+    the others one step later each (measured: 20-30 ms of a 0.1 s sync generation).
+    So: a few loop turns, until `QUIET_TURNS` turns in a row add no request (at most
+    `GATHER_TURNS`); each idle turn costs microseconds."""
+    quiet, seen = 0, len(waiting)
+    for _ in range(GATHER_TURNS):
+        await asyncio.sleep(0)
+        quiet = quiet + 1 if len(waiting) == seen else 0
+        seen = len(waiting)
+        if quiet >= QUIET_TURNS:
+            return
+
+
+def stopped_by_text(tokenizer, seq: Seq) -> bool:
+    """A stop string in the text of the last tokens (every token is at least one
+    character, so a window one longer than the longest stop string covers it)."""
+    stops = seq.sampling.stop_strings
+    window = max(len(s) for s in stops) + 1
+    tail = tokenizer.decode(seq.tokens[-window:])
+    return any(s in tail for s in stops)
+
+
 def sample(
-    logits_B_V: torch.Tensor, params: list[Sampling], seqs: list[_Seq] | None = None
+    logits_B_V: torch.Tensor, params: list[Sampling], seqs: list[Seq] | None = None
 ) -> tuple[list[int], list[float], list[TopLogprobs | None]]:
     """Sample one token per row; return the tokens and their logprobs under the distribution
     each was sampled from (tempered, top-p truncated and renormalized), and for rows that ask

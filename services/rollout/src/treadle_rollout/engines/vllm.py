@@ -42,7 +42,7 @@ from treadle_rollout.engines.base import (
     Sampling,
     SwapStats,
 )
-from treadle_rollout.engines.hf import POLICY_ADAPTER, SwapPolicy
+from treadle_rollout.engines.hf_weights import POLICY_ADAPTER, SwapPolicy
 
 WORKER_EXTENSION = "treadle_rollout.engines.vllm_worker.TreadleWorkerExtension"
 
