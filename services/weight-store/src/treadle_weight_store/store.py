@@ -39,27 +39,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import re
-import sys
-import threading
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import AsyncIterator, Collection
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
-
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from treadle_common import names
 from treadle_common.clients.chunk_codec import frame_header, frame_payload
 from treadle_common.clients.weights import chunk_hash
 from treadle_common.proto.treadle.v1 import weights_pb2 as pb
-from treadle_common.runtime import metrics
 from treadle_common.runtime.logs import get_logger
 from treadle_common.runtime.malloc import reuse_freed_memory
 from treadle_weight_store.backends.base import Backend
 from treadle_weight_store.cache import ChunkCache
+from treadle_weight_store.collection import GarbageCollection
 from treadle_weight_store.errors import (
     BackendError,
     BadRequest,
@@ -70,16 +64,14 @@ from treadle_weight_store.errors import (
     StoreError,
     VersionConflict,
 )
+from treadle_weight_store.threads import idle_priority, io, manifest_chunks
+from treadle_weight_store.write_behind import WriteBehind
 
 log = get_logger(__name__)
 HASH_RE = re.compile(r"^[0-9a-f]{32}$")
 MAX_CHUNK_BYTES = 16 * 2**20
-PROMISE_S = 300.0  # chunks reported present to a publisher survive GC this long
 MANIFEST_CACHE = 256
 IDEMPOTENCY_WINDOW = 16
-WRITE_BATCH_CHUNKS = 256
-WRITE_BATCH_BYTES = 64 * 2**20
-"""The most one writer takes from the queue for one backend call (made durable together)."""
 VERSION_BLOCK = 64
 """Version numbers reserved (durably) at a time: a crash skips at most this many."""
 """Versions a retried publish is looked for among (by its `publish_id`)."""
@@ -96,31 +88,6 @@ def check_model(model: str) -> None:
 def check_hash(digest: str) -> None:
     if not HASH_RE.match(digest):
         raise BadRequest(f"invalid chunk hash {digest!r}")
-
-
-def manifest_chunks(manifest: pb.WeightManifest) -> set[str]:
-    refs = {c.hash for t in manifest.tensors for c in t.chunks}
-    return refs | {c.hash for a in manifest.assets for c in a.chunks}
-
-
-async def _io(
-    fn: Callable[..., Any], *args: Any, executor: ThreadPoolExecutor | None = None
-) -> Any:
-    """Run a blocking backend call in a thread; backend failures surface as `BackendError`."""
-    try:
-        return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
-    except StoreError:
-        raise
-    except Exception as exc:  # OSError (disk full, ...), S3Error, connection errors
-        raise BackendError(f"storage backend failed: {type(exc).__name__}: {exc}") from exc
-
-
-def _idle_priority() -> None:
-    """Writer threads run at the lowest CPU priority: persisting yields to receiving and
-    serving (Linux gives each thread its own nice value)."""
-    if sys.platform == "linux":
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 def check_manifest(manifest: pb.WeightManifest) -> None:
@@ -141,7 +108,7 @@ def check_manifest(manifest: pb.WeightManifest) -> None:
             )
 
 
-class WeightStore:
+class WeightStore(WriteBehind, GarbageCollection):
     def __init__(
         self,
         backend: Backend,
@@ -180,7 +147,7 @@ class WeightStore:
         self._writers: set[asyncio.Task] = set()
         self._num_writers = writers
         self._writer = ThreadPoolExecutor(
-            writers, thread_name_prefix="weight-writer", initializer=_idle_priority
+            writers, thread_name_prefix="weight-writer", initializer=idle_priority
         )
         self.persist_error: str | None = None  # the last write failure, until a write works
         self._failed_at = 0.0
@@ -202,7 +169,7 @@ class WeightStore:
         for digest in hashes:
             check_hash(digest)
         unique = [h for h in dict.fromkeys(hashes) if h not in self._dirty]
-        present = await _io(self.backend.has_chunks, unique) if unique else []
+        present = await io(self.backend.has_chunks, unique) if unique else []
         lacking = [h for h, ok in zip(unique, present, strict=True) if not ok]
         if promise:
             now, lacked = time.monotonic(), set(lacking)
@@ -253,215 +220,6 @@ class WeightStore:
             async with self._changed:
                 self._changed.notify_all()
 
-    def _start_writers(self) -> None:
-        while len(self._writers) < self._num_writers:
-            task = asyncio.create_task(self._write_loop())
-            self._writers.add(task)
-            task.add_done_callback(self._writers.discard)
-
-    def _may_write(self) -> bool:
-        """Writing now does not slow a stream down, or cannot wait any longer."""
-        return (
-            not self._streams
-            or self._urgent > 0
-            or self._dirty_bytes * 2 >= self.max_dirty_bytes
-            or (bool(self._queue) and self._overdue() <= 0)
-        )
-
-    def _overdue(self) -> float:
-        """Seconds until the oldest queued chunk has waited `max_write_delay_s`."""
-        return self._queue[0][1] + self.max_write_delay_s - time.monotonic()
-
-    async def _write_loop(self) -> None:
-        """One writer: takes the queued chunks (up to `WRITE_BATCH_CHUNKS` or about
-        `WRITE_BATCH_BYTES`) in arrival order whenever `_may_write`, and writes them in one
-        backend call."""
-        while True:
-            async with self._changed:
-                while not (self._queue and self._may_write()):
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(self._overdue() if self._queue else None):
-                            await self._changed.wait()
-                batch: list[str] = []
-                size = 0
-                while self._queue and len(batch) < WRITE_BATCH_CHUNKS and size < WRITE_BATCH_BYTES:
-                    digest, _ = self._queue.popleft()
-                    batch.append(digest)
-                    size += len(self._dirty[digest])
-            try:
-                if len(batch) == 1:
-                    await self._write_chunk(batch[0], self._dirty[batch[0]])
-                else:
-                    await self._write_batch(batch)
-            except Exception:  # a bug past the chunks' own bookkeeping: keep writing the rest
-                log.exception("chunk writer failed", chunks=batch)
-
-    async def _write_batch(self, digests: list[str]) -> None:
-        """Several dirty chunks in one backend call (made durable together); should it fail,
-        each is written on its own (retried, and failing alone)."""
-        started = time.monotonic()
-        try:
-            items = [(d, (self._dirty[d],)) for d in digests]
-            await _io(self.backend.put_chunks, items, executor=self._writer)
-        except StoreError:
-            for digest in digests:
-                await self._write_chunk(digest, self._dirty[digest])
-            return
-        if started > self._failed_at:
-            self.persist_error = None
-        now = time.time()
-        for digest in digests:
-            frame = self._dirty.pop(digest)
-            self._dirty_bytes -= len(frame)
-            self._known.setdefault(digest, (now, len(frame)))
-        async with self._changed:
-            self._changed.notify_all()
-        await self._write_manifests()
-
-    async def _write_chunk(self, digest: str, frame: bytes) -> None:
-        """Write one dirty chunk (retrying), then the manifests it was the last chunk of."""
-        started = time.monotonic()
-        try:
-            async for attempt in AsyncRetrying(
-                retry=retry_if_exception_type(BackendError),
-                stop=stop_after_attempt(self.write_attempts),
-                wait=wait_exponential(multiplier=0.2, max=2.0),
-                reraise=True,
-            ):
-                with attempt:
-                    started = time.monotonic()
-                    await _io(self.backend.put_chunk, digest, (frame,), executor=self._writer)
-        except StoreError as exc:  # retried above if transient; any other is as final
-            self._fail(str(exc))
-            self._failed[digest] = str(exc)
-            self.cache.discard(digest)  # never served as if the store kept it
-            log.error("chunk write failed", chunk=digest, error=str(exc))
-            metrics.DROPPED.labels("weight-store", "chunk", "backend_failed").inc()
-            for key, manifest in list(self._pending.items()):
-                if digest in manifest_chunks(manifest):
-                    self._withdraw(key, str(exc))
-        else:
-            if started > self._failed_at:  # a write that began after the last failure
-                self.persist_error = None
-            self._known.setdefault(digest, (time.time(), len(frame)))
-        finally:
-            self._dirty.pop(digest, None)
-            self._dirty_bytes -= len(frame)
-            async with self._changed:
-                self._changed.notify_all()
-        await self._write_manifests()
-
-    @contextlib.asynccontextmanager
-    async def _stream(self) -> AsyncIterator[None]:
-        self._streams += 1
-        try:
-            yield
-        finally:
-            self._streams -= 1
-            async with self._changed:
-                self._changed.notify_all()
-
-    @contextlib.asynccontextmanager
-    async def _hurry(self) -> AsyncIterator[None]:
-        self._urgent += 1
-        async with self._changed:
-            self._changed.notify_all()
-        try:
-            yield
-        finally:
-            self._urgent -= 1
-
-    def _fail(self, error: str) -> None:
-        self.persist_error = error
-        self._failed_at = time.monotonic()
-
-    def _withdraw(self, key: tuple[str, int], reason: str) -> None:
-        """A version that can no longer become durable stops being visible (counted)."""
-        self._manifests.pop(key, None)
-        if self._pending.pop(key, None) is not None:
-            log.error("version withdrawn", model=key[0], version=key[1], error=reason)
-            metrics.DROPPED.labels("weight-store", "version", "backend_failed").inc()
-
-    async def _write_manifests(self) -> None:
-        """Make durable every pending version whose chunks are all in the backend, in order.
-
-        Shielded: the caller (a publish whose client went away) may be cancelled, but a
-        manifest write, once started, finishes with its bookkeeping; else the file would
-        exist while the version stayed pending, and the next pass would find it taken."""
-        await asyncio.shield(self._write_pending())
-
-    def _put_manifest(self, key: tuple[str, int], data: bytes) -> None:
-        """Write a pending manifest; the same bytes already there (a write whose answer was
-        lost) are as good as written."""
-        try:
-            self.backend.put_manifest(*key, data)
-        except VersionConflict:
-            if self.backend.get_manifest(*key) != data:
-                raise
-
-    async def _write_pending(self) -> None:
-        async with self._manifest_lock:
-            for key in sorted(self._pending):
-                manifest = self._pending.get(key)
-                if manifest is None or not manifest_chunks(manifest).isdisjoint(self._dirty):
-                    continue
-                try:
-                    await _io(
-                        self._put_manifest,
-                        key,
-                        manifest.SerializeToString(),
-                        executor=self._writer,
-                    )
-                except VersionConflict as exc:  # another store wrote a different one
-                    self._withdraw(key, str(exc))
-                except StoreError as exc:  # the backend failed
-                    self._fail(str(exc))
-                    self._withdraw(key, str(exc))
-                else:
-                    if self._pending.pop(key, None) is None:  # deleted while being written
-                        with contextlib.suppress(StoreError):  # best effort: it is failing
-                            await self._delete_manifest(*key)
-                    async with self._changed:
-                        self._changed.notify_all()
-
-    async def wait_written(self, digests: Collection[str], hurry: bool = True) -> None:
-        """Until none of `digests` is dirty; `BackendError` if the write of one failed.
-        `hurry`: the writes go now, without waiting for a gap between streams."""
-        wanted = set(digests)
-        async with self._hurry() if hurry else contextlib.nullcontext(), self._changed:
-            await self._changed.wait_for(lambda: wanted.isdisjoint(self._dirty))
-        failed = wanted.intersection(self._failed)
-        if failed:
-            raise BackendError(self._failed[min(failed)])
-
-    async def flush(self) -> None:
-        """Until every held chunk and every pending version is in the backend (or failed)."""
-        async with self._hurry(), self._changed:
-            await self._changed.wait_for(lambda: not self._dirty and not self._pending)
-
-    async def settle(self) -> None:
-        """Until the chunks held now are written (or failed), in their own time: GC then
-        sees them."""
-        with contextlib.suppress(BackendError):
-            await self.wait_written(list(self._dirty), hurry=False)
-
-    def durable(self, model: str, version: int) -> bool:
-        return (model, version) not in self._pending
-
-    async def until_durable(self, model: str, version: int) -> bool:
-        """Wait until a committed version is in the backend: True; False if it was
-        withdrawn (its writes failed) or deleted meanwhile."""
-        key = (model, version)
-        async with self._changed:
-            await self._changed.wait_for(lambda: key not in self._pending)
-        if key in self._manifests:
-            return True
-        try:
-            await _io(self.backend.get_manifest, model, version)
-        except StoreError:
-            return False
-        return True
-
     # -- version numbers ----------------------------------------------------------------------
     async def _number(self, manifest: pb.WeightManifest, versions: list[int]) -> None:
         """Give an unnumbered (-1) version the next number; never one a previous life of the
@@ -471,7 +229,7 @@ class WeightStore:
         the exact next number (`release_reserved`)."""
         model = manifest.model
         if model not in self._reserved:
-            floor = await _io(self.backend.get_reserved, model)
+            floor = await io(self.backend.get_reserved, model)
             self._reserved[model] = floor
             self._next[model] = max(floor, 1)
         if manifest.version < 0:
@@ -479,7 +237,7 @@ class WeightStore:
             manifest.version = max(self._next[model], latest)
         if manifest.version >= self._reserved[model]:
             below = manifest.version + VERSION_BLOCK
-            await _io(self.backend.set_reserved, model, below)
+            await io(self.backend.set_reserved, model, below)
             self._reserved[model] = below
         self._next[model] = max(self._next[model], manifest.version + 1)
 
@@ -487,7 +245,7 @@ class WeightStore:
         """On a clean shutdown (after `flush`): the next number is exactly the next one."""
         for model, nxt in self._next.items():
             try:
-                await _io(self.backend.set_reserved, model, nxt)
+                await io(self.backend.set_reserved, model, nxt)
             except StoreError as exc:
                 log.warning("writing back the next version number failed", error=str(exc))
 
@@ -502,7 +260,7 @@ class WeightStore:
             return held
 
         async def load() -> bytes:
-            frame = await _io(self.backend.get_chunk, digest)
+            frame = await io(self.backend.get_chunk, digest)
             chunk = frame_payload(frame)
             if chunk is None or chunk.hash != digest or chunk_hash(chunk.data) != digest:
                 raise CorruptChunk(
@@ -528,7 +286,7 @@ class WeightStore:
         check_model(model)
         # pending first: one that becomes durable meanwhile is then in the listing
         pending = {v for m, v in self._pending if m == model}
-        return sorted(pending.union(await _io(self.backend.list_versions, model)))
+        return sorted(pending.union(await io(self.backend.list_versions, model)))
 
     async def wait_for_version(self, model: str, version: int, timeout_s: float) -> int:
         """Until `model` has a committed version >= `version` (visible, durable or not), at
@@ -546,7 +304,7 @@ class WeightStore:
     async def models(self) -> list[str]:
         """Models with a version, durable or not yet."""
         pending = {model for model, _ in self._pending}
-        return sorted(pending.union(await _io(self.backend.list_models)))
+        return sorted(pending.union(await io(self.backend.list_models)))
 
     async def resolve(self, model: str, version: int) -> int:
         if version >= 0:
@@ -565,9 +323,7 @@ class WeightStore:
         cached = self._manifests.get((model, version))
         if cached is not None:
             return cached
-        manifest = pb.WeightManifest.FromString(
-            await _io(self.backend.get_manifest, model, version)
-        )
+        manifest = pb.WeightManifest.FromString(await io(self.backend.get_manifest, model, version))
         self._remember(manifest)
         return manifest
 
@@ -579,7 +335,7 @@ class WeightStore:
     async def _delete_manifest(self, model: str, version: int) -> None:
         self._manifests.pop((model, version), None)
         if self._pending.pop((model, version), None) is None:
-            await _io(self.backend.delete_manifest, model, version)
+            await io(self.backend.delete_manifest, model, version)
 
     async def commit(
         self, manifest: pb.WeightManifest, stored: Collection[str] = (), durable: bool = False
@@ -616,7 +372,7 @@ class WeightStore:
             if not manifest.created_at:
                 manifest.created_at = time.time()
             if durable:
-                await _io(
+                await io(
                     self.backend.put_manifest,
                     manifest.model,
                     manifest.version,
@@ -652,7 +408,7 @@ class WeightStore:
 
     async def info(self, model: str, version: int) -> pb.VersionInfo:
         m = await self.get_manifest(model, version)
-        pins = await _io(self.backend.get_pins, model)
+        pins = await io(self.backend.get_pins, model)
         return pb.VersionInfo(
             model=model,
             version=m.version,
@@ -679,16 +435,16 @@ class WeightStore:
         version = await self.resolve(model, version)
         await self.get_manifest(model, version)  # NOT_FOUND for an unknown version
         async with self._commit_lock:
-            pins = await _io(self.backend.get_pins, model)
+            pins = await io(self.backend.get_pins, model)
             pins = pins | {version} if pinned else pins - {version}
-            await _io(self.backend.set_pins, model, pins)
+            await io(self.backend.set_pins, model, pins)
         return await self.info(model, version)
 
     async def delete_version(self, model: str, version: int) -> int:
         """Delete one version (not pinned, not being read); GC its unreferenced chunks."""
         version = await self.resolve(model, version)
         await self.get_manifest(model, version)
-        if version in await _io(self.backend.get_pins, model):
+        if version in await io(self.backend.get_pins, model):
             raise Precondition(f"{model} version {version} is pinned; unpin it first")
         if self._leases[(model, version)]:
             raise Precondition(
@@ -715,82 +471,3 @@ class WeightStore:
     def readers(self) -> dict[str, int]:
         """Active fetches per version, as `model@version`."""
         return {f"{model}@{version}": n for (model, version), n in self._leases.items()}
-
-    async def apply_retention(self, model: str) -> list[int]:
-        """Delete versions beyond the last `keep_last`, except pinned and leased ones."""
-        versions = await self.versions(model)
-        pins = await _io(self.backend.get_pins, model)
-        doomed = [
-            v for v in versions[: -self.keep_last] if v not in pins and not self._leases[(model, v)]
-        ]
-        for version in doomed:
-            await self._delete_manifest(model, version)
-        return doomed
-
-    def _in_use(self, digest: str) -> bool:
-        """Taken since the collection listed what is referenced: being written, named by a
-        version committed meanwhile, received by a publish in progress, or promised."""
-        return (
-            digest in self._dirty
-            or digest in (self._committed_while_collecting or ())
-            or digest in self._promised
-            or any(digest in received for received in self._publishing.values())
-        )
-
-    async def gc(self, full: bool = True) -> tuple[list[pb.VersionRef], int, int]:
-        """Apply retention to every model, then delete chunks nothing references (one
-        collection at a time: two would race each other's deletes). `full` lists the whole
-        backend (chunks of an earlier life or another store); else only the chunks listed
-        before or written since are looked at (the collection after each publish)."""
-        async with self._gc_lock:
-            return await self._gc(full or not self._listed)
-
-    async def _gc(self, full: bool) -> tuple[list[pb.VersionRef], int, int]:
-        started = time.time()
-        self._committed_while_collecting = set()
-        try:
-            return await self._collect(started, full)
-        finally:
-            self._committed_while_collecting = None
-
-    async def _list_chunks(self, started: float) -> None:
-        """`_known` from a listing of the backend, plus chunks written since it began."""
-        listed = await _io(lambda: list(self.backend.list_chunks()))
-        since = {d: k for d, k in self._known.items() if k[0] >= started}
-        self._known = {d: (mtime, size) for d, mtime, size in listed} | since
-        self._listed = True
-
-    async def _collect(self, started: float, full: bool) -> tuple[list[pb.VersionRef], int, int]:
-        deleted_versions = []
-        referenced: set[str] = set()
-        for model in await self.models():
-            deleted_versions += [
-                pb.VersionRef(model=model, version=v) for v in await self.apply_retention(model)
-            ]
-            for version in await self.versions(model):
-                with contextlib.suppress(NotFound):
-                    referenced |= manifest_chunks(await self.get_manifest(model, version))
-        for received in self._publishing.values():
-            referenced |= received
-        referenced.update(self._dirty)  # being written: not listed yet, or just now
-        promised_since = time.monotonic() - PROMISE_S
-        self._promised = {h: t for h, t in self._promised.items() if t > promised_since}
-        referenced.update(self._promised)
-        horizon = started - self.gc_grace_s
-        if full:
-            await self._list_chunks(started)
-        doomed = [
-            (digest, size)
-            for digest, (mtime, size) in self._known.items()
-            if mtime <= horizon and digest not in referenced
-        ]
-        num_chunks = num_bytes = 0
-        for digest, size in doomed:
-            if self._in_use(digest):
-                continue
-            self.cache.discard(digest)
-            await _io(self.backend.delete_chunk, digest)
-            self._known.pop(digest, None)
-            num_chunks += 1
-            num_bytes += size
-        return deleted_versions, num_chunks, num_bytes

@@ -144,11 +144,9 @@ class VLLMEngine(Engine):
         async for piece in self._run(prompt_tokens, sampling, streamed=True):
             yield piece
 
-    async def _run(
-        self, prompt_tokens: list[int], sampling: Sampling, streamed: bool
-    ) -> AsyncGenerator[Generation, None]:
+    def _params(self, prompt_tokens: list[int], sampling: Sampling):
+        """vLLM's sampling parameters for a request (its room in the context, or refused)."""
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         room = self.max_context - len(prompt_tokens)
@@ -157,7 +155,7 @@ class VLLMEngine(Engine):
                 f"prompt of {len(prompt_tokens)} tokens leaves no room in the "
                 f"{self.max_context}-token context"
             )
-        params = SamplingParams(
+        return SamplingParams(
             temperature=max(sampling.temperature, 0.0),
             top_p=sampling.top_p,
             max_tokens=min(sampling.max_new_tokens, room),
@@ -168,21 +166,26 @@ class VLLMEngine(Engine):
             include_stop_str_in_output=True,  # the tokens generated, the stop string's too
             output_kind=RequestOutputKind.DELTA,
         )
+
+    def _lora_of(self, adapter: str | None) -> tuple[Any, int | None]:
+        """The LoRA request of a request's attempt (read per attempt: a swap may have changed
+        the policy's), and a named adapter's version (its requests keep it for their life)."""
+        if adapter is None:
+            return self._policy_lora, None
+        return self._loras[adapter], self._lora_versions.get(adapter, 0)
+
+    async def _run(
+        self, prompt_tokens: list[int], sampling: Sampling, streamed: bool
+    ) -> AsyncGenerator[Generation, None]:
+        from vllm.inputs import TokensPrompt
+
+        params = self._params(prompt_tokens, sampling)
         if sampling.adapter is not None and sampling.adapter not in self._loras:
             raise AdapterUnsupported(f"no adapter {sampling.adapter!r} is loaded")
         with self.meter.track():
             while True:
                 epoch = self._swap_epoch
-                lora_request = (  # read per attempt: a swap may have changed the policy's
-                    self._loras[sampling.adapter]
-                    if sampling.adapter is not None
-                    else self._policy_lora
-                )
-                version = (  # a named adapter's requests: its version for their whole life
-                    self._lora_versions.get(sampling.adapter, 0)
-                    if sampling.adapter is not None
-                    else None
-                )
+                lora_request, version = self._lora_of(sampling.adapter)
                 held: list[Generation] = []  # not streamed: kept until the attempt ends
                 sent = 0
                 finish = "length"
