@@ -80,7 +80,8 @@ PACKAGES = {
 def test_every_service_has_the_same_shape(package):
     """`settings.py` (its own settings class), `app.py` with `async build(settings) ->
     Service`, its HTTP edge in `http.py` (a module-level `router`, which may include its
-    features' routers), its refusals in `errors.py` (`treadle_common.runtime.errors` classes);
+    features' routers), its refusals in `errors.py` (`treadle_common.runtime.errors` classes),
+    what it offers code outside it in `public.py` (every name in `__all__` importable);
     `__main__` runs it with that settings class; nothing reads a global settings object."""
     import importlib
     import inspect
@@ -91,7 +92,9 @@ def test_every_service_has_the_same_shape(package):
 
     root = PACKAGES[package]
     files = {p.name for p in root.iterdir()}
-    assert {"app.py", "settings.py", "__main__.py", "http.py", "errors.py"} <= files
+    assert {"app.py", "settings.py", "__main__.py", "http.py", "errors.py", "public.py"} <= files
+    public = importlib.import_module(f"{package}.public")
+    assert public.__all__ and all(hasattr(public, name) for name in public.__all__)
     from fastapi import APIRouter
 
     from treadle_common.runtime.errors import ServiceError
