@@ -272,15 +272,7 @@ class EpisodeRunner:
             model=self._adapter(task),
         )
         result = await self._play_through(self.played, task, gateway_session, run, t, traj)
-        traj.sandbox_runs += result.sandbox_runs
-        if result.status == "env_error":
-            raise _EnvFailure(f"env {task.env} raised: {result.error}")
-        if result.status == "sandbox_error":
-            raise _SandboxFailure(f"sandbox failed: {result.error}")
-        info = json.loads(result.info_json or "{}")
-        if result.has_reward:
-            info.setdefault("reward", result.reward)
-        return info
+        return _stepped(task, result, traj)  # the whole episode's outcome, as a step's
 
     async def _play_through(
         self,
@@ -350,8 +342,8 @@ class _SandboxFailure(RuntimeError):
 
 
 def _stepped(task: task_pb2.Task, step, traj: tpb.Trajectory) -> dict:
-    """An env step's outcome: its info (the env's own reward in it, for the `env_reward`
-    scorer); its failure raised."""
+    """An env step's (or a played episode's) outcome: its info (the env's own reward in it,
+    for the `env_reward` scorer); its failure raised."""
     traj.sandbox_runs += step.sandbox_runs
     if step.status == "env_error":
         raise _EnvFailure(f"env {task.env} raised: {step.error}")
