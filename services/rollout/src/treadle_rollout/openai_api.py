@@ -54,7 +54,7 @@ from treadle_rollout.openai_stream import ChunkHeader, Chunks, Decoder, Last, jo
 from treadle_rollout.openai_types import ChatRequest, CompletionRequest
 from treadle_rollout.quota_gate import QuotaGate
 
-__all__ = ["SESSION_HEADER", "OpenAIFrontend", "SessionId", "SessionRecorder"]
+__all__ = ["SESSION_HEADER", "OpenAIFrontend", "SessionId"]
 
 SessionId = Annotated[
     str, Path(pattern=names.NAME_PATTERN, max_length=names.NAME_MAX, description="A session id")
