@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ["libs", "services", "bench"]
+SOURCES = ["libs", "services", "bench", "scripts"]
 LIMITS = {"function": 60, "class": 400}
 
 

@@ -301,113 +301,127 @@ def smoke(report: dict, keep: bool) -> None:
         stack = Stack(files, [ROOT / ".env.example", secrets_path], env)
         stack("config", "-q")
         try:
-            t = time.monotonic()
-            log("building every image")
-            stack("build", timeout=3600)
-            report["build_s"] = round(time.monotonic() - t, 1)
-            sizes = sh("docker", "image", "ls", "--format", "{{.Repository}}:{{.Tag}} {{.Size}}")
-            report["image_sizes"] = {
-                name: size
-                for name, size in (line.split() for line in sizes.stdout.splitlines())
-                if name.split(":")[0] in {f"treadle/{i}" for i in IMAGES} | {"treadle/infra"}
-            }
-            # each image was built from this tree: it holds this tree's lock for it
-            stale = [
-                image
-                for image in IMAGES
-                if sh("docker", "run", "--rm", "--entrypoint", "cat", f"treadle/{image}:{TAG}",
-                      "/opt/treadle/requirements.txt", check=False).stdout
-                != (ROOT / "requirements" / "images" / f"{image}.txt").read_text()
-            ]  # fmt: skip
-            report["images_not_from_this_tree"] = stale
-            checks["images_built_from_this_trees_locks"] = not stale
-            cli = sh("docker", "run", "--rm", f"treadle/cli:{TAG}", "--help", check=False)
-            checks["cli_image_runs_treadle"] = cli.returncode == 0 and "run" in cli.stdout
-
-            t = time.monotonic()
-            log("docker compose up -d --wait")
-            stack("up", "-d", "--wait", "--wait-timeout", "600", timeout=900)  # scale.yaml
-            wait_healthy(stack, SERVICES, 300)
-            report["up_s"] = round(time.monotonic() - t, 1)
-            states = health(stack)
-            report["health"] = states
-            checks["every_service_healthy"] = all(states.get(s) == "healthy" for s in SERVICES)
-            users = {
-                s: stack("exec", "-T", s, "id", "-u", check=False).stdout.strip()
-                for s in TREADLE_SERVICES
-            }
-            report["service_uids"] = users
-            checks["services_run_as_non_root"] = all(u not in ("", "0") for u in users.values())
-            sandbox = stack("exec", "-T", "env-gateway", "python", "-c", SANDBOX_CHECK, check=False)
-            report["env_gateway_sandbox"] = (sandbox.stdout + sandbox.stderr).strip()[-500:]
-            checks["env_gateway_sandbox_judges_in_a_container"] = sandbox.stdout.startswith(
-                "bwrap ok pass"
-            )
-            # the sandbox under siege in its 2 GiB container (compose's mem_limit)
-            token = ["-e", f"STRESS_TOKEN={secrets['TREADLE_TOKEN_ROLLOUT']}"]
-            programs = json.dumps([hostile.HOSTILE, hostile.RIGHT, hostile.TASK])
-            siege = stack("exec", "-T", *token, "env-gateway", "python", "-c", STRESS_CHECK,
-                          programs, check=False, timeout=600)  # fmt: skip
-            try:
-                stress = json.loads(siege.stdout.strip().splitlines()[-1])
-            except (ValueError, IndexError):
-                stress = {"error": (siege.stdout + siege.stderr)[-1000:]}
-            report["env_gateway_stress"] = stress
-            checks["env_gateway_survives_sixteen_hostile_programs"] = (
-                "error" not in stress
-                and all(r[1] in hostile.ENDINGS and r[2] == "ok" for r in stress["hostile"])
-                and all(r == ["ok", "ok", 1.0] for r in stress["honest"])
-                and health(stack).get("env-gateway") == "healthy"
-            )
-            probe = "import os; print(os.path.exists('/var/run/docker.sock'))"
-            socket = stack("exec", "-T", "env-gateway", "python", "-c", probe, check=False)
-            checks["env_gateway_holds_no_docker_socket"] = socket.stdout.strip() == "False"
-            replicas = {service: len(stack.containers(service)) for service in SCALE}
-            report["replicas"] = replicas
-            checks["replicas_scaled"] = replicas == SCALE
-            # the image as Kubernetes runs it (k8s/base/env-gateway.yaml): non-root, read-only
-            # root, no capabilities, bwrap; with what its pod grants, and without
-            pod = ["docker", "run", "--rm", "--read-only", "--tmpfs", "/tmp",
-                   "--tmpfs", "/var/lib/treadle:uid=10001", "--cap-drop", "ALL",
-                   "--security-opt", "no-new-privileges"]  # fmt: skip
-            granted = ["--security-opt", f"seccomp={ROOT / 'deploy/seccomp/env-gateway.json'}",
-                       "--security-opt", "systempaths=unconfined"]  # fmt: skip
-            image = [f"treadle/env-gateway:{TAG}", "python", "-c", SANDBOX_CHECK]
-            k8s = sh(*pod, *granted, *image, check=False)
-            bare = sh(*pod, *image, check=False)
-            report["env_gateway_bwrap"] = {
-                "granted": k8s.stdout.strip()[-300:] or k8s.stderr[-300:],
-                "default_docker_profile": bare.stdout.strip()[-300:] or bare.stderr[-300:],
-            }
-            checks["env_gateway_image_bwrap_non_root"] = k8s.stdout.startswith("bwrap ok pass")
-            checks["bwrap_fails_closed_where_not_granted"] = bare.stdout.startswith(
-                "bwrap sandbox_error"
-            )
-
+            build_images(stack, report, checks)
+            bring_up(stack, report, checks)
+            besiege_the_sandbox(stack, secrets["TREADLE_TOKEN_ROLLOUT"], report, checks)
+            run_the_image_as_kubernetes_does(report, checks)
             two_runs_under_faults(stack, secrets["TREADLE_TOKEN_ADMIN"], tmp, report)
         finally:
             if not keep:
-                log("docker compose down -v")
-                profiles = ("--profile", "cpu", "--profile", "demo")  # the demo's volume too
-                stack(*profiles, "down", "-v", "--remove-orphans", "--timeout", "20", check=False)
-                left = sh(
-                    "docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={PROJECT}"
-                )
-                volumes = sh(
-                    "docker",
-                    "volume",
-                    "ls",
-                    "-q",
-                    "--filter",
-                    f"label=com.docker.compose.project={PROJECT}",
-                )
-                sandboxes = sh("docker", "ps", "-aq", "--filter", "label=treadle.sandbox")
-                report["left_behind"] = {
-                    "containers": left.stdout.split(),
-                    "volumes": volumes.stdout.split(),
-                    "sandbox_containers": sandboxes.stdout.split(),
-                }
-                checks["nothing_left_behind"] = not any(report["left_behind"].values())
+                take_down(stack, report, checks)
+
+
+def build_images(stack: Stack, report: dict, checks: dict[str, bool]) -> None:
+    """Every image, from this tree (each holds this tree's lock for it); their sizes."""
+    t = time.monotonic()
+    log("building every image")
+    stack("build", timeout=3600)
+    report["build_s"] = round(time.monotonic() - t, 1)
+    sizes = sh("docker", "image", "ls", "--format", "{{.Repository}}:{{.Tag}} {{.Size}}")
+    report["image_sizes"] = {
+        name: size
+        for name, size in (line.split() for line in sizes.stdout.splitlines())
+        if name.split(":")[0] in {f"treadle/{i}" for i in IMAGES} | {"treadle/infra"}
+    }
+    # each image was built from this tree: it holds this tree's lock for it
+    stale = [
+        image
+        for image in IMAGES
+        if sh("docker", "run", "--rm", "--entrypoint", "cat", f"treadle/{image}:{TAG}",
+              "/opt/treadle/requirements.txt", check=False).stdout
+        != (ROOT / "requirements" / "images" / f"{image}.txt").read_text()
+    ]  # fmt: skip
+    report["images_not_from_this_tree"] = stale
+    checks["images_built_from_this_trees_locks"] = not stale
+    cli = sh("docker", "run", "--rm", f"treadle/cli:{TAG}", "--help", check=False)
+    checks["cli_image_runs_treadle"] = cli.returncode == 0 and "run" in cli.stdout
+
+
+def bring_up(stack: Stack, report: dict, checks: dict[str, bool]) -> None:
+    """`docker compose up -d --wait`: every service healthy, non-root, scaled."""
+    t = time.monotonic()
+    log("docker compose up -d --wait")
+    stack("up", "-d", "--wait", "--wait-timeout", "600", timeout=900)  # scale.yaml
+    wait_healthy(stack, SERVICES, 300)
+    report["up_s"] = round(time.monotonic() - t, 1)
+    states = health(stack)
+    report["health"] = states
+    checks["every_service_healthy"] = all(states.get(s) == "healthy" for s in SERVICES)
+    users = {
+        s: stack("exec", "-T", s, "id", "-u", check=False).stdout.strip() for s in TREADLE_SERVICES
+    }
+    report["service_uids"] = users
+    checks["services_run_as_non_root"] = all(u not in ("", "0") for u in users.values())
+    replicas = {service: len(stack.containers(service)) for service in SCALE}
+    report["replicas"] = replicas
+    checks["replicas_scaled"] = replicas == SCALE
+
+
+def besiege_the_sandbox(stack: Stack, token: str, report: dict, checks: dict[str, bool]) -> None:
+    """The env-gateway judges in a bwrap sandbox in its container, survives hostile programs
+    in its 2 GiB (compose's mem_limit), and holds no Docker socket."""
+    sandbox = stack("exec", "-T", "env-gateway", "python", "-c", SANDBOX_CHECK, check=False)
+    report["env_gateway_sandbox"] = (sandbox.stdout + sandbox.stderr).strip()[-500:]
+    checks["env_gateway_sandbox_judges_in_a_container"] = sandbox.stdout.startswith("bwrap ok pass")
+    programs = json.dumps([hostile.HOSTILE, hostile.RIGHT, hostile.TASK])
+    siege = stack("exec", "-T", "-e", f"STRESS_TOKEN={token}", "env-gateway", "python", "-c",
+                  STRESS_CHECK, programs, check=False, timeout=600)  # fmt: skip
+    try:
+        stress = json.loads(siege.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        stress = {"error": (siege.stdout + siege.stderr)[-1000:]}
+    report["env_gateway_stress"] = stress
+    checks["env_gateway_survives_sixteen_hostile_programs"] = (
+        "error" not in stress
+        and all(r[1] in hostile.ENDINGS and r[2] == "ok" for r in stress["hostile"])
+        and all(r == ["ok", "ok", 1.0] for r in stress["honest"])
+        and health(stack).get("env-gateway") == "healthy"
+    )
+    probe = "import os; print(os.path.exists('/var/run/docker.sock'))"
+    socket = stack("exec", "-T", "env-gateway", "python", "-c", probe, check=False)
+    checks["env_gateway_holds_no_docker_socket"] = socket.stdout.strip() == "False"
+
+
+def run_the_image_as_kubernetes_does(report: dict, checks: dict[str, bool]) -> None:
+    """The env-gateway image as Kubernetes runs it (k8s/base/env-gateway.yaml): non-root,
+    read-only root, no capabilities, bwrap; with what its pod grants, and without."""
+    pod = ["docker", "run", "--rm", "--read-only", "--tmpfs", "/tmp",
+           "--tmpfs", "/var/lib/treadle:uid=10001", "--cap-drop", "ALL",
+           "--security-opt", "no-new-privileges"]  # fmt: skip
+    granted = ["--security-opt", f"seccomp={ROOT / 'deploy/seccomp/env-gateway.json'}",
+               "--security-opt", "systempaths=unconfined"]  # fmt: skip
+    image = [f"treadle/env-gateway:{TAG}", "python", "-c", SANDBOX_CHECK]
+    k8s = sh(*pod, *granted, *image, check=False)
+    bare = sh(*pod, *image, check=False)
+    report["env_gateway_bwrap"] = {
+        "granted": k8s.stdout.strip()[-300:] or k8s.stderr[-300:],
+        "default_docker_profile": bare.stdout.strip()[-300:] or bare.stderr[-300:],
+    }
+    checks["env_gateway_image_bwrap_non_root"] = k8s.stdout.startswith("bwrap ok pass")
+    checks["bwrap_fails_closed_where_not_granted"] = bare.stdout.startswith("bwrap sandbox_error")
+
+
+def take_down(stack: Stack, report: dict, checks: dict[str, bool]) -> None:
+    """`docker compose down -v`, then nothing of the project (or a sandbox) may be left."""
+    log("docker compose down -v")
+    profiles = ("--profile", "cpu", "--profile", "demo")  # the demo's volume too
+    stack(*profiles, "down", "-v", "--remove-orphans", "--timeout", "20", check=False)
+    left = sh("docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={PROJECT}")
+    volumes = sh(
+        "docker",
+        "volume",
+        "ls",
+        "-q",
+        "--filter",
+        f"label=com.docker.compose.project={PROJECT}",
+    )
+    sandboxes = sh("docker", "ps", "-aq", "--filter", "label=treadle.sandbox")
+    report["left_behind"] = {
+        "containers": left.stdout.split(),
+        "volumes": volumes.stdout.split(),
+        "sandbox_containers": sandboxes.stdout.split(),
+    }
+    checks["nothing_left_behind"] = not any(report["left_behind"].values())
 
 
 def two_runs_under_faults(stack: Stack, token: str, tmp: str, report: dict) -> None:

@@ -557,3 +557,35 @@ async def test_past_a_tenants_quota_its_requests_are_refused_naming_it(tenants):
     finally:
         await client.close()
         await other.close()
+
+
+def test_a_tenant_reaches_only_its_own_training_sessions(tenants, tiny_model):
+    """`/v1/training` sessions are their creator's tenant's (the training-session core): the
+    other tenant's token is refused on every route; the owner's and admin's are not."""
+    base = tenants[0].http
+    a, b, admin = _as(A_TOKEN, base), _as(B_TOKEN, base), _as(TOKENS["admin"], base)
+    created = a.post(
+        "/v1/training/sessions",
+        json={"model_path": str(tiny_model), "model_name": f"own-{uuid.uuid4().hex[:6]}"},
+    )
+    assert created.status_code == 201, created.text
+    sid = created.json()["session_id"]
+    datum = {"model_input": [5, 6, 7], "target_tokens": [6, 7, 8]}
+    fb = {"loss_fn": "cross_entropy", "aggregation": "token", "data": [datum]}
+    routes = {
+        "forward_backward": ("post", f"{sid}/forward_backward", fb),
+        "optim_step": ("post", f"{sid}/optim_step", {"learning_rate": 0.1}),
+        "save_state": ("post", f"{sid}/save_state", {"name": "mine"}),
+        "save_weights": ("post", f"{sid}/save_weights", None),
+    }
+    for method, path, body in routes.values():
+        refused = b.request(method, f"/v1/training/sessions/{path}", json=body)
+        assert refused.status_code == 403 and "another tenant" in refused.text, refused.text
+    assert b.delete(f"/v1/training/sessions/{sid}").status_code == 403
+    for method, path, body in routes.values():
+        answer = a.request(method, f"/v1/training/sessions/{path}", json=body)
+        assert answer.is_success, answer.text
+    assert a.post(f"/v1/training/sessions/{sid}/optim_step", json={}).json()["step"] == 2
+    assert admin.delete(f"/v1/training/sessions/{sid}").status_code == 204
+    gone = a.post(f"/v1/training/sessions/{sid}/optim_step", json={})
+    assert gone.status_code == 404, gone.text

@@ -3,7 +3,9 @@
 Everything a session makes is named after it (`<session>:train:<seq>`, `<session>:sample:<seq>`)
 and belongs to the tenant that created the session (`auth.caller()`); checkpoints carry their
 tenant in `meta.json`. A tenant's token that names another tenant's session, client, sampler,
-future or checkpoint is refused with 403; `admin` sees every tenant's.
+future or checkpoint is refused with 403; `admin` sees every tenant's. The training clients
+live in the trainer's training-session core (`training/core.py`: the limit, ownership, one
+call at a time per client), the one `/v1/training` uses too.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from treadle_trainer.tinker.adapters import BaseModel, LoraClient
 from treadle_trainer.tinker.checkpoints import read_meta
 from treadle_trainer.tinker.futures import Futures, Result
 from treadle_trainer.tinker.sampling import RolloutSampler, Sampler, SamplerWeights
+from treadle_trainer.training.core import Trainables
 
 ROLES = auth.roles(auth.TINKER)
 CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -42,7 +45,8 @@ class TinkerState:
     max_clients: int
     rollout: RolloutSampler | None
     bases: dict[str, BaseModel] = field(default_factory=dict)
-    clients: dict[str, LoraClient] = field(default_factory=dict)
+    clients: Trainables[LoraClient] = field(init=False)
+    """The training clients, `<session>:train:<seq>`, in the training-session core."""
     session_ttl_s: float = 300.0
     sessions: dict[str, float] = field(default_factory=dict)
     """Open sessions -> when the last heartbeat (or creation) was seen (monotonic)."""
@@ -53,6 +57,11 @@ class TinkerState:
     samplers: dict[str, Sampler] = field(default_factory=dict)
     futures: Futures = field(default_factory=Futures)
     loading: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def __post_init__(self) -> None:
+        self.clients = Trainables(
+            "training client", self.max_clients, "TREADLE_TRAINER_TINKER_MAX_CLIENTS"
+        )
 
     # --- ownership --------------------------------------------------------------------------
     def owned(self, name: str) -> str:
@@ -83,16 +92,12 @@ class TinkerState:
 
     async def end_session(self, session_id: str) -> None:
         """Its training clients and their adapters go (saved checkpoints and published
-        sampler weights stay); a client still being built is dropped when it is done."""
+        sampler weights stay); a client still being built is closed when it is done."""
         self.sessions.pop(session_id, None)
         self.tenants.pop(session_id, None)
-        for model_id in [m for m in self.clients if m.startswith(f"{session_id}:")]:
-            client = self.clients[model_id]
-            if client is None:
-                continue
-            del self.clients[model_id]
+        for model_id in self.clients.keys(f"{session_id}:"):
             self.futures.forget(model_id)
-            await on_torch_thread(client.close)
+            await self.clients.drop(model_id)
 
     async def reap(self) -> None:
         """End the sessions whose SDK stopped heartbeating (it beats every 10 s) more than
@@ -104,26 +109,13 @@ class TinkerState:
 
     # --- models, clients, samplers ----------------------------------------------------------
     async def new_model_id(self, session_id: str, seq: int) -> str:
-        """The id of a session's `seq`-th training client, if the session may have one more."""
+        """The id of a session's `seq`-th training client, reserved (while it is built) if the
+        session may have one more."""
         await self.reap()
         self.session(session_id)
         model_id = f"{session_id}:train:{seq}"
-        if model_id in self.clients:
-            raise errors.Conflict(f"training client {model_id} exists")
-        if len(self.clients) >= self.max_clients:
-            raise errors.TooManyRequests(
-                f"{len(self.clients)} training clients are open, the most this trainer holds "
-                "(TREADLE_TRAINER_TINKER_MAX_CLIENTS)"
-            )
+        self.clients.reserve(model_id)
         return model_id
-
-    async def keep(self, model_id: str, session_id: str, client: LoraClient) -> None:
-        """A built client joins its session, unless the session ended meanwhile."""
-        if session_id not in self.sessions:
-            self.clients.pop(model_id, None)
-            await on_torch_thread(client.close)
-            raise InvalidInput(f"session {session_id} ended while its client was created")
-        self.clients[model_id] = client
 
     def check_served(self, name: str) -> None:
         if name not in self.models:
@@ -137,9 +129,7 @@ class TinkerState:
         return self.bases[name]
 
     def client(self, model_id: str) -> LoraClient:
-        if model_id not in self.clients:
-            raise errors.NotFound(f"no training client {model_id!r}")
-        return self.clients[self.owned(model_id)]
+        return self.clients.get(self.owned(model_id))
 
     def sampler(self, sampler_id: str) -> Sampler:
         if sampler_id not in self.samplers:

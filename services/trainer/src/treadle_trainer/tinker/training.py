@@ -3,7 +3,9 @@ get_info, weights_info, forward_backward, optim_step, save_weights (save_state),
 load_weights (load_state, or a new client from a state), save_weights_for_sampler (publish the
 adapter to the weight store). Work on a client runs as a future (`futures.py`), in the
 client's order; each function returns the future's handle. A client, a checkpoint and a
-future are their session tenant's (`state.py`)."""
+future are their session tenant's (`state.py`). The clients are held, and worked on one call
+at a time, by the trainer's training-session core (`training/core.py`), the one
+`/v1/training` uses too."""
 
 from __future__ import annotations
 
@@ -17,7 +19,6 @@ from treadle_common.api.training import AdamParams
 from treadle_common.auth import policy as auth
 from treadle_common.clients.torch_weights import state_dict_to_raw
 from treadle_common.model import lora
-from treadle_trainer.backends import on_torch_thread
 from treadle_trainer.errors import InvalidInput, NotFound
 from treadle_trainer.tinker import checkpoints, wire
 from treadle_trainer.tinker.adapters import LoraClient
@@ -47,42 +48,45 @@ def adapter_config(lora_config: types.LoraConfig | None) -> lora.AdapterConfig:
 async def _build_client(
     state: TinkerState,
     model_id: str,
-    session_id: str,
     base_model: str,
     config: lora.AdapterConfig,
     caller: auth.Identity,
     checkpoint: tuple[Path, bool] | None = None,
 ) -> None:
-    """Work of a future: the client (on its base, loaded once), the caller's, optionally
-    from a saved state (directory, with the optimizer?), joined to its session."""
+    """Work of a future: the client of the reserved `model_id` (on its base, loaded once),
+    the caller's, optionally from a saved state (directory, with the optimizer?). A session
+    that ended meanwhile has dropped the reservation: the client is closed (`Trainables`)."""
     try:
         base = await state.base(base_model)
-        client = await on_torch_thread(
-            LoraClient.create, model_id, base, config, caller.tenant, caller.owner
-        )
-        if checkpoint is not None:
-            await on_torch_thread(checkpoints.load, client, *checkpoint)
     except BaseException:
-        pending = state.clients.pop(model_id, None)
-        if pending is not None:
-            await on_torch_thread(pending.close)
+        await state.clients.drop(model_id)
         raise
-    await state.keep(model_id, session_id, client)
+
+    def make() -> LoraClient:
+        client = LoraClient.create(model_id, base, config, caller.tenant, caller.owner)
+        try:
+            if checkpoint is not None:
+                checkpoints.load(client, *checkpoint)
+        except BaseException:
+            client.close()
+            raise
+        return client
+
+    await state.clients.build(model_id, make)
 
 
 async def create_model(
     state: TinkerState, request: types.CreateModelRequest
 ) -> types.UntypedAPIFuture:
     state.check_served(request.base_model)
-    model_id = await state.new_model_id(request.session_id, request.model_seq_id)
     if request.optimizer_config.type != "adamw":
         raise InvalidInput(f"optimizer {request.optimizer_config.type!r}: adamw only")
     config = adapter_config(request.lora_config)
-    state.clients[model_id] = None  # type: ignore[assignment]  # reserved while it builds
+    model_id = await state.new_model_id(request.session_id, request.model_seq_id)
     caller = auth.caller()
 
     async def work() -> Result:
-        await _build_client(state, model_id, request.session_id, request.base_model, config, caller)
+        await _build_client(state, model_id, request.base_model, config, caller)
         return json_result(types.CreateModelResponse(model_id=model_id))
 
     return accepted(state.submit(work, model_id), model_id)
@@ -118,11 +122,12 @@ def weights_info(state: TinkerState, tinker_path: str) -> types.WeightsInfoRespo
 
 
 def forward_backward(state: TinkerState, fb: wire.ForwardBackward) -> types.UntypedAPIFuture:
-    client = state.client(fb.model_id)
+    state.client(fb.model_id)  # 404 / 403 now, not in the future
 
     async def work() -> Result:
-        outputs, metrics = await on_torch_thread(
-            client.forward_backward, fb.data, fb.loss_fn, fb.loss_fn_config, fb.forward_only
+        outputs, metrics = await state.clients.run(
+            fb.model_id,
+            lambda c: c.forward_backward(fb.data, fb.loss_fn, fb.loss_fn_config, fb.forward_only),
         )
         return Result(proto=wire.forward_backward_output(outputs, metrics))
 
@@ -130,7 +135,7 @@ def forward_backward(state: TinkerState, fb: wire.ForwardBackward) -> types.Unty
 
 
 def optim_step(state: TinkerState, request: types.OptimStepRequest) -> types.UntypedAPIFuture:
-    client = state.client(request.model_id)
+    state.client(request.model_id)  # 404 / 403 now, not in the future
     params = request.optim_params
     if not isinstance(params, types.AdamParams):
         raise InvalidInput("optim_step: adam_params only (the clients' optimizer is AdamW)")
@@ -143,7 +148,9 @@ def optim_step(state: TinkerState, request: types.OptimStepRequest) -> types.Unt
     )
 
     async def work() -> Result:
-        metrics = await on_torch_thread(client.optim_step, adam, params.grad_clip_norm)
+        metrics = await state.clients.run(
+            request.model_id, lambda c: c.optim_step(adam, params.grad_clip_norm)
+        )
         return json_result(types.OptimStepResponse(metrics=metrics))
 
     return accepted(state.submit(work, request.model_id, request.seq_id), request.model_id)
@@ -158,7 +165,7 @@ def save_weights(state: TinkerState, request: types.SaveWeightsRequest) -> types
         directory = state.checkpoint_dir(client.model_id, "weights", name)
         if directory.exists() and not request.overwrite:
             raise InvalidInput(f"checkpoint {name!r} exists (pass overwrite=True)")
-        await on_torch_thread(checkpoints.save, client, directory)
+        await state.clients.run(client.model_id, lambda c: checkpoints.save(c, directory))
         path = f"tinker://{client.model_id}/weights/{name}"
         return json_result(types.SaveWeightsResponse(path=path, type="save_weights"))
 
@@ -181,7 +188,9 @@ async def load_weights(
         raise InvalidInput(f"{request.path} was trained on {meta['base_model']}")
 
     async def load() -> Result:
-        await on_torch_thread(checkpoints.load, client, directory, request.optimizer)
+        await state.clients.run(
+            client.model_id, lambda c: checkpoints.load(c, directory, request.optimizer)
+        )
         return json_result(types.LoadWeightsResponse(path=request.path, model_id=client.model_id))
 
     return accepted(state.submit(load, client.model_id, request.seq_id), client.model_id)
@@ -196,7 +205,6 @@ async def _client_from_state(
     state.check_served(base_model)
     session_id = request.session_id
     model_id = await state.new_model_id(session_id, request.model_seq_id)
-    state.clients[model_id] = None  # type: ignore[assignment]
     config = lora.AdapterConfig(
         rank=meta["lora"]["rank"],
         alpha=meta["lora"]["alpha"],
@@ -207,7 +215,7 @@ async def _client_from_state(
 
     async def create() -> Result:
         saved = (directory, request.optimizer)
-        await _build_client(state, model_id, session_id, base_model, config, caller, saved)
+        await _build_client(state, model_id, base_model, config, caller, saved)
         return json_result(types.LoadWeightsResponse(path=request.path, model_id=model_id))
 
     return accepted(state.submit(create, model_id), model_id)
@@ -242,7 +250,7 @@ def save_for_sampler(
 
 
 async def _publish_adapter(state: TinkerState, client: LoraClient) -> SamplerWeights:
-    tensors = await on_torch_thread(client.adapter_state)
+    tensors = await state.clients.run(client.model_id, lambda c: c.adapter_state())
     store_model = "tinker-" + client.model_id.replace(":", "-")
     response = await state.store.publish(
         store_model,
