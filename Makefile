@@ -19,7 +19,7 @@ TORCH_SPEC ?=
 SERVICES := weight-store env-gateway reward rollout trainer
 LIBS := common cli
 STAMP := $(VENV)/.treadle-installed
-WORKSPACE := -e 'libs/common[hf]' -e 'libs/cli[hf,infra,report]' -e bench \
+WORKSPACE := -e 'libs/common[hf]' -e 'libs/cli[hf,infra,report,gguf]' -e bench \
 	$(foreach s,$(SERVICES),-e services/$(s)) -e '.[dev]' -e 'services/env-gateway[verifiers]' \
 	-e examples/verifiers/vf-tiny-arith -e examples/agents/arith-agent
 PYTEST_ARGS ?=

@@ -74,6 +74,13 @@ async def test_heartbeat_and_sigterm_drain(tmp_path, infra):
     beat = json.loads((await kv.get("reward.hb-test")).value)
     assert beat["service"] == "reward" and time.time() - beat["ts"] < 10
     await nc.close()
+    # SIGUSR1: every thread's stack into the log (where a stuck service is stuck), serving on
+    proc.send_signal(signal.SIGUSR1)
+    deadline = time.monotonic() + 10
+    while "Current thread" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "Current thread" in log.read_text() and 'File "' in log.read_text()
+    assert httpx.get(f"http://127.0.0.1:{http}/healthz").status_code == 200
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
     assert "draining" in log.read_text() and "stopped" in log.read_text()

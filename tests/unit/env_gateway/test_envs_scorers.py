@@ -43,6 +43,24 @@ def test_arith_held_out_part_never_meets_the_training_splits():
         arith.sample_tasks(1, seed=0, split="train", options={"eval_fraction": 1.5})
 
 
+async def test_arith_words_its_question_from_a_template_of_its_fields_only():
+    arith = env_registry()["arith"]
+    options = {"question": "What is {a}{op}{b}? Answer with the number only."}
+    (task,) = arith.sample_tasks(1, seed=0, split="train", options=options)
+    asked = f"What is {task['a']}+{task['b']}? Answer with the number only."
+    assert task["question"] == asked
+    (plain,) = arith.sample_tasks(1, seed=0, split="train", options={})
+    assert "question" not in plain and {**plain, "question": asked} == task
+    env = arith()
+    (message,) = await env.reset(task, 0)
+    assert message.content == asked
+    (message,) = await arith().reset(plain, 0)
+    assert message.content == f"{plain['a']}+{plain['b']}="
+    for bad in ("{a.__class__}", "{a!r}", "{a:>9}", "{x}", "{0}", "{", 7, "x" * 1001):
+        with pytest.raises(EnvError, match="option 'question'"):
+            arith.sample_tasks(1, seed=0, split="train", options={"question": bad})
+
+
 async def test_digit_match_gives_partial_credit_from_the_units_digit():
     scorer = scorer_registry()["digit_match"]
 

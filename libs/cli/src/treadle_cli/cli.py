@@ -6,6 +6,7 @@ treadle status [--json]          health of everything `up` started
 treadle down                     stop everything `up` started
 treadle run RECIPE [--set a=b]   run a recipe on the stack (starting one if none runs)
 treadle model init-tiny DIR      build the tiny local HF model
+treadle model import SRC NAME    an HF dir or GGUF file as a model the stack serves, published
 treadle weights list|export       inspect / export weight-store versions as HF directories
 treadle bench ...                (with treadle-bench installed: see treadle_bench.cli)
 """
@@ -309,6 +310,53 @@ def model_init_tiny(
         out_dir, hidden_size=hidden_size, num_layers=layers, num_heads=hidden_size // 64, seed=seed
     )
     console.print(f"wrote {out}")
+
+
+@model_app.command("import")
+def model_import(
+    src: Path,
+    name: str,
+    out: Annotated[
+        Path | None, typer.Option(help="Where to write it (default: STATE_DIR/models/NAME)")
+    ] = None,
+    publish: Annotated[bool, typer.Option(help="Publish it to the weight store")] = True,
+    store: Annotated[str | None, typer.Option("--store", help="weight-store address")] = None,
+) -> None:
+    """An HF directory, a .safetensors file in one, or a GGUF file (dequantised) as a model
+    the stack serves and trains (tokenizer and chat template included), published to the
+    weight store as NAME once; `treadle up --serve NAME=DIR` serves it."""
+    import grpc
+
+    from treadle_common import names
+    from treadle_common.model.importing import import_model, publish_once
+
+    if not names.valid_name(name):
+        fail(f"{name!r} is not a model name ({names.NAME_PATTERN})", code=2)
+    directory = out or get_settings().state_dir / "models" / name
+    try:
+        done = import_model(src, directory)
+    except (ValueError, OSError) as exc:
+        fail(str(exc), code=2)
+    verb = "reused" if done.reused else "wrote"
+    console.print(
+        f"{verb} {done.directory}: {done.architecture}, {done.parameters / 1e6:.1f}M parameters, "
+        f"vocabulary {done.vocab_size}, chat template {'yes' if done.chat_template else 'no'}"
+    )
+    if not publish:
+        return
+
+    async def go() -> tuple[int, bool]:
+        client = _store(store)
+        try:
+            return await publish_once(client, name, directory)
+        finally:
+            await client.close()
+
+    try:
+        version, existed = asyncio.run(go())
+    except grpc.aio.AioRpcError as exc:
+        fail(f"weight store: {exc.code().name}: {exc.details()}")
+    console.print(f"{name}@{version} {'(already in the store)' if existed else 'published'}")
 
 
 # -- run -----------------------------------------------------------------------------------

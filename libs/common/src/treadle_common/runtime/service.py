@@ -529,9 +529,13 @@ def run_service(
 ) -> None:
     """Entry point of every service's `__main__`: its settings (from the environment) first,
     heavy imports after; then `await app_module.build(settings)` serves until SIGTERM.
-    `prepare(settings)` runs between the two (rollout starts its engine process there)."""
+    `prepare(settings)` runs between the two (rollout starts its engine process there).
+    `kill -USR1 <pid>` makes a service write every thread's stack to its log (a stuck one
+    says where it is stuck), and go on."""
+    import faulthandler
     import importlib
 
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     settings = settings_class()
     if prepare is not None:
         prepare(settings)

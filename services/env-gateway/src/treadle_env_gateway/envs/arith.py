@@ -5,12 +5,17 @@ stable hash of each problem puts `eval_fraction` of the space in a held-out part
 draws distinct problems from it (at most as many as it holds), every other split (`train`,
 `sft`, ...) draws from the rest, so no held-out problem is ever trained on or demonstrated,
 whatever the seeds and sizes.
+
+Option `question` words the problem for an instruction-tuned model, a template with the
+fields `{a}`, `{op}` and `{b}` only (default `{a}{op}{b}=`, for a model trained from scratch):
+for example `"What is {a}{op}{b}? Answer with the number only."`. A task carries its question.
 """
 
 from __future__ import annotations
 
 import hashlib
 import random
+import string
 from typing import Any
 
 from treadle_env_gateway.envs import register
@@ -20,6 +25,28 @@ OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b
 EVAL_SPLIT = "eval"
 MAX_PROBLEMS = 1_000_000
 """The largest problem space `sample_tasks` enumerates (operand range squared times ops)."""
+QUESTION = "{a}{op}{b}="
+FIELDS = {"a", "op", "b"}
+
+
+def question_template(options: dict[str, Any]) -> str:
+    """The `question` option, if it is a template of `{a}`, `{op}` and `{b}` only (no
+    attributes, indexes, conversions or format specs)."""
+    template = options.get("question", QUESTION)
+    refused = EnvError(
+        "arith option 'question' must be text (at most 1000 characters) with the fields "
+        "{a}, {op} and {b} only"
+    )
+    if not isinstance(template, str) or len(template) > 1000:
+        raise refused
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise refused from exc
+    for _, name, spec, conversion in parsed:
+        if name is not None and (name not in FIELDS or spec or conversion):
+            raise refused
+    return template
 
 
 def is_held_out(a: int, op: str, b: int, eval_fraction: float) -> bool:
@@ -47,6 +74,7 @@ class Arith(Env):
             )
         if not ops or any(op not in OPS for op in ops) or not 0 < eval_fraction < 1:
             raise EnvError(f"arith ops must be among {sorted(OPS)}, eval_fraction in (0, 1)")
+        template = question_template(options)
         held_out = split == EVAL_SPLIT
         space = [
             (a, op, b)
@@ -60,7 +88,16 @@ class Arith(Env):
             problems = rng.sample(space, min(num_tasks, len(space)))
         else:
             problems = [rng.choice(space) for _ in range(num_tasks)] if space else []
-        return [{"a": a, "b": b, "op": op, "answer": str(OPS[op](a, b))} for a, op, b in problems]
+        return [
+            {
+                "a": a,
+                "b": b,
+                "op": op,
+                "answer": str(OPS[op](a, b)),
+                **({} if template == QUESTION else {"question": template.format(a=a, op=op, b=b)}),
+            }
+            for a, op, b in problems
+        ]
 
     async def reset(self, task: dict[str, Any], seed: int) -> list[Message]:
         try:
@@ -70,7 +107,10 @@ class Arith(Env):
         if op not in OPS:
             raise EnvError(f"arith op {op!r} is not one of {sorted(OPS)}")
         self.task = task
-        return [Message("user", f"{a}{op}{b}=")]
+        question = task.get("question", f"{a}{op}{b}=")
+        if not isinstance(question, str):
+            raise EnvError("arith task 'question' must be text")
+        return [Message("user", question)]
 
     async def step(self, action: Action) -> StepResult:
         answer = action.text.strip()

@@ -1,0 +1,147 @@
+"""`treadle model import SRC NAME`: a model from outside as one Treadle serves and trains.
+
+SRC is an HF model directory (`config.json` and weights, safetensors or not), a
+`.safetensors` file inside one, or a GGUF file, which transformers dequantises (the `gguf`
+package reads it) to fp32. The model is written as an HF directory: `config.json`, the
+tokenizer with its chat template, `model.safetensors`, and `treadle-import.json` (what it
+came from: the source's SHA-256, its parameters and vocabulary). Importing the same source
+into the same directory again reuses the directory.
+
+Then the model is published to the weight store under NAME, once: when the latest version
+of NAME holds exactly these tensors and files, it is that version (nothing is sent); else a
+new version sends only the chunks the store lacks (the store is content-addressed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from treadle_common.clients.weights import (
+    RawTensor,
+    WeightStoreClient,
+    build_manifest,
+    chunk_positions,
+)
+from treadle_common.proto.treadle.v1 import weights_pb2 as pb
+
+RECORD = "treadle-import.json"
+READ_BLOCK = 1 << 20
+
+
+@dataclass(frozen=True)
+class Imported:
+    """What an import wrote (and what `treadle-import.json` records)."""
+
+    directory: str
+    source: str
+    source_sha256: str
+    kind: str
+    """`gguf` (dequantised) or `hf`."""
+    architecture: str
+    parameters: int
+    vocab_size: int
+    chat_template: bool
+    reused: bool = False
+    """The directory already held this import: nothing was converted."""
+
+
+def sha256_of(paths: list[Path]) -> str:
+    """One digest over the files' bytes, in order (streamed: a model need not fit twice)."""
+    digest = hashlib.sha256()
+    for path in paths:
+        with path.open("rb") as f:
+            while block := f.read(READ_BLOCK):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def _source(src: Path) -> tuple[str, Path, list[Path]]:
+    """(kind, HF directory, the files whose bytes identify the model)."""
+    if src.is_file() and src.suffix == ".gguf":
+        return "gguf", src.parent, [src]
+    directory = src.parent if src.is_file() and src.suffix == ".safetensors" else src
+    if not (directory / "config.json").is_file():
+        raise ValueError(
+            f"{src}: not a GGUF file, nor an HF model directory (or a .safetensors file in "
+            "one) with its config.json"
+        )
+    weights = sorted(
+        p for p in directory.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file()
+    )
+    if not weights:
+        raise ValueError(f"{directory} holds no weights (*.safetensors, *.bin)")
+    return "hf", directory, [directory / "config.json", *weights]
+
+
+def import_model(src: Path, out_dir: Path) -> Imported:
+    """Write SRC as an fp32 HF directory at `out_dir` (reused if it holds this import)."""
+    kind, directory, identity = _source(src)
+    digest = sha256_of(identity)
+    record = out_dir / RECORD
+    if record.is_file():
+        done = json.loads(record.read_text())
+        if done.get("source_sha256") == digest:
+            return Imported(**{**done, "reused": True})
+        raise ValueError(f"{out_dir} holds another import ({done.get('source')}); choose --out")
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise ValueError(f"{out_dir} is not empty and holds no import: choose --out")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = {"gguf_file": src.name} if kind == "gguf" else {}
+    tokenizer = AutoTokenizer.from_pretrained(directory, **gguf)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **gguf)
+    staging = out_dir.with_name(out_dir.name + ".part")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging, safe_serialization=True)
+    tokenizer.save_pretrained(staging)
+    imported = Imported(
+        directory=str(out_dir.resolve()),
+        source=str(src.resolve()),
+        source_sha256=digest,
+        kind=kind,
+        architecture=type(model).__name__,
+        parameters=sum(p.numel() for p in model.parameters()),
+        vocab_size=int(model.config.vocab_size),
+        chat_template=bool(getattr(tokenizer, "chat_template", None)),
+    )
+    fields = {k: v for k, v in asdict(imported).items() if k != "reused"}
+    (staging / RECORD).write_text(json.dumps(fields, indent=2) + "\n")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    if out_dir.exists():
+        out_dir.rmdir()  # empty (checked above)
+    staging.rename(out_dir)
+    return imported
+
+
+async def publish_once(client: WeightStoreClient, name: str, directory: Path) -> tuple[int, bool]:
+    """(version, whether it was already there): the latest version of `name` when it holds
+    exactly this directory's tensors and files, else a new one (only missing chunks sent)."""
+    raw, assets = await asyncio.to_thread(_read, directory)
+    manifest, _ = await asyncio.to_thread(build_manifest, name, raw, assets=assets)
+    if await client.latest(name) is not None:
+        latest = await client.get_manifest(name)
+        if _layout(latest) == _layout(manifest):
+            return latest.version, True
+    response = await client.publish(name, raw, trainer_step=0, assets=assets)
+    return response.version, False
+
+
+def _read(directory: Path) -> tuple[dict[str, RawTensor], dict[str, bytes]]:
+    from safetensors.torch import load_file
+
+    from treadle_common.clients.torch_weights import model_assets, state_dict_to_raw
+
+    tensors = load_file(str(directory / "model.safetensors"))
+    return state_dict_to_raw(tensors), model_assets(directory)
+
+
+def _layout(manifest: pb.WeightManifest) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """A version's content: its tensors' and its files' chunk hashes, by name."""
+    files = {a.name: [c.hash for c in a.chunks] for a in manifest.assets}
+    return chunk_positions(manifest), files
