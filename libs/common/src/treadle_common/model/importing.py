@@ -20,6 +20,7 @@ import json
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from treadle_common.clients.weights import (
     RawTensor,
@@ -98,7 +99,7 @@ def import_model(src: Path, out_dir: Path) -> Imported:
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **gguf)
     staging = out_dir.with_name(out_dir.name + ".part")
     shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging, safe_serialization=True)
+    _save(model, staging)
     tokenizer.save_pretrained(staging)
     imported = Imported(
         directory=str(out_dir.resolve()),
@@ -117,6 +118,30 @@ def import_model(src: Path, out_dir: Path) -> Imported:
         out_dir.rmdir()  # empty (checked above)
     staging.rename(out_dir)
     return imported
+
+
+def _save(model: Any, directory: Path) -> None:
+    """The model as plain fp32 safetensors and its config. transformers will not save a model
+    it loaded from GGUF (it marks it quantised), but its tensors are dequantised: saved as
+    they are, with a weight tied to another (the head to the embedding) left to the config."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True)
+    config = model.config
+    config.__dict__.pop("quantization_config", None)
+    config.save_pretrained(directory)
+    if model.can_generate():
+        model.generation_config.save_pretrained(directory)
+    state = model.state_dict()
+    tied = set(_tied_names(model)) if getattr(config, "tie_word_embeddings", False) else set()
+    tensors = {k: v.detach().contiguous() for k, v in state.items() if k not in tied}
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _tied_names(model: Any) -> list[str]:
+    """The names of the weights tied to another (transformers 5: a dict target -> source)."""
+    keys = getattr(model, "_tied_weights_keys", None) or {}
+    return list(keys)
 
 
 async def publish_once(client: WeightStoreClient, name: str, directory: Path) -> tuple[int, bool]:
