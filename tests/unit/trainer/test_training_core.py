@@ -33,9 +33,9 @@ def as_tenant(tenant: str) -> None:
 
 async def test_the_limit_counts_a_model_being_built_and_a_failed_build_frees_it():
     as_tenant("a")
-    models: Trainables[Model] = Trainables("training session", 1, "TREADLE_X")
+    models: Trainables[Model] = Trainables("training session", 1, "TREADLE_X", "delete one")
     models.reserve("one")
-    with pytest.raises(errors.TooManyRequests, match=r"TREADLE_X=1"):
+    with pytest.raises(errors.TooManyRequests, match=r"TREADLE_X=1\); delete one"):
         models.reserve("two")
     with pytest.raises(errors.NotFound):
         models.get("one")  # reserved, not built: nobody may use it yet
@@ -53,7 +53,7 @@ async def test_the_limit_counts_a_model_being_built_and_a_failed_build_frees_it(
 
 async def test_a_model_is_its_creators_owners_and_admin_sees_all():
     as_tenant("a")
-    models: Trainables[Model] = Trainables("training session", 4, "TREADLE_X")
+    models: Trainables[Model] = Trainables("training session", 4, "TREADLE_X", "delete one")
     models.reserve("mine")
     await models.build("mine", Model)
     as_tenant("b")
@@ -69,7 +69,7 @@ async def test_a_model_is_its_creators_owners_and_admin_sees_all():
 
 async def test_work_on_one_model_runs_one_call_at_a_time_in_arrival_order():
     as_tenant("a")
-    models: Trainables[Model] = Trainables("training client", 4, "TREADLE_X")
+    models: Trainables[Model] = Trainables("training client", 4, "TREADLE_X", "end one")
     models.reserve("m")
     model = await models.build("m", Model)
     inside, most = 0, 0
@@ -96,7 +96,7 @@ async def test_work_on_one_model_runs_one_call_at_a_time_in_arrival_order():
 
 async def test_a_model_dropped_while_it_is_built_is_closed_and_refused():
     as_tenant("a")
-    models: Trainables[Model] = Trainables("training client", 4, "TREADLE_X")
+    models: Trainables[Model] = Trainables("training client", 4, "TREADLE_X", "end one")
     models.reserve("m")
     started, release = threading.Event(), threading.Event()
     built: list[Model] = []

@@ -60,7 +60,10 @@ class TinkerState:
 
     def __post_init__(self) -> None:
         self.clients = Trainables(
-            "training client", self.max_clients, "TREADLE_TRAINER_TINKER_MAX_CLIENTS"
+            "training client",
+            self.max_clients,
+            "TREADLE_TRAINER_TINKER_MAX_CLIENTS",
+            "end a session that holds one",
         )
 
     # --- ownership --------------------------------------------------------------------------

@@ -45,10 +45,11 @@ class Held(Generic[M]):
 
 
 class Trainables(Generic[M]):
-    def __init__(self, what: str, limit: int, setting: str):
+    def __init__(self, what: str, limit: int, setting: str, free: str):
         """`what` names a model in refusals ("training session"); `setting` is the one that
-        sets `limit` (named when the trainer is full)."""
-        self.what, self.limit, self.setting = what, limit, setting
+        sets `limit` and `free` how a caller frees a place, both named when the trainer is
+        full."""
+        self.what, self.limit, self.setting, self.free = what, limit, setting, free
         self.held: dict[str, Held[M]] = {}
 
     def __len__(self) -> int:
@@ -67,7 +68,7 @@ class Trainables(Generic[M]):
         if len(self.held) >= self.limit:
             raise errors.TooManyRequests(
                 f"{len(self.held)} {self.what}s are open, the most this trainer holds "
-                f"({self.setting}={self.limit}); delete one"
+                f"({self.setting}={self.limit}); {self.free}"
             )
         self.held[key] = Held(auth.caller().owner)
 

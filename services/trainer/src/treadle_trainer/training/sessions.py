@@ -93,7 +93,10 @@ class TrainingSessions:
     ):
         self.store, self.state_dir, self.roots, self.redis = store, state_dir, roots, redis
         self.models: Trainables[FullWeights] = Trainables(
-            "training session", max_sessions, "TREADLE_TRAINER_MAX_TRAINING_SESSIONS"
+            "training session",
+            max_sessions,
+            "TREADLE_TRAINER_MAX_TRAINING_SESSIONS",
+            "delete one",
         )
 
     async def create(self, request: CreateSession) -> SessionCreated:
