@@ -111,6 +111,15 @@ def tool_model(tiny_model, tmp_path_factory) -> Path:
 
 
 @pytest.fixture
+def weight_store(infra, tmp_path):
+    """A weight-store service (local backend) of the test's own."""
+    (tmp_path / "ws").mkdir()
+    svc = start_service("weight-store", infra, tmp_path / "ws")
+    yield svc
+    svc.stop_checked()
+
+
+@pytest.fixture
 def service(infra, tmp_path, request):
     """Factory: `service("reward")` starts a real service process; all stop at teardown."""
     started: list[ServiceProc] = []

@@ -12,19 +12,11 @@ from pathlib import Path
 import pytest
 
 from tests.support.cli import treadle
-from tests.support.services import ROOT, start_service
+from tests.support.services import ROOT
 from treadle_common.clients.weights import WeightStoreClient
 from treadle_common.model.importing import RECORD
 
 pytestmark = [pytest.mark.e2e]
-
-
-@pytest.fixture
-def store(infra, tmp_path):
-    (tmp_path / "ws").mkdir()
-    svc = start_service("weight-store", infra, tmp_path / "ws")
-    yield svc
-    svc.stop_checked()
 
 
 def versions(address: str, model: str) -> list[int]:
@@ -38,7 +30,8 @@ def versions(address: str, model: str) -> list[int]:
     return asyncio.run(go())
 
 
-def test_an_hf_directory_imports_and_publishes_once(store, tiny_model, tmp_path):
+def test_an_hf_directory_imports_and_publishes_once(weight_store, tiny_model, tmp_path):
+    store = weight_store
     out = tmp_path / "imported"
     args = ("model", "import", str(tiny_model), "tiny-imported", "--out", str(out))
     first = treadle(*args, "--store", store.grpc_addr, env=dict(os.environ), cwd=tmp_path)

@@ -27,14 +27,6 @@ pytestmark = pytest.mark.integration
 GROUPS_PER_STEP, GROUP_SIZE, STEPS = 2, 2, 4
 
 
-@pytest.fixture
-def weight_store(infra, tmp_path):
-    (tmp_path / "ws").mkdir()
-    svc = start_service("weight-store", infra, tmp_path / "ws")
-    yield svc
-    svc.stop_checked()
-
-
 def start_trainer(infra, tmp_path, weight_store: ServiceProc) -> ServiceProc:
     return start_service(
         "trainer",
