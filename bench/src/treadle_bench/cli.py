@@ -134,6 +134,10 @@ def bench_trainer(
     tensor_parallel: Annotated[
         int, typer.Option(min=1, help="megatron: tensor-parallel ranks (torchrun processes)")
     ] = 2,
+    model: Annotated[
+        Path | None,
+        typer.Option(help="HF model directory to train (treadle model import); default tiny"),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
 ) -> None:
     """Full trainer steps (Redis -> loss -> AdamW -> publish) vs a plain torch loop; with
@@ -149,6 +153,7 @@ def bench_trainer(
         completion_len=completion_len,
         backend=backend,
         tensor_parallel=tensor_parallel,
+        model=model,
     )
     print(json.dumps(result, indent=None if as_json else 2))
 

@@ -53,11 +53,14 @@ def run(
     completion_len: int = 224,
     backend: str = "single",
     tensor_parallel: int = 2,
+    model: Path | None = None,
 ) -> dict:
+    """`model`: an HF directory to train (`treadle model import` makes one); default a tiny
+    model built here."""
     configure_logging("bench", level="WARNING")
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
-        model_dir = init_tiny(tmp / "tiny")
+        model_dir = model.resolve() if model is not None else init_tiny(tmp / "tiny")
         dataset = tmp / "tasks.jsonl"
         dataset.write_text("".join(json.dumps({"i": i}) + "\n" for i in range(groups * steps)))
         shape = (steps, groups, group_size, prompt_len, completion_len)
@@ -69,6 +72,7 @@ def run(
     ours = measured[backend]
     report = {
         "bench": "trainer",
+        "model": model_dir.name if model is not None else "tiny",
         "backend": backend,
         "loss": "ppo",
         "steps": steps,
@@ -157,7 +161,8 @@ def _service_run(
     tmp.mkdir()
     with infra_with_weight_store(tmp) as (infra, common, procs):
         http_port = free_port()
-        roots = json.dumps([str(tmp.parent.resolve())])  # the model and tasks are shared
+        # the model and tasks are shared
+        roots = json.dumps(sorted({str(tmp.parent.resolve()), str(model_dir.parent)}))
         procs.append(
             start_service(
                 "treadle_trainer",
