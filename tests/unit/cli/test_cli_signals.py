@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+
+import pytest
 
 SCRIPT = """
 import sys, time
@@ -23,6 +26,16 @@ except KeyboardInterrupt:
 """
 
 
-def test_a_stop_swallowed_by_a_c_callback_is_raised_again():
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=60)
+@pytest.mark.parametrize("sigint", ["default", "ignored"])
+def test_a_stop_swallowed_by_a_c_callback_is_raised_again(sigint):
+    """Also where SIGINT is ignored: a command a shell without job control started in the
+    background (where Python drops an interrupt sent as SIGINT)."""
+
+    def start() -> None:
+        if sigint == "ignored":
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=60, preexec_fn=start
+    )
     assert out.stdout.strip() == "unwound", out.stdout + out.stderr

@@ -10,6 +10,8 @@ A KeyboardInterrupt raised while the main thread runs a callback from C code (gr
 completion callbacks) is swallowed there ("Exception ignored in ... functor_run") and the
 command would go on as if never stopped. `sys.unraisablehook` sees it written off: the stop is
 raised again in the main thread (`_thread.interrupt_main`), until it lands where it unwinds.
+It comes back through SIGTERM's handler, which is ours: SIGINT's may be ignored (a command
+started in the background by a shell without job control), and then Python would drop it.
 """
 
 from __future__ import annotations
@@ -23,19 +25,29 @@ from typing import Any
 _previous_hook = sys.unraisablehook
 
 
+_redeliver = False
+"""A swallowed stop is on its way back (`_raise_again`): the handler raises it once more."""
+
+
 def _once(signum: int, _frame: FrameType | None) -> None:
     signal.signal(signal.SIGTERM, _ignored)  # a Python handler: not inherited across exec
     raise KeyboardInterrupt(f"stopped by signal {signum}")
 
 
-def _ignored(_signum: int, _frame: FrameType | None) -> None:
-    pass
+def _ignored(signum: int, _frame: FrameType | None) -> None:
+    """A second SIGTERM during the cleanup is ignored; a swallowed stop is raised again."""
+    global _redeliver
+    if _redeliver:
+        _redeliver = False
+        raise KeyboardInterrupt(f"stopped by signal {signum}")
 
 
 def _raise_again(unraisable: Any) -> None:
-    """A stop swallowed by C code: deliver it again (as Ctrl-C); anything else as before."""
+    """A stop swallowed by C code: deliver it again; anything else as before."""
+    global _redeliver
     if isinstance(unraisable.exc_value, KeyboardInterrupt):
-        _thread.interrupt_main()
+        _redeliver = signal.getsignal(signal.SIGTERM) is _ignored
+        _thread.interrupt_main(signal.SIGTERM)  # _once, or _ignored with _redeliver set
         return
     _previous_hook(unraisable)
 
