@@ -109,8 +109,7 @@ def test_a_gguf_model_imports_exactly_and_trains_by_rl_end_to_end(smollm2_gguf, 
         "trainer.tasks_per_step": "2",
         "trainer.checkpoint_every": "2",
         "rollout.group_size": "2",
-        "eval.num_tasks": "4",
-        "eval.every": "0",
+        "eval.num_tasks": "0",  # no evaluation: the run publishes the base itself
     }
     sets = [arg for key, value in overrides.items() for arg in ("--set", f"{key}={value}")]
     result = treadle(
