@@ -49,7 +49,7 @@ def test_an_hf_directory_imports_and_publishes_once(weight_store, tiny_model, tm
     (tmp_path / "empty").mkdir()
     other = tmp_path / "other"
     other.mkdir()
-    (other / RECORD).write_text(json.dumps({"source": "elsewhere", "source_sha256": "0"}))
+    (other / RECORD).write_text(json.dumps({"source": "elsewhere", "source_digest": "0"}))
     refused = {
         "no model": ("model", "import", str(tmp_path / "empty"), "x", "--no-publish"),
         "bad name": ("model", "import", str(tiny_model), "no/slash", "--no-publish"),

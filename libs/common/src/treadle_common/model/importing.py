@@ -4,7 +4,7 @@ SRC is an HF model directory (`config.json` and weights, safetensors or not), a
 `.safetensors` file inside one, or a GGUF file, which transformers dequantises (the `gguf`
 package reads it) to fp32. The model is written as an HF directory: `config.json`, the
 tokenizer with its chat template, `model.safetensors`, and `treadle-import.json` (what it
-came from: the source's SHA-256, its parameters and vocabulary). Importing the same source
+came from: the source's digest, its parameters and vocabulary). Importing the same source
 into the same directory again reuses the directory.
 
 Then the model is published to the weight store under NAME, once: when the latest version
@@ -15,7 +15,6 @@ new version sends only the chunks the store lacks (the store is content-addresse
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import shutil
 from dataclasses import asdict, dataclass
@@ -29,9 +28,9 @@ from treadle_common.clients.weights import (
     chunk_positions,
 )
 from treadle_common.proto.treadle.v1 import weights_pb2 as pb
+from treadle_common.runtime import durable
 
 RECORD = "treadle-import.json"
-READ_BLOCK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -40,7 +39,8 @@ class Imported:
 
     directory: str
     source: str
-    source_sha256: str
+    source_digest: str
+    """xxh3-128 of each file that makes the model (`durable.digest`), joined by ';'."""
     kind: str
     """`gguf` (dequantised) or `hf`."""
     architecture: str
@@ -49,16 +49,6 @@ class Imported:
     chat_template: bool
     reused: bool = False
     """The directory already held this import: nothing was converted."""
-
-
-def sha256_of(paths: list[Path]) -> str:
-    """One digest over the files' bytes, in order (streamed: a model need not fit twice)."""
-    digest = hashlib.sha256()
-    for path in paths:
-        with path.open("rb") as f:
-            while block := f.read(READ_BLOCK):
-                digest.update(block)
-    return digest.hexdigest()
 
 
 def _source(src: Path) -> tuple[str, Path, list[Path]]:
@@ -82,11 +72,11 @@ def _source(src: Path) -> tuple[str, Path, list[Path]]:
 def import_model(src: Path, out_dir: Path) -> Imported:
     """Write SRC as an fp32 HF directory at `out_dir` (reused if it holds this import)."""
     kind, directory, identity = _source(src)
-    digest = sha256_of(identity)
+    digest = ";".join(durable.digest(path) for path in identity)
     record = out_dir / RECORD
     if record.is_file():
         done = json.loads(record.read_text())
-        if done.get("source_sha256") == digest:
+        if done.get("source_digest") == digest:
             return Imported(**{**done, "reused": True})
         raise ValueError(f"{out_dir} holds another import ({done.get('source')}); choose --out")
     if out_dir.exists() and any(out_dir.iterdir()):
@@ -104,7 +94,7 @@ def import_model(src: Path, out_dir: Path) -> Imported:
     imported = Imported(
         directory=str(out_dir.resolve()),
         source=str(src.resolve()),
-        source_sha256=digest,
+        source_digest=digest,
         kind=kind,
         architecture=type(model).__name__,
         parameters=sum(p.numel() for p in model.parameters()),
@@ -148,9 +138,9 @@ async def publish_once(client: WeightStoreClient, name: str, directory: Path) ->
     """(version, whether it was already there): the latest version of `name` when it holds
     exactly this directory's tensors and files, else a new one (only missing chunks sent)."""
     raw, assets = await asyncio.to_thread(_read, directory)
-    manifest, _ = await asyncio.to_thread(build_manifest, name, raw, assets=assets)
-    if await client.latest(name) is not None:
+    if await client.latest(name) is not None:  # hashed here only to compare (publish hashes)
         latest = await client.get_manifest(name)
+        manifest, _ = await asyncio.to_thread(build_manifest, name, raw, assets=assets)
         if _layout(latest) == _layout(manifest):
             return latest.version, True
     response = await client.publish(name, raw, trainer_step=0, assets=assets)

@@ -107,7 +107,7 @@ class Arith(Env):
         if op not in OPS:
             raise EnvError(f"arith op {op!r} is not one of {sorted(OPS)}")
         self.task = task
-        question = task.get("question", f"{a}{op}{b}=")
+        question = task.get("question", QUESTION.format(a=a, op=op, b=b))
         if not isinstance(question, str):
             raise EnvError("arith task 'question' must be text")
         return [Message("user", question)]
