@@ -4,7 +4,7 @@ owns the loop), under two adapters that only translate:
     /v1/training   `training/sessions.py`: a full-weight model per session (`TorchBackend`)
     Tinker         `tinker/`: LoRA adapters on one shared frozen base per base model
 
-    Trainable      what a held model is: its step count and `close()`; everything else the
+    Trainable      what the core needs of a held model: `close()`; everything else the
                    adapter asks of it runs through `Trainables.run`
     Trainables     every model held: at most `limit` at once (one being built counts), each
                    its creator's owner's (`auth.Identity.owner`: another tenant's or key's id is
@@ -27,8 +27,6 @@ from treadle_trainer.backends import on_torch_thread
 
 
 class Trainable(Protocol):
-    steps: int
-
     def close(self) -> None: ...
 
 
