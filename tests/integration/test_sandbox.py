@@ -388,6 +388,21 @@ async def test_a_flood_on_the_protocol_channel_is_not_buffered_by_the_gateway(sa
     assert peak < 40 * 2**20, f"the gateway held {peak / 2**20:.0f} MiB of the flood"
 
 
+async def test_a_flood_after_the_answer_does_not_hold_the_run(sandbox):
+    """The solution answers, then writes 16 MiB on its channel while the harness is still
+    busy: the gateway stops reading past its line limit, and the unread pipe once held the
+    run in its kill for ever (asyncio's wait() waits for every pipe's end)."""
+    late = (
+        "import os, threading, time\n"
+        "def _flood():\n    time.sleep(0.3)\n"
+        "    for _ in range(16):\n        os.write(3, b'x' * 2**20)\n"
+        "def add(a, b):\n    threading.Thread(target=_flood).start()\n    return a + b\n"
+    )
+    tests = "import time\nassert add(1, 2) == 3\ntime.sleep(1)\n"
+    judged = await asyncio.wait_for(sandbox.run_tests(late, tests), 60)
+    assert judged.status == "ok" and judged.verdict == "pass", judged
+
+
 async def test_the_work_dir_is_capped_as_a_whole(sandbox):
     """Many files each under the per-file limit: the work dir's own size cap ends it (the
     code's ENOSPC), and the host's disk under the gateway's state dir is untouched."""

@@ -76,6 +76,9 @@ class Proc(Protocol):
 
     async def wait(self) -> int: ...
     async def kill(self) -> None: ...
+    def close(self) -> None:
+        """(after `kill`, `wait` and the reads) Let go of its pipes, read to the end or not."""
+        ...
 
 
 class Backend(Protocol):

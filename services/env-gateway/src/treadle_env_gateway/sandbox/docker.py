@@ -139,6 +139,10 @@ class _Container:
             self.returncode = 128 + signal.SIGKILL
         self._writer.close()
 
+    def close(self) -> None:
+        """The attach socket was closed by `kill`; the demux ends with it."""
+        self._writer.close()
+
 
 class DockerBackend:
     """One throwaway container per run through the Docker SDK: `--network none`, read-only

@@ -128,6 +128,15 @@ class _Local:
         if self.cgroup is not None:
             await self._end_cgroup(self.cgroup)
 
+    def close(self) -> None:
+        """asyncio closes a process's transport only once every pipe has reached its end, which
+        a pipe nobody reads any more never does (a flood past `LINE_LIMIT` the relay gave up
+        on leaves it paused). Left to the garbage collector after the gateway's loop closed,
+        its close fails ("Event loop is closed"), so it is closed here, while the loop runs."""
+        transport = self.proc._transport  # asyncio.subprocess.Process keeps it private
+        if transport is not None:
+            transport.close()
+
     async def _end_cgroup(self, cgroup: BoxCgroup) -> None:
         """Kill what is left in the box's cgroup (whatever left the backend's group), note
         whether it ran out of memory, and remove it once empty."""

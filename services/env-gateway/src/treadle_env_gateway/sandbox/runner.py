@@ -191,7 +191,10 @@ class Sandbox:
             async with self._slot():
                 with self._box({**(files or {}), "main.py": code}) as box:
                     proc = await self.backend.spawn(box, limits, interactive=False)
-                    return await self._run(proc, limits, started)
+                    try:
+                        return await self._run(proc, limits, started)
+                    finally:
+                        proc.close()
         except Exception as exc:  # the backend failed (engine gone, fork failed): not the code
             return self._error(exc, started)
 
@@ -256,11 +259,15 @@ class Sandbox:
                 return_exceptions=True,
             )
             spawned = [p for p in (solution, harness) if not isinstance(p, BaseException)]
-            if len(spawned) < 2:
+            try:
+                if len(spawned) < 2:
+                    for proc in spawned:
+                        await proc.kill()
+                    raise next(p for p in (solution, harness) if isinstance(p, BaseException))
+                return await self._judge(solution, harness, limits, started)  # type: ignore[arg-type]
+            finally:
                 for proc in spawned:
-                    await proc.kill()
-                raise next(p for p in (solution, harness) if isinstance(p, BaseException))
-            return await self._judge(solution, harness, limits, started)  # type: ignore[arg-type]
+                    proc.close()
 
     async def _judge(
         self, solution: Proc, harness: Proc, limits: Limits, started: float
@@ -276,8 +283,12 @@ class Sandbox:
         except TimeoutError:
             timed_out = True
         finally:
+            # what the relay left unread, read to the end: a pipe whose reader stopped past
+            # its limit never sees its end, and asyncio's wait() waits for every pipe's
+            sides = (solution, harness)
+            leftovers = [asyncio.ensure_future(_read_capped(p.stdout, 0)) for p in sides]
             await asyncio.gather(solution.kill(), harness.kill())
-        await asyncio.gather(solution.wait(), harness.wait())
+        await asyncio.gather(solution.wait(), harness.wait(), *leftovers)
         (solution_err, cut_solution), (harness_err, cut_harness) = await errors
         passed = verdict.get("verdict") == "pass"
         detail = verdict.get("error") or verdict.get("load_error") or ""
