@@ -285,8 +285,8 @@ class Sandbox:
         finally:
             # what the relay left unread, read to the end: a pipe whose reader stopped past
             # its limit never sees its end, and asyncio's wait() waits for every pipe's
-            sides = (solution, harness)
-            leftovers = [asyncio.ensure_future(_read_capped(p.stdout, 0)) for p in sides]
+            procs = (solution, harness)
+            leftovers = [asyncio.ensure_future(_read_capped(p.stdout, 0)) for p in procs]
             await asyncio.gather(solution.kill(), harness.kill())
         await asyncio.gather(solution.wait(), harness.wait(), *leftovers)
         (solution_err, cut_solution), (harness_err, cut_harness) = await errors
