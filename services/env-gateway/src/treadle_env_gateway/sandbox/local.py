@@ -133,7 +133,7 @@ class _Local:
         a pipe nobody reads any more never does (a flood past `LINE_LIMIT` the relay gave up
         on leaves it paused). Left to the garbage collector after the gateway's loop closed,
         its close fails ("Event loop is closed"), so it is closed here, while the loop runs."""
-        transport = self.proc._transport  # asyncio.subprocess.Process keeps it private
+        transport = getattr(self.proc, "_transport", None)  # asyncio keeps it private
         if transport is not None:
             transport.close()
 
