@@ -40,6 +40,25 @@ def test_bench_weights_json_line():
     assert report["delta_bytes_ratio"] == 0.25  # 2 of 8 equal tensors changed: a quarter travels
 
 
+def test_bench_weights_and_rollout_take_an_imported_model(tiny_model):
+    """`--model` names a directory (or an import's NAME): the model's own tensors travel,
+    and rollout serves it."""
+    from safetensors import safe_open
+
+    with safe_open(str(tiny_model / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    report = bench("weights", "--model", str(tiny_model), "--replicas", "2")
+    assert report["model"] == tiny_model.name and report["num_tensors"] == len(names)
+    assert report["publish_gbps"] > 0 and report["fetch_gbps"] > 0
+    short = ("--prompts", "2", "--max-new-tokens", "2", "--rounds", "1", "--swaps", "1")
+    report = bench("rollout", "--model", str(tiny_model), *short)
+    assert report["model"] == tiny_model.name and report["swaps"] == 1
+    missing = subprocess.run(
+        [TREADLE, "bench", "weights", "--model", "no-such-import"], capture_output=True, text=True
+    )
+    assert missing.returncode == 2 and "treadle model import" in missing.stderr
+
+
 @pytest.mark.docker  # the docker sandbox backend's row
 def test_bench_env_json_line():
     report = bench("env", "--sessions", "4", "--seconds", "1")
@@ -196,6 +215,8 @@ def test_bench_learn_reports_rl_lift_per_seed():
         assert s["held_out_tasks"] == 10 and s["sft_steps"] == 20 and s["rl_steps"] == 2
         assert s["eval_start"] == 0.0  # the untrained model answers no sum right
         assert s["rl_lift"] == pytest.approx(s["eval_end"] - s["eval_after_sft"])
+        assert s["generated_tokens_per_s"] > 0 and s["trained_tokens_per_s"] > 0
+        assert s["weight_bytes_per_step"] > 0
     assert report["min_rl_lift"] == min(s["rl_lift"] for s in report["seeds"])
     outputs = Path(report["outputs"]) / "runs"
     assert sorted(p.name for p in outputs.iterdir()) == ["learn-seed0", "learn-seed1"]

@@ -15,6 +15,24 @@ import typer
 
 app = typer.Typer(no_args_is_help=True, help="Benchmarks: our path vs a raw baseline, as JSON.")
 
+MODEL_HELP = "An imported model: its NAME (STATE_DIR/models/NAME) or its directory; default tiny"
+
+
+def model_dir(model: str | None) -> Path | None:
+    """`--model`: a directory, or the name `treadle model import` gave it."""
+    if model is None:
+        return None
+    from treadle_cli.settings import get_settings
+
+    for candidate in (Path(model), get_settings().state_dir / "models" / model):
+        if (candidate / "config.json").is_file():
+            return candidate.resolve()
+    raise typer.BadParameter(
+        f"no model directory {model} nor {get_settings().state_dir / 'models' / model} "
+        "(treadle model import SRC NAME makes one)",
+        param_hint="--model",
+    )
+
 
 @app.command("weights")
 def bench_weights(
@@ -22,12 +40,16 @@ def bench_weights(
     num_tensors: Annotated[int, typer.Option(help="Tensors in the state dict")] = 64,
     changed: Annotated[float, typer.Option(help="Fraction of tensors a step changes")] = 0.03,
     replicas: Annotated[int, typer.Option(help="Concurrent fetchers in the fan-out")] = 8,
+    model: Annotated[
+        str | None, typer.Option(help=MODEL_HELP.replace("default tiny", "its weights"))
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
 ) -> None:
-    """Weight sync: publish/fetch via the weight-store vs a plain gRPC stream, delta, fan-out."""
+    """Weight sync: publish/fetch via the weight-store vs a plain gRPC stream, delta, fan-out;
+    of random tensors (`--size-mb`, `--num-tensors`) or of a model's own (`--model`)."""
     from treadle_bench import weights
 
-    result = weights.run(size_mb, num_tensors, changed, replicas)
+    result = weights.run(size_mb, num_tensors, changed, replicas, model=model_dir(model))
     print(json.dumps(result, indent=None if as_json else 2))
 
 
@@ -111,13 +133,22 @@ def bench_rollout(
             "serving and the load (auto: as `treadle up`; '': no binding)"
         ),
     ] = "auto",
+    model: Annotated[str | None, typer.Option(help=MODEL_HELP)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
 ) -> None:
     """Generation through the rollout service (hf engine) vs the same engine in-process."""
     from treadle_bench import rollout
 
     result = rollout.run(
-        prompts, max_new_tokens, rounds, swaps, hidden_size, layers, torch_threads, engine_cpus
+        prompts,
+        max_new_tokens,
+        rounds,
+        swaps,
+        hidden_size,
+        layers,
+        torch_threads,
+        engine_cpus,
+        model=model_dir(model),
     )
     print(json.dumps(result, indent=None if as_json else 2))
 
@@ -134,10 +165,7 @@ def bench_trainer(
     tensor_parallel: Annotated[
         int, typer.Option(min=1, help="megatron: tensor-parallel ranks (torchrun processes)")
     ] = 2,
-    model: Annotated[
-        Path | None,
-        typer.Option(help="HF model directory to train (treadle model import); default tiny"),
-    ] = None,
+    model: Annotated[str | None, typer.Option(help=MODEL_HELP)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
 ) -> None:
     """Full trainer steps (Redis -> loss -> AdamW -> publish) vs a plain torch loop; with
@@ -153,7 +181,7 @@ def bench_trainer(
         completion_len=completion_len,
         backend=backend,
         tensor_parallel=tensor_parallel,
-        model=model,
+        model=model_dir(model),
     )
     print(json.dumps(result, indent=None if as_json else 2))
 

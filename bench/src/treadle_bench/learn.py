@@ -7,7 +7,12 @@ through `treadle run` itself, on one private stack (own Redis/NATS, free ports).
 - `eval_after_sft`: after the warm-up (stopped at `sft.target_reward` on a validation split);
 - `eval_end`: after the RL phase;
 - `rl_lift` = eval_end - eval_after_sft: what RL alone gained on problems it never saw;
-- `sft_steps`, `rl_steps`, `wall_s` (the whole `treadle run`: evaluations, warm-up, RL).
+- `sft_steps`, `rl_steps`, `wall_s` (the whole `treadle run`: evaluations, warm-up, RL);
+- `generated_tokens_per_s`, `trained_tokens_per_s`, `weight_bytes_per_step`: the RL phase's
+  rates from the run's accounting (`_throughput`).
+
+A recipe whose `model.path` is an imported model (`treadle model import`) trains it; any
+other gets one tiny model built here.
 
 `min_rl_lift` is the smallest `rl_lift` over the seeds: the number to gate on.
 """
@@ -25,7 +30,7 @@ from rich.console import Console
 from treadle_bench.harness import private_stack
 from treadle_cli import stack
 from treadle_cli.report import RunReport
-from treadle_cli.run_client import RunClient
+from treadle_cli.run_client import RunClient, RunSummary
 from treadle_cli.tiny_model import init_for
 from treadle_common.config.recipe import load_recipe
 
@@ -38,7 +43,12 @@ def run(
     tmp = Path(tempfile.mkdtemp(prefix="treadle-bench-learn-"))
     console = Console(file=sys.stderr)
     settings = private_stack(tmp)
-    model_dir = (tmp / "models" / "tiny").resolve()
+    named = load_recipe(recipe, overrides or []).model
+    # a recipe naming an imported model (a directory with its config) trains that one;
+    # otherwise one tiny model (the first seed's init) on one stack: seeds vary data,
+    # warm-up and sampling
+    imported = (named.path / "config.json").is_file()
+    model_dir = named.path.resolve() if imported else (tmp / "models" / "tiny").resolve()
     configs = [
         load_recipe(
             recipe,
@@ -53,10 +63,11 @@ def run(
         for seed in seeds
     ]
     m = configs[0].model
-    # one model (the first seed's init) on one stack: seeds vary data, warm-up and sampling
-    init_for(model_dir, m, configs[0].trainer.seed)
+    if not imported:
+        init_for(model_dir, m, configs[0].trainer.seed)
+    roots = [tmp, model_dir.parent]
     per_seed: list[dict[str, Any]] = []
-    with stack.owned(settings, model_dir, m.name, path_roots=[tmp]):
+    with stack.owned(settings, model_dir, m.name, path_roots=roots):
         if not stack.wait_healthy(settings.state_dir.resolve(), 180).healthy:
             raise RuntimeError(f"bench stack not healthy; logs in {settings.state_dir}")
         for seed, cfg in zip(seeds, configs, strict=True):
@@ -76,6 +87,7 @@ def run(
                     "sft_steps": len(report.sft()),
                     "rl_steps": len(report.steps()),
                     "wall_s": round(time.perf_counter() - started, 1),
+                    **_throughput(cfg.output_dir / cfg.run_id, report),
                 }
             )
     lifts = [s["rl_lift"] for s in per_seed]
@@ -87,4 +99,22 @@ def run(
         "max_wall_s": max(s["wall_s"] for s in per_seed),
         "all_exit_zero": all(s["exit_code"] == 0 for s in per_seed),
         "outputs": str(tmp),
+    }
+
+
+def _throughput(out_dir: Path, report: RunReport) -> dict[str, Any]:
+    """The RL phase's rates from the run's own accounting (`summary.json`): generated tokens
+    per second of the phase's wall time (from its first step's start to its last step's
+    end), trained tokens per second of the trainer's compute, and the weight bytes a step
+    published (an adapter's, for a LoRA run)."""
+    usage = RunSummary.model_validate_json((out_dir / "summary.json").read_text()).usage
+    steps = report.steps()
+    if not steps:
+        return {}
+    rl_s = steps[-1].t - steps[0].t + steps[0].duration_s
+    return {
+        "rl_wall_s": round(rl_s, 1),
+        "generated_tokens_per_s": round(usage.generated_tokens / rl_s, 1),
+        "trained_tokens_per_s": round(usage.trained_tokens / max(usage.trainer_s, 1e-9), 1),
+        "weight_bytes_per_step": round(usage.weight_bytes_published / len(steps)),
     }

@@ -1,11 +1,11 @@
 """`treadle bench rollout`: generation through the rollout service vs the same engine in-process.
 
 Starts private redis + nats, a weight-store and a rollout service (hf engine) on a tiny local
-model. In the same run, each round sends `prompts` concurrent requests to the service's
-gRPC Generate API and then has an in-process `HFEngine` on the same model generate the same
-prompts with the same seeds and the same concurrency. Then, while the service is
-generating, the trainer side publishes `swaps` new versions; the service fetches each delta
-and swaps at a step boundary.
+model (or `model`, an imported one). In the same run, each round sends `prompts` concurrent
+requests to the service's gRPC Generate API and then has an in-process `HFEngine` on the
+same model generate the same prompts with the same seeds and the same concurrency. Then,
+while the service is generating, the trainer side publishes `swaps` new versions; the
+service fetches each delta and swaps at a step boundary.
 
     service_tokens_per_s     generated tokens / s through the service (median round)
     raw_engine_tokens_per_s  the same work on the engine in this process (median round)
@@ -53,6 +53,9 @@ from treadle_common.clients.rollout import GenerationClient
 from treadle_common.clients.torch_weights import TorchWeightClient
 from treadle_common.runtime.logs import configure_logging
 from treadle_rollout.public import HFEngine, Sampling, cpus, session_free_prompt
+
+SERVED = "bench-model"
+"""The name the service serves the model under."""
 
 
 def make_prompts(tokenizer, n: int) -> list[list[int]]:
@@ -121,7 +124,7 @@ async def openai_stream_load(
     async def one(i: int) -> None:
         sent = time.perf_counter()
         stream = await client.chat.completions.create(
-            model="bench-tiny",
+            model=SERVED,
             messages=conversations[i % len(conversations)],
             max_tokens=max_new,
             temperature=1.0,
@@ -168,7 +171,7 @@ async def sse_stream_load(
                 tokens.append(chunk["usage"]["completion_tokens"])
 
         body = {
-            "model": "bench-tiny",
+            "model": SERVED,
             "messages": conversations[i % len(conversations)],
             "max_tokens": max_new,
             "temperature": 1.0,
@@ -208,7 +211,7 @@ async def swap_pauses(http: str, grpc_addr: str, store_addr: str, model_dir: Pat
             with torch.no_grad():
                 model.model.norm.weight.mul_(1.01)
             load = asyncio.create_task(service_round(grpc_addr, load_prompts, 24))
-            version = await client.publish(model.state_dict(), "bench-tiny", step=step)
+            version = await client.publish(model.state_dict(), SERVED, step=step)
             await load
             while True:
                 info = (await http_client.get(f"{http}/v1/info")).json()
@@ -229,6 +232,7 @@ def run(
     layers: int = 2,
     torch_threads: int = 0,
     engine_cpus: str = "auto",
+    model: Path | None = None,
 ) -> dict:
     configure_logging("bench", level="WARNING")
     threads = torch_threads or max(1, (os.cpu_count() or 2) // 2)
@@ -236,8 +240,8 @@ def run(
     torch.set_num_threads(threads)  # the in-process engine's, as the service's below
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
-        model_dir = init_tiny(
-            tmp / "bench-tiny",
+        model_dir = model or init_tiny(
+            tmp / "tiny",
             hidden_size=hidden_size,
             num_layers=layers,
             num_heads=max(1, hidden_size // 64),
@@ -257,12 +261,12 @@ def run(
                     split,
                 )
             )
-    model = {"hidden_size": hidden_size, "layers": layers}
+    shape = {"hidden_size": hidden_size, "layers": layers}
     return {
         "bench": "rollout",
         "engine": "hf",
         "prompts": prompts,
-        "model": model,
+        "model": model.name if model is not None else shape,
         "torch_threads": threads,
         "engine_cpus": split[0] if split else None,
         "serving_cpus": split[1] if split else None,
@@ -284,7 +288,7 @@ def _serve(
                 "TREADLE_REDIS_URL": infra.url_for("redis", "rollout"),
                 "TREADLE_GRPC_PORT": str(ports["ro_grpc"]),
                 "TREADLE_ROLLOUT_MODEL": str(model_dir),
-                "TREADLE_ROLLOUT_MODEL_NAME": "bench-tiny",
+                "TREADLE_ROLLOUT_MODEL_NAME": SERVED,
                 "TREADLE_TORCH_THREADS": str(threads),
                 "TREADLE_ROLLOUT_ENGINE_CPUS": engine_cpus,
                 "OMP_WAIT_POLICY": "PASSIVE",
@@ -304,7 +308,7 @@ async def _measure(
 ) -> dict:
     # as in the service: the engine's thread on its CPUs, and here the load (the clients)
     # where the service serves, off them
-    engine = HFEngine(model_dir, "bench-tiny", cpus=split[0] if split else None)
+    engine = HFEngine(model_dir, SERVED, cpus=split[0] if split else None)
     cpus.bind(split[1] if split else None)
     prompts = make_prompts(engine.tokenizer, n)
     # warm-up, a whole round on each side: connections, the first batch, and the caches

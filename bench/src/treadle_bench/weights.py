@@ -21,6 +21,9 @@ WeightStore gRPC servicer plus a raw `bytes` stream service. In the same run we 
                         `dd oflag=direct` (a publish persists every byte it receives, so on a
                         machine whose disk is slower than its loopback this bounds publish)
 
+With `model`, the state dict is that model's own tensors (its safetensors files, as the
+trainer publishes a full model) instead of `size_mb` of random ones in `num_tensors`.
+
 Rates are gigabits per second (1e9 bit/s) of tensor bytes; each is the median of `repeats`
 rounds after a warm-up round. Ratios are the median of the per-round ratios (ours and raw
 measured back to back in each round, so that drifts of a shared machine cancel out).
@@ -37,9 +40,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import grpc
 import torch
+from safetensors.torch import load_file
 
 from treadle_bench.harness import free_port, server_process
 from treadle_common.clients.torch_weights import ChunkCache, fetch_into, state_dict_to_raw
@@ -57,10 +62,20 @@ def gbps(num_bytes: int, seconds: float) -> float:
     return num_bytes * 8 / 1e9 / seconds
 
 
-def make_state(size_mb: int, num_tensors: int) -> dict[str, torch.Tensor]:
+def make_state(size_mb: int, num_tensors: int, model: str = "") -> dict[str, torch.Tensor]:
+    """`model`'s tensors (a directory of safetensors files), or random ones."""
+    if model:
+        return {
+            k: v for f in sorted(Path(model).glob("*.safetensors")) for k, v in load_file(f).items()
+        }
     numel = size_mb * 2**20 // 4 // num_tensors
     g = torch.Generator().manual_seed(0)
     return {f"layers.{i}.weight": torch.randn(numel, generator=g) for i in range(num_tensors)}
+
+
+def warm_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The small warm-up model: the first 64 Ki values of each tensor."""
+    return {k: v.reshape(-1)[: 2**16].clone() for k, v in state.items()}
 
 
 async def raw_rates(address: str, payload: memoryview) -> tuple[float, float]:
@@ -103,7 +118,7 @@ async def measure(address: str, state: dict, repeats: int) -> dict:
     is not counted (buffers at full size in both processes, as in a run's later steps).
     """
     client = WeightStoreClient(address)
-    warm = {k: v[: 2**16].clone() for k, v in state.items()}
+    warm = warm_state(state)
     await client.publish("warmup", state_dict_to_raw(warm))
     await fetch_into(
         client, "warmup", -1, {k: torch.zeros_like(v) for k, v in warm.items()}, ChunkCache({})
@@ -182,11 +197,12 @@ def fanout(
     num_tensors: int,
     replicas: int,
     rounds: int,
+    model: str,
 ) -> float:
     """`replicas` fetcher processes, warm like the single fetch, fetch `version` together,
     `rounds` times: the median of the seconds until the last one holds it."""
     cmd = [sys.executable, "-m", "treadle_bench.weights", "--fetcher", address]
-    cmd += [str(warm_version), str(version), str(size_mb), str(num_tensors)]
+    cmd += [str(warm_version), str(version), str(size_mb), str(num_tensors), model]
     procs = [
         subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         for _ in range(replicas)
@@ -212,16 +228,16 @@ def fanout(
 
 
 def fetcher_main(
-    address: str, warm_version: int, version: int, size_mb: int, num_tensors: int
+    address: str, warm_version: int, version: int, size_mb: int, num_tensors: int, model: str
 ) -> None:
     """One replica of the fan-out, warm like the single fetch: a connected client that has
     fetched the small warm-up model and then one full version (`warm_version`) into its
     resident tensors. It says `ready`, then fetches all of `version` on each `go`."""
-    state = {k: torch.zeros_like(v) for k, v in make_state(size_mb, num_tensors).items()}
+    state = {k: torch.zeros_like(v) for k, v in make_state(size_mb, num_tensors, model).items()}
 
     async def main() -> None:
         client = WeightStoreClient(address)
-        warm = {k: torch.zeros_like(v[: 2**16]) for k, v in state.items()}
+        warm = {k: torch.zeros_like(v) for k, v in warm_state(state).items()}
         await fetch_into(client, "warmup", -1, warm, ChunkCache({}))
         await fetch_into(client, "bench", warm_version, state, ChunkCache({}))
         print("ready", flush=True)
@@ -239,10 +255,13 @@ def run(
     changed_fraction: float = 0.03,
     replicas: int = 8,
     repeats: int = 5,
+    model: Path | None = None,
 ) -> dict:
     configure_logging("bench", level="WARNING")
-    state = make_state(size_mb, num_tensors)
+    state = make_state(size_mb, num_tensors, str(model or ""))
+    num_tensors = len(state)
     size = sum(t.numel() * t.element_size() for t in state.values())
+    size_mb = round(size / 2**20)
     changed = list(state)[: max(1, round(num_tensors * changed_fraction))]
     port = free_port()
     address = f"127.0.0.1:{port}"
@@ -251,13 +270,21 @@ def run(
             timings = asyncio.run(measure(address, state, repeats))
             sent, version = asyncio.run(delta_bytes(address, state, changed))
             fanout_s = fanout(
-                address, version - 1, version, size_mb, num_tensors, replicas, repeats
+                address,
+                version - 1,
+                version,
+                size_mb,
+                num_tensors,
+                replicas,
+                repeats,
+                str(model or ""),
             )
             disk_s = statistics.median(raw_disk_write(tmp, size) for _ in range(3))
     publish, fetch = gbps(size, timings["publish"]), gbps(size, timings["fetch"])
     raw_up, raw_down = gbps(size, timings["raw_up"]), gbps(size, timings["raw_down"])
     return {
         "bench": "weights",
+        "model": model.name if model is not None else None,
         "size_mb": size_mb,
         "num_tensors": num_tensors,
         "repeats": repeats,
@@ -278,7 +305,7 @@ def run(
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--fetcher"]:
-    fetcher_main(sys.argv[2], *(int(arg) for arg in sys.argv[3:7]))
+    fetcher_main(sys.argv[2], *(int(arg) for arg in sys.argv[3:7]), sys.argv[7])
 elif __name__ == "__main__":
     print(json.dumps(run()))
     os._exit(0)
