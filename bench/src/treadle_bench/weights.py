@@ -305,7 +305,8 @@ def run(
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--fetcher"]:
-    fetcher_main(sys.argv[2], *(int(arg) for arg in sys.argv[3:7]), sys.argv[7])
+    warm_at, at, size_arg, tensors_arg = (int(arg) for arg in sys.argv[3:7])
+    fetcher_main(sys.argv[2], warm_at, at, size_arg, tensors_arg, sys.argv[7])
 elif __name__ == "__main__":
     print(json.dumps(run()))
     os._exit(0)
