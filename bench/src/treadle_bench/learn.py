@@ -73,23 +73,7 @@ def run(
         for seed, cfg in zip(seeds, configs, strict=True):
             started = time.perf_counter()
             code = RunClient(cfg, settings, console).execute(health_timeout_s=180)
-            report = RunReport.load(cfg.output_dir / cfg.run_id)
-            e, evals = report.eval_summary(), report.evals()
-            per_seed.append(
-                {
-                    "seed": seed,
-                    "exit_code": code,
-                    "eval_start": e.eval_start,
-                    "eval_after_sft": e.eval_after_sft,
-                    "eval_end": e.eval_end,
-                    "rl_lift": e.rl_lift,
-                    "held_out_tasks": evals[0].num_tasks if evals else 0,
-                    "sft_steps": len(report.sft()),
-                    "rl_steps": len(report.steps()),
-                    "wall_s": round(time.perf_counter() - started, 1),
-                    **_throughput(cfg.output_dir / cfg.run_id, report),
-                }
-            )
+            per_seed.append(_seed_row(seed, code, cfg.output_dir / cfg.run_id, started))
     lifts = [s["rl_lift"] for s in per_seed]
     return {
         "recipe": recipe.name,
@@ -99,6 +83,25 @@ def run(
         "max_wall_s": max(s["wall_s"] for s in per_seed),
         "all_exit_zero": all(s["exit_code"] == 0 for s in per_seed),
         "outputs": str(tmp),
+    }
+
+
+def _seed_row(seed: int, code: int, out_dir: Path, started: float) -> dict[str, Any]:
+    """One seed's evaluations, steps and rates, from what its run left in `out_dir`."""
+    report = RunReport.load(out_dir)
+    e, evals = report.eval_summary(), report.evals()
+    return {
+        "seed": seed,
+        "exit_code": code,
+        "eval_start": e.eval_start,
+        "eval_after_sft": e.eval_after_sft,
+        "eval_end": e.eval_end,
+        "rl_lift": e.rl_lift,
+        "held_out_tasks": evals[0].num_tasks if evals else 0,
+        "sft_steps": len(report.sft()),
+        "rl_steps": len(report.steps()),
+        "wall_s": round(time.perf_counter() - started, 1),
+        **_throughput(out_dir, report),
     }
 
 
