@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from treadle_common.config.recipe import TrainerBackend
+from treadle_common.config.recipe import TrainerBackend, TrainerConfig
 
 
 class BackendSpec(BaseModel):
@@ -23,3 +23,17 @@ class BackendSpec(BaseModel):
     lora: dict[str, Any] | None = Field(
         None, description="Train a LoRA adapter (`LoraSettings` fields): `LoraBackend`"
     )
+
+    @classmethod
+    def of(cls, trainer: TrainerConfig, model_dir: str) -> BackendSpec:
+        """A run's backend, as its recipe's `trainer` section asks for it."""
+        return cls(
+            model_dir=model_dir,
+            seed=trainer.seed,
+            reference=trainer.kl_coef > 0,
+            bf16=trainer.bf16,
+            kind=trainer.backend,
+            tensor_parallel=trainer.tensor_parallel,
+            pipeline_parallel=trainer.pipeline_parallel,
+            lora=trainer.lora.model_dump() if trainer.lora else None,
+        )

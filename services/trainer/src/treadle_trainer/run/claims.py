@@ -20,6 +20,7 @@ from treadle_common.auth import policy as auth
 from treadle_common.clients import streams
 from treadle_common.clients.weights import WeightStoreClient, build_manifest, chunk_positions
 from treadle_common.config.recipe import RunConfig
+from treadle_common.fleet import admission
 from treadle_common.fleet import runs as fleet
 from treadle_trainer import errors
 
@@ -127,3 +128,19 @@ async def base_change_refused(
         f"model {model} is the base of active runs {users}: other weights published under "
         "its name would change theirs; use another model name"
     )
+
+
+async def join(
+    r: aioredis.Redis, config: RunConfig, tenant: str, base_version: int, max_staleness: int
+) -> None:
+    """The run among the fleet's active runs: its admission (groups per step, staleness,
+    the version its steps count from) and its policy, both before rollout sees it."""
+    await admission.configure(
+        r,
+        config.run_id,
+        groups_per_step=config.trainer.tasks_per_step,
+        max_staleness=max_staleness,
+        base_version=base_version,
+    )
+    await fleet.register(r, policy_of(config, tenant))
+    await r.sadd(names.RUNS_KEY, config.run_id)

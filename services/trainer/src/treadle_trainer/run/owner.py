@@ -26,7 +26,6 @@ from treadle_common.clients.env import EnvClient
 from treadle_common.clients.weights import WeightStoreClient
 from treadle_common.config.recipe import RunConfig
 from treadle_common.fleet import admission, scheduling
-from treadle_common.fleet import runs as fleet
 from treadle_common.runtime.logs import get_logger
 from treadle_common.runtime.progress import Stage
 from treadle_trainer.backends import (
@@ -198,16 +197,7 @@ class RunOwner:
         source, the version rollout generates with)."""
         cfg, t = self.config, self.config.trainer
         model_dir = await initial_model_dir(cfg, self.store, self.run_dir)
-        spec = BackendSpec(
-            model_dir=str(model_dir),
-            seed=t.seed,
-            reference=t.kl_coef > 0,
-            bf16=t.bf16,
-            kind=t.backend,
-            tensor_parallel=t.tensor_parallel,
-            pipeline_parallel=t.pipeline_parallel,
-            lora=t.lora.model_dump() if t.lora else None,
-        )
+        spec = BackendSpec.of(t, str(model_dir))
         self.backend = backend = await on_torch_thread(build_backend, spec)
         log.info("backend ready", run=cfg.run_id, **backend.layout_info())
         self.collector.vocab_size = backend.vocab_size
@@ -217,15 +207,7 @@ class RunOwner:
         await self.r.set(names.run_config(cfg.run_id), cfg.model_dump_json())
         version = await self._first_version(backend)
         self._v0 = version - self.status.step
-        await admission.configure(
-            self.r,
-            cfg.run_id,
-            groups_per_step=t.tasks_per_step,
-            max_staleness=self.max_staleness,
-            base_version=self._v0,
-        )
-        await fleet.register(self.r, claims.policy_of(cfg, self.status.tenant))  # before rollout
-        await self.r.sadd(names.RUNS_KEY, cfg.run_id)
+        await claims.join(self.r, cfg, self.status.tenant, self._v0, self.max_staleness)
         await self.collector.replay_pending()
         return source, version
 
