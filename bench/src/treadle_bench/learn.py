@@ -6,7 +6,8 @@ through `treadle run` itself, on one private stack (own Redis/NATS, free ports).
 - `eval_start`: held-out greedy accuracy of the untrained model;
 - `eval_after_sft`: after the warm-up (stopped at `sft.target_reward` on a validation split);
 - `eval_end`: after the RL phase;
-- `rl_lift` = eval_end - eval_after_sft: what RL alone gained on problems it never saw;
+- `rl_lift` = eval_end - eval_after_sft (eval_start without a warm-up): what RL alone gained
+  on problems it never saw;
 - `sft_steps`, `rl_steps`, `wall_s` (the whole `treadle run`: evaluations, warm-up, RL);
 - `generated_tokens_per_s`, `trained_tokens_per_s`, `weight_bytes_per_step`: the RL phase's
   rates from the run's accounting (`_throughput`).

@@ -77,3 +77,11 @@ def test_eval_summary_separates_the_warm_up_from_rl(tmp_path):
     assert e.gain == 0.45 and e.rl_lift == 0.15
     assert e.eval == {"start": 0.0, "after_sft": 0.3, "step 100": 0.4, "end": 0.45}
     assert "sft step 10" not in e.eval
+
+
+def test_without_a_warm_up_rl_lifts_from_the_start(tmp_path):
+    report = RunReport(tmp_path)
+    for phase, reward in (("start", 0.1), ("step 50", 0.2), ("end", 0.35)):
+        report.add(EvalRow(phase=phase, mean_reward=reward))
+    e = report.eval_summary()
+    assert e.eval_after_sft is None and e.rl_lift == e.gain == 0.25

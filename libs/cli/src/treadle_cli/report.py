@@ -67,19 +67,24 @@ class EvalSummary(BaseModel):
     eval_after_sft: float | None = None
     eval_end: float | None = None
     gain: float | None = Field(None, description="eval_end - eval_start")
-    rl_lift: float | None = Field(None, description="eval_end - eval_after_sft: RL's own gain")
+    rl_lift: float | None = Field(
+        None,
+        description="RL's own gain: eval_end - eval_after_sft, or eval_end - eval_start for a "
+        "run with no warm-up",
+    )
 
     @classmethod
     def of(cls, evals: list[EvalRow]) -> EvalSummary:
         by_phase = {e.phase: e.mean_reward for e in evals}
         start, after_sft, end = (by_phase.get(p) for p in ("start", "after_sft", "end"))
+        rl_from = after_sft if after_sft is not None else start  # no warm-up: RL from the start
         return cls(
             eval=by_phase,
             eval_start=start,
             eval_after_sft=after_sft,
             eval_end=end,
             gain=None if end is None or start is None else round(end - start, 4),
-            rl_lift=None if end is None or after_sft is None else round(end - after_sft, 4),
+            rl_lift=None if end is None or rl_from is None else round(end - rl_from, 4),
         )
 
 

@@ -484,7 +484,7 @@ class RunClient:
             ("eval.min_rl_improvement", "rl lift", e.rl_lift, self.config.eval.min_rl_improvement),
         ]
         for name, what, got, want in gates:
-            if got is None:  # e.g. no warm-up, so no RL lift: a gate on it cannot pass
+            if got is None:  # no evaluation to measure it by: a gate on it cannot pass
                 ok = ok and want is None
                 if want is not None:
                     parts.append(f"; {name} {want}: NOT met (no {what})")
