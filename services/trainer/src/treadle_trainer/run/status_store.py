@@ -1,7 +1,8 @@
 """Where a run's status lives for every trainer to answer for (`GET /v1/runs/{id}` on any
 replica): the status without its step records, and the step records not written yet, in
 Redis, fenced by the run's lease; and the run's end (its final state, its keys' expiry).
-Also which errors a later attempt of the run can fix (`retryable`)."""
+Also which errors a later attempt of the run can fix (`retryable`), and how an error ends
+an attempt (`verdict`)."""
 
 from __future__ import annotations
 
@@ -51,6 +52,32 @@ def being_cancelled() -> bool:
     """This task was asked to stop (not: an awaited call ended in CancelledError)."""
     task = asyncio.current_task()
     return task is not None and task.cancelling() > 0
+
+
+def verdict(
+    exc: BaseException, run_id: str, lost: bool, last_attempt: bool
+) -> tuple[RunState, str] | None:
+    """How an exception out of a run's loop ends this attempt: (its state, its error), or None
+    when this task itself is being cancelled (the caller re-raises). The lease taken over is
+    `lost`; a call cancelled under the run or an infrastructure error (`retryable`) leaves it
+    `retrying` (a new owner resumes it from its last checkpoint) unless this is the
+    `last_attempt`; anything else `failed`."""
+    if isinstance(exc, Fenced) or (isinstance(exc, asyncio.CancelledError) and lost):
+        log.warning("run lost to another trainer", run=run_id, error=str(exc))
+        return "lost", str(exc) or "the run's lease was taken over"
+    if isinstance(exc, asyncio.CancelledError):
+        if being_cancelled():
+            return None
+        # a library cancelled a call under us: an interruption, not a verdict
+        log.warning("run interrupted; resuming", run=run_id, error=repr(exc))
+        error = "CancelledError: a call was cancelled under the run"
+        return ("failed" if last_attempt else "retrying"), error
+    error = f"{type(exc).__name__}: {exc}"
+    if retryable(exc) and not last_attempt:
+        log.warning("run interrupted; resuming", run=run_id, error=repr(exc))
+        return "retrying", error
+    log.error("run failed", run=run_id, error=error)
+    return "failed", error
 
 
 class StatusStore:
