@@ -243,6 +243,29 @@ async def test_writes_wait_for_a_gap_between_streams_or_their_deadline(tmp_path)
         assert store.dirty_bytes() == 0
 
 
+async def test_a_stream_that_follows_another_at_once_keeps_the_disk_waiting(tmp_path):
+    """A replica's fetch starts right after the publish it fetches: the writers take a gap
+    only once the store has been without a stream for `WRITE_GAP_S`."""
+    import asyncio
+
+    from treadle_weight_store.write_behind import WRITE_GAP_S
+
+    store = WeightStore(LocalBackend(tmp_path), cache_bytes=0, max_write_delay_s=60)
+    _, chunks = two_tensors()
+    async with store.publishing():
+        await hold(store, chunks)
+    for _ in range(3):  # the next stream opens within the gap, three times over
+        async with store.publishing():
+            await asyncio.sleep(WRITE_GAP_S / 4)
+        assert store.dirty_bytes() > 0, "written between two streams"
+    await asyncio.sleep(WRITE_GAP_S * 4)  # a real gap
+    for _ in range(100):
+        if not store.dirty_bytes():
+            break
+        await asyncio.sleep(0.02)
+    assert store.dirty_bytes() == 0 and len(list(LocalBackend(tmp_path).list_chunks())) == 2
+
+
 class RecordingDisk(LocalBackend):
     """A local backend that records the order of its chunk writes."""
 

@@ -130,6 +130,7 @@ class WeightStore(WriteBehind, GarbageCollection):
         self.write_attempts = write_attempts
         self.max_write_delay_s = max_write_delay_s
         self._streams = 0  # publish and fetch streams open now: writes wait for a gap
+        self._quiet_since = 0.0  # when the last stream ended
         self._urgent = 0  # callers waiting for durability: writes go now
         self._commit_lock = asyncio.Lock()
         self._leases: Counter[tuple[str, int]] = Counter()

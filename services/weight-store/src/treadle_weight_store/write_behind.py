@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
@@ -31,6 +32,10 @@ log = get_logger(__name__)
 WRITE_BATCH_CHUNKS = 256
 WRITE_BATCH_BYTES = 64 * 2**20
 """The most one writer takes from the queue for one backend call (made durable together)."""
+WRITE_GAP_S = 0.05
+"""How long the store must have been without a stream before the writers take the gap: a
+fetch that follows its publish at once (a replica answered at the commit) starts before the
+disk work, which would otherwise share the cores with it (`treadle bench weights`)."""
 
 
 class WriteBehind:
@@ -41,6 +46,7 @@ class WriteBehind:
     max_write_delay_s: float
     persist_error: str | None
     _streams: int
+    _quiet_since: float
     _urgent: int
     _dirty: dict[str, bytes]
     _dirty_bytes: int
@@ -66,11 +72,18 @@ class WriteBehind:
     def _may_write(self) -> bool:
         """Writing now does not slow a stream down, or cannot wait any longer."""
         return (
-            not self._streams
+            self._gap() <= 0
             or self._urgent > 0
             or self._dirty_bytes * 2 >= self.max_dirty_bytes
             or (bool(self._queue) and self._overdue() <= 0)
         )
+
+    def _gap(self) -> float:
+        """Seconds until the store has been without a stream for `WRITE_GAP_S` (inf while one
+        runs)."""
+        if self._streams:
+            return math.inf
+        return self._quiet_since + WRITE_GAP_S - time.monotonic()
 
     def _overdue(self) -> float:
         """Seconds until the oldest queued chunk has waited `max_write_delay_s`."""
@@ -84,7 +97,8 @@ class WriteBehind:
             async with self._changed:
                 while not (self._queue and self._may_write()):
                     with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(self._overdue() if self._queue else None):
+                        wake = min(self._overdue(), self._gap()) if self._queue else None
+                        async with asyncio.timeout(wake):
                             await self._changed.wait()
                 batch: list[str] = []
                 size = 0
@@ -162,6 +176,8 @@ class WriteBehind:
             yield
         finally:
             self._streams -= 1
+            if not self._streams:
+                self._quiet_since = time.monotonic()
             async with self._changed:
                 self._changed.notify_all()
 
