@@ -76,3 +76,34 @@ def test_treadle_up_gives_redis_credentials_only_to_the_services_that_use_redis(
             assert env["TREADLE_REDIS_URL"] == f"redis://{user}127.0.0.1:16379"
         else:
             assert "TREADLE_REDIS_URL" not in env, service
+
+
+def test_rollout_and_its_replicas_run_under_the_rollout_python_and_the_rest_under_ours(
+    tmp_path, monkeypatch
+):
+    import sys
+
+    from treadle_cli.settings import CliSettings
+    from treadle_cli.stack import StackError, StackSpec, prepare
+
+    spec = StackSpec(
+        state_dir=str(tmp_path),
+        cwd=str(tmp_path),
+        redis_url="redis://127.0.0.1:16379",
+        nats_url="nats://127.0.0.1:14222",
+        model_dir=str(tmp_path),
+        model_name="m",
+        ports=StackSpec.ports_from(None),
+        served={"other": str(tmp_path)},
+        rollout_python="/opt/vllm-venv/bin/python",
+    )
+    assert spec.command("rollout") == ["/opt/vllm-venv/bin/python", "-m", "treadle_rollout"]
+    assert spec.command("rollout-other")[0] == "/opt/vllm-venv/bin/python"
+    assert spec.command("trainer") == [sys.executable, "-m", "treadle_trainer"]
+    assert spec.command("weight-store")[0] == sys.executable
+    # a rollout Python that is not there fails before anything starts
+    monkeypatch.setenv("TREADLE_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("TREADLE_ROLLOUT_PYTHON", str(tmp_path / "no-such-python"))
+    with pytest.raises(StackError, match="TREADLE_ROLLOUT_PYTHON=.*not an executable"):
+        prepare(CliSettings(), None, None, base_port=None)
+    assert not (tmp_path / "state" / "auth").exists()  # no token table written, no infra up

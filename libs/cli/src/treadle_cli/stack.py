@@ -632,6 +632,21 @@ def wait_healthy(state_dir: Path, timeout_s: float) -> StackStatus:
 
 
 # -- up / down ---------------------------------------------------------------------------
+def free_ports(
+    settings: CliSettings, base_port: int | None, serve: dict[str, Path]
+) -> dict[str, dict[str, int]]:
+    """Every process's ports (the services', then a block for each served model's replica),
+    all of them free (else `StackError` names the one in use)."""
+    ports = StackSpec.ports_from(base_port if base_port is not None else settings.base_port)
+    for i, model in enumerate(serve, start=1):  # after every service's ports
+        ports[replica_name(model)] = {k: p + 10 * i for k, p in ports["rollout"].items()}
+    for service, kinds in ports.items():
+        for kind, port in kinds.items():
+            if not port_free(settings.host, port):
+                raise StackError(f"port {port} ({service} {kind}) is already in use")
+    return ports
+
+
 def prepare(
     settings: CliSettings,
     model_dir: Path | None,
@@ -652,17 +667,11 @@ def prepare(
         if alive(record.supervisor_pid):
             raise StackError(f"a stack is already running from {state_dir} (treadle down stops it)")
         stack_file(state_dir).unlink(missing_ok=True)  # left by a supervisor that died
-    ports = StackSpec.ports_from(base_port if base_port is not None else settings.base_port)
-    serve = dict(serve or {})
-    for i, model in enumerate(serve, start=1):  # after every service's ports
-        ports[replica_name(model)] = {k: p + 10 * i for k, p in ports["rollout"].items()}
-    for service, kinds in ports.items():
-        for kind, port in kinds.items():
-            if not port_free(settings.host, port):
-                raise StackError(f"port {port} ({service} {kind}) is already in use")
     rollout_python = settings.rollout_python
     if rollout_python is not None and not os.access(rollout_python, os.X_OK):
         raise StackError(f"TREADLE_ROLLOUT_PYTHON={rollout_python}: not an executable")
+    serve = dict(serve or {})
+    ports = free_ports(settings, base_port, serve)
     tokens_file = ensure_tokens(settings, state_dir)
     servers = Infra(settings)
     infra = servers.up(("redis", "nats", "s3") if with_s3 else ("redis", "nats"))
