@@ -9,9 +9,10 @@
 | `sft`     | `SftRow`   | a warm-up step (loss, optimizer step)                          |
 | `step`    | `StepRow`  | a trainer step record, as `GET /v1/runs/{id}` reports it       |
 
-Every row carries `t`, seconds since the run started. `metrics.png` plots reward, throughput
-and staleness against `t`, with a line where the warm-up ends and RL begins; `EvalSummary` is
-what the evaluations say about the run (its gain, and RL's own lift after the warm-up).
+Every row carries `t`, seconds since the run started. `metrics.png` plots reward, throughput,
+staleness and the train-inference drift (the trainer's logprobs against rollout's) against
+`t`, with a line where the warm-up ends and RL begins; `EvalSummary` is what the evaluations
+say about the run (its gain, and RL's own lift after the warm-up).
 """
 
 from __future__ import annotations
@@ -130,10 +131,51 @@ class RunReport:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        steps, evals = self.steps(), self.evals()
-        fig, (reward, speed, stale) = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
+        steps = self.steps()
+        fig, axes = plt.subplots(4, 1, figsize=(8, 11), sharex=True)
+        reward, speed, stale, drift = axes
         t = [s.t for s in steps]
-        reward.plot(t, [s.mean_reward for s in steps], ".-", label="train (sampled)")
+        self._plot_rewards(reward)
+        speed.plot(t, [s.tokens_per_s for s in steps], ".-")
+        speed.set_ylabel("trainer tokens/s")
+        stale.step(t, [s.max_staleness for s in steps], where="post")
+        stale.set_ylabel("max staleness")
+        # train-inference consistency: how far the trainer's logprobs are from rollout's
+        for field, label in (
+            ("log_ratio_p99", "p99 |d|"),
+            ("log_ratio_abs_mean", "mean |d|"),
+            ("behaviour_kl", "KL(behaviour || trainer)"),
+        ):  # on a log scale, floored at 1e-9 (the same weights in fp32 give about 1e-7)
+            drift.plot(t, [max(getattr(s, field), 1e-9) for s in steps], ".-", label=label)
+        drift.set_yscale("log")
+        drift.set_ylabel("d = log p_trainer - log p_behaviour")
+        drift.legend(loc="upper right", fontsize=8)
+        drift.set_xlabel("seconds since start")
+        warm = self.sft()
+        if warm:  # RL starts here: what follows is RL's own doing
+            for axis in axes:
+                axis.axvline(warm[-1].t, color="grey", linestyle="--", linewidth=1)
+            reward.text(
+                warm[-1].t,
+                0.97,
+                " warm-up ends, RL starts",
+                transform=reward.get_xaxis_transform(),
+                fontsize=8,
+                color="grey",
+                va="top",
+            )
+        fig.tight_layout()
+        out = self.out_dir / "metrics.png"
+        fig.savefig(out, dpi=100)
+        plt.close(fig)
+        return out
+
+    def _plot_rewards(self, reward) -> None:
+        """Training reward per step, the evaluations and the warm-up's validations."""
+        steps, evals = self.steps(), self.evals()
+        reward.plot(
+            [s.t for s in steps], [s.mean_reward for s in steps], ".-", label="train (sampled)"
+        )
         reward.plot(
             [e.t for e in evals], [e.mean_reward for e in evals], "o--", label="eval (greedy)"
         )
@@ -147,28 +189,5 @@ class RunReport:
                 "x:",
                 label="warm-up validation (greedy)",
             )
-        warm = self.sft()
-        if warm:  # RL starts here: what follows is RL's own doing
-            for axis in (reward, speed, stale):
-                axis.axvline(warm[-1].t, color="grey", linestyle="--", linewidth=1)
-            reward.text(
-                warm[-1].t,
-                0.97,
-                " warm-up ends, RL starts",
-                transform=reward.get_xaxis_transform(),
-                fontsize=8,
-                color="grey",
-                va="top",
-            )
         reward.set_ylabel("mean reward")
         reward.legend(loc="lower right")
-        speed.plot(t, [s.tokens_per_s for s in steps], ".-")
-        speed.set_ylabel("trainer tokens/s")
-        stale.step(t, [s.max_staleness for s in steps], where="post")
-        stale.set_ylabel("max staleness")
-        stale.set_xlabel("seconds since start")
-        fig.tight_layout()
-        out = self.out_dir / "metrics.png"
-        fig.savefig(out, dpi=100)
-        plt.close(fig)
-        return out

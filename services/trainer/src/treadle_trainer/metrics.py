@@ -13,6 +13,11 @@ STEP_GAUGES = {
         "kl": "Mean per-token KL to the reference (k3) of the last step",
         "entropy": "Mean per-token policy entropy of the last step",
         "clip_fraction": "Fraction of tokens whose ratio was clipped in the last step",
+        "log_ratio_mean": "Mean log p_trainer - log p_behaviour over the last step's tokens",
+        "log_ratio_abs_mean": "Mean |log p_trainer - log p_behaviour| of the last step",
+        "log_ratio_p99": "99th percentile of |log p_trainer - log p_behaviour|, last step",
+        "log_ratio_max": "Largest |log p_trainer - log p_behaviour| of the last step",
+        "behaviour_kl": "k3 estimate of KL(behaviour || trainer) of the last step",
         "grad_norm": "Gradient norm before clipping of the last step",
         "tokens_per_s": "Trained tokens per second of the last step (wall clock, step_s)",
         "step": "Last completed step",
@@ -36,3 +41,9 @@ CHECKPOINT_SECONDS = Histogram(
     "treadle_trainer_checkpoint_seconds", "Time writing a checkpoint and committing", ["run"]
 )
 TOKENS = Counter("treadle_trainer_tokens_total", "Loss tokens trained on", ["run"])
+LOG_RATIO_TOKENS = Counter(
+    "treadle_trainer_log_ratio_tokens_total",
+    "Loss tokens by their log importance ratio log p_trainer - log p_behaviour: `upper` is the "
+    "bin's upper edge (RATIO_EDGES; +Inf for the last)",
+    ["run", "upper"],
+)

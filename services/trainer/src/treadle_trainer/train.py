@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from treadle_common.config.recipe import TrainerConfig
+from treadle_trainer import consistency
 from treadle_trainer.backends import AdamParams, TorchBackend
 from treadle_trainer.batches import Datum, pack, split_minibatches
 from treadle_trainer.losses import NEEDS_PROXIMAL, LossParams
@@ -21,9 +24,10 @@ def train_batch(
     loss: LossParams,
     adam: AdamParams,
     step: int,
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """`t.minibatches` optimizer steps over `data` (whole groups each), micro-batched by token
-    budget; per-token statistics weighted by tokens, losses and norms averaged."""
+    budget; per-token statistics weighted by tokens, losses and norms averaged, the drift's
+    figures joined (`consistency.merge`)."""
     if not data:
         return {"loss": 0.0, "grad_norm": 0.0}
     chunks = split_minibatches(data, t.minibatches)
@@ -39,11 +43,13 @@ def train_batch(
         out.update(backend.optim_step(adam))
         outs.append(out)
     tokens = sum(o["num_tokens"] for o in outs) or 1.0
+    drift = consistency.merge(outs)
     merged = {
         k: sum(o[k] * o["num_tokens"] for o in outs) / tokens
         if k not in ("loss", "grad_norm")
         else sum(o[k] for o in outs) / len(outs)
         for k in outs[0]
+        if k not in drift and not k.startswith("_")
     }
     merged["num_tokens"] = tokens
-    return merged
+    return {**merged, **drift}

@@ -15,6 +15,10 @@ checkpointed and its lease released: another trainer resumes it); `lost`: anothe
 took the run over while this one stalled past its lease (this one's writes were refused);
 `retrying`: an infrastructure error interrupted it, it resumes from its last checkpoint."""
 FINAL_STATES: tuple[RunState, ...] = ("succeeded", "failed")
+RATIO_EDGES = (-2.0, -1.0, -0.5, -0.2, -0.1, -0.05, -0.02, -0.01, -0.001,
+               0.001, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)  # fmt: skip
+"""Bin edges of a step's `ratio_histogram`: log importance ratios d = log p_trainer - log
+p_behaviour; bin i holds RATIO_EDGES[i-1] <= d < RATIO_EDGES[i] (19 bins)."""
 
 
 class StepRecord(BaseModel):
@@ -30,6 +34,29 @@ class StepRecord(BaseModel):
     entropy: float = 0.0
     kl: float = 0.0
     clip_fraction: float = 0.0
+    log_ratio_mean: float = Field(
+        0.0,
+        description="Train-inference drift: the mean over the loss tokens of d = log p_trainer "
+        "(under the weights the step starts from) - log p_behaviour (rollout's, when it sampled)",
+    )
+    log_ratio_abs_mean: float = Field(0.0, description="The mean of |d|")
+    log_ratio_p99: float = Field(
+        0.0, description="The 99th percentile of |d| (the upper edge of its bin, 4 a decade)"
+    )
+    log_ratio_max: float = Field(0.0, description="The largest |d|")
+    behaviour_kl: float = Field(
+        0.0,
+        description="k3 estimate of KL(behaviour || trainer) from the behaviour's own samples: "
+        "the mean of exp(d) - 1 - d",
+    )
+    ratio_histogram: list[int] = Field(
+        default_factory=list,
+        description="Loss tokens per bin of d, the log importance ratio (edges: RATIO_EDGES)",
+    )
+    staleness_histogram: list[int] = Field(
+        default_factory=list,
+        description="Trajectories trained per staleness (index: versions behind the trainer)",
+    )
     wait_for_batch_s: float = 0.0
     train_s: float = 0.0
     publish_s: float = Field(

@@ -66,6 +66,11 @@ class RankedBackend(TorchBackend):
         dist.all_reduce(values, group=self.dp_group)
         return values.cpu()
 
+    def _max(self, values: torch.Tensor) -> torch.Tensor:
+        values = values.to(self._comm_device)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.dp_group)
+        return values.cpu()
+
     @classmethod
     def lead(cls, spec: BackendSpec) -> RankedBackend:
         """Rank 0: tell the followers to build the same backend, then build ours."""

@@ -39,6 +39,7 @@ from treadle_trainer.backends.checkpoint_files import CHECKPOINT_FILES
 from treadle_trainer.backends.logprobs import token_logprobs
 from treadle_trainer.backends.spec import BackendSpec
 from treadle_trainer.batches import MicroBatch
+from treadle_trainer.consistency import Drift
 from treadle_trainer.errors import IncompatibleCheckpoint
 from treadle_trainer.losses import NEEDS_PROXIMAL, LossParams, TokenInputs, total_loss
 
@@ -112,6 +113,9 @@ class TorchBackend:
     def _sum(self, values: torch.Tensor) -> torch.Tensor:
         return values
 
+    def _max(self, values: torch.Tensor) -> torch.Tensor:
+        return values
+
     @property
     def _grad_scale(self) -> float:
         return 1.0
@@ -119,12 +123,14 @@ class TorchBackend:
     # --- training ------------------------------------------------------------------------------
     def forward_backward(
         self, mbs: list[MicroBatch], loss: str, params: LossParams
-    ) -> dict[str, float]:
-        """Accumulate gradients of the aggregated loss over the micro-batches."""
+    ) -> dict[str, Any]:
+        """Accumulate gradients of the aggregated loss over the micro-batches; the loss, the
+        per-token statistics and the batch's train-inference drift (`consistency.Drift`)."""
         self.model.train()
         keys = ("loss", "tokens", "entropy", "kl", "clip_fraction", "ratio", "behaviour_weight")
         sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
         present: set[str] = set()
+        drift = Drift()  # trainer vs behaviour logprobs (consistency.py)
         for mb, active in self._assign(mbs):
             mask = mb.mask_B_T.to(self.device)
             coef = mb.coef_B.to(self.device) * (1.0 if active else 0.0)
@@ -150,6 +156,7 @@ class TorchBackend:
             sums["loss"] += value.detach().double().cpu()
             weight = (mask > 0).float()
             sums["tokens"] += weight.sum().double().cpu()
+            drift.add(logprobs, inputs.behaviour_logprobs, weight)
             assert entropy is not None
             stats["entropy"] = entropy
             for name, per_token in stats.items():
@@ -162,6 +169,7 @@ class TorchBackend:
             "loss": out["loss"],
             "num_tokens": out["tokens"],
             **{k: out[k] / tokens for k in keys[2:] if k in present},
+            **drift.summary(self._sum, self._max),
         }
 
     def optim_step(self, adam: AdamParams) -> dict[str, float]:

@@ -13,11 +13,12 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from treadle_common.api.runs import StepRecord
+from treadle_common.api.runs import RATIO_EDGES, StepRecord
 from treadle_common.config.recipe import RunConfig, TrainerConfig
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
 from treadle_common.runtime import tracing
 from treadle_common.runtime.logs import get_logger
+from treadle_trainer import consistency
 from treadle_trainer import metrics as tm
 from treadle_trainer.batches import (
     Datum,
@@ -89,6 +90,7 @@ def step_record(
         mean_reward=statistics.fmean(batch.rewards) if batch.rewards else 0.0,
         reward_std=statistics.pstdev(batch.rewards) if batch.rewards else 0.0,
         max_staleness=max(batch.stale, default=0),
+        staleness_histogram=consistency.staleness_histogram(batch.stale),
         wait_for_batch_s=timings["wait_for_batch_s"],
         train_s=timings["train_s"],
         publish_s=timings["publish_s"],
@@ -127,6 +129,10 @@ def observe(run: str, record: StepRecord, stale: list[int]) -> None:
         gauge.labels(run).set(values.get(name, 0.0))
     for s in stale:
         tm.STALENESS.labels(run).observe(s)
+    uppers = [*map(str, RATIO_EDGES), "+Inf"]
+    for upper, count in zip(uppers, record.ratio_histogram, strict=False):
+        if count:
+            tm.LOG_RATIO_TOKENS.labels(run, upper).inc(count)
     tm.WAIT_FOR_BATCH.labels(run).observe(record.wait_for_batch_s)
     tm.STEP_SECONDS.labels(run).observe(record.duration_s)
     tm.TOKENS.labels(run).inc(record.num_tokens)

@@ -1,0 +1,108 @@
+"""Train-inference consistency per step (`consistency.py`): the log ratio d = log p_trainer -
+log p_behaviour of every loss token, summed per batch and joined across minibatches; a real
+backend's step reports d = 0 for on-policy data and the shift a perturbed behaviour put in."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from treadle_common.api.runs import RATIO_EDGES, StepRecord
+from treadle_trainer import consistency
+from treadle_trainer.backends import BackendSpec, build_backend
+from treadle_trainer.backends.logprobs import token_logprobs
+from treadle_trainer.batches import Datum, pack
+from treadle_trainer.losses import LossParams
+
+pytestmark = pytest.mark.unit
+
+
+def identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def test_drift_figures_by_hand():
+    d = torch.tensor([[0.0, 0.5, -0.25, 9.0]])
+    weight = torch.tensor([[1.0, 1.0, 1.0, 0.0]])  # the last token is not a loss token
+    drift = consistency.Drift()
+    drift.add(d, torch.zeros_like(d), weight)
+    out = drift.summary(identity, identity)
+    kept = [0.0, 0.5, -0.25]
+    assert out["log_ratio_mean"] == pytest.approx(sum(kept) / 3)
+    assert out["log_ratio_abs_mean"] == pytest.approx(0.75 / 3)
+    assert out["log_ratio_max"] == pytest.approx(0.5)
+    assert out["behaviour_kl"] == pytest.approx(sum(math.expm1(x) - x for x in kept) / 3)
+    assert sum(out["ratio_histogram"]) == 3 and len(out["ratio_histogram"]) == len(RATIO_EDGES) + 1
+    for x in kept:
+        assert out["ratio_histogram"][consistency.ratio_bin(x)] >= 1
+    assert out["ratio_histogram"][consistency.ratio_bin(0.0)] == 1  # -0.001 <= 0 < 0.001
+    # the p99 of |d| is the upper edge of the bin 0.5 falls in, never above the largest |d|
+    assert 0.25 < out["log_ratio_p99"] <= 0.5
+    assert consistency.Drift().summary(identity, identity) == {}  # no loss token: nothing
+
+
+def test_minibatches_join_into_one_steps_figures():
+    a, b = consistency.Drift(), consistency.Drift()
+    a.add(torch.tensor([[0.1, 0.1]]), torch.zeros(1, 2), torch.ones(1, 2))
+    b.add(torch.tensor([[-0.4, 0.0, 0.0, 0.0]]), torch.zeros(1, 4), torch.ones(1, 4))
+    whole = consistency.Drift()
+    whole.add(torch.tensor([[0.1, 0.1, -0.4, 0.0, 0.0, 0.0]]), torch.zeros(1, 6), torch.ones(1, 6))
+    merged = consistency.merge([a.summary(identity, identity), b.summary(identity, identity)])
+    want = whole.summary(identity, identity)
+    assert merged["ratio_histogram"] == want["ratio_histogram"]
+    for key in ("log_ratio_mean", "log_ratio_abs_mean", "behaviour_kl", "log_ratio_p99"):
+        assert merged[key] == pytest.approx(want[key]), key
+    assert merged["log_ratio_max"] == pytest.approx(0.4)
+    assert consistency.staleness_histogram([0, 2, 0, 1, 0]) == [3, 1, 1]
+    assert consistency.staleness_histogram([]) == []
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from treadle_cli.tiny_model import init_tiny
+
+    return str(init_tiny(tmp_path_factory.mktemp("consistency") / "tiny"))
+
+
+def on_policy_data(backend, rng: random.Random, shift: float) -> list[Datum]:
+    """Completions scored by the backend itself as their behaviour logprobs, minus `shift`
+    (a rollout engine whose logprobs are that much lower than the trainer's)."""
+    data = []
+    for _ in range(4):
+        prompt = [rng.randrange(5, 200) for _ in range(6)]
+        completion = [rng.randrange(5, 200) for _ in range(3)]
+        ids = prompt + completion
+        weights = [0.0] * (len(prompt) - 1) + [1.0] * len(completion) + [0.0]
+        data.append(Datum(ids, ids[1:] + [2], weights, [w * 0.5 for w in weights], weights))
+    (mb,) = pack(data, 4096, "token", backend.pad_id)
+    with torch.no_grad():
+        lp, _ = token_logprobs(backend.model, mb, "cpu", entropy=False, temperature=1.0)
+    for i, datum in enumerate(data):
+        n = len(datum.input_ids)
+        datum.logprobs = [float(lp[i, t]) - shift for t in range(n)]
+    return data
+
+
+@pytest.mark.parametrize("shift", [0.0, 0.3])
+def test_a_backends_step_reports_the_drift_its_behaviour_logprobs_carry(model_dir, shift):
+    backend = build_backend(BackendSpec(model_dir=model_dir))
+    data = on_policy_data(backend, random.Random(0), shift)
+    mbs = pack(data, 4096, "token", backend.pad_id)
+    out = backend.forward_backward(mbs, "ppo", LossParams())
+    assert sum(out["ratio_histogram"]) == out["num_tokens"] == 12
+    assert out["log_ratio_mean"] == pytest.approx(shift, abs=1e-4)
+    assert out["log_ratio_max"] == pytest.approx(shift, abs=1e-4)
+    assert out["behaviour_kl"] == pytest.approx(math.expm1(shift) - shift, abs=1e-4)
+    assert out["ratio_histogram"][consistency.ratio_bin(shift)] == 12
+    # a step's record keeps them (`step_record` passes every StepRecord field of the stats)
+    fields = {k: v for k, v in out.items() if k in StepRecord.model_fields and k != "loss"}
+    record = StepRecord(
+        step=1, version=1, mean_reward=0.0, num_trajectories=4, max_staleness=0, loss=0.0,
+        grad_norm=0.0, publish_s=0.0, published=True, duration_s=1.0, **fields,
+    )  # fmt: skip
+    assert record.ratio_histogram == out["ratio_histogram"]
+    assert record.log_ratio_p99 == pytest.approx(shift, abs=1e-4) or shift == 0.0
+    backend.close()
