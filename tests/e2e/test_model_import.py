@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from tests.support.cli import treadle
+from tests.support.cli import TWO_STEPS, import_model, run_recipe, run_rows, treadle
 from tests.support.services import ROOT
 from treadle_common.clients.weights import WeightStoreClient
 from treadle_common.model.importing import RECORD
@@ -68,11 +68,7 @@ def test_a_gguf_model_imports_exactly_and_trains_by_rl_end_to_end(smollm2_gguf, 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / "models" / "smollm2"
-    imported = treadle(
-        "model", "import", str(smollm2_gguf), "smollm2", "--out", str(out), "--no-publish",
-        env=cli_env, cwd=tmp_path, timeout=600,
-    )  # fmt: skip
-    assert imported.returncode == 0, imported.stdout + imported.stderr
+    import_model(smollm2_gguf, "smollm2", out, cli_env, tmp_path)
     record = json.loads((out / RECORD).read_text())
     assert record["kind"] == "gguf" and record["architecture"] == "LlamaForCausalLM"
     assert record["parameters"] == 134_515_008 and record["vocab_size"] == 49152
@@ -90,22 +86,14 @@ def test_a_gguf_model_imports_exactly_and_trains_by_rl_end_to_end(smollm2_gguf, 
     del gguf, model
     # two RL steps on the stack, the model served and trained (a LoRA adapter) as imported
     overrides = {
+        **TWO_STEPS,
         "model.path": str(out),
-        "trainer.num_steps": "2",
-        "trainer.tasks_per_step": "2",
-        "trainer.checkpoint_every": "2",
-        "rollout.group_size": "2",
         "eval.num_tasks": "0",  # no evaluation: the run publishes the base itself
     }
-    sets = [arg for key, value in overrides.items() for arg in ("--set", f"{key}={value}")]
-    result = treadle(
-        "run", str(ROOT / "recipes/smollm2.yaml"), *sets, env=cli_env, cwd=tmp_path, timeout=1100
-    )
+    result = run_recipe(ROOT / "recipes/smollm2.yaml", overrides, cli_env, tmp_path, 1100)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    (run_dir,) = (tmp_path / ".treadle" / "runs").iterdir()
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary, rows = run_rows(tmp_path)
     assert summary["exactly_once"] and summary["steps"] == 2
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["kind"] == "step"]
     assert [s["step"] for s in steps] == [1, 2]
     assert all(s["num_trajectories"] == 4 for s in steps), steps

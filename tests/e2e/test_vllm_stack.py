@@ -7,11 +7,9 @@ from GGUF: each step's LoRA adapter published to the weight store and served by 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from tests.support.cli import treadle
+from tests.support.cli import TWO_STEPS, import_model, run_recipe, run_rows
 from tests.support.services import ROOT
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow]
@@ -23,11 +21,7 @@ VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 def test_rl_on_the_real_model_with_rollout_on_vllm(smollm2_gguf, cli_env, tmp_path):
     assert VLLM_PYTHON.exists(), "scripts/setup_vllm.sh builds .venv-vllm (make test-vllm)"
     out = tmp_path / "models" / "smollm2"
-    imported = treadle(
-        "model", "import", str(smollm2_gguf), "smollm2", "--out", str(out), "--no-publish",
-        env=cli_env, cwd=tmp_path, timeout=600,
-    )  # fmt: skip
-    assert imported.returncode == 0, imported.stdout + imported.stderr
+    import_model(smollm2_gguf, "smollm2", out, cli_env, tmp_path)
     env = {
         **cli_env,
         "TREADLE_ROLLOUT_PYTHON": str(VLLM_PYTHON),
@@ -37,18 +31,12 @@ def test_rl_on_the_real_model_with_rollout_on_vllm(smollm2_gguf, cli_env, tmp_pa
         "TREADLE_ROLLOUT_MAX_CONTEXT": "512",
     }
     overrides = {
+        **TWO_STEPS,
         "model.path": str(out),
-        "trainer.num_steps": "2",
-        "trainer.tasks_per_step": "2",
-        "trainer.checkpoint_every": "2",
-        "rollout.group_size": "2",
         "eval.num_tasks": "8",
         "eval.every": "0",
     }
-    sets = [arg for key, value in overrides.items() for arg in ("--set", f"{key}={value}")]
-    result = treadle(
-        "run", str(ROOT / "recipes/smollm2.yaml"), *sets, env=env, cwd=tmp_path, timeout=1400
-    )
+    result = run_recipe(ROOT / "recipes/smollm2.yaml", overrides, env, tmp_path, 1400)
     logs = tmp_path / ".treadle" / "logs"
     rollout_log = "".join(p.read_text(errors="replace") for p in logs.glob("rollout*"))
     assert result.returncode == 0, (
@@ -56,10 +44,8 @@ def test_rl_on_the_real_model_with_rollout_on_vllm(smollm2_gguf, cli_env, tmp_pa
     )
     # rollout served with vLLM (its engine core's own log lines), from the vLLM venv
     assert "vllm" in rollout_log.lower() and "EngineCore" in rollout_log, rollout_log[-2000:]
-    (run_dir,) = (tmp_path / ".treadle" / "runs").iterdir()
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary, rows = run_rows(tmp_path)
     assert summary["exactly_once"] and summary["steps"] == 2, summary
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["kind"] == "step"]
     assert [s["step"] for s in steps] == [1, 2]
     assert all(s["num_trajectories"] == 4 for s in steps), steps

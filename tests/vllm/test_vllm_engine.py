@@ -14,38 +14,24 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import grpc  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from tests.support.reference import teacher_forced_logprobs  # noqa: E402
+from tests.support.weight_store import start_weight_store, stop_weight_store  # noqa: E402
 from treadle_cli.tiny_model import init_tiny  # noqa: E402
-from treadle_common.clients.torch_weights import TorchWeightClient  # noqa: E402
 from treadle_rollout.engines.base import Sampling  # noqa: E402
 from treadle_rollout.engines.vllm import VLLMEngine  # noqa: E402
-from treadle_weight_store.backends.local import LocalBackend  # noqa: E402
-from treadle_weight_store.grpc import WeightStoreServicer, add_to_server  # noqa: E402
-from treadle_weight_store.store import WeightStore  # noqa: E402
 
 # in float32, vLLM's CPU kernels agree with a plain torch forward to ~1e-3 in logprob
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
-
-
-async def no_announce(_manifest) -> None:
-    return None
 
 
 async def test_vllm_generates_with_logprobs_applies_a_weight_update_and_orders_by_priority(
     tmp_path,
 ):
     model_dir = init_tiny(tmp_path / "tiny")
-    server = grpc.aio.server()
-    add_to_server(
-        WeightStoreServicer(WeightStore(LocalBackend(tmp_path / "ws")), no_announce), server
-    )
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    client = TorchWeightClient(f"127.0.0.1:{port}")
+    server, client = await start_weight_store(tmp_path / "ws")
     engine = VLLMEngine(model_dir, "tiny", max_context=256, dtype="float32", max_batch=1)
     try:
         await engine.start()
@@ -108,8 +94,7 @@ async def test_vllm_generates_with_logprobs_applies_a_weight_update_and_orders_b
         assert finished == [0.0, 1.0, 2.0, 3.0]
     finally:
         await engine.close()
-        await client.close()
-        await server.stop(None)
+        await stop_weight_store(server, client)
 
 
 async def test_vllm_serves_lora_adapters_like_the_hf_engine(tmp_path):
@@ -120,13 +105,7 @@ async def test_vllm_serves_lora_adapters_like_the_hf_engine(tmp_path):
     from treadle_common.model import lora
 
     model_dir = init_tiny(tmp_path / "tiny")
-    server = grpc.aio.server()
-    add_to_server(
-        WeightStoreServicer(WeightStore(LocalBackend(tmp_path / "ws")), no_announce), server
-    )
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    client = TorchWeightClient(f"127.0.0.1:{port}")
+    server, client = await start_weight_store(tmp_path / "ws")
     engine = VLLMEngine(
         model_dir,
         "tiny",
@@ -181,5 +160,4 @@ async def test_vllm_serves_lora_adapters_like_the_hf_engine(tmp_path):
         assert engine.adapters() == []
     finally:
         await engine.close()
-        await client.close()
-        await server.stop(None)
+        await stop_weight_store(server, client)

@@ -20,29 +20,21 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import grpc  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from tests.support.reference import teacher_forced_logprobs  # noqa: E402
 from tests.support.services import ROOT  # noqa: E402
-from treadle_common.clients.torch_weights import TorchWeightClient, state_dict_to_raw  # noqa: E402
+from tests.support.weight_store import start_weight_store, stop_weight_store  # noqa: E402
+from treadle_common.clients.torch_weights import state_dict_to_raw  # noqa: E402
 from treadle_common.model import lora  # noqa: E402
-from treadle_common.runtime import grpc_options  # noqa: E402
 from treadle_rollout.engines.base import Sampling  # noqa: E402
 from treadle_rollout.engines.vllm import VLLMEngine  # noqa: E402
-from treadle_weight_store.backends.local import LocalBackend  # noqa: E402
-from treadle_weight_store.grpc import WeightStoreServicer, add_to_server  # noqa: E402
-from treadle_weight_store.store import WeightStore  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 QUESTION = "Calculate {a}+{b}. Give only the final number, nothing else."  # the recipe's
 PROBLEMS = [(3, 4), (12, 9), (25, 17), (8, 21)]
-
-
-async def no_announce(_manifest) -> None:
-    return None
 
 
 @pytest.fixture(scope="module")
@@ -74,13 +66,7 @@ def chat_prompt(tokenizer, a: int, b: int) -> list[int]:
 
 
 async def test_vllm_serves_the_imported_model_and_its_lora_versions(smollm2, tmp_path):
-    server = grpc.aio.server(options=grpc_options.SERVER_OPTIONS)  # as the store's (4 MiB chunks)
-    add_to_server(
-        WeightStoreServicer(WeightStore(LocalBackend(tmp_path / "ws")), no_announce), server
-    )
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    client = TorchWeightClient(f"127.0.0.1:{port}")
+    server, client = await start_weight_store(tmp_path / "ws")
     engine = VLLMEngine(
         smollm2,
         "smollm2",
@@ -143,5 +129,4 @@ async def test_vllm_serves_the_imported_model_and_its_lora_versions(smollm2, tmp
             assert max(abs(a - b) for a, b in zip(want, base, strict=True)) > 0.05
     finally:
         await engine.close()
-        await client.close()
-        await server.stop(None)
+        await stop_weight_store(server, client)

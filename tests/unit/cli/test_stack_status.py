@@ -9,6 +9,22 @@ from treadle_cli.stack import last_error
 pytestmark = pytest.mark.unit
 
 
+def a_spec(tmp_path, **fields):
+    """A stack's spec on the default ports, `fields` set."""
+    from treadle_cli.stack import StackSpec
+
+    return StackSpec(
+        state_dir=str(tmp_path),
+        cwd=str(tmp_path),
+        redis_url="redis://127.0.0.1:16379",
+        nats_url="nats://127.0.0.1:14222",
+        model_dir=str(tmp_path),
+        model_name="m",
+        ports=StackSpec.ports_from(None),
+        **fields,
+    )
+
+
 def test_the_last_error_line_of_a_services_log_is_its_reason(tmp_path):
     logs = tmp_path / "logs"
     logs.mkdir()
@@ -49,7 +65,6 @@ def test_treadle_up_gives_each_service_only_the_environment_it_needs(monkeypatch
 def test_treadle_up_gives_redis_credentials_only_to_the_services_that_use_redis(
     tmp_path, monkeypatch
 ):
-    from treadle_cli.stack import StackSpec
     from treadle_common import names
     from treadle_common.auth import infra as infra_auth
 
@@ -57,17 +72,7 @@ def test_treadle_up_gives_redis_credentials_only_to_the_services_that_use_redis(
     path = tmp_path / "infra.json"
     path.write_text(secrets.model_dump_json())
     monkeypatch.setenv("TREADLE_REDIS_URL", "redis://:the-admins-password@127.0.0.1:1")
-    spec = StackSpec(
-        state_dir=str(tmp_path),
-        cwd=str(tmp_path),
-        redis_url="redis://127.0.0.1:16379",
-        nats_url="nats://127.0.0.1:14222",
-        model_dir=str(tmp_path),
-        model_name="m",
-        ports=StackSpec.ports_from(None),
-        infra_secrets_file=str(path),
-        secured_infra=["redis", "nats"],
-    )
+    spec = a_spec(tmp_path, infra_secrets_file=str(path), secured_infra=["redis", "nats"])
     for service in names.SERVICES:
         env = spec.env(service)
         assert "the-admins-password" not in json.dumps(env), service
@@ -84,21 +89,11 @@ def test_rollout_and_its_replicas_run_under_the_rollout_python_and_the_rest_unde
     import sys
 
     from treadle_cli.settings import CliSettings
-    from treadle_cli.stack import StackError, StackSpec, prepare
+    from treadle_cli.stack import StackError, prepare
 
-    spec = StackSpec(
-        state_dir=str(tmp_path),
-        cwd=str(tmp_path),
-        redis_url="redis://127.0.0.1:16379",
-        nats_url="nats://127.0.0.1:14222",
-        model_dir=str(tmp_path),
-        model_name="m",
-        ports=StackSpec.ports_from(None),
-        served={"other": str(tmp_path)},
-        rollout_python="/opt/vllm-venv/bin/python",
-    )
-    assert spec.command("rollout") == ["/opt/vllm-venv/bin/python", "-m", "treadle_rollout"]
-    assert spec.command("rollout-other")[0] == "/opt/vllm-venv/bin/python"
+    spec = a_spec(tmp_path, served={"other": str(tmp_path)}, rollout_python="/opt/vllm/python")
+    assert spec.command("rollout") == ["/opt/vllm/python", "-m", "treadle_rollout"]
+    assert spec.command("rollout-other")[0] == "/opt/vllm/python"
     assert spec.command("trainer") == [sys.executable, "-m", "treadle_trainer"]
     assert spec.command("weight-store")[0] == sys.executable
     # a rollout Python that is not there fails before anything starts
