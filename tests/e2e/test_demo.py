@@ -44,6 +44,13 @@ def test_demo_recipe_lifts_held_out_accuracy_by_rl_and_writes_its_outputs(cli_en
     steps = [r for r in rows if r["kind"] == "step"]
     assert [s["step"] for s in steps] == list(range(1, num_steps + 1))
     assert all(s["max_staleness"] == 0 for s in steps)  # sync mode
+    # train-inference consistency in every step: each loss token binned once; sync, the same
+    # fp32 weights in the hf engine and the trainer: the two logprobs agree to well under 1e-3
+    assert all(sum(s["ratio_histogram"]) == s["num_tokens"] > 0 for s in steps)
+    assert all(s["staleness_histogram"] == [s["num_trajectories"]] for s in steps)
+    assert all(0 <= s["log_ratio_p99"] <= s["log_ratio_max"] < 1e-3 for s in steps), max(
+        s["log_ratio_max"] for s in steps
+    )
     assert (run_dir / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     init_version = yaml.safe_load((run_dir / "config.yaml").read_text())["model"]["init_version"]
     assert init_version is not None and init_version < summary["versions_published"][0]

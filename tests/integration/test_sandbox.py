@@ -477,6 +477,31 @@ async def test_five_hundred_sandboxes_leave_no_zombie(sandbox):
                 os.waitpid(int(zombie.split()[0]), 0)
 
 
+async def test_inner_processes_an_outer_one_did_not_reap_are_reaped_by_the_gateway(
+    sandbox, monkeypatch
+):
+    """On a loaded machine the outer process (`unshare`, bwrap's monitor) may be killed before
+    it reaped the inner ones it was given time to: orphaned, they are the subreaper's, and
+    the gateway reaps them (no grace at all here, so every kill leaves them so)."""
+    from treadle_env_gateway.sandbox import local
+
+    if isinstance(sandbox.backend, DockerBackend):
+        pytest.skip("a docker sandbox's processes are the engine's (docker-init reaps them)")
+    monkeypatch.setattr(local, "OUTER_GRACE_S", 0.0)
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    try:
+        for _ in range(5):
+            results = await asyncio.gather(*(sandbox.run_tests(RIGHT, TESTS) for _ in range(4)))
+            assert all(r.status == "ok" for r in results), results
+        assert _zombies_of(os.getpid()) == []  # reaped in the kill, not later
+    finally:
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+        for zombie in _zombies_of(os.getpid()):
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(int(zombie.split()[0]), 0)
+
+
 async def test_past_its_cap_a_run_waits_its_turn(sandbox):
     """At most `max_concurrent` runs at once: the others queue (counted) and all finish."""
     from treadle_env_gateway.sandbox.runner import QUEUED

@@ -33,6 +33,41 @@ from treadle_env_gateway.sandbox.backends import (
 from treadle_env_gateway.sandbox.cgroups import BoxCgroup, Cgroups
 from treadle_env_gateway.sandbox.limits import Limits
 
+OUTER_GRACE_S = REAP_GRACE_S
+"""How long a killed sandbox's outer process has to reap the inner ones and exit before its
+whole group is killed (what it did not reap then is the gateway's: `_reap_pidfd`)."""
+
+
+def _pidfds(pids: list[int]) -> list[int]:
+    """A pidfd for each of `pids` still there: each names that very process (not a later one
+    given the same pid)."""
+    fds = []
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            fds.append(os.pidfd_open(pid))
+    return fds
+
+
+async def _reap_pidfd(pidfd: int) -> None:
+    """Wait (at most `REAP_GRACE_S`) until the process has exited, reap it if it is this
+    process's child (else ECHILD: its parent reaped it), and close the pidfd."""
+    loop = asyncio.get_running_loop()
+    exited = loop.create_future()
+
+    def done() -> None:
+        if not exited.done():
+            exited.set_result(None)
+
+    loop.add_reader(pidfd, done)
+    try:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(exited, REAP_GRACE_S)
+        with contextlib.suppress(ChildProcessError):
+            os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)  # noqa: ASYNC222 (WNOHANG)
+    finally:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+
 
 def _group(pgid: int) -> list[int]:
     """The processes of process group `pgid`, from /proc."""
@@ -111,20 +146,25 @@ class _Local:
         left a zombie for the machine's PID 1, which in a container is the gateway itself,
         and nothing reaps it. Then the group, whatever is left of it."""
         pid = self.proc.pid
+        orphans: list[int] = []  # the inner ones' pidfds: ours to reap if they outlive the outer
         if self.proc.returncode is None:
             self._stopped_before_ready = self.ready_fd is not None and not self._became_ready()
             inner = [p for p in _group(pid) if p != pid]
+            orphans = _pidfds(inner)
             for member in inner:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(member, signal.SIGKILL)
             if inner:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(self.proc.wait()), REAP_GRACE_S)
+                    await asyncio.wait_for(asyncio.shield(self.proc.wait()), OUTER_GRACE_S)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGKILL)
         if self.info_fd is not None:
             await self.proc.wait()
             await self._reap_inner()
+        if orphans:  # an outer one killed before it reaped them (a loaded machine) left them
+            await self.proc.wait()  # to the gateway, the subreaper: reap them, or ECHILD
+            await asyncio.gather(*(_reap_pidfd(pidfd) for pidfd in orphans))
         if self.cgroup is not None:
             await self._end_cgroup(self.cgroup)
 
@@ -164,22 +204,7 @@ class _Local:
         finally:
             os.close(self.info_fd)
             self.info_fd = None
-        loop = asyncio.get_running_loop()
-        exited = loop.create_future()
-
-        def done() -> None:
-            if not exited.done():
-                exited.set_result(None)
-
-        loop.add_reader(pidfd, done)
-        try:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(exited, REAP_GRACE_S)
-            with contextlib.suppress(ChildProcessError):
-                os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)  # noqa: ASYNC222 (WNOHANG)
-        finally:
-            loop.remove_reader(pidfd)
-            os.close(pidfd)
+        await _reap_pidfd(pidfd)
 
     def __del__(self) -> None:
         for fd in (self.ready_fd, self.info_fd):
