@@ -7,7 +7,8 @@ from pathlib import Path
 
 import grpc
 
-from treadle_common.clients.torch_weights import TorchWeightClient
+from treadle_common.clients.torch_weights import TorchWeightClient, state_dict_to_raw
+from treadle_common.model import lora
 from treadle_common.runtime import grpc_options
 from treadle_weight_store.backends.local import LocalBackend
 from treadle_weight_store.grpc import WeightStoreServicer, add_to_server
@@ -30,3 +31,19 @@ async def start_weight_store(root: Path) -> tuple[grpc.aio.Server, TorchWeightCl
 async def stop_weight_store(server: grpc.aio.Server, client: TorchWeightClient) -> None:
     await client.close()
     await server.stop(None)
+
+
+async def swap_in_adapter(
+    engine, client: TorchWeightClient, model: str, tensors: dict, config, base: tuple[str, int]
+) -> int:
+    """A LoRA run's version: the adapter `tensors` published on the base (its directory, its
+    version), then swapped into `engine` as its policy; the version."""
+    response = await client.store.publish(
+        model,
+        state_dict_to_raw(tensors),
+        trainer_step=1,
+        metadata=lora.to_metadata(config, base[0], base[1]),
+    )
+    stats = await engine.update_to(client.store, response.version)
+    assert engine.version == stats.version == response.version
+    return response.version

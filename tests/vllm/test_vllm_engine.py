@@ -18,7 +18,11 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from tests.support.reference import teacher_forced_logprobs  # noqa: E402
-from tests.support.weight_store import start_weight_store, stop_weight_store  # noqa: E402
+from tests.support.weight_store import (  # noqa: E402
+    start_weight_store,
+    stop_weight_store,
+    swap_in_adapter,
+)
 from treadle_cli.tiny_model import init_tiny  # noqa: E402
 from treadle_rollout.engines.base import Sampling  # noqa: E402
 from treadle_rollout.engines.vllm import VLLMEngine  # noqa: E402
@@ -101,7 +105,6 @@ async def test_vllm_serves_lora_adapters_like_the_hf_engine(tmp_path):
     """Named adapters (the Tinker API's sampler weights) and a LoRA run's adapter version as
     the policy: vLLM's LoRA (from the PEFT files the engine writes) gives the tokens and
     logprobs the `treadle_common.model.lora` layers give."""
-    from treadle_common.clients.torch_weights import state_dict_to_raw
     from treadle_common.model import lora
 
     model_dir = init_tiny(tmp_path / "tiny")
@@ -146,16 +149,11 @@ async def test_vllm_serves_lora_adapters_like_the_hf_engine(tmp_path):
             "tiny",
             step=0,
         )
-        response = await client.store.publish(
-            "tiny",
-            state_dict_to_raw(tensors),
-            trainer_step=1,
-            metadata=lora.to_metadata(config, str(model_dir), base_version),
+        version = await swap_in_adapter(
+            engine, client, "tiny", tensors, config, (str(model_dir), base_version)
         )
-        stats = await engine.update_to(client.store, response.version)
-        assert engine.version == stats.version == response.version
         policy = await engine.generate(prompt, Sampling(0.0, 1.0, 6))
-        assert policy.tokens == got.tokens and set(policy.versions) == {response.version}
+        assert policy.tokens == got.tokens and set(policy.versions) == {version}
         await engine.unload_adapter("a")
         assert engine.adapters() == []
     finally:

@@ -25,8 +25,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from tests.support.reference import teacher_forced_logprobs  # noqa: E402
 from tests.support.services import ROOT  # noqa: E402
-from tests.support.weight_store import start_weight_store, stop_weight_store  # noqa: E402
-from treadle_common.clients.torch_weights import state_dict_to_raw  # noqa: E402
+from tests.support.weight_store import (  # noqa: E402
+    start_weight_store,
+    stop_weight_store,
+    swap_in_adapter,
+)
 from treadle_common.model import lora  # noqa: E402
 from treadle_rollout.engines.base import Sampling  # noqa: E402
 from treadle_rollout.engines.vllm import VLLMEngine  # noqa: E402
@@ -109,18 +112,13 @@ async def test_vllm_serves_the_imported_model_and_its_lora_versions(smollm2, tmp
         adapter_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         model_bytes = sum(t.numel() * t.element_size() for t in base_state.values())
         assert adapter_bytes < model_bytes / 10  # a version moves the adapter, not the model
-        response = await client.store.publish(
-            "smollm2",
-            state_dict_to_raw(tensors),
-            trainer_step=1,
-            metadata=lora.to_metadata(config, str(smollm2), base_version),
+        version = await swap_in_adapter(
+            engine, client, "smollm2", tensors, config, (str(smollm2), base_version)
         )
-        stats = await engine.update_to(client.store, response.version)
-        assert engine.version == stats.version == response.version
         sampled = Sampling(1.0, 1.0, 12, seed=0)
         for prompt in prompts[:2]:
             got = await engine.generate(prompt, sampled)
-            assert set(got.versions) == {response.version}
+            assert set(got.versions) == {version}
             with lora.using("policy"):
                 want = teacher_forced_logprobs(hf, prompt, got.tokens)
             base = teacher_forced_logprobs(hf, prompt, got.tokens)

@@ -35,10 +35,6 @@ from treadle_common.api.runs import RATIO_EDGES
 ABS_EDGES = tuple(10.0 ** (k / 4) for k in range(-24, 5))
 """Bin edges of |d| for its percentiles: 1e-6 to 10, four a decade."""
 _SCALARS = 4  # token count, sum of d, sum of |d|, sum of k3
-FIELDS = ("log_ratio_mean", "log_ratio_abs_mean", "log_ratio_p99", "log_ratio_max",
-          "behaviour_kl", "ratio_histogram")  # fmt: skip
-"""What `Drift.summary` gives (and `StepRecord` records)."""
-
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -81,8 +77,8 @@ class Drift:
         self.max = torch.maximum(self.max, a.max())
 
     def summary(self, total: Reduce, maximum: Reduce) -> dict[str, Any]:
-        """The step's figures (`FIELDS`), after `total` (a sum across ranks) of the sums and
-        `maximum` of the largest |d|."""
+        """The step's figures (the table above), after `total` (a sum across ranks) of the
+        sums and `maximum` of the largest |d|."""
         sums = total(self.sums).tolist()
         largest = float(maximum(self.max))
         n, sum_d, sum_abs, sum_k3 = sums[:_SCALARS]
