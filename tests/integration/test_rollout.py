@@ -397,3 +397,128 @@ async def test_a_task_that_keeps_failing_is_dead_lettered_with_its_last_error(re
     assert int(state[b"admission_released"]) == 1  # it was admitted: its place is freed
     assert b"trajectories_produced" not in state
     assert not await redis_client.exists(names.task_errors(run))
+
+
+# --- failed episodes: retried in their group, quarantined whole, circuit-broken -------------------
+class FlakyEpisodes:
+    """Episodes of which `fails[task/index]` attempts fail first (an env error, as the
+    episode runner reports one), the others played."""
+
+    def __init__(self, fails: dict[str, int] | None = None, every: int = 0):
+        self.fails = fails or {}
+        self.every = every
+        self.calls: list[str] = []
+
+    async def run(self, task, index, gate=None):
+        key = f"{task.task_id}/{index}"
+        self.calls.append(key)
+        traj = tpb.Trajectory(trajectory_id=key, group_id=task.task_id, run_id=task.run_id)
+        if self.calls.count(key) <= self.fails.get(key, self.every):
+            traj.status = tpb.TRAJECTORY_STATUS_ENV_ERROR
+            traj.error = f"scripted env failure of {key}"
+        else:
+            traj.status = tpb.TRAJECTORY_STATUS_OK
+        return traj
+
+
+async def _failing_run(
+    redis_client, episodes, tasks: int = 1, group_size: int = 3, **failures
+) -> tuple[str, str, TaskWorker]:
+    """A run of `tasks` tasks of env `e`, and the worker that plays them one at a time."""
+    run = uuid.uuid4().hex
+    stream = names.tasks_stream(run)
+    await streams.ensure_group(redis_client, stream, names.ROLLOUT_GROUP)
+    await admission.configure(redis_client, run, groups_per_step=8, max_staleness=4, base_version=0)
+    for i in range(tasks):
+        task = task_pb2.Task(
+            task_id=f"t{i}",
+            run_id=run,
+            env="e",
+            scorer="s",
+            group_size=group_size,
+            failures=task_pb2.EpisodeFailures(**failures),
+        )
+        await streams.add(redis_client, stream, task)
+    await redis_client.sadd(names.RUNS_KEY, run)
+    worker = TaskWorker(
+        redis_client, episodes, SlowVersion(0.0), consumer="c1", max_concurrent_tasks=1
+    )
+    return run, stream, worker
+
+
+async def _play_until(redis_client, run: str, worker: TaskWorker, predicate) -> None:
+    job = asyncio.create_task(worker.run())
+    try:
+        await _until(predicate)
+    finally:
+        await worker.drain()
+        job.cancel()
+        await redis_client.srem(names.RUNS_KEY, run)
+
+
+async def test_a_failed_episode_is_played_again_and_its_group_lands_whole(redis_client):
+    episodes = FlakyEpisodes({"t0/1": 2})
+    run, stream, worker = await _failing_run(redis_client, episodes, retries=2)
+    await _play_until(redis_client, run, worker, lambda: worker.tasks_done == 1)
+    assert sorted(episodes.calls) == ["t0/0", "t0/1", "t0/1", "t0/1", "t0/2"]
+    landed = [
+        tpb.Trajectory.FromString(f[b"pb"])
+        for _, f in await redis_client.xrange(names.trajectories_stream(run))
+    ]
+    assert [t.trajectory_id for t in landed] == ["t0/0", "t0/1", "t0/2"]
+    assert all(t.status == tpb.TRAJECTORY_STATUS_OK for t in landed)
+    assert await redis_client.xlen(names.quarantine(run)) == 0
+    assert worker.groups.retries.retried == 2
+
+
+async def test_a_group_with_an_episode_failing_past_its_retries_is_quarantined_whole(
+    redis_client,
+):
+    """Never trained on its survivors: nothing of the group reaches the trainer; the failed
+    episode is in the quarantine stream with why, the task dead-lettered (the trainer feeds
+    another), the survivors counted as discarded, all with the task's ack."""
+    episodes = FlakyEpisodes({"t0/1": 99})
+    run, stream, worker = await _failing_run(redis_client, episodes, retries=2)
+    await _play_until(redis_client, run, worker, lambda: worker.dead_lettered == 1)
+    assert episodes.calls.count("t0/1") == 3  # the first attempt and two retries
+    assert await redis_client.xlen(names.trajectories_stream(run)) == 0
+    [(_, q)] = await redis_client.xrange(names.quarantine(run))
+    assert q[b"trajectory_id"] == b"t0/1" and q[b"reason"] == b"env_error"
+    assert int(q[b"attempts"]) == 3 and b"scripted env failure of t0/1" in q[b"error"]
+    assert tpb.Trajectory.FromString(q[b"pb"]).status == tpb.TRAJECTORY_STATUS_ENV_ERROR
+    [(_, dead)] = await redis_client.xrange(names.dead_letters(run))
+    assert (
+        dead[b"reason"] == b"episodes_failed"
+        and b"1 of 3 episodes failed 3 times" in dead[b"error"]
+    )
+    state = await redis_client.hgetall(names.run_state(run))
+    assert int(state[b"trajectories_quarantined"]) == 1
+    assert int(state[b"trajectories_discarded"]) == 2
+    assert int(state[b"dead:episodes_failed"]) == 1 and int(state[b"tasks_dead"]) == 1
+    assert (await redis_client.xpending(stream, names.ROLLOUT_GROUP))["pending"] == 0
+
+
+async def test_an_env_failing_past_its_threshold_is_circuit_broken_for_the_run(redis_client):
+    """Window 4, rate 0.5: once 4 of the run's last 4 episodes failed, the breaker opens (why
+    in the run's state) and the run's later tasks of that env are dead-lettered unplayed."""
+    episodes = FlakyEpisodes(every=99)
+    run, _, worker = await _failing_run(
+        redis_client,
+        episodes,
+        tasks=4,
+        group_size=2,
+        retries=1,
+        breaker_window=4,
+        breaker_failure_rate=0.5,
+    )
+    await _play_until(redis_client, run, worker, lambda: worker.dead_lettered == 4)
+    assert sorted(set(episodes.calls)) == ["t0/0", "t0/1", "t1/0", "t1/1"]  # t2, t3 unplayed
+    state = await redis_client.hgetall(names.run_state(run))
+    why = streams.text(state[b"broken:e"])
+    assert why.startswith("4 of its last 4 episodes failed; the last: env_error: scripted")
+    assert int(state[b"dead:episodes_failed"]) == 2
+    assert int(state[b"dead:env_circuit_open"]) == 2
+    dead = [f for _, f in await redis_client.xrange(names.dead_letters(run))]
+    assert [d[b"task_id"] for d in dead] == [b"t0", b"t1", b"t2", b"t3"]
+    assert streams.text(dead[3][b"error"]) == why
+    assert await redis_client.hget(names.env_health(run), "e") == b"1111"

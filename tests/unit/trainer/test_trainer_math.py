@@ -1,5 +1,6 @@
 """Losses, advantages, aggregation, validation and packing, each against a hand example."""
 
+import asyncio
 import math
 
 import pytest
@@ -282,24 +283,30 @@ async def test_a_wholly_stale_group_does_not_take_a_batch_slot():
     from types import SimpleNamespace
 
     from treadle_trainer.run.collector import Collector
+    from treadle_trainer.run.feeder import EnvCircuitOpen
 
     def group(gid: str, version: int) -> list[Entry]:
         return [
-            Entry(f"{gid}-{i}", tpb.Trajectory(group_id=gid, token_versions=[-1, version]))
+            Entry(f"{gid}-{i}", traj(group=gid, versions=(version,), tid=f"{gid}/{i}"))
             for i in range(2)
         ]
 
-    class Counts:  # the one Redis call collect makes: count an unusable group
+    class Counts:  # the Redis calls collect makes: count an unusable group, read a breaker
         def __init__(self):
             self.counts: dict[str, int] = {}
+            self.broken: dict[str, bytes] = {}
 
         async def hincrby(self, key, field, by):
             self.counts[field] = self.counts.get(field, 0) + by
 
+        async def hget(self, key, field):
+            return self.broken.get(field)
+
     class Scripted(Collector):
         def __init__(self, arrivals: list[list[Entry]]):  # no Redis: a scripted stream
             trainer = SimpleNamespace(batch_timeout_s=0.5)
-            self.config = SimpleNamespace(trainer=trainer, run_id="r")  # type: ignore[assignment]
+            env = SimpleNamespace(name="e")
+            self.config = SimpleNamespace(trainer=trainer, run_id="r", env=env)  # type: ignore[assignment]
             self.buffer = GroupBuffer(2)
             self.arrivals = arrivals
             self.stopping = False
@@ -323,11 +330,18 @@ async def test_a_wholly_stale_group_does_not_take_a_batch_slot():
     mixed = Scripted([broken, group("f", 5), group("g", 5)])
     assert [g.group_id for g in await mixed.collect(2, 5, 1)] == ["e", "f", "g"]
     assert mixed.r.counts == {"groups_unusable": 1}
+    # a group with one failed member (the others played) is not trained either: replaced
+    failed = group("h", 5)
+    failed[1].traj.status = tpb.TRAJECTORY_STATUS_ENV_ERROR
+    partial = Scripted([failed, group("i", 5), group("j", 5)])
+    assert [g.group_id for g in await partial.collect(2, 5, 1)] == ["h", "i", "j"]
+    assert partial.r.counts == {"groups_unusable": 1}
     # replacements are fed at once, but a step whose groups keep failing stops asking
     refills = []
 
     async def refill():
         refills.append(1)
+        return 1
 
     storm = Scripted([group(f"s{i}", 0) for i in range(8)])
     with pytest.raises(TimeoutError):
@@ -335,6 +349,19 @@ async def test_a_wholly_stale_group_does_not_take_a_batch_slot():
     assert storm.r.counts == {"groups_unusable": 8} and len(refills) == 4  # 2 x 2 groups
     with pytest.raises(TimeoutError, match="only 1/2"):
         await Scripted([group("x", 0), group("d", 5)]).collect(2, version=5, max_staleness=1)
+    # a step that waits with nothing coming refills (the tasks rollout gave up on), boundedly
+    refills.clear()
+    quiet = Scripted([group("q", 5)])
+    quiet.read = lambda block_ms: asyncio.sleep(0, 0)  # type: ignore[method-assign]
+    with pytest.raises(TimeoutError, match="only 0/2"):
+        await quiet.collect(2, version=5, max_staleness=1, refill=refill)
+    assert len(refills) == 5  # 2 x 2 groups, and the one that went past the bound
+    # and once rollout opened the breaker of the run's env, the step fails with why
+    broken = Scripted([])
+    broken.read = lambda block_ms: asyncio.sleep(0, 0)  # type: ignore[method-assign]
+    broken.r.broken["broken:e"] = b"8 of its last 8 episodes failed"
+    with pytest.raises(EnvCircuitOpen, match="env 'e' is circuit-broken for run r: 8 of"):
+        await broken.collect(2, version=5, max_staleness=1, refill=refill)
     # a resume replays what the last owner read past its checkpoint: all stale at the version
     # the run goes back to, and every one is replaced, however many (not an env failing;
     # found by the compose smoke: a sync run stalled after a redis restart)
@@ -347,9 +374,11 @@ async def test_a_wholly_stale_group_does_not_take_a_batch_slot():
     assert resumed.r.counts == {"groups_unusable": 6} and len(refills) == 6
 
 
-def test_a_malformed_member_completes_its_group_and_its_step_drops_it():
+def test_a_group_with_a_failed_member_completes_and_is_dropped_whole():
     """An episode that failed before generating (too short to train) still completes its
-    group: the other members are trained, it is dropped with its reason."""
+    group, and its step drops the group whole: the member with its reason, the others as
+    `group_incomplete` (trained on its survivors only, the group's advantages would favour
+    what survives a failure)."""
     from treadle_common.config.recipe import TrainerConfig
     from treadle_trainer.batches import Group
     from treadle_trainer.run.step import build_batch
@@ -362,8 +391,15 @@ def test_a_malformed_member_completes_its_group_and_its_step_drops_it():
     [group] = buf.take(1)
     assert isinstance(group, Group) and len(group.entries) == 3
     batch = build_batch([group], version=3, max_staleness=0, t=TrainerConfig())
-    assert batch.trained == ["a", "c"] and batch.dropped == {"b": "too_short"}
+    assert batch.trained == [] and batch.data == []
+    assert batch.dropped == {"b": "too_short", "a": "group_incomplete", "c": "group_incomplete"}
     assert batch.entries == ["0", "1", "2"]  # all acked with the step
+    # an infrastructure status (not malformed) is dropped whole too
+    failed = traj(tid="b", reward=0.0)
+    failed.status = tpb.TRAJECTORY_STATUS_REWARD_ERROR
+    entries = [Entry("3", traj(tid="a", reward=1.0)), Entry("4", failed)]
+    whole = build_batch([Group("g", entries)], version=3, max_staleness=0, t=TrainerConfig())
+    assert whole.trained == [] and whole.dropped == {"b": "reward_error", "a": "group_incomplete"}
 
 
 def test_learning_rate_warms_up_linearly_then_holds():

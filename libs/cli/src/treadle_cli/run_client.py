@@ -64,6 +64,9 @@ class RunSummary(EvalSummary):
     tasks_cancelled: int
     tasks_dead: int = 0
     dead_lettered: dict[str, int] = Field(default_factory=dict)
+    trajectories_quarantined: int = 0
+    trajectories_discarded: int = 0
+    broken_envs: dict[str, str] = Field(default_factory=dict)
     trajectories_produced: int
     trajectories_consumed: int
     trajectories_trained: int
@@ -569,6 +572,9 @@ def summarize(
             "tasks_cancelled",
             "tasks_dead",
             "dead_lettered",
+            "trajectories_quarantined",
+            "trajectories_discarded",
+            "broken_envs",
             "trajectories_produced",
             "trajectories_consumed",
             "trajectories_trained",

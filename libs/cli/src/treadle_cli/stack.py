@@ -451,8 +451,9 @@ class RolloutTime(BaseModel):
 
 
 class RunTime(BaseModel):
-    """A run's last 20 steps: the fractions of their time spent on each stage; and the tasks
-    rollout gave up on (dead letters, by reason)."""
+    """A run's last 20 steps: the fractions of their time spent on each stage; the tasks
+    rollout gave up on (dead letters, by reason), its quarantined episodes and the envs
+    circuit-broken for it."""
 
     state: str
     step: int
@@ -462,6 +463,8 @@ class RunTime(BaseModel):
     max_staleness: int
     tasks_dead: int = 0
     dead_lettered: dict[str, int] = Field(default_factory=dict)
+    trajectories_quarantined: int = 0
+    broken_envs: dict[str, str] = Field(default_factory=dict)
     tenant: str = "default"
     usage: Usage = Field(default_factory=Usage)
 
@@ -480,6 +483,8 @@ class RunTime(BaseModel):
             max_staleness=max(s.max_staleness for s in steps),
             tasks_dead=run.tasks_dead,
             dead_lettered=run.dead_lettered,
+            trajectories_quarantined=run.trajectories_quarantined,
+            broken_envs=run.broken_envs,
             tenant=run.tenant,
             usage=run.usage,
         )

@@ -105,6 +105,18 @@ def dead_letters(run: str) -> str:
     return f"treadle:{run}:dead"
 
 
+def quarantine(run: str) -> str:
+    """Stream of episodes that failed past their retries (their group was not trained): the
+    trajectory, its status, its error, its task and how often it was played."""
+    return f"treadle:{run}:quarantine"
+
+
+def env_health(run: str) -> str:
+    """Hash: env name -> the outcomes of the run's last episodes of it ("0" played, "1"
+    failed; the circuit breaker's window, `fleet.breaker`)."""
+    return f"treadle:{run}:env_health"
+
+
 def task_errors(run: str) -> str:
     """Hash: task entry id -> the last error an attempt at it raised (for its dead letter)."""
     return f"treadle:{run}:task_errors"
@@ -126,6 +138,7 @@ def run_keys(run: str) -> list[str]:
     `treadle runs gc` deletes them)."""
     keys = [tasks_stream(run), trajectories_stream(run), run_state(run), run_config(run)]
     keys += [fed_tasks(run), ledger_stream(run), dead_letters(run), task_errors(run)]
+    keys += [quarantine(run), env_health(run)]
     return [*keys, run_fence(run), run_status(run), run_steps(run), f"treadle:{run}:admitted"]
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from treadle_common.runtime import metrics
 from treadle_common.runtime.logs import get_logger
+from treadle_env_gateway import faults
 from treadle_env_gateway.envs import registry
 from treadle_env_gateway.envs.base import (
     Action,
@@ -27,6 +28,7 @@ from treadle_env_gateway.envs.base import (
     UnknownEnv,
 )
 from treadle_env_gateway.errors import CapacityExceeded, EnvCrashed, UnknownSession
+from treadle_env_gateway.faults import Faults
 from treadle_env_gateway.latency import Latency, latency_from
 from treadle_env_gateway.sandbox.runner import RUNS as sandbox_runs
 from treadle_env_gateway.settings import EnvGatewaySettings
@@ -45,6 +47,12 @@ class Session:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     done: bool = False
     latency: Latency | None = None
+    fault: str | None = None
+    """Why the session's first step fails (an injected fault, `faults.py`), or None."""
+
+
+class InjectedFault(RuntimeError):
+    """A failure the session's `faults` option asked for."""
 
 
 class SessionManager:
@@ -65,6 +73,7 @@ class SessionManager:
         for cls in self.envs.values():
             cls.configure(settings or EnvGatewaySettings())
         self.sessions: dict[str, Session] = {}
+        self.faults = Faults()
 
     def env_class(self, name: str) -> type[Env]:
         try:
@@ -77,6 +86,7 @@ class SessionManager:
     ) -> list[dict]:
         if num_tasks < 0 or num_tasks > 100_000:
             raise EnvError(f"num_tasks must be in [0, 100000], got {num_tasks}")
+        faults.parse(options)  # a run's malformed `faults` fails its start, not its episodes
         return self.env_class(env).sample_tasks(num_tasks, seed, split or "train", options)
 
     async def create(
@@ -90,7 +100,9 @@ class SessionManager:
             )
         env = cls(options)
         # delays differ per task and sample, and repeat exactly for the same (task, seed)
-        latency = latency_from(options, f"{json.dumps(task, sort_keys=True)}:{seed}")
+        episode = f"{json.dumps(task, sort_keys=True)}:{seed}"
+        latency = latency_from(options, episode)
+        fault = self.faults.check(options, episode)  # injected failures (option `faults`)
         try:
             observation = await env.reset(task, seed)
         except EnvError:
@@ -100,7 +112,9 @@ class SessionManager:
             raise EnvCrashed(
                 f"env {env_name!r} failed to reset: {type(exc).__name__}: {exc}"
             ) from exc
-        session = Session(f"{self.replica}:{uuid.uuid4().hex}", env_name, env, latency=latency)
+        session = Session(
+            f"{self.replica}:{uuid.uuid4().hex}", env_name, env, latency=latency, fault=fault
+        )
         self.sessions[session.session_id] = session
         return session, observation
 
@@ -135,6 +149,8 @@ class SessionManager:
             runs = [0]
             counting = sandbox_runs.set(runs)
             try:
+                if session.fault is not None:
+                    raise InjectedFault(session.fault)
                 result = await session.env.step(action)
                 result.sandbox_runs = runs[0]
             except EnvError:

@@ -1,6 +1,6 @@
 """A task's group of episodes: started under its run's staleness bound (`admit`), and
 played once the policy version the task demands is here (`play`), its episodes' env sessions
-opened meanwhile.
+opened meanwhile; failed episodes are played again before the group is done (`failures.py`).
 
 A task's episodes generate with at least its `min_policy_version` (they wait for it); the
 version is the run's adapter's for a LoRA run (`policies.py`), else the engine's (`weight_sync.py`).
@@ -17,6 +17,7 @@ from treadle_common.proto.treadle.v1 import task_pb2
 from treadle_common.runtime import tracing
 from treadle_rollout import metrics as rollout_metrics
 from treadle_rollout.episodes import EpisodeRunner
+from treadle_rollout.failures import EpisodeRetries, GroupOutcome
 from treadle_rollout.policies import RunPolicies
 from treadle_rollout.weight_sync import WeightSync
 
@@ -35,6 +36,7 @@ class Groups:
         self.policies = policies
         self.admission_waits = 0
         """Times a group waited for a newer version before the bound let it start."""
+        self.retries = EpisodeRetries(r)
 
     async def admit(self, task: task_pb2.Task) -> bool:
         """Wait until the run's staleness bound lets this group start; False: cancelled.
@@ -53,18 +55,20 @@ class Groups:
             rollout_metrics.ADMISSION_WAITS.inc()
             await self._wait_for_newer(task, version)
 
-    async def play(self, task: task_pb2.Task) -> list:
-        """The task's episodes. A task that demands a version the engine does not hold yet (a
-        sync run's next step, fed while the trainer trains the step that publishes it) starts
-        its episodes at once: they open their env sessions and render their prompts, then
-        wait for that version before their first generation (`EpisodeRunner.run`'s gate)."""
+    async def play(self, task: task_pb2.Task) -> GroupOutcome:
+        """The task's episodes, failed ones played again (`EpisodeRetries`). A task that
+        demands a version the engine does not hold yet (a sync run's next step, fed while the
+        trainer trains the step that publishes it) starts its episodes at once: they open
+        their env sessions and render their prompts, then wait for that version before their
+        first generation (`EpisodeRunner.run`'s gate)."""
         gate = None
         if self._version(task) < task.min_policy_version:
             gate = asyncio.ensure_future(self._weights(task))
         try:
-            return await asyncio.gather(
+            group = await asyncio.gather(
                 *(self.runner.run(task, i, gate) for i in range(task.group_size))
             )
+            return await self.retries.settle(task, group, lambda i: self.runner.run(task, i, gate))
         finally:
             if gate is not None and not gate.done():
                 gate.cancel()

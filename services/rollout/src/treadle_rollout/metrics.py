@@ -24,6 +24,15 @@ EPISODE_RETRIES = Counter(
     "treadle_rollout_episode_retries_total",
     "Episodes played again because the env-gateway went away (restarting)",
 )
+FAILED_EPISODE_RETRIES = Counter(
+    "treadle_rollout_failed_episode_retries_total",
+    "Failed episodes (env, sandbox, engine, reward error) played again, by the failure",
+    ["status"],
+)
+BREAKERS_OPENED = Counter(
+    "treadle_rollout_env_breakers_opened_total",
+    "Env circuit breakers this replica opened (an env failing too many of a run's episodes)",
+)
 EPISODES_IN_FLIGHT = Gauge("treadle_rollout_episodes_in_flight", "Episodes being played")
 ENGINE_RUNNING = Gauge("treadle_rollout_engine_requests", "Requests in the engine")
 BAD_ANNOUNCEMENTS = Counter(

@@ -7,7 +7,10 @@
     -> validate (a malformed task is acked and counted as invalid, with its reason)
       -> staleness admission (shared Redis bound; a refused group waits for a newer version)
       -> group_size episodes concurrently; each waits for the task's minimum policy version
-         (if the engine lacks it) after opening its env session, before generating
+         (if the engine lacks it) after opening its env session, before generating;
+         failed episodes played again (`failures.py`); a group with one that still fails is
+         quarantined whole (`dead_letters.py`), a task of an env whose breaker is open for
+         the run dead-lettered unplayed (`fleet.breaker`)
       -> one Lua script, only while this replica still owns the task: XADD each trajectory
          to treadle:{run}:trajectories + count them + XACK the task (the task is acked
          exactly when its trajectories are in Redis, and by its owner only)
@@ -37,8 +40,8 @@ from opentelemetry.trace import SpanKind
 
 from treadle_common import names
 from treadle_common.clients import streams
+from treadle_common.fleet import breaker, scheduling
 from treadle_common.fleet import runs as fleet
-from treadle_common.fleet import scheduling
 from treadle_common.fleet.quotas import TenantQuotas
 from treadle_common.proto.treadle.v1 import task_pb2
 from treadle_common.runtime import metrics, tracing
@@ -46,6 +49,7 @@ from treadle_common.runtime.logs import get_logger
 from treadle_rollout import usage
 from treadle_rollout.dead_letters import give_up
 from treadle_rollout.episodes import EpisodeRunner
+from treadle_rollout.failures import GroupOutcome, status_name
 from treadle_rollout.fair_share import FairShare
 from treadle_rollout.groups import Groups
 from treadle_rollout.policies import RunPolicies
@@ -304,11 +308,18 @@ class TaskWorker:
                 await self._reject(stream, entry_id, task, reason)
                 return
             assert isinstance(task, task_pb2.Task)
-            group = await self._traced_play(stream, entry_id, task)
-            if group is None:
+            why = await breaker.why_open(self.r, task.run_id, task.env)
+            if why is not None:  # the env keeps failing this run: not played again
+                await self._dead_letter(stream, entry_id, task, "env_circuit_open", 1, why)
+                return
+            outcome = await self._traced_play(stream, entry_id, task)
+            if outcome is None:
                 return
             heartbeat.cancel()
-            if not await self._commit(stream, entry_id, task, group):
+            if outcome.failed:
+                await self._quarantine(stream, entry_id, task, outcome)
+                return
+            if not await self._commit(stream, entry_id, task, outcome.trajectories):
                 return
             self.on_task_done()
         except asyncio.CancelledError:
@@ -330,9 +341,11 @@ class TaskWorker:
                         self.share.tenant_of(names.run_of(stream)), lease
                     )
 
-    async def _traced_play(self, stream: str, entry_id: str, task: task_pb2.Task) -> list | None:
-        """Admit and play a task in its trace (its queueing as a span of its own); its group's
-        trajectories, or None when admission cancelled it."""
+    async def _traced_play(
+        self, stream: str, entry_id: str, task: task_pb2.Task
+    ) -> GroupOutcome | None:
+        """Admit and play a task in its trace (its queueing as a span of its own); its group,
+        or None when admission cancelled it."""
         parent = tracing.from_proto(task.trace)
         picked_up = time.time()
         tracer = tracing.tracer()
@@ -421,6 +434,31 @@ class TaskWorker:
         """Give up on a task (`dead_letters.give_up`), counted here too."""
         self.dead_lettered += 1
         await give_up(self.r, stream, entry_id, task, reason, deliveries, self.consumer, error)
+
+    async def _quarantine(
+        self, stream: str, entry_id: str, task: task_pb2.Task, outcome: GroupOutcome
+    ) -> None:
+        """A group with an episode that failed past its retries: not trained on its survivors
+        only; its failed episodes quarantined, the others discarded, its task dead-lettered
+        (the trainer feeds one in its place)."""
+        failed = outcome.failed
+        first = outcome.trajectories[failed[0]]
+        discarded = len(outcome.trajectories) - len(failed)
+        metrics.DROPPED.labels(SERVICE, "trajectory", "group_incomplete").inc(discarded)
+        self.dead_lettered += 1
+        await give_up(
+            self.r,
+            stream,
+            entry_id,
+            task,
+            "episodes_failed",
+            1,
+            self.consumer,
+            f"{len(failed)} of {len(outcome.trajectories)} episodes failed "
+            f"{outcome.attempts[failed[0]]} times; {status_name(first)}: {first.error}",
+            quarantined=[(outcome.trajectories[i], outcome.attempts[i]) for i in failed],
+            discarded=discarded,
+        )
 
     async def _cancel(self, stream: str, entry_id: str) -> None:
         """The run needs no more groups (its trainer closed admission): ack, count."""

@@ -137,11 +137,25 @@ class RunStatus(BaseModel):
     )
     tasks_dead: int = Field(
         0,
-        description="Tasks rollout gave up on (treadle:{run}:dead): invalid, or delivered more "
-        "than `max_deliveries` times; the trainer fed others in their place",
+        description="Tasks rollout gave up on (treadle:{run}:dead): invalid, delivered more "
+        "than `max_deliveries` times, a group with an episode that failed past its retries "
+        "(`episodes_failed`) or an env circuit-broken for the run (`env_circuit_open`); the "
+        "trainer fed others in their place",
     )
     dead_lettered: dict[str, int] = Field(
         default_factory=dict, description="Dead-lettered tasks by reason"
+    )
+    trajectories_quarantined: int = Field(
+        0,
+        description="Episodes that failed past their retries (treadle:{run}:quarantine, with "
+        "their status and error); their groups were not trained",
+    )
+    trajectories_discarded: int = Field(
+        0, description="Episodes that played, discarded with a quarantined member of their group"
+    )
+    broken_envs: dict[str, str] = Field(
+        default_factory=dict,
+        description="Envs whose circuit breaker opened for the run, with why (the run fails)",
     )
     trajectories_produced: int = 0
     trajectories_consumed: int = 0

@@ -69,10 +69,20 @@ def _run_keys(*kinds: str) -> list[str]:
     return [every[kind] for kind in kinds]
 
 
-_SHARED_RUN_KEYS = ("tasks", "trajectories", "state", "admitted", "dead", "task_errors")
+_SHARED_RUN_KEYS = (
+    "tasks",
+    "trajectories",
+    "state",
+    "admitted",
+    "dead",
+    "task_errors",
+    "quarantine",
+    "env_health",
+)
 """Per-run keys both sides of a run use: the task and trajectory streams, the counters and
-admission state, the dead letters. The rest of a run (config, lease, fence, fed ids, ledger,
-status, steps) is the trainer's alone."""
+admission state, the dead letters, the quarantined episodes and the envs' breaker windows.
+The rest of a run (config, lease, fence, fed ids, ledger, status, steps) is the trainer's
+alone."""
 
 REDIS_COMMANDS = (
     "-@all",

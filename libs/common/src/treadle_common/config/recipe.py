@@ -71,10 +71,36 @@ class EnvConfig(Strict):
     )
 
 
+class FailureConfig(Strict):
+    """What rollout does with an episode that fails (an env, sandbox, engine or reward
+    error; a wrong answer is a reward, not a failure): its group waits while it is played
+    again; a group with an episode that still fails is quarantined whole (never trained on
+    its survivors); an env that keeps failing is circuit-broken for the run, which fails."""
+
+    episode_retries: int = Field(
+        2,
+        ge=0,
+        le=10,
+        description="Times a failed episode is played again before its group is quarantined",
+    )
+    breaker_window: int = Field(
+        20,
+        ge=0,
+        le=10_000,
+        description="The env's circuit breaker looks at the run's last N "
+        "episodes (after their retries); 0: no breaker",
+    )
+    breaker_failure_rate: float = Field(
+        0.5, gt=0, le=1, description="The breaker opens once at least this fraction of those "
+        "episodes failed",
+    )  # fmt: skip
+
+
 class RolloutConfig(Strict):
     group_size: int = Field(4, ge=1, description="Episodes per task (one GRPO group)")
     max_turns: int = Field(1, ge=1, description="Turns per episode at most")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    failures: FailureConfig = Field(default_factory=FailureConfig)
 
 
 LossName = Literal[

@@ -4,9 +4,9 @@
         --> GroupBuffer (complete groups), or a counted drop (invalid, duplicate, not ours)
 
 A step takes `tasks_per_step` complete groups that are not wholly stale; wholly stale groups
-(and groups with no valid member) met on the way come along (the step drops them, counted)
-without taking a trainable one's place, and the feeder feeds a task for each. Entries stay
-pending in Redis until a checkpoint acks them (`ledger.py`).
+(and groups with a failed or malformed member) met on the way come along (the step drops
+them, counted) without taking a trainable one's place, and the feeder feeds a task for each.
+Entries stay pending in Redis until a checkpoint acks them (`ledger.py`).
 """
 
 from __future__ import annotations
@@ -20,11 +20,19 @@ from treadle_common import names
 from treadle_common.api.runs import RunStatus
 from treadle_common.clients import streams
 from treadle_common.config.recipe import RunConfig
+from treadle_common.fleet import breaker
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
 from treadle_common.runtime.logs import get_logger
 from treadle_common.runtime.progress import Stage
-from treadle_trainer.batches import Entry, Group, GroupBuffer, invalid_reason, staleness
-from treadle_trainer.run.feeder import Feeder
+from treadle_trainer.batches import (
+    TRAINABLE,
+    Entry,
+    Group,
+    GroupBuffer,
+    invalid_reason,
+    staleness,
+)
+from treadle_trainer.run.feeder import EnvCircuitOpen, Feeder
 from treadle_trainer.run.lease import Lease
 from treadle_trainer.run.ledger import Drops, Ledger, LedgerEntry, LooseDrop
 
@@ -109,15 +117,16 @@ class Collector:
         num_groups: int,
         version: int,
         max_staleness: int,
-        refill: Callable[[], Awaitable[None]] | None = None,
+        refill: Callable[[], Awaitable[int]] | None = None,
     ) -> list[Group]:
         """Read until `num_groups` complete groups that are not wholly stale at `version` are
         buffered, then take them, with the wholly stale ones met on the way. `refill` feeds
-        the tasks that replace unusable groups (at once: this step may need them)."""
+        the tasks that replace unusable groups and dead-lettered tasks (at once: this step
+        may need them); how many it fed."""
         t = self.config.trainer
         deadline = time.monotonic() + t.batch_timeout_s
         taken: list[Group] = []
-        fresh = wasted = 0
+        fresh = wasted = replaced = 0
         self.collecting = True
         try:
             while True:
@@ -146,17 +155,31 @@ class Collector:
                     raise TimeoutError(
                         f"only {fresh}/{num_groups} complete groups after {t.batch_timeout_s}s"
                     )
-                await self.read(block_ms=1000)
+                if not await self.read(block_ms=1000):
+                    # nothing came for a second: a run whose env is circuit-broken fails,
+                    # and tasks rollout gave up on are replaced, but not without end
+                    await self._check_env()
+                    if refill is not None and replaced <= MAX_REPLACED * num_groups:
+                        replaced += await refill()
         finally:
             self.collecting = False
         self.stopping = False
 
+    async def _check_env(self) -> None:
+        """Raise `EnvCircuitOpen` once rollout opened the breaker of the run's env."""
+        cfg = self.config
+        why = await breaker.why_open(self.r, cfg.run_id, cfg.env.name)
+        if why is not None:
+            raise EnvCircuitOpen(
+                f"env {cfg.env.name!r} is circuit-broken for run {cfg.run_id}: {why}"
+            )
+
     @staticmethod
     def _usable(group: Group, version: int, max_staleness: int) -> bool:
-        """A group with a valid member recent enough to train on."""
-        return any(
-            e.invalid is None and staleness(e.traj, version) <= max_staleness for e in group.entries
-        )
+        """A group with no failed or malformed member (`step.build_batch` drops such a group
+        whole) and a member recent enough to train on."""
+        whole = all(e.invalid is None and e.traj.status in TRAINABLE for e in group.entries)
+        return whole and any(staleness(e.traj, version) <= max_staleness for e in group.entries)
 
     async def read(self, block_ms: int | None) -> int:
         """Read new trajectories into the buffer (or counted drops); how many were read.

@@ -25,6 +25,7 @@ from treadle_common.api.runs import RunStatus
 from treadle_common.clients import streams
 from treadle_common.clients.env import EnvClient
 from treadle_common.config.recipe import RunConfig
+from treadle_common.fleet import breaker
 from treadle_common.proto.treadle.v1 import common_pb2, task_pb2
 from treadle_common.runtime import tracing
 from treadle_common.tasks.evaluation import held_out_tasks, without_held_out
@@ -53,11 +54,20 @@ async def task_source(config: RunConfig, env: EnvClient, count: int) -> TaskSour
     return TaskSource(rows, seed, shuffle)
 
 
-COUNTS = ("tasks_cancelled", "tasks_dead", "groups_unusable")
+COUNTS = (
+    "tasks_cancelled",
+    "tasks_dead",
+    "groups_unusable",
+    "trajectories_quarantined",
+    "trajectories_discarded",
+)
 
 
-def _is_count(key: bytes | str, value: bytes | str) -> bool:
-    name, number = streams.text(key), streams.text(value)
+class EnvCircuitOpen(RuntimeError):
+    """The run's env failed too many of its episodes (`fleet.breaker`): the run fails."""
+
+
+def _is_count(name: str, number: str) -> bool:
     counted = name.startswith("dead:") or name in COUNTS
     return counted and number.lstrip("-").isdigit()
 
@@ -79,15 +89,17 @@ class Feeder:
         self.fed.clear()  # in place: the collector checks groups against this set
         self.fed.update(streams.text(m) for m in await self.r.smembers(names.fed_tasks(run)))
 
-    async def feed(self, source: TaskSource, upto: int, min_version: int) -> None:
-        """Feed tasks until `upto` live ones were fed (cancelled ones are replaced); the
-        cursor, the tasks and their ids move in one transaction. `min_version` > 0: the
-        version rollout must hold before generating for them."""
+    async def feed(self, source: TaskSource, upto: int, min_version: int) -> int:
+        """Feed tasks until `upto` live ones were fed (cancelled and dead ones are replaced);
+        the cursor, the tasks and their ids move in one transaction; how many were fed.
+        `min_version` > 0: the version rollout must hold before generating for them. Raises
+        `EnvCircuitOpen` once the run's env is circuit-broken."""
         cfg = self.config
         cursor = self.status.tasks_fed
         lost = await self.refresh()
+        self.check_env()
         if cursor - lost >= upto:
-            return
+            return 0
         upto += lost  # the new cursor: cancelled and dead tasks do not count toward the bound
         # ids sort in feed order (a step trains its groups in that order, whatever order they
         # arrive in); the suffix keeps them unique if a run id is ever reused
@@ -108,23 +120,38 @@ class Feeder:
         await self.lease.transaction(queue)
         self.fed.update(ids)
         self.status.tasks_fed = upto
+        return len(ids)
 
     async def refresh(self) -> int:
         """Read rollout's counts of this run's cancelled and dead-lettered tasks into the
         status; how many fed tasks will never produce a group a step can train."""
         state = await self.r.hgetall(names.run_state(self.config.run_id))
-        self.status.usage.take_rollout({streams.text(k): streams.text(v) for k, v in state.items()})
-        counts = {streams.text(k): int(v) for k, v in state.items() if _is_count(k, v)}
+        text = {streams.text(k): streams.text(v) for k, v in state.items()}
+        self.status.usage.take_rollout(text)
+        counts = {k: int(v) for k, v in text.items() if _is_count(k, v)}
         self.status.tasks_cancelled = counts.get("tasks_cancelled", 0)
         self.status.tasks_dead = counts.get("tasks_dead", 0)
         self.status.dead_lettered = {
             k.removeprefix("dead:"): n for k, n in counts.items() if k.startswith("dead:")
         }
+        self.status.trajectories_quarantined = counts.get("trajectories_quarantined", 0)
+        self.status.trajectories_discarded = counts.get("trajectories_discarded", 0)
+        self.status.broken_envs = breaker.open_in(text)
         unusable = counts.get("groups_unusable", 0)  # taken, but no step could train them
         return self.status.tasks_cancelled + self.status.tasks_dead + unusable
 
+    def check_env(self) -> None:
+        """Raise `EnvCircuitOpen` once the run's env is circuit-broken (as last refreshed)."""
+        cfg = self.config
+        why = self.status.broken_envs.get(cfg.env.name)
+        if why is not None:
+            raise EnvCircuitOpen(
+                f"env {cfg.env.name!r} is circuit-broken for run {cfg.run_id}: {why}"
+            )
+
     def _task(self, index: int, task_id: str, payload: dict, min_version: int) -> task_pb2.Task:
         cfg, sampling = self.config, self.config.rollout.sampling
+        failures = cfg.rollout.failures
         task = task_pb2.Task(
             task_id=task_id,
             run_id=cfg.run_id,
@@ -144,6 +171,11 @@ class Feeder:
             min_policy_version=min_version,
             created_at=time.time(),
             env_options_json=json.dumps(cfg.env.options),
+            failures=task_pb2.EpisodeFailures(
+                retries=failures.episode_retries,
+                breaker_window=failures.breaker_window,
+                breaker_failure_rate=failures.breaker_failure_rate,
+            ),
         )
         tail = sampling.length_tail
         if tail is not None:

@@ -233,7 +233,7 @@ class RunOwner:
             except Stopping:
                 break
             wait_s = time.perf_counter() - started
-            feed_next: Callable[[], Awaitable[None]] | None = None
+            feed_next: Callable[[], Awaitable[int]] | None = None
             if step == t.num_steps:
                 await admission.close(self.r, cfg.run_id)  # no later group would be trained
             elif self._feeds_next(step):
@@ -251,8 +251,8 @@ class RunOwner:
             await self.holds.wait(step)
         return version
 
-    async def _feed(self, source, upto: int, version: int) -> None:
-        await self.feeder.feed(source, upto, version if self.max_staleness == 0 else 0)
+    async def _feed(self, source, upto: int, version: int) -> int:
+        return await self.feeder.feed(source, upto, version if self.max_staleness == 0 else 0)
 
     def _feeds_next(self, step: int) -> bool:
         """A sync run feeds step + 1's tasks before `step`'s weights are published (they wait
@@ -276,7 +276,7 @@ class RunOwner:
         version: int,
         started: float,
         wait_s: float,
-        feed_next: Callable[[], Awaitable[None]] | None = None,
+        feed_next: Callable[[], Awaitable[int]] | None = None,
     ) -> int:
         assert self.backend is not None
         timing = StepTiming(step, version, started, wait_s)

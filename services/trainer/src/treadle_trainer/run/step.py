@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 
 from treadle_common.api.runs import RATIO_EDGES, StepRecord
 from treadle_common.config.recipe import RunConfig, TrainerConfig
-from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
 from treadle_common.runtime import tracing
 from treadle_common.runtime.logs import get_logger
 from treadle_trainer import consistency
 from treadle_trainer import metrics as tm
 from treadle_trainer.batches import (
+    TRAINABLE,
     Datum,
     Group,
     drop_reason,
@@ -31,7 +31,6 @@ from treadle_trainer.batches import (
 )
 
 log = get_logger(__name__)
-SCORED = (tpb.TRAJECTORY_STATUS_OK, tpb.TRAJECTORY_STATUS_TRUNCATED)
 
 
 @dataclass
@@ -53,13 +52,21 @@ class Batch:
 
 
 def build_batch(groups: list[Group], version: int, max_staleness: int, t: TrainerConfig) -> Batch:
+    """The step's data. A group with a member that failed (an infrastructure status, or
+    malformed) is dropped whole (`group_incomplete` for the others): trained on its
+    survivors only, its advantages would favour whatever survives a failure."""
     batch = Batch(in_feed_order(groups))
     for group in batch.groups:
         kept = []
+        whole = not any(
+            e.invalid is not None or e.traj.status not in TRAINABLE for e in group.entries
+        )
         for e in group.entries:
-            if e.invalid is None and e.traj.status in SCORED:
+            if e.invalid is None and e.traj.status in TRAINABLE:
                 batch.rewards.append(e.traj.reward)
             reason = e.invalid or drop_reason(e.traj, version, max_staleness)
+            if reason is None and not whole:
+                reason = "group_incomplete"
             if reason is None:
                 kept.append(e.traj)
             else:

@@ -76,7 +76,7 @@ class RunStepper:
         groups: list[Group],
         at: StepTiming,
         v0: int,
-        feed_next: Callable[[], Awaitable[None]] | None = None,
+        feed_next: Callable[[], Awaitable[int]] | None = None,
     ) -> int:
         """Train step `at.step` on `groups` and publish its weights (version `v0` + step);
         `feed_next` feeds the next step's tasks meanwhile (before training with
@@ -85,7 +85,7 @@ class RunStepper:
         batch = build_batch(groups, version, self.max_staleness, self.config.trainer)
         for reason in batch.dropped.values():
             self.drops.count(reason)
-        feeding: asyncio.Future[None] | None = None
+        feeding: asyncio.Future[int] | None = None
         if feed_next is not None and self.config.trainer.feed_ahead:
             feeding = asyncio.ensure_future(feed_next())
         try:

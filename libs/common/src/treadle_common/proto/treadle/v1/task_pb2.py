@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from treadle_common.proto.treadle.v1 import common_pb2 as treadle_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15treadle/v1/task.proto\x12\ntreadle.v1\x1a\x17treadle/v1/common.proto\"\xce\x02\n\x04Task\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0b\n\x03\x65nv\x18\x03 \x01(\t\x12\x14\n\x0cpayload_json\x18\x04 \x01(\t\x12\x12\n\ngroup_size\x18\x05 \x01(\x05\x12\x11\n\tmax_turns\x18\x06 \x01(\x05\x12,\n\x08sampling\x18\x07 \x01(\x0b\x32\x1a.treadle.v1.SamplingParams\x12\x0e\n\x06scorer\x18\x08 \x01(\t\x12\r\n\x05model\x18\t \x01(\t\x12\x1a\n\x12min_policy_version\x18\n \x01(\x03\x12\x12\n\ncreated_at\x18\x0b \x01(\x01\x12\'\n\x05trace\x18\x0c \x01(\x0b\x32\x18.treadle.v1.TraceContext\x12\x18\n\x10\x65nv_options_json\x18\r \x01(\t\x12\x1b\n\x13scorer_options_json\x18\x0e \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15treadle/v1/task.proto\x12\ntreadle.v1\x1a\x17treadle/v1/common.proto\"\xfd\x02\n\x04Task\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0b\n\x03\x65nv\x18\x03 \x01(\t\x12\x14\n\x0cpayload_json\x18\x04 \x01(\t\x12\x12\n\ngroup_size\x18\x05 \x01(\x05\x12\x11\n\tmax_turns\x18\x06 \x01(\x05\x12,\n\x08sampling\x18\x07 \x01(\x0b\x32\x1a.treadle.v1.SamplingParams\x12\x0e\n\x06scorer\x18\x08 \x01(\t\x12\r\n\x05model\x18\t \x01(\t\x12\x1a\n\x12min_policy_version\x18\n \x01(\x03\x12\x12\n\ncreated_at\x18\x0b \x01(\x01\x12\'\n\x05trace\x18\x0c \x01(\x0b\x32\x18.treadle.v1.TraceContext\x12\x18\n\x10\x65nv_options_json\x18\r \x01(\t\x12\x1b\n\x13scorer_options_json\x18\x0e \x01(\t\x12-\n\x08\x66\x61ilures\x18\x0f \x01(\x0b\x32\x1b.treadle.v1.EpisodeFailures\"X\n\x0f\x45pisodeFailures\x12\x0f\n\x07retries\x18\x01 \x01(\x05\x12\x16\n\x0e\x62reaker_window\x18\x02 \x01(\x05\x12\x1c\n\x14\x62reaker_failure_rate\x18\x03 \x01(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,5 +33,7 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'treadle.v1.task_pb2', _glob
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TASK']._serialized_start=63
-  _globals['_TASK']._serialized_end=397
+  _globals['_TASK']._serialized_end=444
+  _globals['_EPISODEFAILURES']._serialized_start=446
+  _globals['_EPISODEFAILURES']._serialized_end=534
 # @@protoc_insertion_point(module_scope)
