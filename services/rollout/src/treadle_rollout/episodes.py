@@ -129,11 +129,16 @@ class EpisodeRunner:
         self, exc: Exception, traj: tpb.Trajectory, t: Transcript, started: float
     ) -> tpb.Trajectory:
         if isinstance(exc, grpc.aio.AioRpcError):
+            unreachable = exc.code() in (
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+            )
+            where = GATEWAY_UNREACHABLE if unreachable else "env-gateway"
             return _failed(
                 traj,
                 t,
                 tpb.TRAJECTORY_STATUS_ENV_ERROR,
-                f"env-gateway: {exc.code().name}: {exc.details()}",
+                f"{where}: {exc.code().name}: {exc.details()}",
                 started,
             )
         return _failed(traj, t, tpb.TRAJECTORY_STATUS_ENV_ERROR, f"env-gateway: {exc}", started)
@@ -317,6 +322,9 @@ class EpisodeRunner:
             traj.timings.env_s += max(0.0, time.time() - play_start - generate_s)
 
 
+GATEWAY_UNREACHABLE = "env-gateway unreachable"
+"""How an episode's error starts when the gateway itself did not answer (infrastructure, not
+the env's failure: the env's circuit breaker does not count it)."""
 ENV_RETRY_S = 60.0
 """An episode whose env-gateway went away (restarting) is played again, from the start, for
 up to this long (jittered backoff); after that it fails as `env_error`."""

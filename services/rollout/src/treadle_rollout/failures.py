@@ -25,6 +25,7 @@ from treadle_common.proto.treadle.v1 import task_pb2
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
 from treadle_common.runtime.logs import get_logger
 from treadle_rollout import metrics
+from treadle_rollout.episodes import GATEWAY_UNREACHABLE
 
 log = get_logger(__name__)
 FAILED = frozenset(
@@ -36,6 +37,17 @@ FAILED = frozenset(
     }
 )
 """Statuses of an episode that failed (infrastructure), as opposed to one that was scored."""
+ENV_FAILURES = frozenset({tpb.TRAJECTORY_STATUS_ENV_ERROR, tpb.TRAJECTORY_STATUS_SANDBOX_ERROR})
+"""The failures that count against the env in its circuit breaker: its own (it raised, its
+sandbox failed), not an engine's or a scorer's, nor a gateway that did not answer (a
+transient outage never ends a run)."""
+
+
+def env_failed(traj: tpb.Trajectory) -> bool:
+    """Whether the episode failed because of its env."""
+    return traj.status in ENV_FAILURES and not traj.error.startswith(GATEWAY_UNREACHABLE)
+
+
 RETRY_BACKOFF_S = 0.2
 """The first wait before a retry (jittered, doubling, at most 5 s)."""
 
@@ -100,7 +112,7 @@ class EpisodeRetries:
     async def _record(self, task: task_pb2.Task, outcome: GroupOutcome) -> None:
         f = task.failures
         for traj in outcome.trajectories:
-            failed = traj.status in FAILED
+            failed = env_failed(traj)
             why = await breaker.record(
                 self.r,
                 task.run_id,

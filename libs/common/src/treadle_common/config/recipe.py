@@ -92,7 +92,8 @@ class FailureConfig(Strict):
     )
     breaker_failure_rate: float = Field(
         0.5, gt=0, le=1, description="The breaker opens once at least this fraction of those "
-        "episodes failed",
+        "episodes failed by the env's own fault (it raised, its sandbox failed; not a gateway "
+        "that did not answer, the engine or the scorer)",
     )  # fmt: skip
 
 

@@ -1,7 +1,8 @@
 """An env's circuit breaker for one run, shared by every rollout replica through Redis.
 
-Each episode's outcome, once its retries are over (played, or failed: an env, sandbox,
-engine or reward error), goes into a window of the run's last `window` episodes of that env
+Each episode's outcome, once its retries are over (played, or failed by its env: the env
+raised or its sandbox failed; rollout decides, `treadle_rollout.failures.env_failed`), goes
+into a window of the run's last `window` episodes of that env
 (`names.env_health`). Once the window is full and at least `failure_rate` of it failed, the
 breaker opens: the run's state gets `broken:{env}` with why (how many failed, the last
 error). It stays open for the run: rollout dead-letters the run's later tasks of that env
