@@ -110,18 +110,19 @@ class EpisodeRetries:
         return outcome
 
     async def _record(self, task: task_pb2.Task, outcome: GroupOutcome) -> None:
+        """The group's final outcomes into its env's breaker, in one call."""
         f = task.failures
-        for traj in outcome.trajectories:
-            failed = env_failed(traj)
-            why = await breaker.record(
-                self.r,
-                task.run_id,
-                task.env,
-                failed,
-                f"{status_name(traj)}: {traj.error}" if failed else "",
-                f.breaker_window,
-                f.breaker_failure_rate,
-            )
-            if why is not None:
-                metrics.BREAKERS_OPENED.inc()
-                log.error("env circuit-broken for the run", run=task.run_id, env=task.env, why=why)
+        failed = [env_failed(t) for t in outcome.trajectories]
+        last = next((t for t in reversed(outcome.trajectories) if env_failed(t)), None)
+        why = await breaker.record(
+            self.r,
+            task.run_id,
+            task.env,
+            failed,
+            f"{status_name(last)}: {last.error}" if last is not None else "",
+            f.breaker_window,
+            f.breaker_failure_rate,
+        )
+        if why is not None:
+            metrics.BREAKERS_OPENED.inc()
+            log.error("env circuit-broken for the run", run=task.run_id, env=task.env, why=why)

@@ -40,14 +40,15 @@ async def record(
     r: aioredis.Redis,
     run: str,
     env: str,
-    failed: bool,
+    failed: list[bool],
     error: str,
     window: int,
     failure_rate: float,
 ) -> str | None:
-    """One episode's outcome; why the breaker opened, if this outcome opened it. A `window`
-    of 0 records nothing (no breaker)."""
-    if window <= 0:
+    """Episodes' outcomes (a group's, in one call), `error` the last failure's; why the
+    breaker opened, if these outcomes opened it. A `window` of 0 records nothing (no
+    breaker)."""
+    if window <= 0 or not failed:
         return None
     why = await r.eval(
         _RECORD,
@@ -55,7 +56,7 @@ async def record(
         names.env_health(run),
         names.run_state(run),
         env,
-        "1" if failed else "0",
+        "".join("1" if f else "0" for f in failed),
         window,
         failure_rate,
         error[:500],
