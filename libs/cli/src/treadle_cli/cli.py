@@ -5,6 +5,7 @@ treadle up [--detach]            infra + the five services, supervised
 treadle status [--json]          health of everything `up` started
 treadle down                     stop everything `up` started
 treadle run RECIPE [--set a=b]   run a recipe on the stack (starting one if none runs)
+treadle replay RUN [--diff RUN2] re-run a run's training from its schedule, bit for bit
 treadle model init-tiny DIR      build the tiny local HF model
 treadle model import SRC NAME    an HF dir or GGUF file as a model the stack serves, published
 treadle weights list|export       inspect / export weight-store versions as HF directories
@@ -375,6 +376,49 @@ def run(
 
     code = RunClient(config, get_settings(), console).execute(timeout)
     raise typer.Exit(code)
+
+
+def _run_dir(run: str, runs_dir: Path) -> Path:
+    """A run's directory: `run` itself when it is one, else `runs_dir/run`."""
+    path = Path(run)
+    found = path if path.is_dir() else runs_dir / run
+    if not found.is_dir():
+        fail(f"no run directory {run!r} (nor {runs_dir / run})", code=2)
+    return found
+
+
+@app.command()
+def replay(
+    run: Annotated[str, typer.Argument(help="A run id (under --runs-dir) or a run directory")],
+    until: Annotated[int | None, typer.Option(help="Replay steps 1..UNTIL only")] = None,
+    against: Annotated[
+        str | None, typer.Option("--diff", help="Compare RUN's schedule with this run's instead")
+    ] = None,
+    runs_dir: Annotated[Path, typer.Option(help="Where runs write their outputs")] = Path(
+        ".treadle/runs"
+    ),
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
+) -> None:
+    """Re-run a run's training from its recorded schedule (no rollout, no environments) and
+    check its weights bit for bit; with --diff, name the first step where two runs differ.
+    Exits 1 when the replay is not identical."""
+    try:
+        from treadle_trainer.public import diff, replay
+    except ImportError:
+        fail("treadle replay needs the trainer installed (pip install treadle-trainer)")
+    first = _run_dir(run, runs_dir)
+    if against is not None:
+        report: BaseModel = diff(first, _run_dir(against, runs_dir))
+        ok = True
+    else:
+        result = replay(first, until)
+        report, ok = result, result.identical
+    if as_json:
+        print(report.model_dump_json())
+    else:
+        for key, value in report.model_dump().items():
+            console.print(f"{key:>22}  {value}")
+    raise typer.Exit(0 if ok else 1)
 
 
 # -- runs ------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ async def build(settings: TrainerSettings) -> Service:
     runtime = ServiceRuntime(SERVICE, settings, uses_redis=True)
     if settings.torch_threads:  # before any torch work: every thread it starts follows
         torch.set_num_threads(settings.torch_threads)
+    torch.use_deterministic_algorithms(settings.trainer_deterministic, warn_only=True)
     set_torch_lanes(settings.trainer_torch_lanes)
     token = settings.client_token()
     store = WeightStoreClient(

@@ -18,6 +18,13 @@ class TrainerSettings(Settings):
         description="trainer: a finished run's Redis keys (ledger, dead letters, state) expire "
         "after this",
     )
+    trainer_deterministic: bool = Field(
+        True,
+        description="trainer: torch's deterministic algorithms (warnings where an op has none), "
+        "so a run's training is a pure function of its batches and `treadle replay` reproduces "
+        "its weights bit for bit; off: kernels that may sum in any order (on the CPU, index "
+        "additions over two threads gave different weights on every run)",
+    )
     trainer_torch_lanes: int = Field(
         1,
         ge=1,

@@ -46,6 +46,7 @@ from treadle_trainer.run.publishing import RunVersions, initial_model_dir
 from treadle_trainer.run.status_store import StatusStore, verdict
 from treadle_trainer.run.step import EvaluationHold
 from treadle_trainer.run.stepping import RunStepper, StepTiming
+from treadle_trainer.schedule import header_for, write_header
 
 log = get_logger(__name__)
 
@@ -184,6 +185,7 @@ class RunOwner:
         spec = BackendSpec.of(t, str(model_dir))
         self.backend = backend = await on_torch_thread(build_backend, spec)
         log.info("backend ready", run=cfg.run_id, **backend.layout_info())
+        await asyncio.to_thread(write_header, self.run_dir, header_for(cfg, model_dir))
         self.collector.vocab_size = backend.vocab_size
         count = (t.num_steps + self.max_staleness) * t.tasks_per_step
         source = await task_source(cfg, self.env, count)

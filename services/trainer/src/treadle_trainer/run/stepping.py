@@ -4,6 +4,7 @@ background publisher (a sync run waits for them), the ledger entry and the step'
 
     groups --> build_batch --> drops counted --> [turn] train_batch --> snapshot -->
     publisher (sync: committed) --> ledger entry --> StepRecord (status, usage, metrics)
+    --> the step in the run's schedule (`schedule.py`, what `treadle replay` re-runs)
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import torch
+
 from treadle_common.api.runs import RunStatus
 from treadle_common.config.recipe import RunConfig
 from treadle_common.fleet import scheduling
+from treadle_common.proto.treadle.v1 import schedule_pb2
 from treadle_common.runtime.progress import Stage
 from treadle_trainer.backends import AdamParams, TorchBackend, on_torch_thread
 from treadle_trainer.batches import Datum, Group
@@ -24,6 +28,7 @@ from treadle_trainer.publisher import Snapshot
 from treadle_trainer.run.ledger import Drops, Ledger, LedgerEntry
 from treadle_trainer.run.publishing import RunVersions
 from treadle_trainer.run.step import Batch, build_batch, observe, step_record, trace_step
+from treadle_trainer.schedule import recorded_groups, weights_digest, write_step
 from treadle_trainer.train import train_batch
 
 
@@ -35,6 +40,19 @@ class StepTiming:
     started: float
     """perf_counter when the step began waiting for its batch."""
     wait_s: float
+
+
+def step_params(config: RunConfig) -> tuple[LossParams, AdamParams]:
+    """The loss's and the optimizer's parameters of a run's steps (a replay's too)."""
+    t = config.trainer
+    loss = LossParams(
+        clip_low=t.clip_low,
+        clip_high=t.clip_high,
+        is_cap=t.is_cap,
+        kl_coef=t.kl_coef,
+        temperature=config.rollout.sampling.temperature or 1.0,  # 0 = greedy: plain logits
+    )
+    return loss, AdamParams(learning_rate=t.lr, max_grad_norm=t.max_grad_norm)
 
 
 class RunStepper:
@@ -54,15 +72,8 @@ class RunStepper:
             config.run_id, config.scheduling.weight, config.scheduling.priority
         )
         self.stage = stage
-        t = config.trainer
-        self.loss_params = LossParams(
-            clip_low=t.clip_low,
-            clip_high=t.clip_high,
-            is_cap=t.is_cap,
-            kl_coef=t.kl_coef,
-            temperature=config.rollout.sampling.temperature or 1.0,  # 0 = greedy: plain logits
-        )
-        self.adam = AdamParams(learning_rate=t.lr, max_grad_norm=t.max_grad_norm)
+        self.run_dir = config.output_dir / config.run_id
+        self.loss_params, self.adam = step_params(config)
 
     @property
     def max_staleness(self) -> int:
@@ -97,7 +108,7 @@ class RunStepper:
             async with self.turns.turn(self.claim):  # runs share the torch lanes fairly
                 train_start = time.perf_counter()
                 with self.stage.track():
-                    stats = await on_torch_thread(self._train, backend, batch.data)
+                    stats, rng = await on_torch_thread(self._train, backend, batch.data)
                 train_s = time.perf_counter() - train_start
             publish_start = time.perf_counter()
             if feed_next is not None and feeding is None:
@@ -114,7 +125,29 @@ class RunStepper:
             if feeding is not None:
                 await feeding
         self._account(batch, at, version, stats, (train_start, train_s, publish_s))
+        await self._record(backend, batch, at, stats, rng)
         return version
+
+    async def _record(
+        self, backend: TorchBackend, batch: Batch, at: StepTiming, stats: dict, rng: bytes
+    ) -> None:
+        """The step in the run's schedule (`schedule.py`), with the weights' digest at
+        checkpoints and at the last step."""
+        t = self.config.trainer
+        digest = ""
+        if at.step % t.checkpoint_every == 0 or at.step == t.num_steps:
+            digest = await on_torch_thread(lambda: weights_digest(backend.state_dict_cpu()))
+        record = schedule_pb2.ScheduleStep(
+            step=at.step,
+            version=at.version,
+            max_staleness=self.max_staleness,
+            groups=recorded_groups(batch.groups),
+            torch_rng_state=rng,
+            stats={k: float(v) for k, v in stats.items() if isinstance(v, (int, float))},
+            weights_sha256=digest,
+            trained=batch.trained,
+        )
+        await asyncio.to_thread(write_step, self.run_dir, record)
 
     def _account(
         self,
@@ -148,7 +181,9 @@ class RunStepper:
             self.versions.record(record)
         observe(self.config.run_id, record, batch.stale)
 
-    def _train(self, backend: TorchBackend, data: list[Datum]) -> dict[str, float]:
+    def _train(self, backend: TorchBackend, data: list[Datum]) -> tuple[dict[str, float], bytes]:
+        """What training returned, and the torch RNG state it started from (recorded)."""
         t = self.config.trainer
         step = self.status.step + 1
-        return train_batch(backend, data, t, self.loss_params, self.adam, step)
+        rng = torch.get_rng_state().numpy().tobytes()
+        return train_batch(backend, data, t, self.loss_params, self.adam, step), rng
