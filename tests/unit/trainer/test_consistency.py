@@ -56,7 +56,24 @@ def test_minibatches_join_into_one_steps_figures():
     for key in ("log_ratio_mean", "log_ratio_abs_mean", "behaviour_kl", "log_ratio_p99"):
         assert merged[key] == pytest.approx(want[key]), key
     assert merged["log_ratio_max"] == pytest.approx(0.4)
+    assert merged["drift_by_staleness"] == pytest.approx(want["drift_by_staleness"])
     assert consistency.staleness_histogram([0, 2, 0, 1, 0]) == [3, 1, 1]
+
+
+def test_the_drift_is_split_by_how_many_versions_behind_each_sequence_was():
+    """Sequence 0 is fresh (|d| 0.1), sequence 1 two versions behind (|d| 0.5 and 0.3),
+    sequence 2 nine behind (the last bucket): none is one behind."""
+    d = torch.tensor([[0.1, 0.0], [0.5, -0.3], [2.0, 0.0]])
+    weight = torch.tensor([[1.0, 0.0], [1.0, 1.0], [1.0, 0.0]])
+    drift = consistency.Drift()
+    drift.add(d, torch.zeros_like(d), weight, torch.tensor([0, 2, 9]))
+    by = drift.summary(identity, identity)["drift_by_staleness"]
+    buckets = consistency.STALE_BUCKETS
+    assert by[:3] == pytest.approx([0.1, 0.0, 0.4]) and len(by) == buckets
+    assert by[buckets - 1] == pytest.approx(2.0)
+    fresh = consistency.Drift()
+    fresh.add(d, torch.zeros_like(d), weight)  # no staleness given: all fresh
+    assert fresh.summary(identity, identity)["drift_by_staleness"] == pytest.approx([2.9 / 4])
     assert consistency.staleness_histogram([]) == []
 
 
@@ -90,8 +107,10 @@ def on_policy_data(backend, rng: random.Random, shift: float) -> list[Datum]:
 def test_a_backends_step_reports_the_drift_its_behaviour_logprobs_carry(model_dir, shift):
     backend = build_backend(BackendSpec(model_dir=model_dir))
     data = on_policy_data(backend, random.Random(0), shift)
+    data[3].staleness = 3  # generated three versions ago: its drift is reported apart
     mbs = pack(data, 4096, "token", backend.pad_id)
     out = backend.forward_backward(mbs, "ppo", LossParams())
+    assert out["drift_by_staleness"] == pytest.approx([shift, 0.0, 0.0, shift], abs=1e-4)
     assert sum(out["ratio_histogram"]) == out["num_tokens"] == 12
     assert out["log_ratio_mean"] == pytest.approx(shift, abs=1e-4)
     assert out["log_ratio_max"] == pytest.approx(shift, abs=1e-4)
@@ -104,5 +123,6 @@ def test_a_backends_step_reports_the_drift_its_behaviour_logprobs_carry(model_di
         grad_norm=0.0, publish_s=0.0, published=True, duration_s=1.0, **fields,
     )  # fmt: skip
     assert record.ratio_histogram == out["ratio_histogram"]
+    assert record.drift_by_staleness == out["drift_by_staleness"]
     assert record.log_ratio_p99 == pytest.approx(shift, abs=1e-4) or shift == 0.0
     backend.close()

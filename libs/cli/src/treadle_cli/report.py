@@ -147,6 +147,9 @@ class RunReport:
             ("behaviour_kl", "KL(behaviour || trainer)"),
         ):  # on a log scale, floored at 1e-9 (the same weights in fp32 give about 1e-7)
             drift.plot(t, [max(getattr(s, field), 1e-9) for s in steps], ".-", label=label)
+        if any(len(s.drift_by_staleness) > 1 for s in steps):  # the engine's share vs age's
+            fresh = [s.drift_by_staleness[0] if s.drift_by_staleness else 0.0 for s in steps]
+            drift.plot(t, [max(v, 1e-9) for v in fresh], ":", label="mean |d|, 0 behind")
         drift.set_yscale("log")
         drift.set_ylabel("d = log p_trainer - log p_behaviour")
         drift.legend(loc="upper right", fontsize=8)

@@ -164,9 +164,11 @@ class Datum:
     advantages: list[float]
     logprobs: list[float]
     group: str = ""
+    staleness: int = 0
+    """Versions behind the trainer it was generated (its drift is reported per staleness)."""
 
     @staticmethod
-    def from_trajectory(traj: tpb.Trajectory, advantage: float) -> Datum:
+    def from_trajectory(traj: tpb.Trajectory, advantage: float, stale: int = 0) -> Datum:
         mask = [float(m) for m in traj.loss_mask[1:]]
         return Datum(
             input_ids=list(traj.tokens[:-1]),
@@ -175,6 +177,7 @@ class Datum:
             advantages=[advantage * m for m in mask],
             logprobs=list(traj.logprobs[1:]),
             group=traj.group_id,
+            staleness=stale,
         )
 
 
@@ -186,6 +189,8 @@ class MicroBatch:
     advantages_B_T: torch.Tensor
     logprobs_B_T: torch.Tensor
     coef_B: torch.Tensor
+    staleness_B: torch.Tensor
+    """Per sequence: versions behind the trainer (long)."""
 
     FIELDS = (
         "input_ids_B_T",
@@ -194,6 +199,7 @@ class MicroBatch:
         "advantages_B_T",
         "logprobs_B_T",
         "coef_B",
+        "staleness_B",
     )
 
     def tensors(self) -> list[torch.Tensor]:
@@ -219,7 +225,8 @@ def collate(data: Sequence[Datum], coefs: Sequence[float], pad_id: int) -> Micro
             tensor[b, :n] = torch.tensor(values, dtype=torch.float32)
     weights, advantages, logprobs = floats
     coef = torch.tensor(coefs, dtype=torch.float32)
-    return MicroBatch(input_ids, targets, weights, advantages, logprobs, coef)
+    stale = torch.tensor([d.staleness for d in data], dtype=torch.long)
+    return MicroBatch(input_ids, targets, weights, advantages, logprobs, coef, stale)
 
 
 def pack(

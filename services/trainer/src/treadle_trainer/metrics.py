@@ -47,3 +47,9 @@ LOG_RATIO_TOKENS = Counter(
     "bin's upper edge (RATIO_EDGES; +Inf for the last)",
     ["run", "upper"],
 )
+DRIFT_BY_STALENESS = Gauge(
+    "treadle_trainer_log_ratio_abs_mean_by_staleness",
+    "Mean |log p_trainer - log p_behaviour| of the last step's loss tokens generated `behind` "
+    "versions ago (7: 7 or more)",
+    ["run", "behind"],
+)

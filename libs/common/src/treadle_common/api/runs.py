@@ -57,6 +57,11 @@ class StepRecord(BaseModel):
         default_factory=list,
         description="Trajectories trained per staleness (index: versions behind the trainer)",
     )
+    drift_by_staleness: list[float] = Field(
+        default_factory=list,
+        description="Mean |d| of the loss tokens per staleness (index: versions behind; the "
+        "last bucket, 7, holds 7 and more): the engine's share of the drift at 0, age's above",
+    )
     wait_for_batch_s: float = 0.0
     train_s: float = 0.0
     publish_s: float = Field(

@@ -156,7 +156,7 @@ class TorchBackend:
             sums["loss"] += value.detach().double().cpu()
             weight = (mask > 0).float()
             sums["tokens"] += weight.sum().double().cpu()
-            drift.add(logprobs, inputs.behaviour_logprobs, weight)
+            drift.add(logprobs, inputs.behaviour_logprobs, weight, mb.staleness_B)
             assert entropy is not None
             stats["entropy"] = entropy
             for name, per_token in stats.items():

@@ -75,9 +75,10 @@ def build_batch(groups: list[Group], version: int, max_staleness: int, t: Traine
             batch.dropped.update({k.trajectory_id: "constant_reward" for k in kept})
             kept = []
         for traj, adv in zip(kept, group_advantages(kept, t.advantage), strict=True):
-            batch.data.append(Datum.from_trajectory(traj, adv))
+            stale = staleness(traj, version)
+            batch.data.append(Datum.from_trajectory(traj, adv, stale))
             batch.trained.append(traj.trajectory_id)
-            batch.stale.append(staleness(traj, version))
+            batch.stale.append(stale)
     return batch
 
 
@@ -140,6 +141,8 @@ def observe(run: str, record: StepRecord, stale: list[int]) -> None:
     for upper, count in zip(uppers, record.ratio_histogram, strict=False):
         if count:
             tm.LOG_RATIO_TOKENS.labels(run, upper).inc(count)
+    for behind, drift in enumerate(record.drift_by_staleness):
+        tm.DRIFT_BY_STALENESS.labels(run, str(behind)).set(drift)
     tm.WAIT_FOR_BATCH.labels(run).observe(record.wait_for_batch_s)
     tm.STEP_SECONDS.labels(run).observe(record.duration_s)
     tm.TOKENS.labels(run).inc(record.num_tokens)

@@ -149,6 +149,7 @@ class LoraClient:
             torch.from_numpy(floats["advantages"]),
             torch.from_numpy(floats["logprobs"]),
             torch.ones(len(chunk)),
+            torch.zeros(len(chunk), dtype=torch.long),
         )
 
     def forward_backward(
