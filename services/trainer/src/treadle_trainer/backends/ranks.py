@@ -185,7 +185,7 @@ def _recv_micro_batches(shapes: list[list[int]], device: str) -> list[MicroBatch
     for b, t in shapes:
         tensors = []
         for name in MicroBatch.FIELDS:
-            shape = (b,) if name == "coef_B" else (b, t)
+            shape = (b, t) if name.endswith("_B_T") else (b,)  # coef_B, staleness_B
             dtype = torch.float32 if name in _FLOAT_FIELDS else torch.long
             tensor = torch.zeros(shape, dtype=dtype, device=device)
             dist.broadcast(tensor, src=0)
