@@ -316,6 +316,15 @@ async def test_training_api_sft_steps_lower_the_loss(infra, tmp_path, tiny_model
                 assert step.status_code == 200, step.text
             assert losses[-1] < losses[0] * 0.8, losses
             assert fb.json()["num_tokens"] == 10
+            assert fb.json()["log_ratio_mean"] is None  # no behaviour logprobs: no drift
+            # behaviour logprobs of 0 (probability 1): d is the trainer's own log p, below 0
+            scored = await client.post(
+                f"/v1/training/sessions/{sid}/forward_backward",
+                json={**body, "data": [{**datum, "logprobs": [0.0] * 7}]},
+            )
+            drift = scored.json()
+            assert drift["log_ratio_max"] >= drift["log_ratio_abs_mean"] > 0
+            assert sum(drift["ratio_histogram"]) == 5 and drift["behaviour_kl"] >= 0
             saved = await client.post(f"/v1/training/sessions/{sid}/save_weights")
             assert saved.status_code == 200 and saved.json()["version"] >= 1
             state = await client.post(f"/v1/training/sessions/{sid}/save_state", json={})

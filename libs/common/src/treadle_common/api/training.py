@@ -103,6 +103,17 @@ class ForwardBackwardResult(BaseModel):
     clip_fraction: float | None = None
     ratio: float | None = None
     behaviour_weight: float | None = None
+    log_ratio_mean: float | None = Field(
+        None,
+        description="Train-inference drift, when the data carried behaviour logprobs: the mean "
+        "of d = log p_trainer - log p_behaviour over the loss tokens (a run's step reports "
+        "the same figures, see StepRecord)",
+    )
+    log_ratio_abs_mean: float | None = None
+    log_ratio_p99: float | None = None
+    log_ratio_max: float | None = None
+    behaviour_kl: float | None = None
+    ratio_histogram: list[int] | None = None
 
 
 class OptimStepResult(BaseModel):

@@ -41,6 +41,17 @@ from treadle_trainer.paths import confine
 from treadle_trainer.run import claims
 from treadle_trainer.training.core import Trainables
 
+DRIFT_FIELDS = (
+    "log_ratio_mean",
+    "log_ratio_abs_mean",
+    "log_ratio_p99",
+    "log_ratio_max",
+    "behaviour_kl",
+    "ratio_histogram",
+)
+"""A forward_backward's train-inference drift (`consistency.py`): reported only for data
+that carried behaviour logprobs."""
+
 
 def to_datum(d: DatumIn) -> Datum:
     """A wire datum as the trainer's; omitted per-position fields take their defaults."""
@@ -127,6 +138,8 @@ class TrainingSessions:
         out = await self.models.run(
             sid, lambda m: m.backend.forward_backward(mbs, request.loss_fn, request.loss_params)
         )
+        if all(d.logprobs is None for d in request.data):  # no behaviour: no drift to report
+            out = {k: v for k, v in out.items() if k not in DRIFT_FIELDS}
         return ForwardBackwardResult(**out)
 
     async def optim_step(self, sid: str, adam: AdamParams) -> OptimStepResult:
