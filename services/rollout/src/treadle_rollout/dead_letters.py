@@ -21,6 +21,7 @@ from treadle_common.proto.treadle.v1 import task_pb2
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
 from treadle_common.runtime import metrics
 from treadle_common.runtime.logs import get_logger
+from treadle_rollout.failures import status_name
 
 log = get_logger(__name__)
 
@@ -79,12 +80,11 @@ async def give_up(
 
 
 def _quarantined(entry_id: str, traj: tpb.Trajectory, attempts: int) -> dict:
-    status = tpb.TrajectoryStatus.Name(traj.status).removeprefix("TRAJECTORY_STATUS_").lower()
     return {
         "trajectory_id": traj.trajectory_id,
         "task_id": traj.task_id,
         "task_entry_id": entry_id,
-        "reason": status,
+        "reason": status_name(traj),
         "error": traj.error,
         "attempts": attempts,
         "at": time.time(),

@@ -45,6 +45,12 @@ def invalid_reason(traj: tpb.Trajectory, vocab_size: int) -> str | None:
     return None
 
 
+def is_whole(entries: Sequence[Entry]) -> bool:
+    """No member failed (an infrastructure status) or was malformed: a group trainable as
+    a whole (a group is never trained on its survivors only)."""
+    return all(e.invalid is None and e.traj.status in TRAINABLE for e in entries)
+
+
 def drop_reason(traj: tpb.Trajectory, trainer_version: int, max_staleness: int) -> str | None:
     """Why a well-formed trajectory is not trained on now (status, staleness), or None."""
     if traj.status not in TRAINABLE:

@@ -25,11 +25,11 @@ from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
 from treadle_common.runtime.logs import get_logger
 from treadle_common.runtime.progress import Stage
 from treadle_trainer.batches import (
-    TRAINABLE,
     Entry,
     Group,
     GroupBuffer,
     invalid_reason,
+    is_whole,
     staleness,
 )
 from treadle_trainer.run.feeder import EnvCircuitOpen, Feeder
@@ -167,19 +167,17 @@ class Collector:
 
     async def _check_env(self) -> None:
         """Raise `EnvCircuitOpen` once rollout opened the breaker of the run's env."""
-        cfg = self.config
-        why = await breaker.why_open(self.r, cfg.run_id, cfg.env.name)
+        why = await breaker.why_open(self.r, self.config.run_id, self.config.env.name)
         if why is not None:
-            raise EnvCircuitOpen(
-                f"env {cfg.env.name!r} is circuit-broken for run {cfg.run_id}: {why}"
-            )
+            raise EnvCircuitOpen.of(self.config, why)
 
     @staticmethod
     def _usable(group: Group, version: int, max_staleness: int) -> bool:
         """A group with no failed or malformed member (`step.build_batch` drops such a group
         whole) and a member recent enough to train on."""
-        whole = all(e.invalid is None and e.traj.status in TRAINABLE for e in group.entries)
-        return whole and any(staleness(e.traj, version) <= max_staleness for e in group.entries)
+        return is_whole(group.entries) and any(
+            staleness(e.traj, version) <= max_staleness for e in group.entries
+        )
 
     async def read(self, block_ms: int | None) -> int:
         """Read new trajectories into the buffer (or counted drops); how many were read.

@@ -66,6 +66,10 @@ COUNTS = (
 class EnvCircuitOpen(RuntimeError):
     """The run's env failed too many of its episodes (`fleet.breaker`): the run fails."""
 
+    @classmethod
+    def of(cls, config: RunConfig, why: str) -> EnvCircuitOpen:
+        return cls(f"env {config.env.name!r} is circuit-broken for run {config.run_id}: {why}")
+
 
 def _is_count(name: str, number: str) -> bool:
     counted = name.startswith("dead:") or name in COUNTS
@@ -142,12 +146,9 @@ class Feeder:
 
     def check_env(self) -> None:
         """Raise `EnvCircuitOpen` once the run's env is circuit-broken (as last refreshed)."""
-        cfg = self.config
-        why = self.status.broken_envs.get(cfg.env.name)
+        why = self.status.broken_envs.get(self.config.env.name)
         if why is not None:
-            raise EnvCircuitOpen(
-                f"env {cfg.env.name!r} is circuit-broken for run {cfg.run_id}: {why}"
-            )
+            raise EnvCircuitOpen.of(self.config, why)
 
     def _task(self, index: int, task_id: str, payload: dict, min_version: int) -> task_pb2.Task:
         cfg, sampling = self.config, self.config.rollout.sampling

@@ -27,6 +27,7 @@ from treadle_trainer.batches import (
     group_advantages,
     in_feed_order,
     is_constant,
+    is_whole,
     staleness,
 )
 
@@ -58,9 +59,7 @@ def build_batch(groups: list[Group], version: int, max_staleness: int, t: Traine
     batch = Batch(in_feed_order(groups))
     for group in batch.groups:
         kept = []
-        whole = not any(
-            e.invalid is not None or e.traj.status not in TRAINABLE for e in group.entries
-        )
+        whole = is_whole(group.entries)
         for e in group.entries:
             if e.invalid is None and e.traj.status in TRAINABLE:
                 batch.rewards.append(e.traj.reward)
