@@ -23,7 +23,7 @@ fi
 test -x "$VENV/bin/python" || python3 -m venv "$VENV"
 pip=("$VENV/bin/python" -m pip)
 if [[ -n "$LOCK" ]]; then  # every package pinned with its hashes
-  "${pip[@]}" install --quiet --require-hashes -r "$LOCK"
+  "${pip[@]}" install --quiet --require-hashes --no-deps -r "$LOCK"
   "${pip[@]}" check
 else
   "${pip[@]}" install --quiet --upgrade pip

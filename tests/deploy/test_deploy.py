@@ -856,7 +856,7 @@ def test_ci_and_every_image_install_third_party_packages_only_by_hash():
     assert {"torch", "hatchling", "editables", "grpcio", "fastapi", "redis"} <= set(ci)
     assert ci["torch"][0] == "2.13.0+cpu"
     makefile = (ROOT / "Makefile").read_text()
-    assert "install --quiet --require-hashes -r requirements/ci.txt" in makefile
+    assert "install --quiet --require-hashes --no-deps -r requirements/ci.txt" in makefile
     assert "--no-deps --no-build-isolation $(WORKSPACE)" in makefile
     assert "WORKSPACE := -e 'libs/common[hf]'" in makefile
     assert "$(PIP) check" in makefile
@@ -864,7 +864,7 @@ def test_ci_and_every_image_install_third_party_packages_only_by_hash():
         lock = lock_entries(ROOT / f"requirements/images/{image}.txt")
         assert lock and all(ci[name] == entry for name, entry in lock.items()), image
         steps = " ".join(a for k, a in instructions(ROOT / dockerfile) if k == "RUN")
-        assert "--require-hashes" in steps and "-r /src/requirements.txt" in steps, dockerfile
+        assert "--require-hashes --no-deps" in steps and "-r /src/requirements.txt" in steps
         assert "pip install --no-deps --no-build-isolation" in steps and "pip check" in steps
         copies = [a for k, a in instructions(ROOT / dockerfile) if k == "COPY"]
         assert f"requirements/images/{image}.txt /src/requirements.txt" in copies, dockerfile
@@ -873,5 +873,5 @@ def test_ci_and_every_image_install_third_party_packages_only_by_hash():
         assert wanted <= set(lock), image
     for setup, lock_file in (("setup_vllm.sh", "vllm"), ("setup_cookbook.sh", "cookbook")):
         text = (ROOT / "scripts" / setup).read_text()
-        assert f"LOCK=requirements/{lock_file}.txt" in text and "--require-hashes" in text
+        assert f"LOCK=requirements/{lock_file}.txt" in text and "--require-hashes --no-deps" in text
         assert lock_entries(ROOT / f"requirements/{lock_file}.txt"), lock_file
