@@ -159,6 +159,12 @@ class _Local:
                     await asyncio.wait_for(asyncio.shield(self.proc.wait()), OUTER_GRACE_S)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGKILL)
+        if self.proc.returncode is None:
+            # and what the first look missed: a kill early in the start, before `unshare`
+            # forked the inner one, kills both at once (killpg reaches a child forked
+            # meanwhile), and the orphaned inner one is the gateway's. The group's id stays
+            # taken while any member of it is left, so its members are this sandbox's only.
+            orphans += _pidfds([p for p in _group(pid) if p != pid])
         if self.info_fd is not None:
             await self.proc.wait()
             await self._reap_inner()
