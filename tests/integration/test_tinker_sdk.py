@@ -4,6 +4,7 @@ trainer + weight-store: LoRA training clients on one shared base model."""
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import httpx
@@ -183,7 +184,19 @@ def test_rl_losses_and_their_errors(stack):
         if loss == "cispo":
             want = -sum(a * lp for a, lp in zip(advantages, logprobs, strict=True))
         assert out.metrics["loss:sum"] == pytest.approx(want, abs=1e-4), loss
+        assert out.metrics["log_ratio_abs_mean:mean"] == pytest.approx(0.0, abs=1e-4), loss
         client.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    # sampled by an engine whose logprobs were 0.5 lower: the drift says so
+    forward = client.forward([sft_datum(tokens, 2)], "cross_entropy").result()
+    lower = [lp - 0.5 for lp in forward.loss_fn_outputs[0]["logprobs"].tolist()]
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "logprobs": lower, "advantages": [1.0] * 5},
+    )
+    drift = client.forward_backward([datum], "importance_sampling").result().metrics
+    assert drift["log_ratio_mean:mean"] == pytest.approx(0.5, abs=1e-4)
+    assert drift["log_ratio_max:max"] == pytest.approx(0.5, abs=1e-4)
+    assert drift["behaviour_kl:mean"] == pytest.approx(math.expm1(0.5) - 0.5, abs=1e-4)
 
     with pytest.raises(tinker.RequestFailedError, match="needs loss_fn_inputs"):
         client.forward_backward([sft_datum(tokens, 2)], "ppo").result()

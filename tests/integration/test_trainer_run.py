@@ -338,6 +338,11 @@ async def test_training_api_sft_steps_lower_the_loss(infra, tmp_path, tiny_model
                 ({**body, "loss_fn": "nope"}, 422, "cross_entropy"),
                 ({**body, "data": [{**datum, "weights": [1]}]}, 422, "weights has 1 entries"),
                 ({**body, "data": [{**datum, "model_input": [10**6] * 7}]}, 400, "token ids"),
+                (  # a correction needs the logprobs it corrects against
+                    {**body, "loss_fn": "ppo", "loss_params": {"off_policy": "tis"}},
+                    400,
+                    "every datum needs them",
+                ),
             ]
             for payload, code, text in bad:
                 response = await client.post(

@@ -1,7 +1,8 @@
 """`treadle bench ...`: added to the `treadle` command through the `treadle.commands`
 entry-point group (see `treadle_cli.cli.add_plugins`).
 
-treadle bench weights|env|reward|rollout|trainer|tinker|e2e|learn|multirun|step|chaos [--json]
+treadle bench weights|env|reward|rollout|trainer|tinker|e2e|learn|mismatch|multirun|step|chaos
+    [--json]
     our path vs a baseline, or learning per seed, as JSON
 """
 
@@ -227,6 +228,26 @@ def bench_learn(
     from treadle_bench import learn
 
     result = learn.run([int(s) for s in seeds.split(",")], recipe, overrides)
+    print(json.dumps(result, indent=None if as_json else 2))
+
+
+@app.command("mismatch")
+def bench_mismatch(
+    seeds: Annotated[
+        str, typer.Option(help="Comma-separated seeds, one run per arm each")
+    ] = "0,1,2",
+    noise: Annotated[
+        float, typer.Option(help="Std of the engine's injected logit bias per vocabulary token")
+    ] = 1.0,
+    recipe: Annotated[Path, typer.Option(help="Learning recipe")] = Path("recipes/demo.yaml"),
+    overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a.b=c")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
+) -> None:
+    """A train-inference mismatch injected into rollout's engine: held-out learning of a clean
+    run, of the biased one uncorrected (off_policy none) and corrected (off_policy auto)."""
+    from treadle_bench import mismatch
+
+    result = mismatch.run([int(s) for s in seeds.split(",")], noise, recipe, overrides)
     print(json.dumps(result, indent=None if as_json else 2))
 
 

@@ -295,6 +295,27 @@ def test_top_logprobs_come_from_the_distribution_the_token_was_sampled_from():
     assert logprobs[0] == dict(nucleus)[tokens[0]]
 
 
+def test_an_injected_logit_bias_changes_what_is_sampled_and_its_logprobs_not_greedy():
+    """`rollout_fault_logit_noise`: sampled rows draw from softmax(logits / T + bias) and
+    report that distribution's logprobs (an engine whose policy is not the trainer's); greedy
+    rows stay on the clean argmax."""
+    from treadle_rollout.engines.hf import logit_bias, sample
+
+    assert logit_bias(4, 0.0, "cpu") is None
+    bias_V = logit_bias(4, 1.0, "cpu")
+    assert bias_V is not None and torch.equal(bias_V, logit_bias(4, 1.0, "cpu"))  # seeded
+    torch.manual_seed(0)
+    logits_V = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    n = 4000
+    params = [Sampling(1.0, 1.0, 1)] * n + [Sampling(0.0, 1.0, 1)]
+    tokens, logprobs, _ = sample(logits_V.expand(len(params), -1), params, None, bias_V)
+    biased = (logits_V + bias_V).softmax(-1)
+    for token in range(4):
+        assert tokens[:n].count(token) / n == pytest.approx(float(biased[token]), abs=0.03)
+    assert logprobs[0] == pytest.approx(float(biased[tokens[0]].log()), abs=1e-5)
+    assert tokens[-1] == 0 and logprobs[-1] == pytest.approx(float(torch.tensor(0.5).log()))
+
+
 async def test_a_full_batch_admits_the_oldest_requests_first(tiny_model):
     engine = HFEngine(tiny_model, "tiny", max_batch=2)
     prompt = engine.tokenizer("who goes first")["input_ids"]

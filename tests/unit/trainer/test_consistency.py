@@ -10,11 +10,11 @@ import random
 import pytest
 import torch
 
+from tests.support.drift import on_policy_data
 from treadle_common.api.runs import RATIO_EDGES, StepRecord
 from treadle_trainer import consistency
 from treadle_trainer.backends import BackendSpec, build_backend
-from treadle_trainer.backends.logprobs import token_logprobs
-from treadle_trainer.batches import Datum, pack
+from treadle_trainer.batches import pack
 from treadle_trainer.losses import LossParams
 
 pytestmark = pytest.mark.unit
@@ -82,25 +82,6 @@ def model_dir(tmp_path_factory):
     from treadle_cli.tiny_model import init_tiny
 
     return str(init_tiny(tmp_path_factory.mktemp("consistency") / "tiny"))
-
-
-def on_policy_data(backend, rng: random.Random, shift: float) -> list[Datum]:
-    """Completions scored by the backend itself as their behaviour logprobs, minus `shift`
-    (a rollout engine whose logprobs are that much lower than the trainer's)."""
-    data = []
-    for _ in range(4):
-        prompt = [rng.randrange(5, 200) for _ in range(6)]
-        completion = [rng.randrange(5, 200) for _ in range(3)]
-        ids = prompt + completion
-        weights = [0.0] * (len(prompt) - 1) + [1.0] * len(completion) + [0.0]
-        data.append(Datum(ids, ids[1:] + [2], weights, [w * 0.5 for w in weights], weights))
-    (mb,) = pack(data, 4096, "token", backend.pad_id)
-    with torch.no_grad():
-        lp, _ = token_logprobs(backend.model, mb, "cpu", entropy=False, temperature=1.0)
-    for i, datum in enumerate(data):
-        n = len(datum.input_ids)
-        datum.logprobs = [float(lp[i, t]) - shift for t in range(n)]
-    return data
 
 
 @pytest.mark.parametrize("shift", [0.0, 0.3])

@@ -247,10 +247,11 @@ def test_every_decoupled_ppo_batch_snapshots_its_proximal_policy():
             calls.append("optim_step")
             return {"grad_norm": 0.0}
 
-    def owner(loss: str, minibatches: int):
+    def owner(loss: str, minibatches: int, off_policy: str = "none"):
         trainer = SimpleNamespace(
             minibatches=minibatches,
             loss=loss,
+            off_policy=off_policy,
             micro_batch_tokens=64,
             loss_aggregation="token",
             lr=1e-4,
@@ -275,6 +276,9 @@ def test_every_decoupled_ppo_batch_snapshots_its_proximal_policy():
     calls.clear()
     RunStepper._train(owner("ppo", 2), backend, batch("ab"))  # ppo's ratio: to the behaviour
     assert "snapshot" not in calls
+    calls.clear()
+    RunStepper._train(owner("ppo", 2, "tis"), backend, batch("ab"))  # corrected: to pi_prox
+    assert calls[0] == "snapshot"
 
 
 async def test_a_wholly_stale_group_does_not_take_a_batch_slot():

@@ -61,6 +61,7 @@ async def build_engine(settings: RolloutSettings, model_dir: Path, model_name: s
         "max_batch": settings.rollout_max_batch,
         "max_context": settings.rollout_max_context,
         "prefix_cache_mb": settings.rollout_prefix_cache_mb,
+        "logit_noise": settings.rollout_fault_logit_noise,
     }
     if not settings.rollout_engine_process:
         cpus = prestart.options_for(settings)["cpus"]

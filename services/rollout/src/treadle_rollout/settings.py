@@ -77,6 +77,15 @@ class RolloutSettings(Settings):
     rollout_session_ttl_s: float = Field(
         3600.0, gt=0, description="rollout: idle recorded OpenAI-API sessions expire after"
     )
+    rollout_fault_logit_noise: float = Field(
+        0.0,
+        ge=0,
+        description="rollout hf, fault injection (tests, `treadle bench mismatch`): add a fixed "
+        "bias, drawn once per vocabulary token from N(0, this squared), to the tempered logits of "
+        "every sampled (not greedy) token: an engine whose policy differs from the trainer's, as "
+        "a miscalibrated kernel or quantisation makes it. Recorded logprobs are the biased "
+        "distribution's (what the engine sampled from); 0: off",
+    )
     rollout_tool_parser: str = Field(
         "auto",
         description="rollout: how the OpenAI API reads tool calls from generated text: auto "

@@ -142,9 +142,14 @@ def total_loss(
     mask_B_T: torch.Tensor,
     coef_B: torch.Tensor,
     ref_logprobs: torch.Tensor | None = None,
+    correction_B_T: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Stats]:
-    """The aggregated scalar loss of one micro-batch, and its per-token statistics."""
+    """The aggregated scalar loss of one micro-batch, and its per-token statistics.
+    `correction_B_T`: an off-policy correction's per-token weight (`off_policy.py`), applied
+    to the policy loss (not the KL penalty)."""
     per_token, stats = LOSSES[name](inputs, params)
+    if correction_B_T is not None:
+        per_token = per_token * correction_B_T
     if params.kl_coef > 0:
         if ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs reference logprobs")

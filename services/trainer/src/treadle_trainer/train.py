@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from treadle_common.config.recipe import TrainerConfig
-from treadle_trainer import consistency
+from treadle_trainer import consistency, off_policy
 from treadle_trainer.backends import AdamParams, TorchBackend
 from treadle_trainer.batches import Datum, pack, split_minibatches
 from treadle_trainer.losses import NEEDS_PROXIMAL, LossParams
@@ -31,7 +31,9 @@ def train_batch(
     if not data:
         return {"loss": 0.0, "grad_norm": 0.0}
     chunks = split_minibatches(data, t.minibatches)
-    if t.loss in NEEDS_PROXIMAL and t.minibatches > 1:
+    if (
+        t.loss in NEEDS_PROXIMAL or off_policy.corrects(t.off_policy, t.loss)
+    ) and t.minibatches > 1:
         # pi_prox = the weights this batch starts from; every batch, even one that makes a
         # single minibatch, or it would meet the snapshot of an earlier batch
         backend.snapshot_proximal()
@@ -44,6 +46,7 @@ def train_batch(
         outs.append(out)
     tokens = sum(o["num_tokens"] for o in outs) or 1.0
     drift = consistency.merge(outs)
+    modes = list(dict.fromkeys(str(o.pop("off_policy", "none")) for o in outs))
     merged = {
         k: sum(o[k] * o["num_tokens"] for o in outs) / tokens
         if k not in ("loss", "grad_norm")
@@ -52,4 +55,4 @@ def train_batch(
         if k not in drift and not k.startswith("_")
     }
     merged["num_tokens"] = tokens
-    return {**merged, **drift}
+    return {**merged, **drift, "off_policy": ",".join(modes)}

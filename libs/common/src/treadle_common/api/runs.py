@@ -62,6 +62,20 @@ class StepRecord(BaseModel):
         description="Mean |d| of the loss tokens per staleness (index: versions behind; the "
         "last bucket, 7, holds 7 and more): the engine's share of the drift at 0, age's above",
     )
+    off_policy: str = Field(
+        "none",
+        description="The off-policy correction the step applied (trainer.off_policy; auto: "
+        "what it chose from the measured drift, minibatches' choices joined by ',')",
+    )
+    off_policy_cap: float = Field(0.0, description="Its cap or bound (0 for none)")
+    off_policy_masked: float = Field(
+        0.0, description="Fraction of the loss tokens the correction's weights zeroed"
+    )
+    off_policy_ess: float = Field(
+        1.0,
+        description="Effective sample size (sum w)^2 / (n sum w^2) of the correction's token "
+        "weights, as a fraction of the tokens (1: uncorrected)",
+    )
     wait_for_batch_s: float = 0.0
     train_s: float = 0.0
     publish_s: float = Field(

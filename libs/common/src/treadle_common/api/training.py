@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from treadle_common import names
-from treadle_common.config.recipe import LossName
+from treadle_common.config.recipe import LossName, OffPolicyName
 
 MAX_DATA = 4096
 """Sequences in one `forward_backward`."""
@@ -26,7 +26,17 @@ class LossParams(BaseModel):
 
     clip_low: float = Field(0.2, ge=0, description="PPO/CISPO lower clip: ratio >= 1 - clip_low")
     clip_high: float = Field(0.28, ge=0, description="Upper clip (clip-higher when > clip_low)")
-    is_cap: float = Field(2.0, gt=0, description="Cap of the truncated behaviour IS weight")
+    is_cap: float = Field(
+        2.0,
+        gt=0,
+        description="Cap of the truncated behaviour IS weight (decoupled_ppo, off_policy tis and "
+        "seq_mis); the bounds [1/is_cap, is_cap] of off_policy mis and seq_mis",
+    )
+    off_policy: OffPolicyName = Field(
+        "none",
+        description="Off-policy correction of the loss against the data's logprobs: none, tis, "
+        "mis, seq_mis or auto (see the recipe's trainer.off_policy)",
+    )
     kl_coef: float = Field(0.0, ge=0, description="Weight of the k3 KL to the frozen reference")
     temperature: float = Field(
         1.0,
@@ -114,6 +124,16 @@ class ForwardBackwardResult(BaseModel):
     log_ratio_max: float | None = None
     behaviour_kl: float | None = None
     ratio_histogram: list[int] | None = None
+    off_policy: str | None = Field(
+        None, description="The off-policy correction applied (auto: the one it chose)"
+    )
+    off_policy_cap: float | None = Field(None, description="Its cap or bound (0 for none)")
+    off_policy_masked: float | None = Field(
+        None, description="Fraction of the loss tokens its weights zeroed"
+    )
+    off_policy_ess: float | None = Field(
+        None, description="Effective sample size of its weights, as a fraction of the tokens"
+    )
 
 
 class OptimStepResult(BaseModel):

@@ -108,6 +108,8 @@ LossName = Literal[
     "cross_entropy", "policy_gradient", "importance_sampling", "ppo", "cispo", "decoupled_ppo"
 ]
 AdvantageName = Literal["grpo", "dr_grpo", "rloo"]
+OffPolicyName = Literal["none", "tis", "mis", "seq_mis", "auto"]
+"""Off-policy corrections (the trainer's `off_policy.py`)."""
 TrainerBackend = Literal["auto", "single", "fsdp", "megatron"]
 """auto: FSDP2 when the trainer runs as several `torchrun` ranks, else single (one process)."""
 
@@ -145,7 +147,21 @@ class TrainerConfig(Strict):
     )
     clip_low: float = Field(0.2, ge=0, description="PPO/CISPO: ratio >= 1 - clip_low")
     clip_high: float = Field(0.28, ge=0, description="PPO/CISPO: ratio <= 1 + clip_high")
-    is_cap: float = Field(2.0, gt=0, description="decoupled_ppo: truncated behaviour IS weight")
+    is_cap: float = Field(
+        2.0,
+        gt=0,
+        description="decoupled_ppo and off_policy tis/seq_mis: the cap of the truncated "
+        "behaviour IS weight; off_policy mis/seq_mis: the bounds [1/is_cap, is_cap] it masks "
+        "outside",
+    )
+    off_policy: OffPolicyName = Field(
+        "none",
+        description="Correction for the drift between rollout's policy and the trainer's: none "
+        "(the loss's ratio against the behaviour logprobs), tis (truncated IS, ratio centred "
+        "on the trainer's policy at the batch's start), mis (masked IS, as IcePop), seq_mis "
+        "(sequence-level masking), auto (none or tis and its cap, chosen per minibatch from "
+        "the measured drift and recorded in the step)",
+    )
     kl_coef: float = Field(0.0, ge=0, description="k3 KL to the frozen initial policy")
     max_grad_norm: float = Field(1.0, gt=0, description="Global gradient-norm clip")
     drop_constant_reward_groups: bool = Field(

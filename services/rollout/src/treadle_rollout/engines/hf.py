@@ -103,8 +103,10 @@ class HFEngine(WeightChanges, Engine):
         max_context: int | None = None,
         prefix_cache_mb: int = 256,
         cpus: list[int] | None = None,
+        logit_noise: float = 0.0,
     ):
-        """`cpus`: the CPUs the engine's thread (all its model work) runs on (`cpus.py`)."""
+        """`cpus`: the CPUs the engine's thread (all its model work) runs on (`cpus.py`);
+        `logit_noise`: a mismatch injected on purpose (`logit_bias`)."""
         self.model_name = model_name
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -127,6 +129,8 @@ class HFEngine(WeightChanges, Engine):
         self.version = 0
         self.cache = ChunkCache.from_state_dict(self.model.state_dict())
         self.prefixes = prefix_cache.PrefixCache(prefix_cache_mb << 20)
+        self.bias_V = logit_bias(int(model.config.vocab_size), logit_noise, self.device)
+        """Added to sampled rows' tempered logits (fault injection; None: off)."""
         self.forwards = Forwards(self.model, self.device, self.pad_id)
         """The model's prefill and decode forward passes."""
         self._batch = Batch(_slab(self.model, self.device, max_batch))
@@ -466,7 +470,8 @@ class HFEngine(WeightChanges, Engine):
         return bool(text.rstrip("\ufffd"))
 
     def _append(self, seqs: list[Seq], logits_B_V: torch.Tensor) -> None:
-        tokens, logprobs, tops = sample(logits_B_V.float(), [s.sampling for s in seqs], seqs)
+        params = [s.sampling for s in seqs]
+        tokens, logprobs, tops = sample(logits_B_V.float(), params, seqs, self.bias_V)
         for seq, token, logprob, top in zip(seqs, tokens, logprobs, tops, strict=True):
             seq.tokens.append(token)
             seq.logprobs.append(logprob)
@@ -512,8 +517,20 @@ def stopped_by_text(tokenizer, seq: Seq) -> bool:
     return any(s in tail for s in stops)
 
 
+def logit_bias(vocab: int, noise: float, device: str, seed: int = 0) -> torch.Tensor | None:
+    """A fixed bias per vocabulary token, N(0, noise^2), seeded (`RolloutSettings.
+    rollout_fault_logit_noise`): the same mismatch on every run; None when noise is 0."""
+    if noise <= 0:
+        return None
+    generator = torch.Generator().manual_seed(seed)
+    return (noise * torch.randn(vocab, generator=generator)).to(device)
+
+
 def sample(
-    logits_B_V: torch.Tensor, params: list[Sampling], seqs: list[Seq] | None = None
+    logits_B_V: torch.Tensor,
+    params: list[Sampling],
+    seqs: list[Seq] | None = None,
+    bias_V: torch.Tensor | None = None,
 ) -> tuple[list[int], list[float], list[TopLogprobs | None]]:
     """Sample one token per row; return the tokens and their logprobs under the distribution
     each was sampled from (tempered, top-p truncated and renormalized), and for rows that ask
@@ -521,11 +538,15 @@ def sample(
 
     All rows at once: one uniform draw per row (from the row's own generator when it has a
     seed, so a seeded request samples the same tokens in any batch) picks the token by
-    inverse CDF over the row's (nucleus-truncated) distribution."""
+    inverse CDF over the row's (nucleus-truncated) distribution. `bias_V`, when given, is
+    added to the sampled rows' tempered logits first (`logit_bias`)."""
     device = logits_B_V.device
     greedy_B = torch.tensor([p.temperature <= 0 for p in params], device=device)
     temps_B = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
-    logprobs_B_V = torch.log_softmax(logits_B_V / temps_B.to(device)[:, None], dim=-1)
+    scaled_B_V = logits_B_V / temps_B.to(device)[:, None]
+    if bias_V is not None:  # an injected mismatch, on sampled rows only (greedy stays clean)
+        scaled_B_V = scaled_B_V + (~greedy_B)[:, None] * bias_V[: scaled_B_V.shape[1]]
+    logprobs_B_V = torch.log_softmax(scaled_B_V, dim=-1)
     probs_B_V = logprobs_B_V.exp()
     top_p_B = torch.tensor([p.top_p if p.top_p < 1.0 else 2.0 for p in params], device=device)
     truncated = bool((top_p_B < 1.0).any())

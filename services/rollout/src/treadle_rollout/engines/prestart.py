@@ -29,6 +29,7 @@ def options_for(settings: Any) -> dict[str, Any]:
         "max_batch": settings.rollout_max_batch,
         "max_context": settings.rollout_max_context,
         "prefix_cache_mb": settings.rollout_prefix_cache_mb,
+        "logit_noise": settings.rollout_fault_logit_noise,
         "torch_threads": settings.torch_threads,
         "cpus": split[0] if split else None,
         "log_level": settings.log_level,

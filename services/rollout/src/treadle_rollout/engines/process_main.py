@@ -227,6 +227,7 @@ async def serve(fd: int, options: dict[str, Any]) -> None:
             max_batch=options.get("max_batch", 64),
             max_context=options.get("max_context"),
             prefix_cache_mb=options.get("prefix_cache_mb", 256),
+            logit_noise=options.get("logit_noise", 0.0),
         )
     except Exception as exc:
         sock.sendall(wire.encode_frame([{"failed": error_of(exc)}]))

@@ -23,6 +23,8 @@ from treadle_trainer.backends.spec import BackendSpec
 
 
 class FSDPBackend(RankedBackend):
+    share_prefix = False  # see `logprobs.token_logprobs`
+
     def __init__(self, spec: BackendSpec):
         init_distributed()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()

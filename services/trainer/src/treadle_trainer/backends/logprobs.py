@@ -18,6 +18,7 @@ def token_logprobs(
     entropy: bool = False,
     temperature: float = 1.0,
     loss_columns: bool = False,
+    share_prefix: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(target) per token [B, T] under softmax(logits / temperature) (the distribution
     rollout sampled from) and, optionally, that policy's entropy per token.
@@ -32,7 +33,7 @@ def token_logprobs(
     # no attention mask is needed (and the fused causal attention path stays available).
     ids = mb.input_ids_B_T.to(device)
     targets = mb.targets_B_T.to(device)
-    plan = SharedPrefix.of(model, mb) if loss_columns else None
+    plan = SharedPrefix.of(model, mb, share_prefix) if loss_columns else None
     if plan is None:
         logits_B_T_V = model(input_ids=ids).logits.float()
     else:
@@ -74,8 +75,9 @@ class SharedPrefix:
     """What the model's forward calls its KV cache (`past_key_values` before transformers 5)."""
 
     @staticmethod
-    def of(model: torch.nn.Module, mb: MicroBatch) -> SharedPrefix | None:
-        """A plan for an HF causal LM (`logits_to_keep`, `past_key_values`), else None."""
+    def of(model: torch.nn.Module, mb: MicroBatch, share: bool = True) -> SharedPrefix | None:
+        """A plan for an HF causal LM (`logits_to_keep`, `past_key_values`), else None;
+        `share` False: the loss columns only, every row's prompt run on its own."""
         inner: torch.nn.Module = getattr(model, "wrapped_model", model)
         params = _forward_params(type(inner))
         if "logits_to_keep" not in params:
@@ -86,7 +88,7 @@ class SharedPrefix:
         start = int(cols[0])
         unique = rows = None
         cache_arg = next((a for a in ("cache", "past_key_values") if a in params), None)
-        if start > 0 and cache_arg is not None:
+        if share and start > 0 and cache_arg is not None:
             unique, rows = torch.unique(mb.input_ids_B_T[:, :start], dim=0, return_inverse=True)
             if len(unique) == len(rows):  # nothing shared
                 unique = rows = None

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections import defaultdict
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, cast
@@ -35,11 +34,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from treadle_common.api.training import AdamParams  # the API's shape, re-exported here
 from treadle_common.runtime import durable
+from treadle_trainer import off_policy
+from treadle_trainer.backends.call_sums import CallSums
 from treadle_trainer.backends.checkpoint_files import CHECKPOINT_FILES
 from treadle_trainer.backends.logprobs import token_logprobs
 from treadle_trainer.backends.spec import BackendSpec
 from treadle_trainer.batches import MicroBatch
-from treadle_trainer.consistency import Drift
 from treadle_trainer.errors import IncompatibleCheckpoint
 from treadle_trainer.losses import NEEDS_PROXIMAL, LossParams, TokenInputs, total_loss
 
@@ -47,6 +47,8 @@ from treadle_trainer.losses import NEEDS_PROXIMAL, LossParams, TokenInputs, tota
 class TorchBackend:
     world_size = 1
     rank = 0
+    share_prefix = True
+    """A group's shared prompt runs once per micro-batch (`logprobs.SharedPrefix`)."""
 
     def __init__(self, spec: BackendSpec):
         self.spec = spec
@@ -76,7 +78,13 @@ class TorchBackend:
         self, model: torch.nn.Module, mb: MicroBatch, entropy: bool, temperature: float
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return token_logprobs(
-            model, mb, self.device, entropy=entropy, temperature=temperature, loss_columns=True
+            model,
+            mb,
+            self.device,
+            entropy=entropy,
+            temperature=temperature,
+            loss_columns=True,
+            share_prefix=self.share_prefix,
         )
 
     def _load_model(self) -> torch.nn.Module:
@@ -125,52 +133,55 @@ class TorchBackend:
         self, mbs: list[MicroBatch], loss: str, params: LossParams
     ) -> dict[str, Any]:
         """Accumulate gradients of the aggregated loss over the micro-batches; the loss, the
-        per-token statistics and the batch's train-inference drift (`consistency.Drift`)."""
+        per-token statistics, the batch's train-inference drift (`consistency.Drift`) and the
+        off-policy correction applied (`off_policy.py`)."""
         self.model.train()
-        keys = ("loss", "tokens", "entropy", "kl", "clip_fraction", "ratio", "behaviour_weight")
-        sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
-        present: set[str] = set()
-        drift = Drift()  # trainer vs behaviour logprobs (consistency.py)
-        for mb, active in self._assign(mbs):
+        runs = self._assign(mbs)
+        frozen = [self._frozen(mb, loss, params) for mb, _ in runs]
+        live = [(p, mb) for (mb, active), (p, _) in zip(runs, frozen, strict=True) if active]
+        measured = (
+            (p, mb.logprobs_B_T.to(self.device), mb.mask_B_T) for p, mb in live if p is not None
+        )
+        correction = off_policy.choose(params, loss, measured, self._sum, self._max)
+        sums = CallSums()
+        for (mb, active), (proximal, ref) in zip(runs, frozen, strict=True):
             mask = mb.mask_B_T.to(self.device)
             coef = mb.coef_B.to(self.device) * (1.0 if active else 0.0)
-            proximal = ref = None
-            with torch.no_grad(), self._autocast():
-                if loss in NEEDS_PROXIMAL:
-                    pi_prox = self.proximal if self.proximal is not None else self.model
-                    proximal, _ = self._logprobs(pi_prox, mb, False, params.temperature)
-                if self.reference is not None and params.kl_coef > 0:
-                    ref, _ = self._logprobs(self.reference, mb, False, params.temperature)
+            behaviour = mb.logprobs_B_T.to(self.device)
+            weight_B_T, centre = None, behaviour
+            if correction.active:
+                assert proximal is not None
+                weight_B_T, centre = correction.weights(proximal, behaviour, mask), proximal
             with self._autocast():
                 logprobs, entropy = self._logprobs(self.model, mb, True, params.temperature)
             inputs = TokenInputs(
                 logprobs=logprobs,
                 advantages=mb.advantages_B_T.to(self.device),
-                behaviour_logprobs=mb.logprobs_B_T.to(self.device),
+                behaviour_logprobs=centre,  # corrected: pi_prox, and the weight carries rho
                 proximal_logprobs=proximal,
             )
-            value, stats = total_loss(loss, params, inputs, mask, coef, ref)
+            value, stats = total_loss(loss, params, inputs, mask, coef, ref, weight_B_T)
             (value * self._grad_scale).backward()
-            if not active:
-                continue
-            sums["loss"] += value.detach().double().cpu()
-            weight = (mask > 0).float()
-            sums["tokens"] += weight.sum().double().cpu()
-            drift.add(logprobs, inputs.behaviour_logprobs, weight, mb.staleness_B)
-            assert entropy is not None
-            stats["entropy"] = entropy
-            for name, per_token in stats.items():
-                sums[name] += (per_token * weight).sum().double().cpu()
-                present.add(name)
-        totals = self._sum(torch.stack([sums[k] for k in keys]))
-        out = dict(zip(keys, totals.tolist(), strict=True))
-        tokens = max(out["tokens"], 1.0)
-        return {
-            "loss": out["loss"],
-            "num_tokens": out["tokens"],
-            **{k: out[k] / tokens for k in keys[2:] if k in present},
-            **drift.summary(self._sum, self._max),
-        }
+            if active:
+                assert entropy is not None
+                stats["entropy"] = entropy
+                sums.add(value, mask, stats, weight_B_T)
+                sums.drift.add(logprobs, behaviour, (mask > 0).float(), mb.staleness_B)
+        return sums.result(self._sum, self._max, correction)
+
+    def _frozen(
+        self, mb: MicroBatch, loss: str, params: LossParams
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The micro-batch's logprobs under pi_prox (when the loss or a correction reads them:
+        the proximal snapshot, else the weights the call starts from) and the reference."""
+        proximal = ref = None
+        with torch.no_grad(), self._autocast():
+            if loss in NEEDS_PROXIMAL or off_policy.corrects(params.off_policy, loss):
+                pi_prox = self.proximal if self.proximal is not None else self.model
+                proximal, _ = self._logprobs(pi_prox, mb, False, params.temperature)
+            if self.reference is not None and params.kl_coef > 0:
+                ref, _ = self._logprobs(self.reference, mb, False, params.temperature)
+        return proximal, ref
 
     def optim_step(self, adam: AdamParams) -> dict[str, float]:
         for group in self.optimizer.param_groups:

@@ -73,7 +73,8 @@ def build_batch(groups: list[Group], version: int, max_staleness: int, t: Traine
         if kept and t.drop_constant_reward_groups and is_constant(kept):
             batch.dropped.update({k.trajectory_id: "constant_reward" for k in kept})
             kept = []
-        for traj, adv in zip(kept, group_advantages(kept, t.advantage), strict=True):
+        advantages = group_advantages(kept, t.advantage) if kept else []
+        for traj, adv in zip(kept, advantages, strict=True):
             stale = staleness(traj, version)
             batch.data.append(Datum.from_trajectory(traj, adv, stale))
             batch.trained.append(traj.trajectory_id)

@@ -49,6 +49,7 @@ def step_params(config: RunConfig) -> tuple[LossParams, AdamParams]:
         clip_low=t.clip_low,
         clip_high=t.clip_high,
         is_cap=t.is_cap,
+        off_policy=t.off_policy,
         kl_coef=t.kl_coef,
         temperature=config.rollout.sampling.temperature or 1.0,  # 0 = greedy: plain logits
     )

@@ -13,7 +13,10 @@ Losses are Tinker's, summed over tokens (no normalisation), from the datum's
 `loss_fn_inputs`: `cross_entropy` (target_tokens, weights), `importance_sampling`, `ppo`,
 `cispo` (target_tokens, logprobs, advantages; ppo/cispo ratio bounds from `loss_fn_config`
 `clip_low_threshold` / `clip_high_threshold`, default 0.8 / 1.2). They are the trainer's own
-losses (`losses.py`) with Tinker's aggregation (`sum`).
+losses (`losses.py`) with Tinker's aggregation (`sum`). The losses that read the sampling
+`logprobs` also report the train-inference drift of their tokens (`consistency.py`) in the
+metrics: `log_ratio_mean:mean`, `log_ratio_abs_mean:mean`, `log_ratio_p99:max`,
+`log_ratio_max:max`, `behaviour_kl:mean`.
 """
 
 from __future__ import annotations
@@ -30,10 +33,19 @@ from treadle_common.api.training import AdamParams, LossParams
 from treadle_common.model import lora
 from treadle_trainer.backends.logprobs import token_logprobs
 from treadle_trainer.batches import MicroBatch
+from treadle_trainer.consistency import Drift
 from treadle_trainer.errors import InvalidInput
 from treadle_trainer.losses import TokenInputs, total_loss
 
 TINKER_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo")
+DRIFT_METRICS = {
+    "log_ratio_mean": "mean",
+    "log_ratio_abs_mean": "mean",
+    "log_ratio_p99": "max",
+    "log_ratio_max": "max",
+    "behaviour_kl": "mean",
+}
+"""The drift figures in a forward_backward's metrics, by Tinker's `name:reduction` keys."""
 MICRO_BATCH_TOKENS = 8192
 """Padded tokens per forward pass."""
 
@@ -177,17 +189,22 @@ class LoraClient:
         self._checked(data, loss_fn)
         outputs: list[dict[str, np.ndarray]] = []
         loss_sum = 0.0
+        drift = Drift()
         for chunk in _chunks(data):
             mb = self._collate(chunk)
             value, logprobs_B_T, per_token_B_T = self._step(mb, loss_fn, params, forward_only)
             loss_sum += value
+            if loss_fn != "cross_entropy":  # the others read the sampling logprobs
+                drift.add(logprobs_B_T, mb.logprobs_B_T, (mb.mask_B_T > 0).float())
             logprobs_np, per_token_np = logprobs_B_T.numpy(), per_token_B_T.numpy()
             for b, d in enumerate(chunk):
                 n = len(d.tokens)
                 outputs.append(
                     {"logprobs": logprobs_np[b, :n], "elementwise_loss": per_token_np[b, :n]}
                 )
-        return outputs, {"loss:sum": loss_sum}
+        figures = drift.summary(lambda x: x, lambda x: x)
+        metrics = {f"{k}:{r}": float(figures[k]) for k, r in DRIFT_METRICS.items() if figures}
+        return outputs, {"loss:sum": loss_sum, **metrics}
 
     def _step(
         self, mb: MicroBatch, loss_fn: str, params: LossParams, forward_only: bool

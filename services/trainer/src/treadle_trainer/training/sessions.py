@@ -33,7 +33,7 @@ from treadle_common.api.training import (
 )
 from treadle_common.clients.torch_weights import model_assets, state_dict_to_raw
 from treadle_common.clients.weights import WeightStoreClient
-from treadle_trainer import errors
+from treadle_trainer import errors, off_policy
 from treadle_trainer.backends import BackendSpec, TorchBackend, build_backend
 from treadle_trainer.backends.checkpoint_files import verify_checkpoint
 from treadle_trainer.batches import Datum, pack
@@ -133,6 +133,13 @@ class TrainingSessions:
                 raise errors.InvalidInput(f"data[{i}]: token ids must be in 0..{vocab - 1}")
         if request.loss_params.kl_coef > 0 and backend.reference is None:
             raise errors.InvalidInput("kl_coef > 0 needs a session created with kl_reference")
+        if off_policy.corrects(request.loss_params.off_policy, request.loss_fn) and any(
+            d.logprobs is None for d in request.data
+        ):
+            raise errors.InvalidInput(
+                "loss_params.off_policy corrects against the data's "
+                "logprobs: every datum needs them"
+            )
         data = [to_datum(d) for d in request.data]
         mbs = pack(data, request.micro_batch_tokens, request.aggregation, backend.pad_id)
         out = await self.models.run(
