@@ -87,3 +87,31 @@ def test_diff_names_the_first_step_where_two_runs_differ(cli_env, tmp_path):
     same = _replay(str(runs["0"]), "--diff", str(runs["0"]), env=cli_env, cwd=tmp_path)
     # (two runs of the same seed may differ too: batched generation pads by arrival)
     assert same["first_divergent_step"] is None and same["steps_compared"] == 3
+
+
+@pytest.mark.parametrize(
+    "backend", [{"trainer.backend": "fsdp"}, {"trainer.backend": "megatron",
+                                              "trainer.tensor_parallel": "2"}],
+    ids=["fsdp", "megatron"],
+)  # fmt: skip
+def test_a_run_on_two_ranks_replays_bit_for_bit_on_two_ranks(cli_env, tmp_path, backend):
+    """A stack whose trainer is a 2-rank torchrun job (FSDP2 shards, or megatron's tensor
+    parallel), a 3-step run on it; `treadle replay` starts a 2-rank job of its own and ends
+    on the run's weights."""
+    up = treadle("up", "--detach", "--trainer-ranks", "2", env=cli_env, cwd=tmp_path, timeout=300)
+    try:
+        assert up.returncode == 0, up.stdout[-4000:] + up.stderr[-4000:]
+        overrides = {**backend, "trainer.loss": "ppo", "trainer.checkpoint_every": "3"}
+        done = run_recipe(ROOT / "recipes/skeleton.yaml", overrides, cli_env, tmp_path, 400)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    finally:
+        down = treadle("down", env=cli_env, cwd=tmp_path)
+        assert down.returncode == 0, down.stdout + down.stderr
+    run = _only_run(tmp_path)
+    header = json.loads((tmp_path / ".treadle/runs" / run / "schedule/run.json").read_text())
+    assert header["ranks"] == 2 and header["config"]["trainer"]["backend"] == backend[
+        "trainer.backend"]  # fmt: skip
+    report = _replay(run, env=cli_env, cwd=tmp_path)
+    assert report["identical"] is True, report
+    assert report["steps"] == 3 and report["checked_digests"] == 1
+    assert report["weights_sha256"] == report["recorded_sha256"] != ""

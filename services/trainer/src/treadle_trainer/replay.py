@@ -10,15 +10,25 @@ On the same machine and backend (`single`, with or without LoRA) a replay reprod
 run's weights bit for bit: with torch's deterministic algorithms on (the trainer's default,
 `TREADLE_TRAINER_DETERMINISTIC`), training is a pure function of the recorded batches, the
 seed and the thread count. Without them it is not on more than one CPU thread (index
-additions sum in any order), and a replay says at which step it first differs. Runs trained
-over several ranks (FSDP, Megatron) are not replayed.
+additions sum in any order), and a replay says at which step it first differs.
+
+A run trained on several `torchrun` ranks (`fsdp`, `megatron`) replays on as many: `replay`
+starts a torchrun job of its own (`python -m treadle_trainer.replay`, `main`), whose rank 0
+replays while the others follow it as they followed the run's trainer; gloo's collectives
+(CPU) sum in a fixed order, so that too is bit for bit on the same machine.
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import math
+import os
+import signal
 import struct
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -77,7 +87,15 @@ def _stats_differ(got: dict, recorded: schedule_pb2.ScheduleStep) -> str | None:
 
 
 def replay(run_dir: Path, until: int | None = None) -> ReplayReport:
-    """Re-run the training of the run in `run_dir` up to step `until` (all by default)."""
+    """Re-run the training of the run in `run_dir` up to step `until` (all by default), on
+    as many ranks as the run trained on."""
+    ranks = schedule.read_header(run_dir).ranks
+    if ranks > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return _on_ranks(run_dir, until, ranks)
+    return _replay_here(run_dir, until)
+
+
+def _replay_here(run_dir: Path, until: int | None) -> ReplayReport:
     header, recorded = schedule.read(run_dir)
     config, t = header.config, header.config.trainer
     steps = recorded[:until] if until is not None else recorded
@@ -168,3 +186,52 @@ def diff(run_a: Path, run_b: Path) -> DiffReport:
             divergence=f"one run has {len(a)} steps, the other {len(b)}",
         )
     return DiffReport(runs=runs, steps_compared=n)
+
+
+def _on_ranks(run_dir: Path, until: int | None, ranks: int) -> ReplayReport:
+    """`replay` in a torchrun job of `ranks` processes (`main`), stopped with this call."""
+    with tempfile.TemporaryDirectory(prefix="treadle-replay-") as tmp:
+        out = Path(tmp) / "report.json"
+        job = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        job += ["--nproc-per-node", str(ranks), "-m", "treadle_trainer.replay"]
+        job += [str(run_dir), str(out), *([str(until)] if until is not None else [])]
+        proc = subprocess.Popen(job, start_new_session=True)
+        try:
+            code = proc.wait()
+        finally:
+            if proc.poll() is None:  # interrupted: the job's processes go with us
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+        if code != 0 or not out.exists():
+            raise RuntimeError(f"the replay's torchrun job of {ranks} ranks failed ({code})")
+        return ReplayReport.model_validate_json(out.read_text())
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`torchrun --nproc-per-node N -m treadle_trainer.replay RUN_DIR OUT [UNTIL]`: rank 0
+    replays and writes its report to OUT; ranks 1..N-1 follow it (`backends/follower.py`)."""
+    from treadle_trainer.backends.follower import follow
+    from treadle_trainer.backends.group import leave
+    from treadle_trainer.backends.ranks import shutdown_followers
+
+    parser = argparse.ArgumentParser(prog="python -m treadle_trainer.replay")
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("until", type=int, nargs="?")
+    args = parser.parse_args(argv)
+    if int(os.environ.get("RANK", "0")) > 0:
+        follow()
+        return
+    try:
+        args.out.write_text(_replay_here(args.run_dir, args.until).model_dump_json())
+    finally:
+        shutdown_followers()
+    leave(0)
+
+
+if __name__ == "__main__":
+    main()

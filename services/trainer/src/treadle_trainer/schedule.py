@@ -36,6 +36,11 @@ class ScheduleHeader(BaseModel):
     deterministic: bool = Field(
         description="Whether torch's deterministic algorithms were on (bit-for-bit replay)"
     )
+    ranks: int = Field(
+        1,
+        ge=1,
+        description="The trainer's torchrun ranks (FSDP, Megatron); a replay runs on as many",
+    )
 
 
 def schedule_dir(run_dir: Path) -> Path:
@@ -69,6 +74,7 @@ def header_for(config: RunConfig, model_dir: Path) -> ScheduleHeader:
         model_dir=str(model_dir),
         torch_threads=torch.get_num_threads(),
         deterministic=torch.are_deterministic_algorithms_enabled(),
+        ranks=int(os.environ.get("WORLD_SIZE", "1")),
     )
 
 
@@ -95,12 +101,17 @@ def write_step(run_dir: Path, record: schedule_pb2.ScheduleStep) -> None:
     _write(step_path(run_dir, record.step), record.SerializeToString())
 
 
-def read(run_dir: Path) -> tuple[ScheduleHeader, list[schedule_pb2.ScheduleStep]]:
-    """The run's header and its steps in order (steps 1..N, none missing)."""
+def read_header(run_dir: Path) -> ScheduleHeader:
     folder = schedule_dir(run_dir)
     if not (folder / HEADER).exists():
         raise FileNotFoundError(f"{folder} holds no recorded schedule ({HEADER})")
-    header = ScheduleHeader.model_validate_json((folder / HEADER).read_text())
+    return ScheduleHeader.model_validate_json((folder / HEADER).read_text())
+
+
+def read(run_dir: Path) -> tuple[ScheduleHeader, list[schedule_pb2.ScheduleStep]]:
+    """The run's header and its steps in order (steps 1..N, none missing)."""
+    folder = schedule_dir(run_dir)
+    header = read_header(run_dir)
     steps = [
         schedule_pb2.ScheduleStep.FromString(p.read_bytes())
         for p in sorted(folder.glob("step-*.binpb"))
