@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from treadle_sim import calibrate
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 TREADLE = str(Path(sys.executable).parent / "treadle")
 
@@ -174,6 +176,13 @@ def test_bench_e2e_runs_both_modes_on_one_stack():
     for key in ("rollout_engine_busy_fraction_sync", "rollout_engine_busy_fraction_async"):
         assert 0 < report[key] <= 1, key
     assert 0 <= report["eval_reward_sync"] <= 1 and 0 <= report["eval_reward_async"] <= 1
+    for mode in ("sync", "async"):  # each part's cost, for the simulator's calibration
+        parts = report["components"][mode]
+        assert parts["decode_steps"] > 0 and parts["decode_rows"] >= parts["decode_steps"]
+        assert parts["train_s"] > 0 and parts["engine_s_per_decode_step"] > 0
+    predicted = calibrate.e2e(report, cores=2)
+    assert predicted["sync"]["measured_s"] == report["sync_s"]
+    assert predicted["sync"]["predicted_s"] > 0 and predicted["async"]["predicted_s"] > 0
     runs = Path(report["outputs"]) / "workload" / "runs"
     for mode in ("sync", "async"):  # treadle run's own outputs, exactly-once checked
         summary = json.loads((runs / f"bench-{mode}" / "summary.json").read_text())

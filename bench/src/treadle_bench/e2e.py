@@ -26,6 +26,7 @@ weights, through `treadle run` itself, on a private stack (own Redis/NATS, free 
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -46,6 +47,7 @@ from treadle_common.config.recipe import RunConfig, load_recipe
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 DEFAULT_RECIPE = RECIPES / "agentic.yaml"
 QUALITY_RECIPE = RECIPES / "arith_latency.yaml"
+ENGINE_COUNTS = ("decode_steps", "decode_rows", "prefill_forwards")
 
 
 def _timings(steps: list[StepRow]) -> dict[str, float]:
@@ -118,9 +120,10 @@ def _one_run(cfg: RunConfig, settings: CliSettings, console: Console, rollout_in
     rollout engine was meanwhile."""
     started = time.perf_counter()
     http = stack.http(settings.client_token())
-    busy_before = http.get(rollout_info, timeout=10).json()["engine_busy_s"]
+    before = http.get(rollout_info, timeout=10).json()
     code = RunClient(cfg, settings, console).execute(health_timeout_s=180)
-    busy = http.get(rollout_info, timeout=10).json()["engine_busy_s"] - busy_before
+    after = http.get(rollout_info, timeout=10).json()
+    busy = after["engine_busy_s"] - before["engine_busy_s"]
     if code != 0:
         raise RuntimeError(f"{cfg.mode} run failed; outputs in {cfg.output_dir}")
     report = RunReport.load(cfg.output_dir / cfg.run_id)
@@ -130,6 +133,26 @@ def _one_run(cfg: RunConfig, settings: CliSettings, console: Console, rollout_in
         "run_s": time.perf_counter() - started,
         "rollout_busy": busy / (time.perf_counter() - started),
         "train_reward_last": report.steps()[-1].mean_reward,
+        "components": _components(report.steps(), before, after),
+    }
+
+
+def _components(steps: list[StepRow], before: dict, after: dict) -> dict[str, float]:
+    """What each part cost in this run, for the simulator's calibration (`treadle sim
+    calibrate e2e`): the trainer's step and publish (medians), and the engine's seconds per
+    decode step (its busy time, prefill included, over its decode steps)."""
+    counts = {  # an engine that keeps no such counts (vLLM's) reports 0 decode steps
+        k: after["engine_stats"].get(k, 0) - before["engine_stats"].get(k, 0) for k in ENGINE_COUNTS
+    }
+    busy = after["engine_busy_s"] - before["engine_busy_s"]
+    steps_run = max(counts["decode_steps"], 1)
+    return {
+        "train_s": round(statistics.median(s.train_s for s in steps), 4),
+        "publish_s": round(statistics.median(s.publish_s for s in steps), 4),
+        "engine_busy_s": round(busy, 3),
+        **counts,
+        "engine_s_per_decode_step": round(busy / steps_run, 6),
+        "decode_rows_per_step": round(counts["decode_rows"] / steps_run, 2),
     }
 
 
@@ -185,6 +208,12 @@ def run(
         "max_staleness": config["trainer"]["max_staleness"],
         "minibatches": config["trainer"]["minibatches"],
         "rollout_max_concurrent_tasks": max_concurrent_tasks,
+        "workload_config": {
+            "env": config["env"],
+            "rollout": config["rollout"],
+            "trainer": {k: config["trainer"][k] for k in ("max_staleness", "publish_every")},
+        },
+        "components": {"sync": sync["components"], "async": asyn["components"]},
         "sync_s": round(sync["wall_s"], 2),
         "async_s": round(asyn["wall_s"], 2),
         "speedup": round(sync["wall_s"] / asyn["wall_s"], 3),
