@@ -196,7 +196,16 @@ def test_a_poisoned_run_and_a_broken_run_leave_two_others_exactly_once(cli_env, 
                 "trainer.batch_timeout_s=600",
             ),
         }
-        outs = {rid: procs[rid].communicate(timeout=600)[0] for rid in ("ok-a", "ok-b")}
+        outs: dict[str, str] = {}
+        try:  # within pytest's own timeout, so that a run that hangs says where it was
+            for rid in ("ok-a", "ok-b"):
+                outs[rid] = procs[rid].communicate(timeout=480)[0]
+        except subprocess.TimeoutExpired:
+            for rid, proc in procs.items():
+                proc.kill()
+                outs.setdefault(rid, proc.communicate()[0] or "")
+            tails = {rid: out[-3000:] for rid, out in outs.items()}
+            pytest.fail(f"the two good runs did not end within 480 s; each run's output: {tails}")
         runs = tmp_path / ".treadle" / "runs"
         spec = json.loads((tmp_path / ".treadle" / "stack.json").read_text())["spec"]
         token = (tmp_path / ".treadle" / "auth" / "admin.token").read_text()
