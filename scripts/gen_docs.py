@@ -176,6 +176,15 @@ def cli_page() -> str:
     return "\n".join(out) + "\n"
 
 
+def shown(default: object) -> str:
+    """A default as the docs show it: a path inside this checkout relative to its root (the
+    page is the same in every clone)."""
+    path = Path(str(default))
+    if path.is_absolute() and path.is_relative_to(ROOT):
+        return str(path.relative_to(ROOT))
+    return str(default)
+
+
 def walk_command(command: Any, path: str, out: list[str]) -> None:
     """A click command (typer's own click: duck-typed), then its sub-commands."""
     level = min(path.count(" ") + 2, 4)
@@ -190,7 +199,7 @@ def walk_command(command: Any, path: str, out: list[str]) -> None:
                 label = f"`{param.name.upper()}`"
             else:
                 label = ", ".join(f"`{o}`" for o in [*param.opts, *param.secondary_opts])
-            default = "" if param.required or param.default is None else f"`{param.default}`"
+            default = "" if param.required or param.default is None else f"`{shown(param.default)}`"
             help_text = getattr(param, "help", "") or ""
             out.append(f"| {label} | {cell(default)} | {cell(help_text)} |")
         out.append("")
