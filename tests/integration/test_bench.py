@@ -81,6 +81,22 @@ def test_bench_reward_json_line():
     )
 
 
+def test_bench_capacity_measures_the_control_plane_for_the_simulator():
+    """Real redis-server and nats-server: every workload costs their processes CPU, the
+    fitted costs load as the simulator's `Infra`, and the baseline ran the same bytes."""
+    from treadle_sim.scenario import Infra
+
+    report = bench("capacity", "--groups", "40")
+    ours, raw = report["redis"]["ours"], report["redis"]["raw"]
+    assert [r["bytes_per_group"] for r in ours] == [r["bytes_per_group"] for r in raw]
+    assert sum(r["us_per_group"] for r in ours) > 0 and report["redis"]["ours_over_raw"] > 0
+    assert sum(r["us_per_group"] for r in report["nats"]) > 0
+    assert all(r["us_per_group"] > 0 for r in report["ingest"])  # this process, fine-grained
+    infra = Infra.model_validate(report["infra"])
+    assert infra.trajectory_bytes_per_prompt_token > infra.trajectory_bytes_per_generated_token
+    assert infra.ingest.s_per_kib > 0 or infra.ingest.s_per_trajectory > 0
+
+
 def test_bench_rollout_json_line():
     report = bench(
         "rollout",

@@ -1,8 +1,8 @@
 """`treadle bench ...`: added to the `treadle` command through the `treadle.commands`
 entry-point group (see `treadle_cli.cli.add_plugins`).
 
-treadle bench weights|env|reward|rollout|trainer|tinker|e2e|learn|mismatch|multirun|step|chaos
-    [--json]
+treadle bench weights|env|reward|capacity|rollout|trainer|tinker|e2e|learn|mismatch|multirun|
+    step|chaos [--json]
     our path vs a baseline, or learning per seed, as JSON
 """
 
@@ -90,6 +90,18 @@ def bench_reward(
     from treadle_bench import reward
 
     print(json.dumps(reward.run(requests, concurrency, rounds), indent=None if as_json else 2))
+
+
+@app.command("capacity")
+def bench_capacity(
+    groups: Annotated[int, typer.Option(help="Groups per measured workload")] = 300,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
+) -> None:
+    """CPU of a private Redis, NATS and the trainer's ingest per task, trajectory and KiB of
+    a run's traffic (Treadle's calls; plain Redis calls as the baseline), for `treadle sim`."""
+    from treadle_bench import capacity
+
+    print(json.dumps(capacity.run(groups), indent=None if as_json else 2))
 
 
 @app.command("tinker")

@@ -7,9 +7,10 @@ treadle sim run SCENARIO [--seed N] [--json]
 treadle sim calibrate step|e2e BENCH_JSON [--json]
     a `treadle bench step --json` or `treadle bench e2e --json` result: the simulator's sync
     and async times from that run's measured component costs, against what it measured
-treadle sim scale [SCENARIO] [--gpus 1000,3000] [--steps 8] [--fanout F] [--json]
-    the scenario grown to each fleet size (every pool in proportion, one weight store):
-    each shared component's utilisation, the first to saturate, weight sync by fan-out
+treadle sim scale [SCENARIO] [--gpus 1000,3000] [--steps 8] [--fanout F] [--infra F] [--json]
+    the scenario grown to each fleet size (every pool in proportion, one weight store, one
+    Redis, the trainer's one ingest): each shared component's utilisation, the first to
+    saturate and at how many GPUs, weight sync by fan-out
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+
+from treadle_sim.scenario import Infra
 
 app = typer.Typer(
     no_args_is_help=True, help="Simulate a fleet in simulated time, with Treadle's own scheduling."
@@ -59,6 +62,17 @@ def sim_calibrate(
     print(json.dumps(out, indent=None if as_json else 2))
 
 
+def measured_infra(path: Path) -> Infra:
+    """The control plane's costs from a `treadle bench capacity --json` output (its last
+    JSON line, or a file of its `infra` part)."""
+    try:
+        lines = [line for line in path.read_text().splitlines() if line.strip().startswith("{")]
+        data = json.loads(lines[-1]) if lines else json.loads(path.read_text())
+        return Infra.model_validate(data.get("infra", data))
+    except (OSError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+        raise typer.BadParameter(f"--infra {path}: {exc}") from None
+
+
 SCENARIOS = Path(__file__).resolve().parents[2] / "scenarios"
 """`sim/scenarios/` of this checkout (the package is installed from it, editable)."""
 
@@ -74,6 +88,13 @@ def sim_scale(
         str, typer.Option(help="store, relay or broadcast (default: the scenario's)")
     ] = "",
     seed: Annotated[int, typer.Option(help="Seed of the lengths and latencies drawn")] = 0,
+    infra: Annotated[
+        Path | None,
+        typer.Option(
+            help="`treadle bench capacity --json` output: the control plane's costs measured "
+            "on another machine (default: the scenario's)"
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
 ) -> None:
     """The scenario grown to each size: utilisation per shared component, the first to
@@ -94,5 +115,7 @@ def sim_scale(
     sc = load(scenario)
     if fanout:
         sc = sc.model_copy(update={"weights": sc.weights.model_copy(update={"fanout": fanout})})
+    if infra is not None:
+        sc = sc.model_copy(update={"infra": measured_infra(infra)})
     result = scale.sweep(sc, sizes, steps or None, seed)
     print(json.dumps(result, indent=None if as_json else 2))

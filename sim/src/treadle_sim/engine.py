@@ -31,9 +31,9 @@ import simpy
 
 from treadle_common.config.recipe import TrainerConfig
 from treadle_env_gateway.public import Latency
-from treadle_sim import fleet
+from treadle_sim import control, fleet
 from treadle_sim.host import Cpu
-from treadle_sim.scenario import Scenario
+from treadle_sim.scenario import Infra, Scenario
 from treadle_sim.transfer import fetch_seconds
 
 Mode = Literal["sync", "async"]
@@ -131,6 +131,12 @@ class Outcome:
     reward_busy: float = 0.0
     store_busy: float = 0.0
     trained_tokens: float = 0.0
+    groups: int = 0
+    """Groups played (the control plane's traffic: `control.py`)."""
+    trajectories: int = 0
+    prompt_tokens: float = 0.0
+    generated_tokens: float = 0.0
+    infra: Infra = field(default_factory=Infra)
 
     def summary(self) -> dict[str, Any]:
         wall, syncs = self.wall_s or 1.0, self.weight_sync_s
@@ -149,6 +155,7 @@ class Outcome:
             "dropped": dict(self.dropped),
             "admission_refused": self.admission_refused,
             "trained_tokens_per_s": round(self.trained_tokens / wall, 1),
+            **control.utilisation(self),
         }
 
 
@@ -175,7 +182,7 @@ class Simulation:
         self.trainer_config = TrainerConfig(
             num_steps=run.steps, tasks_per_step=run.tasks_per_step, max_staleness=self.staleness
         )
-        self.out = Outcome(mode, 0.0, run.steps)
+        self.out = Outcome(mode, 0.0, run.steps, infra=scenario.infra)
         self.tokens: dict[str, float] = {}
         """Each trajectory's length (its message carries placeholder tokens)."""
         self._reward_s = 0.0
@@ -206,6 +213,8 @@ class Simulation:
             for i in range(self.sc.run.group_size)
         ]
         done = yield self.env.all_of(episodes)
+        self.out.groups += 1
+        self.out.trajectories += len(episodes)
         for traj in done.values():
             self.groups.add(traj)
         if self.groups.ready and not self.group_ready.triggered:
@@ -231,6 +240,8 @@ class Simulation:
                 self._reward_s += sc.reward.call_s
         traj = fleet.trajectory(task_id, index, first, replica.version, self.rng.random())
         self.tokens[traj.trajectory_id] = tokens
+        self.out.prompt_tokens += sc.lengths.prompt_tokens
+        self.out.generated_tokens += tokens - sc.lengths.prompt_tokens
         return traj
 
     def _turn_length(self, task_id: str) -> float:

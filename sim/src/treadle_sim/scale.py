@@ -17,6 +17,9 @@ SATURATED = 0.9
 SYNC_MODELS = {"7b": 7.6, "235b": 235.0}
 """Models (billions of parameters, bf16) whose full weight sync is reported at every size."""
 FANOUTS = ("store", "relay", "broadcast")
+SHARED = ("store_egress", "redis", "nats", "ingest")
+"""What does not grow with the fleet (one store, one Redis, the NATS servers, the trainer's
+ingest process): their utilisation rises with its size; every pool grows with it."""
 
 
 def scaled(scenario: Scenario, gpus: int, steps: int | None = None) -> Scenario:
@@ -74,7 +77,7 @@ def at(scenario: Scenario, gpus: int, steps: int | None = None, seed: int = 0) -
     used = {
         "trainer": round(1 - out["trainer_bubble"], 4),
         "reward": out["reward_utilisation"],
-        "store_egress": out["store_egress_utilisation"],
+        **{name: out[f"{name}_utilisation"] for name in SHARED},
     }
     busiest = max(used, key=lambda name: used[name])
     return {
@@ -90,7 +93,6 @@ def at(scenario: Scenario, gpus: int, steps: int | None = None, seed: int = 0) -
         "first_saturating": busiest if used[busiest] >= SATURATED else None,
         "weight_sync_share": out["weight_sync_share"],
         "weight_sync_s": weight_sync(sc, sc.rollout.replicas),
-        "not_modelled": ["redis", "nats", "feeder"],
     }
 
 
@@ -103,10 +105,29 @@ def sweep(
     for row in rows:
         per_gpu = row["trained_tokens_per_s"] / row["gpus"]
         row["tokens_per_gpu_vs_first"] = round(per_gpu / first, 3) if first else None
+    projected = saturation(rows)
     return {
         "scenario": scenario.name,
         "seed": seed,
         "fanout": scenario.weights.fanout,  # the one the runs used
         "steps_per_version": scenario.run.publish_every,
+        "first_saturating": next((k for k, v in projected.items() if v is not None), None),
+        "saturates_at_gpus": projected,
+        "control_plane_simulated": False,  # redis, nats, ingest: load reported (`control.py`)
         "sizes": rows,
     }
+
+
+def saturation(rows: list[dict[str, Any]]) -> dict[str, int | None]:
+    """Per shared component, the fleet size at which it reaches `SATURATED`, soonest first,
+    on the line through two sizes' utilisations: the two around the first size where it is
+    there already, else the two largest (with one size: in proportion to the fleet, as its
+    demand grows and its capacity does not); None where it does not grow with the fleet."""
+    out: dict[str, int | None] = {}
+    for name in SHARED:
+        used = [(0, 0.0)] + [(r["gpus"], r["utilisation"][name]) for r in rows]
+        hit = next((i for i in range(1, len(used)) if used[i][1] >= SATURATED), None)
+        (g0, u0), (g1, u1) = used[(hit or len(used) - 1) - 1 : (hit or len(used) - 1) + 1]
+        slope = (u1 - u0) / (g1 - g0) if g1 != g0 else 0.0
+        out[name] = round(g1 + (SATURATED - u1) / slope) if slope > 1e-12 else None
+    return dict(sorted(out.items(), key=lambda kv: kv[1] if kv[1] is not None else 10**12))

@@ -108,6 +108,44 @@ class RewardSpec(Strict):
     )
 
 
+class Costs(Strict):
+    """One core's CPU seconds per unit of a run's traffic (`treadle bench capacity`)."""
+
+    s_per_task: float = Field(ge=0, description="Per group (task) played")
+    s_per_trajectory: float = Field(ge=0, description="Per trajectory")
+    s_per_kib: float = Field(ge=0, description="Per KiB of the messages it carries")
+
+
+class Infra(Strict):
+    """The control plane every run's traffic crosses, as `treadle bench capacity` measured
+    it (defaults: the means of three runs on a 2-core x86_64 dev VM, 2026-12-02). Its load
+    is reported, not simulated: it does not slow the simulated run, so a utilisation past 1
+    says the real one would queue there."""
+
+    redis: Costs = Field(
+        default_factory=lambda: Costs(s_per_task=3.1e-4, s_per_trajectory=1.8e-6, s_per_kib=6.2e-6),
+        description="redis-server: a group's task and trajectories through the streams",
+    )
+    redis_shards: int = Field(1, ge=1, description="Redis instances the runs' streams spread over")
+    nats: Costs = Field(
+        default_factory=lambda: Costs(s_per_task=1.2e-4, s_per_trajectory=3.4e-6, s_per_kib=1.7e-6),
+        description="nats-server: a group's reward request and reply",
+    )
+    nats_cores: int = Field(1, ge=1, description="Cores of the NATS servers")
+    ingest: Costs = Field(
+        default_factory=lambda: Costs(s_per_task=0.0, s_per_trajectory=1.5e-6, s_per_kib=6.5e-5),
+        description="The trainer's reading of trajectories: decode, group assembly, batch",
+    )
+    ingest_processes: int = Field(
+        1, ge=1, description="Processes that ingest the trajectories (today: the trainer's one)"
+    )
+    trajectory_bytes_per_prompt_token: float = Field(18.0, gt=0)
+    trajectory_bytes_per_generated_token: float = Field(8.7, gt=0)
+    answer_bytes_per_token: float = Field(
+        4.0, gt=0, description="A scored answer's text per generated token"
+    )
+
+
 class RunSpec(Strict):
     steps: int = Field(ge=1)
     tasks_per_step: int = Field(ge=1)
@@ -158,6 +196,7 @@ class Scenario(Strict):
     env: EnvSpec = Field(default_factory=EnvSpec)
     reward: RewardSpec = Field(default_factory=RewardSpec)
     run: RunSpec
+    infra: Infra = Field(default_factory=Infra)
     host: Host | None = Field(
         None,
         description="One machine for the whole fleet: replicas and trainer share its cores "

@@ -85,3 +85,71 @@ def test_the_command_runs_with_its_default_scenario_and_the_fanout_asked_for():
     assert out["fanout"] == "relay" and out["sizes"][0]["gpus"] == 8
     sync = out["sizes"][0]["weight_sync_s"]["7b"]["relay"]
     assert sync["sync_s_per_step"] == sync["sync_s"]  # small publishes every step
+
+
+def test_the_control_planes_load_is_the_runs_traffic_at_the_measured_costs(small):
+    """Redis, NATS and the trainer's ingest: the groups, trajectories and bytes a run moved,
+    at `Infra`'s per-unit costs, over its wall; their load grows with the fleet."""
+    from treadle_sim.engine import Simulation
+    from treadle_sim.scenario import Costs
+
+    only_ingest = small.infra.model_copy(
+        update={
+            "ingest": Costs(s_per_task=0.0, s_per_trajectory=0.01, s_per_kib=0.0),
+            "redis": Costs(s_per_task=0.002, s_per_trajectory=0.0, s_per_kib=0.0),
+        }
+    )
+    sc = small.model_copy(update={"infra": only_ingest})
+    out = Simulation(sc, "async", 0).run()
+    summary = out.summary()
+    assert out.groups >= sc.run.tasks_per_step * sc.run.steps
+    assert out.trajectories == out.groups * sc.run.group_size
+    assert summary["ingest_utilisation"] == round(out.trajectories * 0.01 / out.wall_s, 4)
+    assert summary["redis_utilisation"] == round(out.groups * 0.002 / out.wall_s, 4)
+    assert out.generated_tokens > out.trajectories * sc.lengths.response_max / 100
+    two = sc.infra.model_copy(update={"ingest_processes": 2})
+    halved = Simulation(sc.model_copy(update={"infra": two}), "async", 0).run().summary()
+    assert halved["ingest_utilisation"] == pytest.approx(summary["ingest_utilisation"] / 2, 1e-3)
+    sweep = scale.sweep(sc, [8, 32], steps=4)
+    small_u, big_u = (row["utilisation"]["ingest"] for row in sweep["sizes"])
+    assert 3 < big_u / small_u < 5  # four times the fleet, four times the traffic
+    assert sweep["first_saturating"] == "ingest"
+    assert sweep["saturates_at_gpus"]["ingest"] < sweep["saturates_at_gpus"]["redis"]
+
+
+def test_a_component_saturates_where_the_line_through_two_sizes_crosses_0_9():
+    rows = [
+        {
+            "gpus": 100,
+            "utilisation": {"store_egress": 0.3, "redis": 0.01, "nats": 0.0, "ingest": 0.2},
+        },
+        {
+            "gpus": 200,
+            "utilisation": {"store_egress": 0.3, "redis": 0.02, "nats": 0.0, "ingest": 1.2},
+        },
+    ]
+    got = scale.saturation(rows)
+    assert got["ingest"] == 170  # reached at 200: between 100 (0.2) and 200 (1.2)
+    assert got["redis"] == 9000  # not reached: carried on along 100 -> 200
+    assert got["store_egress"] is None and got["nats"] is None  # does not grow / idle
+    assert list(got)[:2] == ["ingest", "redis"]  # soonest first
+    assert scale.saturation(rows[:1])["store_egress"] == 300  # one size: in proportion
+
+
+def test_the_command_takes_the_control_planes_costs_from_a_capacity_bench(tmp_path):
+    from typer.testing import CliRunner
+
+    from treadle_sim.cli import app
+
+    small_file = str(ROOT / "sim/scenarios/small.yaml")
+    costs = {"s_per_task": 0.0, "s_per_trajectory": 0.02, "s_per_kib": 0.0}
+    bench = {"bench": "capacity", "infra": {"ingest": costs}}
+    measured = tmp_path / "capacity.json"
+    measured.write_text("a log line\n" + json.dumps(bench) + "\n")
+    args = ["scale", small_file, "--gpus", "8", "--steps", "2", "--json"]
+    result = CliRunner().invoke(app, [*args, "--infra", str(measured)])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["first_saturating"] == "ingest"
+    measured.write_text(json.dumps({"infra": {"ingest": {"s_per_task": -1}}}))
+    result = CliRunner().invoke(app, [*args, "--infra", str(measured)])
+    assert result.exit_code == 2 and "--infra" in result.output, result.output

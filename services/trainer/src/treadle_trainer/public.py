@@ -2,12 +2,21 @@
 backend (`build_backend`), one training step over a batch (`train_batch`), the batch and loss
 types, group advantages, the task seeds of a run, the Tinker adapters, the replay of a
 run's recorded schedule (`replay`, `diff`), and the step's group assembly and batch
-(`GroupBuffer`, `build_batch`: what `treadle sim` drives in simulated time). Anything else in
-`treadle_trainer` is internal and may change; `make lint` holds the benchmarks to this module.
+(`GroupBuffer`, `build_batch`: what `treadle sim` drives in simulated time) and the check
+of every trajectory read (`invalid_reason`: what `treadle bench capacity` measures).
+Anything else in `treadle_trainer` is internal and may change; `make lint` holds the
+benchmarks to this module.
 """
 
 from treadle_trainer.backends import AdamParams, BackendSpec, build_backend
-from treadle_trainer.batches import Datum, Entry, Group, GroupBuffer, group_advantages
+from treadle_trainer.batches import (
+    Datum,
+    Entry,
+    Group,
+    GroupBuffer,
+    group_advantages,
+    invalid_reason,
+)
 from treadle_trainer.losses import LossParams
 from treadle_trainer.replay import DiffReport, ReplayReport, diff, replay
 from treadle_trainer.run import task_seed
@@ -33,6 +42,7 @@ __all__ = [
     "build_batch",
     "diff",
     "group_advantages",
+    "invalid_reason",
     "replay",
     "task_seed",
     "train_batch",
