@@ -20,7 +20,7 @@ SERVICES := weight-store env-gateway reward rollout trainer
 LIBS := common cli
 STAMP := $(VENV)/.treadle-installed
 WORKSPACE := -e 'libs/common[hf]' -e 'libs/cli[hf,infra,report,gguf]' -e bench -e sim \
-	$(foreach s,$(SERVICES),-e services/$(s)) -e '.[dev]' -e 'services/env-gateway[verifiers]' \
+	$(foreach s,$(SERVICES),-e services/$(s)) -e 'services/trainer[trackers]' -e '.[dev]' -e 'services/env-gateway[verifiers]' \
 	-e examples/verifiers/vf-tiny-arith -e examples/agents/arith-agent
 PYTEST_ARGS ?=
 # parallel pytest workers (pytest-xdist; a test file per unit, the Docker tests on one worker)

@@ -284,10 +284,11 @@ class RunClient:
         last_step = step.step >= self.config.trainer.num_steps
         if not every or step.step % every != 0 or step.step == evaluated or last_step:
             return evaluated
+        result = None
         try:
-            self._evaluate(held_out, f"step {step.step}", step.version, report, own=True)
-        finally:  # a sync run waits there until told
-            self._evaluation_done(step.step)
+            result = self._evaluate(held_out, f"step {step.step}", step.version, report, own=True)
+        finally:  # a sync run waits there until told; its trackers record the result
+            self._evaluation_done(step.step, result)
         return step.step
 
     def _conclude(
@@ -341,12 +342,15 @@ class RunClient:
 
         return self.reconnect.call("trainer", start)
 
-    def _evaluation_done(self, step: int) -> None:
-        """Tell the run `step` was evaluated (a sync run holds there); a run that moved to
-        another trainer holds nowhere."""
+    def _evaluation_done(self, step: int, result: EvaluateResult | None) -> None:
+        """Tell the run `step` was evaluated, and what it scored (a sync run holds there; the
+        run's trackers record it); a run that moved to another trainer holds nowhere."""
+        reward = None if result is None else result.mean_reward
+        num_tasks = 0 if result is None else result.num_tasks
         try:
             self.reconnect.call(
-                "trainer", lambda: self.trainer.evaluation_done(self.config.run_id, step)
+                "trainer",
+                lambda: self.trainer.evaluation_done(self.config.run_id, step, reward, num_tasks),
             )
         except ApiError as exc:
             if exc.status_code != 409:

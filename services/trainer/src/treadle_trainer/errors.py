@@ -45,6 +45,10 @@ class BackendRefused(Unprocessable):
     """A backend this trainer's ranks cannot run."""
 
 
+class TrackerUnavailable(Unprocessable):
+    """A `logging.trackers` entry whose client library this trainer lacks."""
+
+
 class IncompatibleCheckpoint(Conflict, ValueError):
     """A checkpoint of another model, or of a backend that lays its files out otherwise."""
 

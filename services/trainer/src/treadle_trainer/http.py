@@ -95,4 +95,4 @@ async def evaluated(
     run_id: RunId, report: EvaluationDone, runs: RunsCore, who: Caller
 ) -> RunStatus:
     """The client evaluated the weights of `step`: a sync run holding there goes on."""
-    return await runs.evaluated(run_id, report.step, who)
+    return await runs.evaluated(run_id, report, who)

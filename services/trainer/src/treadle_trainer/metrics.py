@@ -56,3 +56,8 @@ DRIFT_BY_STALENESS = Gauge(
     "versions ago (7: 7 or more)",
     ["run", "behind"],
 )
+TRACKER_ERRORS = Counter(
+    "treadle_trainer_tracker_errors_total",
+    "Calls to an experiment tracker that failed (the run goes on; `logging.trackers`)",
+    ["run", "tracker", "call"],
+)

@@ -15,6 +15,7 @@ from pathlib import Path
 from treadle_common.config.recipe import RunConfig
 from treadle_trainer import errors
 from treadle_trainer.backends import check_backend
+from treadle_trainer.tracking.sinks import missing_library
 
 
 def confine(path: str | Path, roots: Sequence[Path], what: str) -> Path:
@@ -42,3 +43,9 @@ def check_config(config: RunConfig, roots: Sequence[Path]) -> None:
         check_backend(t.backend, t.tensor_parallel, t.pipeline_parallel, t.lora is not None)
     except ValueError as exc:
         raise errors.BackendRefused(f"trainer.backend: {exc}") from exc
+    for spec in config.logging.trackers:
+        if (library := missing_library(spec)) is not None:
+            raise errors.TrackerUnavailable(
+                f"logging.trackers: {spec.type} needs {library!r}, which this trainer lacks "
+                "(pip install 'treadle-trainer[trackers]')"
+            )

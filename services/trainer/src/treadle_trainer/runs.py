@@ -29,6 +29,7 @@ import time
 
 from treadle_common import names
 from treadle_common.api.runs import (
+    EvaluationDone,
     RunState,
     RunStatus,
 )
@@ -251,10 +252,13 @@ class Runs:
             return status
         return status.model_copy(update={"steps": status.steps[steps_from:]})
 
-    async def evaluated(self, run_id: str, step: int, who: auth.Identity) -> RunStatus:
-        """The client evaluated the weights of `step`: a sync run holding there goes on."""
+    async def evaluated(self, run_id: str, done: EvaluationDone, who: auth.Identity) -> RunStatus:
+        """The client evaluated the weights of `done.step`: a sync run holding there goes on;
+        the run's trackers record what it scored."""
         owner = self._owner(run_id, who)
         if owner.status.state in MOVED:
             raise errors.Conflict(f"run {run_id} moved to another trainer")
-        await owner.holds.mark_evaluated(step)
+        await owner.holds.mark_evaluated(done.step)
+        if done.mean_reward is not None:
+            owner.tracking.evaluation(done.step, done.mean_reward, done.num_tasks)
         return owner.status

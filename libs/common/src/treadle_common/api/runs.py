@@ -217,6 +217,10 @@ class EvaluationDone(BaseModel):
     `step`, so a sync run waiting there (`eval.hold_s`) goes on."""
 
     step: int = Field(ge=1)
+    mean_reward: float | None = Field(
+        None, description="What the evaluation scored (the run's trackers record it)"
+    )
+    num_tasks: int = Field(0, ge=0, description="Tasks it scored")
 
 
 class Backlog(BaseModel):

@@ -58,10 +58,13 @@ class TrainerClient:
         response = self.http.get(self._url("/v1/runs"), timeout=self.timeout_s)
         return parse_list(response, RunStatus)
 
-    def evaluation_done(self, run_id: str, step: int) -> RunStatus:
+    def evaluation_done(
+        self, run_id: str, step: int, mean_reward: float | None = None, num_tasks: int = 0
+    ) -> RunStatus:
+        done = EvaluationDone(step=step, mean_reward=mean_reward, num_tasks=num_tasks)
         response = self.http.post(
             self._url(f"/v1/runs/{run_id}/evaluations"),
-            json=EvaluationDone(step=step).model_dump(),
+            json=done.model_dump(),
             timeout=self.timeout_s,
         )
         return parse(response, RunStatus)

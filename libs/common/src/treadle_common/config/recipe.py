@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import uuid
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -315,6 +315,61 @@ class SchedulingConfig(Strict):
     )
 
 
+class WandbTracker(Strict):
+    """Weights & Biases (`wandb`). Its API key and server come from the trainer's environment
+    (`WANDB_API_KEY`, `WANDB_BASE_URL`), never from a recipe."""
+
+    type: Literal["wandb"] = "wandb"
+    project: str = Field("treadle", min_length=1, max_length=128, description="W&B project")
+    entity: str | None = Field(
+        None, max_length=128, description="W&B team or user (default: the key's)"
+    )
+    mode: Literal["online", "offline"] = Field(
+        "online",
+        description="offline: the run is written under `{output_dir}/{run_id}/wandb/` for "
+        "`wandb sync` later (no network, no key)",
+    )
+
+
+class MlflowTracker(Strict):
+    """MLflow. The tracking server is the trainer's `MLFLOW_TRACKING_URI` when set; otherwise a
+    file store under `{output_dir}/{run_id}/mlruns/`."""
+
+    type: Literal["mlflow"] = "mlflow"
+    experiment: str = Field(
+        "treadle", min_length=1, max_length=256, description="MLflow experiment name"
+    )
+
+
+class TensorboardTracker(Strict):
+    """TensorBoard event files under `{output_dir}/{run_id}/tensorboard/`."""
+
+    type: Literal["tensorboard"] = "tensorboard"
+
+
+Tracker = Annotated[WandbTracker | MlflowTracker | TensorboardTracker, Field(discriminator="type")]
+
+
+class LoggingConfig(Strict):
+    """Where the trainer reports the run besides `metrics.jsonl`: experiment trackers, through
+    their own client libraries. Each gets the resolved config, every step's record (consistency
+    metrics included), the evaluations the client reports and the final summary, under the run
+    id as the tracker's run name; a resumed run continues the same tracker run."""
+
+    trackers: list[Tracker] = Field(
+        default_factory=list,
+        max_length=3,
+        description="e.g. `[{type: wandb, mode: offline}, {type: mlflow}, {type: tensorboard}]`",
+    )
+
+    @model_validator(mode="after")
+    def _one_of_each(self) -> LoggingConfig:
+        kinds = [t.type for t in self.trackers]
+        if len(set(kinds)) != len(kinds):
+            raise ValueError(f"logging.trackers names a tracker twice: {kinds}")
+        return self
+
+
 class RunConfig(Strict):
     """A run: model, environment, scorer, rollout and trainer settings."""
 
@@ -338,6 +393,7 @@ class RunConfig(Strict):
     sft: SFTConfig = Field(default_factory=SFTConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     scheduling: SchedulingConfig = Field(default_factory=SchedulingConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
     output_dir: Path = Field(Path(".treadle/runs"), description="Where run outputs are written")
 
     @property

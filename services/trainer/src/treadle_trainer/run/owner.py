@@ -47,6 +47,7 @@ from treadle_trainer.run.status_store import StatusStore, verdict
 from treadle_trainer.run.step import EvaluationHold
 from treadle_trainer.run.stepping import RunStepper, StepTiming
 from treadle_trainer.schedule import header_for, write_header
+from treadle_trainer.tracking import RunTracking
 
 log = get_logger(__name__)
 
@@ -100,6 +101,7 @@ class RunOwner:
             (self.feeder, self.collector, self.ledger, self.drops, self.versions),
         )
         self.holds = EvaluationHold(config)
+        self.tracking = RunTracking(config)  # W&B, MLflow, TensorBoard (`logging.trackers`)
         self._v0 = 0  # the version before step 1: step s publishes version V0 + s
         self.stepper = RunStepper(
             config,
@@ -151,6 +153,7 @@ class RunOwner:
                     self.status.error = self.status.error or f"ending the run failed: {exc!r}"
                     outcome = "failed" if last_attempt else "retrying"
             self.status.state = outcome
+            await self.tracking.finish(self.status, outcome)
             if self.backend is not None:
                 await on_torch_thread(self.backend.close)
         return self.status
@@ -192,6 +195,7 @@ class RunOwner:
         await streams.ensure_group(self.r, self.collector.stream, names.TRAINER_GROUP)
         await self.r.set(names.run_config(cfg.run_id), cfg.model_dump_json())
         version = await self._first_version(backend)
+        self.tracking.start(resumed=self.status.step > 0)
         self._v0 = version - self.status.step
         await claims.join(self.r, cfg, self.status.tenant, self._v0, self.max_staleness)
         await self.collector.replay_pending()
@@ -245,6 +249,7 @@ class RunOwner:
                     self._feed, source, (step + 1) * t.tasks_per_step, self._v0 + step
                 )
             version = await self._step(step, groups, version, started, wait_s, feed_next)
+            self.tracking.step(self.status.steps[-1])
             if self.versions.publishes(step):
                 served = version
             await self.store_status.save()
