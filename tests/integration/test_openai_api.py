@@ -141,7 +141,7 @@ async def test_unsupported_fields_are_refused_by_name(tiny):
         "presence_penalty": dict(presence_penalty=0.5),
         "frequency_penalty": dict(frequency_penalty=-1.0),
         "logit_bias": dict(logit_bias={"5": 10}),
-        "response_format": dict(response_format={"type": "json_object"}),
+        "response_format": dict(response_format={"type": "json_schema", "json_schema": {}}),
         "tool_choice": dict(tool_choice="required"),  # without tools
         "top_logprobs": dict(top_logprobs=2),  # without logprobs
         "reasoning_effort": dict(reasoning_effort="high"),

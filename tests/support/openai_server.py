@@ -15,20 +15,20 @@ from fastapi import FastAPI
 
 from tests.support.services import free_port
 from treadle_rollout import chat, errors, openai_api, openai_router
-from treadle_rollout.engines.base import Generation, Sampling
+from treadle_rollout.engines.base import Engine, Generation, Sampling
 from treadle_rollout.engines.hf import HFEngine
 
 
 @dataclass
 class Served:
     url: str
-    engine: HFEngine
+    engine: Engine
     frontend: openai_api.OpenAIFrontend
     calls: list[tuple[list[int], list[int]]] = field(default_factory=list)
     """(prompt, generated tokens) of every finished engine request, in order."""
 
 
-def _record(engine: HFEngine, calls: list) -> None:
+def _record(engine: Engine, calls: list) -> None:
     generate, stream = engine.generate, engine.stream
 
     async def recorded_generate(prompt: list[int], sampling: Sampling) -> Generation:
@@ -59,8 +59,12 @@ def openai_app(frontend: openai_api.OpenAIFrontend) -> FastAPI:
 
 
 @contextlib.asynccontextmanager
-async def serve(model_dir: Path, redis=None, **frontend_kwargs) -> AsyncIterator[Served]:
-    engine = HFEngine(model_dir, "tiny")
+async def serve(
+    model_dir: Path, redis=None, engine: Engine | None = None, **frontend_kwargs
+) -> AsyncIterator[Served]:
+    """`engine`: a started engine to serve (default: a new `HFEngine` of `model_dir`), which
+    is closed afterwards."""
+    engine = engine or HFEngine(model_dir, "tiny")
     frontend = openai_api.OpenAIFrontend(
         engine, chat.SessionRecorder(engine.tokenizer), redis=redis, **frontend_kwargs
     )

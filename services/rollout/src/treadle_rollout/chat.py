@@ -19,6 +19,7 @@ from typing import Any
 from treadle_common import names
 from treadle_common.auth import policy as auth
 from treadle_rollout import metrics, tool_calls
+from treadle_rollout import structured as structured_mod
 from treadle_rollout.engines.base import Generation
 from treadle_rollout.errors import OpenAIError
 from treadle_rollout.generation import PolicyGenerator
@@ -93,6 +94,9 @@ class ChatPlan:
     parallel: bool
     stops: tuple[str, ...]
     max_tokens: int | None
+    grammar: str | None = None
+    """What the text must match (`structured.py`): a required call or `response_format`,
+    enforced by an engine with `structured_outputs`."""
 
 
 @dataclass
@@ -134,21 +138,54 @@ class ChatTurns:
                     "tool-call format this server can parse; set TREADLE_ROLLOUT_TOOL_PARSER",
                     param="tools",
                 )
-        prefix = ""
-        if parser is not None and choice == "required":
-            prefix = parser.forced_prefix(None)
-        elif parser is not None and isinstance(choice, NamedToolChoice):
-            prefix = parser.forced_prefix(choice.function.name)
+        function = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        required = parser is not None and (choice == "required" or function is not None)
+        grammar, prefix = self.constrain(req, parser, tools, function, required)
         return ChatPlan(
             messages=[m.template() for m in req.messages],
             tools=tools,
             parser=parser,
             prefix=prefix,
-            required=bool(prefix),
+            grammar=grammar,
+            required=required,
             parallel=req.parallel_tool_calls is not False,
             stops=req.stop_strings(),
             max_tokens=req.max_completion_tokens or req.max_tokens,
         )
+
+    def constrain(
+        self,
+        req: ChatRequest,
+        parser: tool_calls.ToolParser | None,
+        tools: list[dict] | None,
+        function: str | None,
+        required: bool,
+    ) -> tuple[str | None, str]:
+        """(the grammar, the forced prefix) of a request: a required call is a grammar where
+        the engine enforces one (else the call's opening, forced), and so is a JSON
+        `response_format` (which an engine without structured outputs refuses)."""
+        structured = self.generator.engine.structured_outputs
+        if required and parser is not None and tools:
+            if not structured:
+                return None, parser.forced_prefix(function)
+            try:
+                return structured_mod.tool_grammar(parser, tools, function), ""
+            except ValueError as exc:
+                raise OpenAIError(400, f"a tool's parameters: {exc}", param="tools") from exc
+        fmt = req.response_format
+        if fmt is None or fmt.type == "text":
+            return None, ""
+        if not structured:
+            raise OpenAIError(
+                400,
+                f"unsupported value for `response_format`: {fmt.type} needs structured outputs, "
+                f"which the {self.generator.engine.name} engine does not enforce",
+                param="response_format",
+            )
+        try:
+            return structured_mod.response_grammar(fmt.type, fmt.json_schema), ""
+        except ValueError as exc:
+            raise OpenAIError(400, f"`response_format`: {exc}", param="response_format") from exc
 
     def read(self, plan: ChatPlan, text: str, finish: str) -> Reply:
         """The assistant text (prefix included, cut at a stop string) as content and calls."""
@@ -207,7 +244,7 @@ class ChatTurns:
         return prompt
 
     def close_turn(self, session: RecordedSession, plan: ChatPlan, gen: Generation, reply: Reply):
-        session.transcript.add_generation(gen, plan.prefix)
+        session.transcript.add_generation(gen, plan.prefix, plan.grammar is not None)
         session.transcript.record_reply(reply.message())
         session.turns += 1
 
@@ -221,7 +258,7 @@ class ChatTurns:
             gens = await asyncio.gather(
                 *(
                     self.generator.generate(
-                        prompt, self.generator.sampling(req, plan.max_tokens, i)
+                        prompt, self.generator.sampling(req, plan.max_tokens, i, plan.grammar)
                     )
                     for i in range(req.n)
                 )
@@ -236,7 +273,7 @@ class ChatTurns:
             mark = session.transcript.mark()
             try:
                 prompt = self.open_turn(session, session_id, plan)
-                sampling = self.generator.sampling(req, plan.max_tokens, 0)
+                sampling = self.generator.sampling(req, plan.max_tokens, 0, plan.grammar)
                 gen = await self.generator.generate(prompt, sampling)
             except BaseException:
                 session.transcript.rollback(mark)

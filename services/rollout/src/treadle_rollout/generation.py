@@ -77,7 +77,9 @@ class PolicyGenerator:
         except Busy as exc:
             raise OpenAIError(429, str(exc), code="rate_limit_exceeded") from exc
 
-    def sampling(self, req: SamplingFields, max_tokens: int | None, index: int) -> Sampling:
+    def sampling(
+        self, req: SamplingFields, max_tokens: int | None, index: int, grammar: str | None = None
+    ) -> Sampling:
         seed = None if req.seed is None else req.seed + index
         top = 0
         if isinstance(req, ChatRequest) and req.logprobs:
@@ -94,6 +96,7 @@ class PolicyGenerator:
             stop_strings=req.stop_strings(),
             top_logprobs=top,
             stream_interval_s=self.interval(1) if req.stream else 0.0,
+            grammar=grammar,
         )
 
     # -- generation -----------------------------------------------------------------------

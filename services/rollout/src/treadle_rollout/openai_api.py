@@ -169,7 +169,7 @@ class OpenAIFrontend:
                     if session is not None:
                         assert session_id is not None
                         prompt = self.turns.open_turn(session, session_id, plan)
-                    sampling = self.generator.sampling(req, plan.max_tokens, index)
+                    sampling = self.generator.sampling(req, plan.max_tokens, index, plan.grammar)
                     pieces: list[Generation] = []
                     shown = lambda: decoder.sent > 0  # noqa: E731  (the client has some text)
                     async for piece in self.generator.stream(prompt, sampling, shown):

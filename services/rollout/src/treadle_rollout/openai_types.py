@@ -192,12 +192,13 @@ class ChatRequest(SamplingFields):
         super().unsupported()
         if self.top_logprobs and not self.logprobs:
             _refuse("top_logprobs", "top_logprobs needs logprobs=true")
-        if self.response_format is not None and self.response_format.type != "text":
-            _refuse(
-                "response_format",
-                f"{self.response_format.type} needs guided decoding, which this server does "
-                "not do: ask for JSON in the prompt and parse it",
-            )
+        fmt = self.response_format
+        if (
+            fmt is not None
+            and fmt.type == "json_schema"
+            and not isinstance((fmt.json_schema or {}).get("schema"), dict)
+        ):
+            _refuse("response_format", "json_schema needs `json_schema.schema`, a JSON schema")
         if self.store:
             _refuse("store", "this server does not store completions")
         if self.service_tier not in (None, "auto", "default"):

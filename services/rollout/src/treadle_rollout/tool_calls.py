@@ -50,6 +50,8 @@ class Parsed:
 
 class ToolParser(Protocol):
     name: str
+    arguments_key: str
+    """The key of a call's arguments in its JSON object."""
     start: str
     """Text that begins a call (streamed text is held back from where it may begin)."""
 
@@ -58,6 +60,12 @@ class ToolParser(Protocol):
     def forced_prefix(self, function: str | None) -> str:
         """What the assistant turn starts with when a call is required (`function`: that
         one)."""
+        ...
+
+    def grammar(self, call: str) -> str:
+        """A Lark grammar (llguidance's dialect) of exactly one call in this format, whose
+        JSON object is the rule `call`'s text (`structured.call_rule`: `%json {...}` over
+        `arguments_key`)."""
         ...
 
 
@@ -109,6 +117,11 @@ class HermesParser:
             return '<tool_call>\n{"name": "'
         return f'<tool_call>\n{{"name": {json.dumps(function)}, "arguments": '
 
+    arguments_key = "arguments"
+
+    def grammar(self, call: str) -> str:
+        return f'start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: {call}'
+
 
 class Llama3JsonParser:
     """Llama 3.x JSON tool calls: the whole turn is `{"name": ..., "parameters": {...}}`
@@ -144,6 +157,11 @@ class Llama3JsonParser:
         if function is None:
             return '{"name": "'
         return f'{{"name": {json.dumps(function)}, "parameters": '
+
+    arguments_key = "parameters"
+
+    def grammar(self, call: str) -> str:
+        return f"start: call\ncall: {call}"
 
 
 PARSERS: dict[str, type] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}

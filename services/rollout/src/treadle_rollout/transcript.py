@@ -76,6 +76,8 @@ class Transcript:
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    constrained: list[int] = field(default_factory=list)
+    """1 on generated tokens a grammar constrained (`Trajectory.constrained_mask`)."""
     messages: list[dict] = field(default_factory=list)
     text: str = ""
     """The text the tokens stand for (the chat template's rendering so far)."""
@@ -98,7 +100,7 @@ class Transcript:
 
     def rollback(self, mark: tuple) -> None:
         length, self.text, self.messages, self.replies = mark
-        for seq in (self.tokens, self.loss_mask, self.logprobs, self.versions):
+        for seq in (self.tokens, self.loss_mask, self.logprobs, self.versions, self.constrained):
             del seq[length:]
 
     def encode(self, text: str) -> list[int]:
@@ -109,6 +111,7 @@ class Transcript:
         self.loss_mask += [0] * len(tokens)
         self.logprobs += [0.0] * len(tokens)
         self.versions += [-1] * len(tokens)
+        self.constrained += [0] * len(tokens)
 
     def set_messages(self, messages: list[dict]) -> None:
         """The conversation is now `messages` (what is recorded, plus new turns); append the
@@ -151,9 +154,10 @@ class Transcript:
         self.text += prefix
         return tokens
 
-    def add_generation(self, gen: Generation, prefix: str = "") -> str:
+    def add_generation(self, gen: Generation, prefix: str = "", constrained: bool = False) -> str:
         """Record a generated turn; return the assistant text (without its stop token),
-        after `prefix` (what `add_prefix` began the turn with).
+        after `prefix` (what `add_prefix` began the turn with). `constrained`: a grammar
+        constrained every token of it (structured outputs).
 
         Special tokens generated inside the turn stay in the text: the chat template then
         renders the turn exactly as the tokens read, so later turns stay prefix-stable.
@@ -162,6 +166,7 @@ class Transcript:
         self.loss_mask += [1] * len(gen.tokens)
         self.logprobs += gen.logprobs
         self.versions += gen.versions
+        self.constrained += [int(constrained)] * len(gen.tokens)
         self.text += self.tokenizer.decode(gen.tokens, skip_special_tokens=False)
         body = gen.tokens
         if gen.finish_reason == "stop" and body and body[-1] in self.tokenizer.all_special_ids:
@@ -201,6 +206,8 @@ class Transcript:
         traj.loss_mask.extend(self.loss_mask)
         traj.logprobs.extend(self.logprobs)
         traj.token_versions.extend(self.versions)
+        if any(self.constrained):
+            traj.constrained_mask.extend(self.constrained)
 
 
 def render(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None) -> str:

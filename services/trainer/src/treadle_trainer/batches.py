@@ -34,6 +34,8 @@ def invalid_reason(traj: tpb.Trajectory, vocab_size: int) -> str | None:
         return "too_short"
     if not len(traj.loss_mask) == len(traj.logprobs) == len(traj.token_versions) == n:
         return "length_mismatch"
+    if len(traj.constrained_mask) not in (0, n):
+        return "length_mismatch"
     if any(not 0 <= t < vocab_size for t in traj.tokens):
         return "token_out_of_vocab"
     if any(m not in (0, 1) for m in traj.loss_mask):

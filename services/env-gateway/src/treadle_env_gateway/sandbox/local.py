@@ -48,9 +48,23 @@ def _pidfds(pids: list[int]) -> list[int]:
     return fds
 
 
+_REAPING: set[asyncio.Task] = set()
+"""Reaps still waiting for a killed process that took longer than `REAP_GRACE_S` to exit."""
+
+
 async def _reap_pidfd(pidfd: int) -> None:
-    """Wait (at most `REAP_GRACE_S`) until the process has exited, reap it if it is this
-    process's child (else ECHILD: its parent reaped it), and close the pidfd."""
+    """Reap the process once it has exited if it is this process's child (else ECHILD: its
+    parent reaped it), and close the pidfd. Waits at most `REAP_GRACE_S`: a killed process
+    that takes longer to exit (a loaded machine) is reaped in the background when it does,
+    never left a zombie."""
+    task = asyncio.ensure_future(_reap_when_exited(pidfd))
+    _REAPING.add(task)
+    task.add_done_callback(_REAPING.discard)
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(asyncio.shield(task), REAP_GRACE_S)
+
+
+async def _reap_when_exited(pidfd: int) -> None:
     loop = asyncio.get_running_loop()
     exited = loop.create_future()
 
@@ -60,8 +74,7 @@ async def _reap_pidfd(pidfd: int) -> None:
 
     loop.add_reader(pidfd, done)
     try:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(exited, REAP_GRACE_S)
+        await exited
         with contextlib.suppress(ChildProcessError):
             os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)  # noqa: ASYNC222 (WNOHANG)
     finally:

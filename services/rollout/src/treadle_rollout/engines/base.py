@@ -40,6 +40,10 @@ class Sampling:
     stream_interval_s: float = 0.0
     """Streamed requests (`Engine.stream`): report new tokens at most this often (the
     first at once, the last with the finish); 0: after every step."""
+    grammar: str | None = None
+    """The text must match this grammar (llguidance's Lark dialect; `structured.py` writes
+    them): each step samples only tokens it allows; once it is complete, only the end of
+    text (`stop`). Engines whose `structured_outputs` is False refuse it."""
 
 
 TopLogprobs = list[tuple[int, float]]
@@ -114,6 +118,8 @@ class Engine(abc.ABC):
     """The model's HF tokenizer (chat template, eos)."""
     version: int = 0
     """Weight-store version of the weights currently loaded (0 = the base model)."""
+    structured_outputs: bool = False
+    """Whether it enforces `Sampling.grammar` (grammar-constrained decoding)."""
 
     @abc.abstractmethod
     async def generate(self, prompt_tokens: list[int], sampling: Sampling) -> Generation:

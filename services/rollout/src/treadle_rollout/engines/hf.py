@@ -57,7 +57,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from treadle_common.clients.torch_weights import ChunkCache
 from treadle_rollout import metrics
 from treadle_rollout.engines import cpus as cpus_mod
-from treadle_rollout.engines import prefix_cache
+from treadle_rollout.engines import grammar, prefix_cache
 from treadle_rollout.engines.base import (
     ContextOverflow,
     Engine,
@@ -91,6 +91,7 @@ def _slab(model, device: str, max_batch: int) -> KVSlab:
 
 class HFEngine(WeightChanges, Engine):
     name = "hf"
+    structured_outputs = True
 
     def __init__(
         self,
@@ -129,6 +130,7 @@ class HFEngine(WeightChanges, Engine):
         self.version = 0
         self.cache = ChunkCache.from_state_dict(self.model.state_dict())
         self.prefixes = prefix_cache.PrefixCache(prefix_cache_mb << 20)
+        self.llg_tokenizer: Any = None  # llguidance's, made at the first grammar (`constraint`)
         self.bias_V = logit_bias(int(model.config.vocab_size), logit_noise, self.device)
         """Added to sampled rows' tempered logits (fault injection; None: off)."""
         self.forwards = Forwards(self.model, self.device, self.pad_id)
@@ -241,6 +243,7 @@ class HFEngine(WeightChanges, Engine):
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
         future: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
         seq = Seq(list(prompt_tokens), sampling, future, generator, on_piece=on_piece)
+        seq.constraint = constraint(self, sampling.grammar)
         if streamed:
             seq.progress = asyncio.Event()
             future.add_done_callback(lambda _: seq.progress.set() if seq.progress else None)
@@ -400,7 +403,7 @@ class HFEngine(WeightChanges, Engine):
             if seq.shown and now - seq.reported_at < seq.sampling.stream_interval_s:
                 continue
             seq.ready, seq.reported_at = len(seq.tokens), now
-            seq.shown = seq.shown or self._forms_text(seq.tokens)
+            seq.shown = seq.shown or forms_text(self._text_decoder, seq.tokens)
             progressed.append(seq)
         if finished or progressed:
             with contextlib.suppress(RuntimeError):  # the loop closed: nobody is waiting
@@ -463,15 +466,9 @@ class HFEngine(WeightChanges, Engine):
             seq.hit = self.prefixes.match(seq.prompt) if seq.sampling.adapter is None else None
             seq.kv_version = self.version
 
-    def _forms_text(self, tokens: list[int]) -> bool:
-        """Whether `tokens` decode to some text, special tokens and an incomplete last
-        character left out (the fast tokenizer's own decoder: microseconds)."""
-        text = self._text_decoder.decode(tokens, skip_special_tokens=True)
-        return bool(text.rstrip("\ufffd"))
-
     def _append(self, seqs: list[Seq], logits_B_V: torch.Tensor) -> None:
-        params = [s.sampling for s in seqs]
-        tokens, logprobs, tops = sample(logits_B_V.float(), params, seqs, self.bias_V)
+        params, logits_B_V = [s.sampling for s in seqs], masked(seqs, logits_B_V.float())
+        tokens, logprobs, tops = sample(logits_B_V, params, seqs, self.bias_V)
         for seq, token, logprob, top in zip(seqs, tokens, logprobs, tops, strict=True):
             seq.tokens.append(token)
             seq.logprobs.append(logprob)
@@ -479,6 +476,8 @@ class HFEngine(WeightChanges, Engine):
                 seq.top.append(top)
             adapter = seq.sampling.adapter
             seq.versions.append(self._adapters.get(adapter, 0) if adapter else self.version)
+            if seq.constraint is not None:  # complete, it allows only the end-of-text token
+                seq.constraint.advance(token)
             if token == self.eos_id or token in seq.sampling.stop_token_ids:
                 seq.finish = "stop"
             elif seq.sampling.stop_strings and stopped_by_text(self.tokenizer, seq):
@@ -506,6 +505,33 @@ async def gather(waiting: list[Seq]) -> None:
         seen = len(waiting)
         if quiet >= QUIET_TURNS:
             return
+
+
+def forms_text(decoder: Any, tokens: list[int]) -> bool:
+    """Whether `tokens` decode to some text, special tokens and an incomplete last character
+    left out (the worker thread's own fast-tokenizer decoder: microseconds)."""
+    return bool(decoder.decode(tokens, skip_special_tokens=True).rstrip("\ufffd"))
+
+
+def constraint(engine: HFEngine, grammar_text: str | None) -> grammar.Constraint | None:
+    """A generation's grammar matcher; the engine's llguidance tokenizer is made once."""
+    if grammar_text is None:
+        return None
+    if engine.llg_tokenizer is None:
+        vocab = int(getattr(engine.model, "config").vocab_size)  # noqa: B009 (typed Any)
+        engine.llg_tokenizer = grammar.llg_tokenizer(engine.tokenizer, vocab, [engine.eos_id])
+    return grammar.Constraint(engine.llg_tokenizer, grammar_text)
+
+
+def masked(seqs: list[Seq], logits_B_V: torch.Tensor) -> torch.Tensor:
+    """The logits with each constrained row's disallowed tokens at -inf (a copy: the prefix
+    cache may hold the step's logits)."""
+    rows = [(i, s.constraint) for i, s in enumerate(seqs) if s.constraint is not None]
+    if not rows:
+        return logits_B_V
+    logits_B_V = logits_B_V.clone()
+    grammar.apply_masks(logits_B_V, rows)
+    return logits_B_V
 
 
 def stopped_by_text(tokenizer, seq: Seq) -> bool:

@@ -21,6 +21,7 @@ from treadle_common.model import lora
 from treadle_rollout import metrics
 from treadle_rollout.engines import prefix_cache
 from treadle_rollout.engines.base import Generation, Sampling, TopLogprobs
+from treadle_rollout.engines.grammar import Constraint
 from treadle_rollout.engines.kv_slab import KVSlab
 
 
@@ -54,6 +55,8 @@ class Seq:
     """`HFEngine.submit`'s callback: the finished generation, in the call that delivers it."""
     sent: int = 0
     """Tokens passed to `on_piece` so far."""
+    constraint: Constraint | None = None
+    """`Sampling.grammar`'s matcher (`grammar.py`): masks each step, takes each token."""
 
     @property
     def streamed(self) -> bool:
@@ -61,6 +64,8 @@ class Seq:
 
     def restart(self) -> None:
         self.tokens, self.logprobs, self.versions, self.top = [], [], [], []
+        if self.constraint is not None:
+            self.constraint.reset()
 
 
 class Batch:

@@ -91,6 +91,7 @@ def _merge(pieces: list[Generation]) -> Generation:
 
 class ProcessEngine(Engine):
     name = "hf"
+    structured_outputs = True  # the HFEngine in the process enforces `Sampling.grammar`
 
     def __init__(
         self, model_dir: Path, model_name: str, options: dict[str, Any] | None = None

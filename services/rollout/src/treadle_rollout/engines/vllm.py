@@ -49,6 +49,7 @@ WORKER_EXTENSION = "treadle_rollout.engines.vllm_worker.TreadleWorkerExtension"
 
 class VLLMEngine(Engine):
     name = "vllm"
+    structured_outputs = True  # vLLM's own, with its `guidance` backend (llguidance)
 
     def __init__(
         self,
@@ -92,6 +93,7 @@ class VLLMEngine(Engine):
 
     async def start(self) -> None:
         """Start vLLM (tens of seconds on CPU) and give the worker its weight copy."""
+        from vllm.config import StructuredOutputsConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -105,6 +107,8 @@ class VLLMEngine(Engine):
             worker_extension_cls=WORKER_EXTENSION,
             # waiting requests go lowest `priority` first, as in the hf engine (oldest task)
             scheduling_policy="priority",
+            # `Sampling.grammar` is llguidance's Lark dialect (`treadle_rollout.structured`)
+            structured_outputs_config=StructuredOutputsConfig(backend="guidance"),
             **({"max_num_seqs": self._max_batch} if self._max_batch else {}),
             **(
                 {
@@ -147,7 +151,7 @@ class VLLMEngine(Engine):
     def _params(self, prompt_tokens: list[int], sampling: Sampling):
         """vLLM's sampling parameters for a request (its room in the context, or refused)."""
         from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         room = self.max_context - len(prompt_tokens)
         if room <= 0:
@@ -165,6 +169,9 @@ class VLLMEngine(Engine):
             stop=list(sampling.stop_strings) or None,
             include_stop_str_in_output=True,  # the tokens generated, the stop string's too
             output_kind=RequestOutputKind.DELTA,
+            structured_outputs=(
+                StructuredOutputsParams(grammar=sampling.grammar) if sampling.grammar else None
+            ),
         )
 
     def _lora_of(self, adapter: str | None) -> tuple[Any, int | None]:

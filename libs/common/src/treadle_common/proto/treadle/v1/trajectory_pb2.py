@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from treadle_common.proto.treadle.v1 import common_pb2 as treadle_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btreadle/v1/trajectory.proto\x12\ntreadle.v1\x1a\x17treadle/v1/common.proto\"e\n\x0cPhaseTimings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x12\n\ngenerate_s\x18\x02 \x01(\x01\x12\r\n\x05\x65nv_s\x18\x03 \x01(\x01\x12\x10\n\x08reward_s\x18\x04 \x01(\x01\x12\x0f\n\x07total_s\x18\x05 \x01(\x01\"\xa8\x04\n\nTrajectory\x12\x15\n\rtrajectory_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x0f\n\x07task_id\x18\x03 \x01(\t\x12\x0e\n\x06run_id\x18\x04 \x01(\t\x12\x0b\n\x03\x65nv\x18\x05 \x01(\t\x12\x14\n\x0csample_index\x18\x06 \x01(\x05\x12\x0e\n\x06tokens\x18\x07 \x03(\x05\x12\x11\n\tloss_mask\x18\x08 \x03(\x05\x12\x10\n\x08logprobs\x18\t \x03(\x02\x12\x16\n\x0etoken_versions\x18\n \x03(\x03\x12\x0e\n\x06reward\x18\x0b \x01(\x01\x12\x45\n\x10reward_breakdown\x18\x0c \x03(\x0b\x32+.treadle.v1.Trajectory.RewardBreakdownEntry\x12,\n\x06status\x18\r \x01(\x0e\x32\x1c.treadle.v1.TrajectoryStatus\x12\r\n\x05\x65rror\x18\x0e \x01(\t\x12)\n\x07timings\x18\x0f \x01(\x0b\x32\x18.treadle.v1.PhaseTimings\x12\x11\n\tnum_turns\x18\x10 \x01(\x05\x12\x17\n\x0frollout_replica\x18\x11 \x01(\t\x12\'\n\x05trace\x18\x12 \x01(\x0b\x32\x18.treadle.v1.TraceContext\x12\x14\n\x0csandbox_runs\x18\x13 \x01(\x05\x1a\x36\n\x14RewardBreakdownEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*\xfe\x01\n\x10TrajectoryStatus\x12!\n\x1dTRAJECTORY_STATUS_UNSPECIFIED\x10\x00\x12\x18\n\x14TRAJECTORY_STATUS_OK\x10\x01\x12\x1f\n\x1bTRAJECTORY_STATUS_TRUNCATED\x10\x02\x12\x1f\n\x1bTRAJECTORY_STATUS_ENV_ERROR\x10\x03\x12#\n\x1fTRAJECTORY_STATUS_SANDBOX_ERROR\x10\x04\x12\"\n\x1eTRAJECTORY_STATUS_REWARD_ERROR\x10\x05\x12\"\n\x1eTRAJECTORY_STATUS_ENGINE_ERROR\x10\x06\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btreadle/v1/trajectory.proto\x12\ntreadle.v1\x1a\x17treadle/v1/common.proto\"e\n\x0cPhaseTimings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x12\n\ngenerate_s\x18\x02 \x01(\x01\x12\r\n\x05\x65nv_s\x18\x03 \x01(\x01\x12\x10\n\x08reward_s\x18\x04 \x01(\x01\x12\x0f\n\x07total_s\x18\x05 \x01(\x01\"\xc2\x04\n\nTrajectory\x12\x15\n\rtrajectory_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x0f\n\x07task_id\x18\x03 \x01(\t\x12\x0e\n\x06run_id\x18\x04 \x01(\t\x12\x0b\n\x03\x65nv\x18\x05 \x01(\t\x12\x14\n\x0csample_index\x18\x06 \x01(\x05\x12\x0e\n\x06tokens\x18\x07 \x03(\x05\x12\x11\n\tloss_mask\x18\x08 \x03(\x05\x12\x10\n\x08logprobs\x18\t \x03(\x02\x12\x16\n\x0etoken_versions\x18\n \x03(\x03\x12\x0e\n\x06reward\x18\x0b \x01(\x01\x12\x45\n\x10reward_breakdown\x18\x0c \x03(\x0b\x32+.treadle.v1.Trajectory.RewardBreakdownEntry\x12,\n\x06status\x18\r \x01(\x0e\x32\x1c.treadle.v1.TrajectoryStatus\x12\r\n\x05\x65rror\x18\x0e \x01(\t\x12)\n\x07timings\x18\x0f \x01(\x0b\x32\x18.treadle.v1.PhaseTimings\x12\x11\n\tnum_turns\x18\x10 \x01(\x05\x12\x17\n\x0frollout_replica\x18\x11 \x01(\t\x12\'\n\x05trace\x18\x12 \x01(\x0b\x32\x18.treadle.v1.TraceContext\x12\x14\n\x0csandbox_runs\x18\x13 \x01(\x05\x12\x18\n\x10\x63onstrained_mask\x18\x14 \x03(\x05\x1a\x36\n\x14RewardBreakdownEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*\xfe\x01\n\x10TrajectoryStatus\x12!\n\x1dTRAJECTORY_STATUS_UNSPECIFIED\x10\x00\x12\x18\n\x14TRAJECTORY_STATUS_OK\x10\x01\x12\x1f\n\x1bTRAJECTORY_STATUS_TRUNCATED\x10\x02\x12\x1f\n\x1bTRAJECTORY_STATUS_ENV_ERROR\x10\x03\x12#\n\x1fTRAJECTORY_STATUS_SANDBOX_ERROR\x10\x04\x12\"\n\x1eTRAJECTORY_STATUS_REWARD_ERROR\x10\x05\x12\"\n\x1eTRAJECTORY_STATUS_ENGINE_ERROR\x10\x06\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,12 +34,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TRAJECTORY_REWARDBREAKDOWNENTRY']._loaded_options = None
   _globals['_TRAJECTORY_REWARDBREAKDOWNENTRY']._serialized_options = b'8\001'
-  _globals['_TRAJECTORYSTATUS']._serialized_start=727
-  _globals['_TRAJECTORYSTATUS']._serialized_end=981
+  _globals['_TRAJECTORYSTATUS']._serialized_start=753
+  _globals['_TRAJECTORYSTATUS']._serialized_end=1007
   _globals['_PHASETIMINGS']._serialized_start=68
   _globals['_PHASETIMINGS']._serialized_end=169
   _globals['_TRAJECTORY']._serialized_start=172
-  _globals['_TRAJECTORY']._serialized_end=724
-  _globals['_TRAJECTORY_REWARDBREAKDOWNENTRY']._serialized_start=670
-  _globals['_TRAJECTORY_REWARDBREAKDOWNENTRY']._serialized_end=724
+  _globals['_TRAJECTORY']._serialized_end=750
+  _globals['_TRAJECTORY_REWARDBREAKDOWNENTRY']._serialized_start=696
+  _globals['_TRAJECTORY_REWARDBREAKDOWNENTRY']._serialized_end=750
 # @@protoc_insertion_point(module_scope)

@@ -40,7 +40,7 @@ class PhaseTimings(_message.Message):
     def __init__(self, queue_s: _Optional[float] = ..., generate_s: _Optional[float] = ..., env_s: _Optional[float] = ..., reward_s: _Optional[float] = ..., total_s: _Optional[float] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("trajectory_id", "group_id", "task_id", "run_id", "env", "sample_index", "tokens", "loss_mask", "logprobs", "token_versions", "reward", "reward_breakdown", "status", "error", "timings", "num_turns", "rollout_replica", "trace", "sandbox_runs")
+    __slots__ = ("trajectory_id", "group_id", "task_id", "run_id", "env", "sample_index", "tokens", "loss_mask", "logprobs", "token_versions", "reward", "reward_breakdown", "status", "error", "timings", "num_turns", "rollout_replica", "trace", "sandbox_runs", "constrained_mask")
     class RewardBreakdownEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class Trajectory(_message.Message):
     ROLLOUT_REPLICA_FIELD_NUMBER: _ClassVar[int]
     TRACE_FIELD_NUMBER: _ClassVar[int]
     SANDBOX_RUNS_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINED_MASK_FIELD_NUMBER: _ClassVar[int]
     trajectory_id: str
     group_id: str
     task_id: str
@@ -86,4 +87,5 @@ class Trajectory(_message.Message):
     rollout_replica: str
     trace: _common_pb2.TraceContext
     sandbox_runs: int
-    def __init__(self, trajectory_id: _Optional[str] = ..., group_id: _Optional[str] = ..., task_id: _Optional[str] = ..., run_id: _Optional[str] = ..., env: _Optional[str] = ..., sample_index: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., token_versions: _Optional[_Iterable[int]] = ..., reward: _Optional[float] = ..., reward_breakdown: _Optional[_Mapping[str, float]] = ..., status: _Optional[_Union[TrajectoryStatus, str]] = ..., error: _Optional[str] = ..., timings: _Optional[_Union[PhaseTimings, _Mapping]] = ..., num_turns: _Optional[int] = ..., rollout_replica: _Optional[str] = ..., trace: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ..., sandbox_runs: _Optional[int] = ...) -> None: ...
+    constrained_mask: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, trajectory_id: _Optional[str] = ..., group_id: _Optional[str] = ..., task_id: _Optional[str] = ..., run_id: _Optional[str] = ..., env: _Optional[str] = ..., sample_index: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., token_versions: _Optional[_Iterable[int]] = ..., reward: _Optional[float] = ..., reward_breakdown: _Optional[_Mapping[str, float]] = ..., status: _Optional[_Union[TrajectoryStatus, str]] = ..., error: _Optional[str] = ..., timings: _Optional[_Union[PhaseTimings, _Mapping]] = ..., num_turns: _Optional[int] = ..., rollout_replica: _Optional[str] = ..., trace: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ..., sandbox_runs: _Optional[int] = ..., constrained_mask: _Optional[_Iterable[int]] = ...) -> None: ...
