@@ -449,10 +449,21 @@ async def test_the_oom_killer_takes_a_sandbox_before_the_gateway(sandbox):
     assert result.status == "ok" and result.stdout.strip() == "1000", result
 
 
-def _zombies_of(pid: int) -> list[str]:
+def _zombies_of(pid: int, since: set[int] | None = None) -> list[str]:
+    """Zombies whose parent is `pid`; with `since` (`_pids()` at a test's start), only those
+    started after it: a process another test in this worker left running, orphaned to the
+    subreaper while it is one, is not a sandbox's."""
     out = subprocess.run(["ps", "-eo", "pid=,ppid=,stat=,comm="], capture_output=True, text=True)
     rows = [line.split(None, 3) for line in out.stdout.splitlines()]
-    return [" ".join(r) for r in rows if r[1] == str(pid) and r[2].startswith("Z")]
+    return [
+        " ".join(r)
+        for r in rows
+        if r[1] == str(pid) and r[2].startswith("Z") and (since is None or int(r[0]) not in since)
+    ]
+
+
+def _pids() -> set[int]:
+    return {int(entry.name) for entry in os.scandir("/proc") if entry.name.isdigit()}
 
 
 async def test_five_hundred_sandboxes_leave_no_zombie(sandbox):
@@ -464,13 +475,14 @@ async def test_five_hundred_sandboxes_leave_no_zombie(sandbox):
         pytest.skip("a docker sandbox's processes are the engine's (docker-init reaps them)")
     libc = ctypes.CDLL(None, use_errno=True)
     assert libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    before = _pids()
     try:
         results = []
         for _ in range(25):
             results += await asyncio.gather(*(sandbox.run_tests(RIGHT, TESTS) for _ in range(10)))
         assert all(r.status == "ok" for r in results), [r for r in results if r.status != "ok"]
         await asyncio.sleep(1)  # anything still exiting has exited
-        assert _zombies_of(os.getpid()) == []
+        assert _zombies_of(os.getpid(), before) == []
     finally:
         libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
         for zombie in _zombies_of(os.getpid()):  # what a failure left: reap it here
@@ -489,6 +501,7 @@ async def test_sandboxes_killed_as_they_start_leave_no_zombie(sandbox):
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3)]
     libc = ctypes.CDLL(None, use_errno=True)
     assert libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    before = _pids()
     delays = [0.0, 0.0, 0.0005, 0.001, 0.002, 0.005]
 
     async def started_and_killed(delay: float) -> None:
@@ -502,7 +515,7 @@ async def test_sandboxes_killed_as_they_start_leave_no_zombie(sandbox):
         for i in range(40):
             await asyncio.gather(*(started_and_killed(delays[(i + j) % 6]) for j in range(12)))
         await asyncio.sleep(1)  # anything still exiting has exited
-        assert _zombies_of(os.getpid()) == []
+        assert _zombies_of(os.getpid(), before) == []
     finally:
         for hog in hogs:
             hog.kill()
@@ -526,11 +539,12 @@ async def test_inner_processes_an_outer_one_did_not_reap_are_reaped_by_the_gatew
     monkeypatch.setattr(local, "OUTER_GRACE_S", 0.0)
     libc = ctypes.CDLL(None, use_errno=True)
     assert libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    before = _pids()
     try:
         for _ in range(5):
             results = await asyncio.gather(*(sandbox.run_tests(RIGHT, TESTS) for _ in range(4)))
             assert all(r.status == "ok" for r in results), results
-        assert _zombies_of(os.getpid()) == []  # reaped in the kill, not later
+        assert _zombies_of(os.getpid(), before) == []  # reaped in the kill, not later
     finally:
         libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
         for zombie in _zombies_of(os.getpid()):
