@@ -67,6 +67,9 @@ class Runs:
         self.runtime, self.settings, self.store, self.env = runtime, settings, store, env
         self.stages = stages
         self.owners: dict[str, RunOwner] = {}
+        self._executing: set[str] = set()
+        """Runs an owner of ours is executing: never orphans, whatever state it reports (an
+        ending run reports its final state before it leaves the active runs)."""
         self._tasks: set[asyncio.Task] = set()
         self._lease_ms = int(settings.trainer_lease_s * 1000)
         self.turns = scheduling.turns_for(
@@ -126,7 +129,9 @@ class Runs:
         """Renew the run's lease while its owner executes it; stop the owner if another
         trainer holds it. A Redis error skips a renewal (the lease outlives two of them)."""
         lease = owner.lease
+        self._executing.add(owner.config.run_id)
         work = asyncio.create_task(owner.execute(last_attempt))
+        work.add_done_callback(lambda _: self._executing.discard(owner.config.run_id))
         while not work.done():
             await asyncio.wait([work], timeout=self.settings.trainer_lease_s / 3)
             if work.done():
@@ -175,6 +180,8 @@ class Runs:
         redis = self.runtime.redis
         for member in await redis.smembers(names.RUNS_KEY):
             run = streams.text(member)
+            if run in self._executing:
+                continue  # ours, executing (an ending one has not left the active runs yet)
             if run in self.owners and self.owners[run].status.state in (
                 "pending",
                 "running",
