@@ -19,7 +19,7 @@ TORCH_SPEC ?=
 SERVICES := weight-store env-gateway reward rollout trainer
 LIBS := common cli
 STAMP := $(VENV)/.treadle-installed
-WORKSPACE := -e 'libs/common[hf]' -e 'libs/cli[hf,infra,report,gguf]' -e bench -e sim \
+WORKSPACE := -e 'libs/common[hf]' -e 'libs/cli[hf,infra,report,gguf,trace]' -e bench -e sim -e conformance \
 	$(foreach s,$(SERVICES),-e services/$(s)) -e 'services/trainer[trackers]' -e '.[dev]' -e 'services/env-gateway[verifiers]' \
 	-e examples/verifiers/vf-tiny-arith -e examples/agents/arith-agent
 PYTEST_ARGS ?=
@@ -33,7 +33,7 @@ setup: $(STAMP)
 # the lock installed with --no-deps: it is the whole closure (pip check proves it); resolving
 # it again let pip 23's hash mode try an extra's bare name (tinker's httpx[http2]) against the
 # index's newest release and refuse the install once one came out past the lock
-$(STAMP): requirements/ci.txt pyproject.toml examples/verifiers/vf-tiny-arith/pyproject.toml examples/agents/arith-agent/pyproject.toml $(foreach l,$(LIBS),libs/$(l)/pyproject.toml) bench/pyproject.toml sim/pyproject.toml $(foreach s,$(SERVICES),services/$(s)/pyproject.toml)
+$(STAMP): requirements/ci.txt pyproject.toml examples/verifiers/vf-tiny-arith/pyproject.toml examples/agents/arith-agent/pyproject.toml $(foreach l,$(LIBS),libs/$(l)/pyproject.toml) bench/pyproject.toml sim/pyproject.toml conformance/pyproject.toml $(foreach s,$(SERVICES),services/$(s)/pyproject.toml)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --quiet --require-hashes --no-deps -r requirements/ci.txt
 	$(if $(TORCH_SPEC),$(PIP) install --quiet $(TORCH_SPEC))
@@ -48,7 +48,7 @@ demo: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy $(wildcard libs/*/src/treadle_*) bench/src/treadle_bench sim/src/treadle_sim $(wildcard services/*/src/treadle_*)
+	$(VENV)/bin/mypy $(wildcard libs/*/src/treadle_*) bench/src/treadle_bench sim/src/treadle_sim conformance/src/treadle_conformance $(wildcard services/*/src/treadle_*)
 	$(VENV)/bin/lint-imports  # the layering contracts in pyproject.toml
 	$(PY) scripts/check_sizes.py  # no function over 60 lines, no class over 400
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ["libs", "services", "bench", "scripts"]
+SOURCES = ["libs", "services", "bench", "sim", "conformance", "scripts"]
 LIMITS = {"function": 60, "class": 400}
 
 

@@ -11,6 +11,8 @@
   the typer app;
 - `structure.md`: who imports whom, between the packages and between each package's parts
   (grimp, import-linter's graph: the drawing of what `[tool.importlinter]` enforces);
+- `conformance.md`: every check of `treadle conformance openai` and `treadle conformance
+  tinker`, with the behaviour it checks, from the suites' registries;
 - `openapi/<service>.md`: each service's HTTP routes with their request and response models,
   from the OpenAPI snapshot `docs/reference/openapi/<service>.json` (a running service's
   `/openapi.json`; `tests/integration/test_schemathesis.py` checks the snapshots against the
@@ -176,6 +178,22 @@ def cli_page() -> str:
     return "\n".join(out) + "\n"
 
 
+def conformance_page() -> str:
+    from treadle_conformance.cli import SUITES
+
+    out = [
+        "# Conformance checks\n",
+        "Every behaviour `treadle conformance openai URL` and `treadle conformance tinker URL`",
+        "check, in the order they run ([guide](../guides/conformance.md)). A check's id is",
+        "stable across releases: compare reports of two servers by it.\n",
+    ]
+    for name, suite in SUITES.items():
+        out += [f"## {name}\n", "| check | behaviour |", "|---|---|"]
+        out += [f"| `{c.id}` | {cell(c.behaviour)} |" for c in suite.checks]
+        out.append("")
+    return "\n".join(out)
+
+
 def shown(default: object) -> str:
     """A default as the docs show it: a path inside this checkout relative to its root (the
     page is the same in every clone)."""
@@ -326,6 +344,7 @@ def pages() -> dict[Path, str]:
         REFERENCE / "recipe.md": recipe_page(),
         REFERENCE / "cli.md": cli_page(),
         REFERENCE / "structure.md": structure_page(),
+        REFERENCE / "conformance.md": conformance_page(),
     }
     for service in SERVICES:
         spec = json.loads((REFERENCE / "openapi" / f"{service}.json").read_text())

@@ -13,6 +13,12 @@ import pytest
 
 from tests.support.cli import treadle
 from tests.support.services import ROOT
+from tests.support.trace_checks import (
+    FIVE,
+    check_otlp_json,
+    check_perfetto,
+    trace_processor_slices,
+)
 from treadle_cli.infra import alive
 from treadle_common.auth import policy as auth
 from treadle_common.clients.rollout import GenerationClient
@@ -41,6 +47,23 @@ def test_skeleton_recipe_runs_three_steps_through_every_service(cli_env, tmp_pat
     # the stack the run started is gone again: no supervisor state left behind
     assert not (tmp_path / ".treadle" / "stack.json").exists()
     assert_one_trace_spans_every_service(tmp_path / ".treadle" / "traces")
+    assert_trace_export(summary_path.parent.name, cli_env, tmp_path)
+
+
+def assert_trace_export(run_id: str, env: dict, cwd: Path) -> None:
+    """`treadle trace` writes the run's spans as a Perfetto trace in which one task's
+    slices reach all five services, and as OTLP/JSON that parses as OTLP's `TracesData`."""
+    pftrace, otlp = cwd / "run.pftrace", cwd / "run.otlp.json"
+    for fmt, out in (("perfetto", pftrace), ("otlp-json", otlp)):
+        result = treadle("trace", run_id, "--format", fmt, "--out", str(out), env=env, cwd=cwd)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    seen = check_perfetto(pftrace)
+    assert set(seen) == FIVE and all(n > 0 for n in seen.values()), seen
+    assert check_otlp_json(otlp) > 0
+    slices = trace_processor_slices(pftrace)  # None where no trace processor binary is at hand
+    assert slices is None or slices > 0
+    missing = treadle("trace", "no-such-run", "--out", str(cwd / "x"), env=env, cwd=cwd)
+    assert missing.returncode == 1 and "no spans of run" in missing.stdout + missing.stderr
 
 
 def test_skeleton_recipe_trains_a_lora_adapter_and_moves_only_the_adapter(cli_env, tmp_path):

@@ -47,6 +47,25 @@ async def _chunk_positions(addr: str, token: str, model: str) -> list[dict]:
         await store.close()
 
 
+def _where_runs_are(cwd: Path) -> str:
+    """What the trainer says of each run, and the tail of every service's log: a run that
+    hangs says where (its CLI prints its table only at its end when not on a terminal)."""
+    state = cwd / ".treadle"
+    parts = []
+    try:
+        spec = json.loads((state / "stack.json").read_text())["spec"]
+        token = (state / "auth" / "admin.token").read_text()
+        url = f"http://127.0.0.1:{spec['ports']['trainer']['http']}/v1/runs"
+        for run in httpx.get(url, headers=auth.bearer(token), timeout=10).json():
+            run.pop("steps", None)
+            parts.append(json.dumps(run))
+    except Exception as exc:  # a diagnosis, whatever it finds
+        parts.append(f"the trainer did not answer: {exc!r}")
+    for log in sorted((state / "logs").glob("*.log")):
+        parts.append(f"--- {log.name}\n" + "\n".join(log.read_text().splitlines()[-40:]))
+    return "\n".join(parts)
+
+
 def test_two_lora_runs_at_once_on_one_stack_each_train_and_export_their_own(cli_env, tmp_path):
     """The issue's reproduction: two LoRA runs of the skeleton, different seeds, started at
     once on one stack. Each publishes under its own policy model over the one shared base,
@@ -201,11 +220,12 @@ def test_a_poisoned_run_and_a_broken_run_leave_two_others_exactly_once(cli_env, 
             for rid in ("ok-a", "ok-b"):
                 outs[rid] = procs[rid].communicate(timeout=480)[0]
         except subprocess.TimeoutExpired:
+            where = _where_runs_are(tmp_path)  # before the runs' CLIs are killed
             for rid, proc in procs.items():
                 proc.kill()
                 outs.setdefault(rid, proc.communicate()[0] or "")
             tails = {rid: out[-3000:] for rid, out in outs.items()}
-            pytest.fail(f"the two good runs did not end within 480 s; each run's output: {tails}")
+            pytest.fail(f"the two good runs did not end within 480 s: {where}; outputs: {tails}")
         runs = tmp_path / ".treadle" / "runs"
         spec = json.loads((tmp_path / ".treadle" / "stack.json").read_text())["spec"]
         token = (tmp_path / ".treadle" / "auth" / "admin.token").read_text()

@@ -58,13 +58,23 @@ def stack(infra, tiny_model, tmp_path_factory):
         proc.stop_checked()
 
 
-def operations(base_url: str) -> list[tuple[str, str, list[str] | None]]:
+def operations(base_url: str) -> list[tuple[str, str, list[str] | None, str | None]]:
+    """(method, path, the roles it takes, the format of its refusals) of every route."""
     spec = httpx.get(f"{base_url}/openapi.json", headers=ADMIN, timeout=10).json()
     found = []
     for path, item in spec["paths"].items():
         for method, op in item.items():
-            found.append((method.upper(), path, op.get(auth.ROLES_KEY)))
+            found.append((method.upper(), path, op.get(auth.ROLES_KEY), op.get(auth.ERRORS_KEY)))
     return found
+
+
+def refusal_message(answer: httpx.Response, errors: str | None) -> str:
+    """A refusal's message, from the body in the route's declared format."""
+    if errors == "openai":  # OpenAI's error shape, what its clients parse
+        error = answer.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["code"], error
+        return error["message"]
+    return answer.json()["detail"]
 
 
 @pytest.mark.parametrize("service", ["weight-store", "env-gateway", "reward", "rollout", "trainer"])
@@ -72,10 +82,10 @@ def test_every_http_route_checks_token_and_role(stack, service):
     base = stack[service].http
     ops = operations(base)
     assert len(ops) >= 4, ops
-    undeclared = [f"{m} {p}" for m, p, roles in ops if not roles]
+    undeclared = [f"{m} {p}" for m, p, roles, _ in ops if not roles]
     assert not undeclared, f"routes without an access policy: {undeclared}"
     with httpx.Client(base_url=base, timeout=30) as http:
-        for method, path, declared in ops:
+        for method, path, declared, errors in ops:
             url = re.sub(r"\{[^}]+\}", "x", path)
             what = f"{service} {method} {path}"
             if declared == [auth.PUBLIC]:
@@ -87,13 +97,14 @@ def test_every_http_route_checks_token_and_role(stack, service):
                 answer = http.request(method, url, headers=auth.bearer(token))
                 assert answer.status_code == 401, (what, token, answer.text)
                 assert answer.headers["www-authenticate"] == "Bearer"
+                assert "bearer token" in refusal_message(answer, errors), (what, answer.text)
             for role in auth.Role:
                 answer = http.request(method, url, headers=auth.bearer(TOKENS[role]), json={})
                 if role in allowed:
                     assert answer.status_code not in (401, 403), (what, role, answer.text)
                 else:
                     assert answer.status_code == 403, (what, role, answer.text)
-                    assert role.value in answer.json()["detail"]
+                    assert role.value in refusal_message(answer, errors), (what, answer.text)
 
 
 @pytest.mark.parametrize("service", ["weight-store", "env-gateway", "reward", "rollout", "trainer"])
@@ -108,7 +119,7 @@ def test_a_stranger_is_refused_before_its_body_is_read(stack, service):
     )
     closed_to_read = [op for op in ops if auth.Role.read.value not in (op[2] or [])]
     cases = [(ops[0], None, 401)] + [(op, TOKENS["read"], 403) for op in closed_to_read[:1]]
-    for (method, path, _), token, status in cases:
+    for (method, path, *_), token, status in cases:
         path = re.sub(r"\{[^}]+\}", "x", path)
         with socket.create_connection((url.hostname, url.port), timeout=10) as conn:
             auth_line = f"Authorization: Bearer {token}\r\n" if token else ""

@@ -196,6 +196,13 @@ def test_bench_e2e_runs_both_modes_on_one_stack():
         parts = report["components"][mode]
         assert parts["decode_steps"] > 0 and parts["decode_rows"] >= parts["decode_steps"]
         assert parts["train_s"] > 0 and parts["engine_s_per_decode_step"] > 0
+        used = parts["service_cpu_s"]  # each service's own process, read by psutil
+        assert set(used) >= {"rollout", "env-gateway", "reward", "trainer", "weight-store"}
+        assert used["rollout"] > 0 and used["env-gateway"] > 0 and used["trainer"] > 0
+    played = report["components"]["sync"]["episode_env_s"]  # every task the sync run trained
+    assert len(played) == report["steps"] * report["tasks_per_step"]
+    assert all(len(samples) == report["group_size"] for samples in played)
+    assert all(s > 0 for samples in played for s in samples)  # each waited for its tool calls
     predicted = calibrate.e2e(report, cores=2)
     assert predicted["sync"]["measured_s"] == report["sync_s"]
     assert predicted["sync"]["predicted_s"] > 0 and predicted["async"]["predicted_s"] > 0

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.services import TOKENS, start_service
+from tests.support.services import TOKENS
+from tests.support.tinker_stack import tinker_stack
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,28 +35,9 @@ def test_the_cookbook_rl_loop_raises_the_reward(infra, tmp_path, tiny_model):
     # the Tinker name of the base model is its directory: the cookbook loads the tokenizer
     # by model name (`get_tokenizer`), which finds a local directory without a hub
     model = str(tiny_model)
-    procs = []
-    try:
-        (tmp_path / "ws").mkdir()
-        store = start_service("weight-store", infra, tmp_path / "ws")
-        procs.append(store)
-        gateway = start_service("env-gateway", infra, tmp_path)
-        procs.append(gateway)
-        addrs = {
-            "TREADLE_WEIGHT_STORE_ADDR": store.grpc_addr or "",
-            "TREADLE_ENV_GATEWAY_ADDR": gateway.grpc_addr or "",
-        }
-        rollout = start_service("rollout", infra, tmp_path, TREADLE_ROLLOUT_MODEL=model, **addrs)
-        procs.append(rollout)
-        trainer = start_service(
-            "trainer",
-            infra,
-            tmp_path,
-            TREADLE_TRAINER_TINKER_MODELS=json.dumps({model: model}),
-            TREADLE_TRAINER_ROLLOUT_URL=rollout.http,
-            **addrs,
-        )
-        procs.append(trainer)
+    with tinker_stack(
+        infra, tmp_path, tiny_model, max_clients=None, name=model, rollout_name=None
+    ) as (trainer, _, _):
         env = {
             **os.environ,
             "TINKER_API_KEY": "tml-" + TOKENS["trainer"],
@@ -76,9 +58,6 @@ def test_the_cookbook_rl_loop_raises_the_reward(infra, tmp_path, tiny_model):
             timeout=600,
         )
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    finally:
-        for proc in reversed(procs):
-            proc.stop_checked()
     rows = [json.loads(line) for line in (tmp_path / "cookbook" / "metrics.jsonl").open()]
     rewards = [row["env/all/reward/total"] for row in rows if "env/all/reward/total" in row]
     assert len(rewards) == ITERATIONS

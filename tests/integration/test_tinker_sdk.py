@@ -14,6 +14,7 @@ tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
 from tests.support.services import ADMIN, TOKENS, ServiceProc, start_service  # noqa: E402
+from tests.support.tinker_stack import tinker_stack  # noqa: E402
 
 SDK_VERSION = "0.38.0"
 
@@ -22,45 +23,15 @@ SDK_VERSION = "0.38.0"
 def stack(infra, tmp_path, tiny_model, monkeypatch):
     """weight-store, env-gateway, rollout serving the tiny model as `tiny`, and a trainer
     whose Tinker API trains on it and samples through that rollout."""
-    procs: list[ServiceProc] = []
-    try:
-        (tmp_path / "ws").mkdir()
-        store = start_service("weight-store", infra, tmp_path / "ws")
-        procs.append(store)
-        gateway = start_service("env-gateway", infra, tmp_path)
-        procs.append(gateway)
-        addrs = {
-            "TREADLE_WEIGHT_STORE_ADDR": store.grpc_addr or "",
-            "TREADLE_ENV_GATEWAY_ADDR": gateway.grpc_addr or "",
-        }
-        rollout = start_service(
-            "rollout",
-            infra,
-            tmp_path,
-            TREADLE_ROLLOUT_MODEL=str(tiny_model),
-            TREADLE_ROLLOUT_MODEL_NAME="tiny",
-            **addrs,
-        )
-        procs.append(rollout)
-        trainer = start_service(
-            "trainer",
-            infra,
-            tmp_path,
-            TREADLE_TRAINER_TINKER_MODELS=json.dumps({"tiny": str(tiny_model)}),
-            TREADLE_TRAINER_TINKER_MAX_CLIENTS="3",
-            TREADLE_TRAINER_ROLLOUT_URL=rollout.http,
-            **addrs,
-        )
-        procs.append(trainer)
-        monkeypatch.setenv("TINKER_TELEMETRY", "0")
-        yield trainer, store, rollout
-    finally:
-        # the test's SDK clients close while the stack runs: an open one heartbeats its
-        # session from a thread, and logs the failures long after the stack is gone
-        while _OPEN:
-            _OPEN.pop().close("success").result()
-        for proc in reversed(procs):
-            proc.stop_checked()
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    with tinker_stack(infra, tmp_path, tiny_model) as procs:
+        try:
+            yield procs
+        finally:
+            # the test's SDK clients close while the stack runs: an open one heartbeats its
+            # session from a thread, and logs the failures long after the stack is gone
+            while _OPEN:
+                _OPEN.pop().close("success").result()
 
 
 _OPEN: list[tinker.ServiceClient] = []

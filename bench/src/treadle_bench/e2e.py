@@ -34,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
 from rich.console import Console
 
 from treadle_bench.harness import private_stack
@@ -43,6 +44,7 @@ from treadle_cli.run_client import RunClient
 from treadle_cli.settings import CliSettings
 from treadle_cli.tiny_model import init_for
 from treadle_common.config.recipe import RunConfig, load_recipe
+from treadle_common.proto.treadle.v1 import schedule_pb2
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 DEFAULT_RECIPE = RECIPES / "agentic.yaml"
@@ -121,8 +123,10 @@ def _one_run(cfg: RunConfig, settings: CliSettings, console: Console, rollout_in
     started = time.perf_counter()
     http = stack.http(settings.client_token())
     before = http.get(rollout_info, timeout=10).json()
+    cpu_before = _service_cpu(settings)
     code = RunClient(cfg, settings, console).execute(health_timeout_s=180)
     after = http.get(rollout_info, timeout=10).json()
+    cpu = {k: round(v - cpu_before.get(k, v), 3) for k, v in _service_cpu(settings).items()}
     busy = after["engine_busy_s"] - before["engine_busy_s"]
     if code != 0:
         raise RuntimeError(f"{cfg.mode} run failed; outputs in {cfg.output_dir}")
@@ -133,8 +137,49 @@ def _one_run(cfg: RunConfig, settings: CliSettings, console: Console, rollout_in
         "run_s": time.perf_counter() - started,
         "rollout_busy": busy / (time.perf_counter() - started),
         "train_reward_last": report.steps()[-1].mean_reward,
-        "components": _components(report.steps(), before, after),
+        "components": {
+            **_components(report.steps(), before, after),
+            "service_cpu_s": cpu,
+            "episode_env_s": _episode_env_s(cfg.output_dir / cfg.run_id / "schedule"),
+        },
     }
+
+
+def _episode_env_s(schedule: Path) -> list[list[float]]:
+    """Each trained episode's seconds in env steps, per task in the order the trainer fed
+    them and per sample (from the run's recorded schedule, `treadle replay`'s input). Tool
+    latency is seeded by the task and the sample, so both modes draw the same: the
+    simulator's calibration plays these instead of drawing its own."""
+    by_task: dict[int, dict[int, float]] = {}
+    for path in sorted(schedule.glob("step-*.binpb")):
+        step = schedule_pb2.ScheduleStep.FromString(path.read_bytes())
+        for group in step.groups:
+            for entry in group.entries:
+                traj = entry.trajectory
+                fed = int(traj.task_id.split("-", 1)[0])
+                by_task.setdefault(fed, {})[traj.sample_index] = round(traj.timings.env_s, 4)
+    out: list[list[float]] = []
+    for fed in range(max(by_task, default=-1) + 1):  # stops at the first task not trained
+        samples = by_task.get(fed, {})
+        if not samples or sorted(samples) != list(range(len(samples))):
+            break
+        out.append([samples[i] for i in range(len(samples))])
+    return out
+
+
+def _service_cpu(settings: CliSettings) -> dict[str, float]:
+    """CPU seconds each service's own process has used so far (its children, as rollout's
+    engine process, are not in it: the engine's time is `engine_busy_s`)."""
+    out: dict[str, float] = {}
+    for name, service in stack.status(settings.state_dir.resolve()).services.items():
+        if service.pid is None:
+            continue
+        try:
+            times = psutil.Process(service.pid).cpu_times()
+        except psutil.Error:  # restarted or gone: no reading
+            continue
+        out[name] = times.user + times.system
+    return out
 
 
 def _components(steps: list[StepRow], before: dict, after: dict) -> dict[str, float]:

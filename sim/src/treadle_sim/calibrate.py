@@ -19,8 +19,14 @@ trainer's staleness bound and rollout's admission deciding what overlaps.
 `bench e2e` (latency-bound, agentic: multi-turn episodes behind heavy-tailed tool latency):
 the inputs are the workload's own settings (turns, the env's latency model, the per-task
 length tail, group size, staleness, rollout's concurrent tasks) and, from the sync run alone
-(nothing else runs beside each part there), its `components`: the trainer's step and publish
-and the engine's seconds per decode step. Both modes' wall times are predictions.
+(nothing else runs beside each part there), its `components`: the trainer's step and publish,
+the engine's seconds per decode step, and the CPU the other services spent per episode
+(rollout's serving, env-gateway, reward, the store: `service_cpu_s`), as work on the host's
+cores beside the engine and the trainer (three threads at most: rollout, env-gateway and
+reward are single-threaded processes; the store's share is small), and each episode's own
+seconds in env steps (`episode_env_s`: tool latency is seeded by task and sample, so both
+modes wait the same; played instead of the latency model's draws). Both modes' wall times
+are predictions.
 """
 
 from __future__ import annotations
@@ -146,8 +152,14 @@ def e2e_scenario(bench: dict[str, Any], cores: float, trainer_threads: int) -> S
             store_egress_gbps=1e9,
         ),
         env=EnvSpec(
-            turns=cfg["rollout"]["max_turns"], latency=cfg["env"]["options"].get("latency", {})
+            turns=cfg["rollout"]["max_turns"],
+            latency=cfg["env"]["options"].get("latency", {}),
+            # the run's own tool latencies (seeded by task and sample: the same in both modes)
+            recorded_s=parts.get("episode_env_s", []),
         ),
+        # the services' own CPU per episode (the store's too), on the host's cores, at most
+        # three at once: rollout, env-gateway and reward each serve on one thread
+        reward=RewardSpec(replicas=3, call_s=_service_s_per_episode(bench), on_host=True),
         run=RunSpec(
             steps=bench["steps"],
             tasks_per_step=bench["tasks_per_step"],
@@ -157,6 +169,14 @@ def e2e_scenario(bench: dict[str, Any], cores: float, trainer_threads: int) -> S
         ),
         host=Host(cores=cores),
     )
+
+
+def _service_s_per_episode(bench: dict[str, Any]) -> float:
+    """The CPU the services besides the trainer and the engine spent per episode in the sync
+    run (rollout's serving, env-gateway's sessions, reward, the store: `service_cpu_s`)."""
+    used = bench["components"]["sync"].get("service_cpu_s", {})
+    episodes = bench["steps"] * bench["tasks_per_step"] * bench["group_size"]
+    return sum(v for k, v in used.items() if k != "trainer") / max(episodes, 1)
 
 
 def e2e(bench: dict[str, Any], cores: float | None = None, trainer_threads: int | None = None):

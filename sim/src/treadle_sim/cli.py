@@ -7,10 +7,11 @@ treadle sim run SCENARIO [--seed N] [--json]
 treadle sim calibrate step|e2e BENCH_JSON [--json]
     a `treadle bench step --json` or `treadle bench e2e --json` result: the simulator's sync
     and async times from that run's measured component costs, against what it measured
-treadle sim scale [SCENARIO] [--gpus 1000,3000] [--steps 8] [--fanout F] [--infra F] [--json]
+treadle sim scale [SCENARIO] [--gpus 1000,3000] [--steps 8] [--fanout F] [--infra F] [--plot DIR]
+        [--json]
     the scenario grown to each fleet size (every pool in proportion, one weight store, one
     Redis, the trainer's one ingest): each shared component's utilisation, the first to
-    saturate and at how many GPUs, weight sync by fan-out
+    saturate and at how many GPUs, weight sync by fan-out; `--plot` draws them (PNG)
 """
 
 from __future__ import annotations
@@ -95,6 +96,10 @@ def sim_scale(
             "on another machine (default: the scenario's)"
         ),
     ] = None,
+    plot: Annotated[
+        Path | None,
+        typer.Option(help="Write the sweep's figures (utilisation.png, weight_sync.png) here"),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
 ) -> None:
     """The scenario grown to each size: utilisation per shared component, the first to
@@ -118,4 +123,8 @@ def sim_scale(
     if infra is not None:
         sc = sc.model_copy(update={"infra": measured_infra(infra)})
     result = scale.sweep(sc, sizes, steps or None, seed)
+    if plot is not None:
+        from treadle_sim import plots
+
+        result["plots"] = [str(path) for path in plots.write(result, plot)]
     print(json.dumps(result, indent=None if as_json else 2))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -223,16 +224,16 @@ class Simulation:
     def _episode(self, replica: Replica, task_id: str, index: int) -> Any:
         sc = self.sc
         first = replica.version
-        latency = Latency(sc.env.latency, f"{self.seed}-{task_id}-{index}")
+        latency = self._latency(task_id, index)
         yield self.env.timeout(sc.lengths.prompt_tokens / sc.rollout.prefill_tokens_per_s)
         tokens = float(sc.lengths.prompt_tokens)
         for _ in range(sc.env.turns):
             n = self._turn_length(task_id)
             tokens += n
             yield replica.generate(n, tokens - n)
-            wait_ms = latency.sample_ms()
-            if wait_ms:
-                yield self.env.timeout(wait_ms / 1000)
+            wait_s = latency()
+            if wait_s:
+                yield self.env.timeout(wait_s)
         if sc.reward.call_s:
             with self.reward.request() as slot:
                 yield slot
@@ -243,6 +244,16 @@ class Simulation:
         self.out.prompt_tokens += sc.lengths.prompt_tokens
         self.out.generated_tokens += tokens - sc.lengths.prompt_tokens
         return traj
+
+    def _latency(self, task_id: str, index: int) -> Callable[[], float]:
+        """Each env step's seconds in this episode: the run's own, spread over its turns
+        (`EnvSpec.recorded_s`), else drawn by env-gateway's latency model."""
+        env, fed = self.sc.env, int(task_id.rsplit("-", 1)[1])
+        if fed < len(env.recorded_s) and index < len(env.recorded_s[fed]):
+            per_turn = env.recorded_s[fed][index] / env.turns
+            return lambda: per_turn
+        drawn = Latency(env.latency, f"{self.seed}-{task_id}-{index}")
+        return lambda: drawn.sample_ms() / 1000
 
     def _turn_length(self, task_id: str) -> float:
         lengths = self.sc.lengths

@@ -98,6 +98,12 @@ class EnvSpec(Strict):
         default_factory=dict,
         description="Each env step's latency, as env-gateway's `latency` session option",
     )
+    recorded_s: list[list[float]] = Field(
+        default_factory=list,
+        description="A run's own env seconds per episode, per task fed (in feed order) and "
+        "sample (`bench e2e`'s `episode_env_s`): played instead of drawing from `latency`, "
+        "spread evenly over the episode's turns; tasks past the list draw as usual",
+    )
 
 
 class RewardSpec(Strict):
@@ -133,7 +139,8 @@ class Infra(Strict):
     )
     nats_cores: int = Field(1, ge=1, description="Cores of the NATS servers")
     ingest: Costs = Field(
-        default_factory=lambda: Costs(s_per_task=0.0, s_per_trajectory=1.5e-6, s_per_kib=6.5e-5),
+        # 2026-12-05, the per-token checks read as arrays (65 µs a KiB before)
+        default_factory=lambda: Costs(s_per_task=3.7e-5, s_per_trajectory=5.7e-5, s_per_kib=2.2e-5),
         description="The trainer's reading of trajectories: decode, group assembly, batch",
     )
     ingest_processes: int = Field(

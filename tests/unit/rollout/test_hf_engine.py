@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import threading
 import time
 
 import pytest
@@ -13,6 +14,7 @@ from tests.support.reference import teacher_forced_logprobs
 from tests.unit.rollout.test_episodes import ScriptedEnv, ScriptedReward, task
 from treadle_common.clients.torch_weights import state_dict_to_raw
 from treadle_common.clients.weights import FetchResult, build_manifest
+from treadle_common.model import lora
 from treadle_rollout.engines.base import ContextOverflow, Sampling
 from treadle_rollout.engines.hf import HFEngine
 from treadle_rollout.episodes import EpisodeRunner
@@ -451,3 +453,34 @@ async def test_the_engine_passes_its_cache_under_the_name_transformers_expects(e
         gen = await engine.generate(prompt, Sampling(1.0, 1.0, 4, seed=0))
         again = await engine.generate(prompt + gen.tokens, Sampling(1.0, 1.0, 4, seed=0))
     assert len(gen.tokens) == 4 and len(again.tokens) == 4
+
+
+async def test_an_adapter_queued_while_another_applies_is_applied_on_an_idle_engine(
+    engine, monkeypatch
+):
+    """Runs' adapters arrive at once on an idle engine (four LoRA runs starting): one queued
+    while the engine's thread applies another is applied too, with no request to wake the
+    engine (its run's tasks wait for it before they generate). It once slept on it for ever."""
+    config = lora.AdapterConfig(rank=2, alpha=4.0, targets=lora.ATTENTION)
+    donor = copy.deepcopy(engine.model)
+    lora.inject(donor, config.targets)
+    lora.add_adapter(donor, "donor", config)
+    state = {k: v.detach().clone() for k, v in lora.adapter_state(donor, "donor").items()}
+    applying, release = threading.Event(), threading.Event()
+    original = lora.load_adapter
+
+    def slow_first(model, name, tensors, cfg):
+        if name == "tiny.first":  # holds the engine's thread until the second is queued
+            applying.set()
+            release.wait(10)
+        original(model, name, tensors, cfg)
+
+    monkeypatch.setattr(lora, "load_adapter", slow_first)
+    first = asyncio.create_task(engine.load_adapter("tiny.first", state, config, version=1))
+    while not applying.is_set():
+        await asyncio.sleep(0.01)
+    second = asyncio.create_task(engine.load_adapter("tiny.second", state, config, version=2))
+    await asyncio.sleep(0.05)
+    release.set()
+    await asyncio.wait_for(asyncio.gather(first, second), 10)
+    assert engine.adapters() == ["tiny.first", "tiny.second"]

@@ -83,3 +83,9 @@ def test_a_decode_step_reads_the_running_contexts(scenario):
     plain = engine.Simulation(scenario, "sync").run()
     slower = engine.Simulation(reading, "sync").run()
     assert slower.wall_s > plain.wall_s
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "sim/scenarios").glob("*.yaml")), ids=str)
+def test_every_scenario_in_the_repo_loads(path):
+    scenario = load(path)
+    assert scenario.name == path.stem

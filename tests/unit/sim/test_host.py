@@ -4,6 +4,8 @@ the sync step they add up to."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import simpy
 
@@ -120,3 +122,38 @@ def test_a_task_draws_one_length_for_all_its_turns_and_episodes():
     many = {sim._turn_length(f"task-{i:08d}") for i in range(50)}
     assert len(many) > 5 and max(many) <= 48
     sim.admission.shutdown()
+
+
+def test_the_services_cpu_per_episode_is_work_on_the_host_beside_training():
+    """The CPU that rollout's serving, env-gateway, reward and the store spent in the sync run
+    (`service_cpu_s`), per episode, is one more thread's work on the host's cores: async,
+    where it runs beside training on the same 2 cores, is predicted slower with it; the
+    trainer's own CPU is its step's, already counted."""
+    busy = copy.deepcopy(E2E)
+    used = {"rollout": 6.0, "env-gateway": 3.0, "reward": 1.0, "weight-store": 0.6}
+    busy["components"]["sync"]["service_cpu_s"] = {**used, "trainer": 50.0}
+    episodes = E2E["steps"] * E2E["tasks_per_step"] * E2E["group_size"]
+    scenario = calibrate.e2e_scenario(busy, cores=2, trainer_threads=2)
+    assert scenario.reward.on_host
+    assert scenario.reward.call_s == pytest.approx(sum(used.values()) / episodes)
+    assert calibrate.e2e_scenario(E2E, cores=2, trainer_threads=2).reward.call_s == 0
+    idle, loaded = calibrate.e2e(E2E, cores=2), calibrate.e2e(busy, cores=2)
+    assert loaded["async"]["predicted_s"] > idle["async"]["predicted_s"]
+
+
+def test_a_runs_own_tool_latencies_are_played_instead_of_drawn():
+    """`episode_env_s` (each trained episode's seconds in env steps, per task fed and per
+    sample: seeded by task and sample, the same in both modes) replaces the latency model's
+    draws: two seconds more in every episode make every sync step two seconds longer."""
+    tasks = E2E["steps"] * E2E["tasks_per_step"]
+
+    def sync_s(env_s: float) -> float:
+        bench = copy.deepcopy(E2E)
+        bench["components"]["sync"]["episode_env_s"] = [[env_s] * E2E["group_size"]] * tasks
+        scenario = calibrate.e2e_scenario(bench, cores=2, trainer_threads=2)
+        assert len(scenario.env.recorded_s) == tasks
+        return engine.Simulation(scenario, "sync").run().summary()["wall_s"]
+
+    assert sync_s(2.0) - sync_s(0.0) == pytest.approx(E2E["steps"] * 2.0, rel=0.05)
+    drawn = calibrate.e2e_scenario(E2E, cores=2, trainer_threads=2)
+    assert drawn.env.recorded_s == []  # an older result: the model's draws

@@ -153,3 +153,24 @@ def test_the_command_takes_the_control_planes_costs_from_a_capacity_bench(tmp_pa
     measured.write_text(json.dumps({"infra": {"ingest": {"s_per_task": -1}}}))
     result = CliRunner().invoke(app, [*args, "--infra", str(measured)])
     assert result.exit_code == 2 and "--infra" in result.output, result.output
+
+
+def test_plot_writes_the_sweeps_figures_as_png_files(tmp_path):
+    """`--plot DIR`: the utilisation and weight-sync figures of the sweep, as PNG files that
+    a page can show, named in the output."""
+    from PIL import Image
+    from typer.testing import CliRunner
+
+    from treadle_sim.cli import app
+
+    small_file = str(ROOT / "sim/scenarios/small.yaml")
+    args = ["scale", small_file, "--gpus", "4,8,40", "--steps", "2", "--plot", str(tmp_path)]
+    result = CliRunner().invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    assert sorted(out["plots"]) == sorted(
+        str(tmp_path / name) for name in ("utilisation.png", "weight_sync.png")
+    )
+    for path in out["plots"]:
+        with Image.open(path) as image:
+            assert image.format == "PNG" and image.size[0] >= 600 and image.size[1] >= 300

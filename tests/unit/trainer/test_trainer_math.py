@@ -173,6 +173,36 @@ def test_drop_and_invalid_reasons():
     assert invalid_reason(nan, 100) == "bad_reward"
 
 
+@pytest.mark.parametrize(
+    ("field", "values", "reason"),
+    [
+        ("tokens", [5, -1, 7], "token_out_of_vocab"),
+        ("tokens", [5, 6, 100], "token_out_of_vocab"),
+        ("loss_mask", [0, 2, 1], "bad_loss_mask"),
+        ("loss_mask", [0, -1, 1], "bad_loss_mask"),
+        ("logprobs", [0.0, float("nan"), -0.7], "bad_logprobs"),
+        ("logprobs", [0.0, -0.5, float("-inf")], "bad_logprobs"),
+        ("logprobs", [0.0, 0.25, -0.7], "bad_logprobs"),
+    ],
+)
+def test_a_malformed_token_anywhere_names_its_reason(field, values, reason):
+    """Read as arrays (`batches.py`), every per-token check still sees every token."""
+    bad = traj()
+    getattr(bad, field)[:] = values
+    assert invalid_reason(bad, vocab_size=100) == reason
+
+
+def test_staleness_and_generated_tokens_of_a_prompt_only_trajectory():
+    prompt_only = traj()
+    prompt_only.token_versions[:] = [-1, -1, -1]
+    prompt_only.loss_mask[:] = [1, 0, 0]  # the first token's mask is never a target's
+    assert staleness(prompt_only, trainer_version=4) == 0
+    assert drop_reason(prompt_only, 4, max_staleness=0) == "no_generated_tokens"
+    d = Datum.from_trajectory(traj(), advantage=-1.5, stale=2)
+    assert d.advantages == [-1.5, -1.5] and d.weights == [1.0, 1.0] and d.staleness == 2
+    assert all(type(x) is int for x in d.input_ids + d.targets)
+
+
 def test_group_buffer_releases_complete_groups_in_completion_order():
     buf = GroupBuffer(group_size=2)
     for i, g in enumerate(["a", "b", "b", "c", "a"]):

@@ -11,7 +11,7 @@ from prometheus_client import REGISTRY
 
 from treadle_common.clients import chunk_codec as codec
 from treadle_common.clients.torch_weights import state_dict_to_raw
-from treadle_common.clients.weights import build_manifest, chunk_hash
+from treadle_common.clients.weights import RawTensor, build_manifest, chunk_hash
 from treadle_weight_store.backends.local import LocalBackend
 from treadle_weight_store.cache import ChunkCache
 from treadle_weight_store.errors import BackendError, Precondition
@@ -521,3 +521,55 @@ def test_local_backend_stores_a_batch_together_and_a_failed_batch_leaves_no_temp
         backend.put_chunks([(chunk_hash(b"new"), (b"new",)), ("f" * 32, (b"refused",))])
     assert not backend.has_chunk(chunk_hash(b"new"))  # nothing of the failed batch is placed
     assert not list(tmp_path.glob("chunks/*/.tmp-*"))  # and no temp file is left behind
+
+
+def test_chunk_sets_read_a_manifest_once_and_never_answer_for_another():
+    """The figures come back for the very object they were read from; another object under
+    the same model and version (parsed again, or different chunks) is read anew; the oldest
+    entries go past the bound."""
+    from treadle_weight_store.manifests import ChunkSets, manifest_chunks
+
+    def manifest(version: int, content: bytes):
+        m, _ = build_manifest("m", {"w": RawTensor("U8", (len(content),), memoryview(content))})
+        m.version = version
+        return m
+
+    sets = ChunkSets(max_entries=2)
+    first = manifest(1, b"a" * 10)
+    assert sets(first) == manifest_chunks(first)
+    assert sets.num_bytes(first) == 10
+    first.tensors[0].chunks[0].hash = "changed"  # never done to a committed one: shows a hit
+    assert sets(first) != manifest_chunks(first)
+    other = manifest(1, b"b" * 12)  # same model and version, another object
+    assert sets(other) == manifest_chunks(other) and sets.num_bytes(other) == 12
+    sets(manifest(2, b"c"))
+    sets(manifest(3, b"d"))  # `other` is now the oldest: gone
+    assert len(sets._read) == 2 and ("m", 1) not in sets._read
+
+
+async def test_listing_versions_reads_the_pins_once_not_once_per_version(tmp_path):
+    """On S3 a read of the pins is a GET: listing 4 versions made 4 of them."""
+
+    class CountingPins(LocalBackend):
+        reads = 0
+
+        def get_pins(self, model):
+            CountingPins.reads += 1
+            return super().get_pins(model)
+
+    store = WeightStore(CountingPins(tmp_path), cache_bytes=0)
+    manifest, chunks = two_tensors()
+    await hold(store, chunks)
+    for _ in range(4):
+        await store.commit(pb_copy(manifest))
+    await store.set_pin("m", 2, True)
+    CountingPins.reads = 0
+    infos = await store.infos("m")
+    assert [(i.version, i.pinned, i.num_bytes) for i in infos] == [
+        (1, False, 80),
+        (2, True, 80),
+        (3, False, 80),
+        (4, False, 80),
+    ]
+    assert CountingPins.reads == 1
+    assert (await store.info("m", 2)).pinned  # on its own, it reads them itself

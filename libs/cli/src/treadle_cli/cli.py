@@ -6,6 +6,7 @@ treadle status [--json]          health of everything `up` started
 treadle down                     stop everything `up` started
 treadle run RECIPE [--set a=b]   run a recipe on the stack (starting one if none runs)
 treadle replay RUN [--diff RUN2] re-run a run's training from its schedule, bit for bit
+treadle trace RUN_ID             a run's spans as a Perfetto trace or OTLP/JSON (Jaeger)
 treadle model init-tiny DIR      build the tiny local HF model
 treadle model import SRC NAME    an HF dir or GGUF file as a model the stack serves, published
 treadle weights list|export       inspect / export weight-store versions as HF directories
@@ -419,6 +420,48 @@ def replay(
         for key, value in report.model_dump().items():
             console.print(f"{key:>22}  {value}")
     raise typer.Exit(0 if ok else 1)
+
+
+@app.command()
+def trace(
+    run_id: Annotated[str, typer.Argument(help="The run whose spans to write")],
+    fmt: Annotated[
+        str, typer.Option("--format", help="perfetto (ui.perfetto.dev) or otlp-json (Jaeger)")
+    ] = "perfetto",
+    out: Annotated[
+        Path | None, typer.Option(help="File to write (default: RUN_ID.pftrace / .otlp.json)")
+    ] = None,
+    trace_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="The processes' span files (default: TREADLE_TRACE_DIR or {state}/traces)"
+        ),
+    ] = None,
+) -> None:
+    """Write a run's spans (its tasks across trainer, rollout, env-gateway and reward; its
+    publishes and swaps with the weight-store's) as one file Perfetto or Jaeger opens, with a
+    lane per service and per step. Spans are what the services recorded (`TREADLE_TRACES=file`,
+    `TREADLE_TRACE_SAMPLE` of the tasks)."""
+    from treadle_cli.trace_export import FORMATS, export
+
+    if fmt not in FORMATS:
+        fail(f"unknown format {fmt!r}; known: {', '.join(FORMATS)}", code=2)
+    settings = get_settings()
+    directory = trace_dir or settings.trace_dir or settings.state_dir / "traces"
+    path = out or Path(f"{run_id}.{'pftrace' if fmt == 'perfetto' else 'otlp.json'}")
+    try:
+        written = export(directory, run_id, fmt, path)
+    except LookupError as exc:
+        fail(str(exc), code=1)
+    except ImportError:
+        fail("--format perfetto needs Perfetto's package: pip install 'treadle-cli[trace]'")
+    services = sorted({s.service for s in written.spans})
+    traces = len({s.trace_id for s in written.spans})
+    console.print(
+        f"wrote {path}: {len(written.spans)} spans, {traces} traces ({', '.join(services)})"
+    )
+    if written.unreadable_lines:  # a process killed mid-write leaves a partial last line
+        console.print(f"skipped {written.unreadable_lines} lines that were not spans")
 
 
 # -- runs ------------------------------------------------------------------------------------

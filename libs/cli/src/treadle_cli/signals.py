@@ -12,11 +12,18 @@ command would go on as if never stopped. `sys.unraisablehook` sees it written of
 raised again in the main thread (`_thread.interrupt_main`), until it lands where it unwinds.
 It comes back through SIGTERM's handler, which is ours: SIGINT's may be ignored (a command
 started in the background by a shell without job control), and then Python would drop it.
+
+While an asyncio loop runs in the main thread the stop is not raised where the signal lands
+(that may be inside grpc.aio's own callback, which then never delivers another completion:
+`asyncio.run`'s cleanup waited forever on the cancelled calls, or the stop was lost and the
+command ran to the end). It is raised from a callback of its own on that loop, between two
+callbacks, and `asyncio.run` cancels the tasks and unwinds as for Ctrl-C.
 """
 
 from __future__ import annotations
 
 import _thread
+import asyncio
 import signal
 import sys
 from types import FrameType
@@ -31,6 +38,19 @@ _redeliver = False
 
 def _once(signum: int, _frame: FrameType | None) -> None:
     signal.signal(signal.SIGTERM, _ignored)  # a Python handler: not inherited across exec
+    _stop(signum)
+
+
+def _stop(signum: int) -> None:
+    """Raise the stop here, or, while a loop runs in this thread, from the loop's next callback."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        raise KeyboardInterrupt(f"stopped by signal {signum}") from None
+    loop.call_soon_threadsafe(_raise, signum)
+
+
+def _raise(signum: int) -> None:
     raise KeyboardInterrupt(f"stopped by signal {signum}")
 
 
@@ -39,7 +59,7 @@ def _ignored(signum: int, _frame: FrameType | None) -> None:
     global _redeliver
     if _redeliver:
         _redeliver = False
-        raise KeyboardInterrupt(f"stopped by signal {signum}")
+        _stop(signum)
 
 
 def _raise_again(unraisable: Any) -> None:

@@ -239,7 +239,13 @@ class EpisodeRunner:
                 self.generate_stage.track(),
             ):
                 gen = await self.engine.generate(t.tokens, sampling)
-                span.set_attributes({"treadle.turn": turn, "treadle.new_tokens": len(gen.tokens)})
+                span.set_attributes(
+                    {
+                        "treadle.turn": turn,
+                        "treadle.new_tokens": len(gen.tokens),
+                        "treadle.version": gen.versions[-1] if gen.versions else -1,
+                    }
+                )
         except ContextOverflow as exc:  # the context is full: the episode ends here
             traj.status = tpb.TRAJECTORY_STATUS_TRUNCATED
             traj.error = str(exc)

@@ -57,14 +57,16 @@ def _respond(result: dict | AsyncIterator[str]) -> Any:
     return result if isinstance(result, dict) else EventStream(result)
 
 
-@router.get("/models", openapi_extra=auth.roles(auth.ANY), response_model_exclude_none=True)
+@router.get(
+    "/models", openapi_extra=auth.roles(auth.ANY, errors="openai"), response_model_exclude_none=True
+)
 async def models(frontend: Frontend) -> ModelList:
     return frontend.models()
 
 
 @router.post(
     "/chat/completions",
-    openapi_extra=auth.roles(auth.AGENT),
+    openapi_extra=auth.roles(auth.AGENT, errors="openai"),
     response_model=None,
     responses=streamed(ChatCompletion),
 )
@@ -75,7 +77,7 @@ async def chat(req: ChatRequest, request: Request, frontend: Frontend) -> Any:
 
 @router.post(
     "/completions",
-    openapi_extra=auth.roles(auth.AGENT, auth.TRAINER),
+    openapi_extra=auth.roles(auth.AGENT, auth.TRAINER, errors="openai"),
     response_model=None,
     responses=streamed(Completion),
 )

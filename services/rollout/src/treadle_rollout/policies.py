@@ -23,10 +23,13 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable
 
+from opentelemetry.context import Context
+
 from treadle_common.clients.torch_weights import fetch_state_dict
 from treadle_common.clients.weights import WeightStoreClient, watch
 from treadle_common.model import lora
 from treadle_common.proto.treadle.v1 import weights_pb2 as pb
+from treadle_common.runtime import tracing
 from treadle_common.runtime.logs import get_logger
 from treadle_rollout.engines.base import Engine
 
@@ -88,7 +91,9 @@ class AdapterPolicy:
 
     async def _load(self, version: int) -> None:
         started = time.perf_counter()
-        manifest, tensors = await fetch_state_dict(self.store, self.name, version)
+        with tracing.tracer().start_as_current_span("rollout.swap", context=Context()) as span:
+            span.set_attributes({"treadle.model": self.name, "treadle.version": version})
+            manifest, tensors = await fetch_state_dict(self.store, self.name, version)
         metadata = dict(manifest.metadata)
         await self._check_base(metadata, version)
         config = lora.from_metadata(metadata)

@@ -27,9 +27,11 @@ import time
 from dataclasses import dataclass, field
 
 from nats.aio.client import Client as NATS
+from opentelemetry.context import Context
 
 from treadle_common.clients.weights import WeightStoreClient, watch
 from treadle_common.proto.treadle.v1 import weights_pb2 as pb
+from treadle_common.runtime import tracing
 from treadle_common.runtime.logs import get_logger
 from treadle_common.runtime.progress import Stage
 from treadle_rollout import metrics
@@ -159,7 +161,11 @@ class WeightSync:
         return True
 
     async def update_to(self, version: int) -> SwapRecord:
-        stats = await self.engine.update_to(self.store, version)
+        with tracing.tracer().start_as_current_span("rollout.swap", context=Context()) as span:
+            span.set_attributes(
+                {"treadle.model": self.engine.model_name, "treadle.version": version}
+            )
+            stats = await self.engine.update_to(self.store, version)
         record = SwapRecord(stats.version, stats.pause_s, stats.fetch_s, stats.bytes_fetched)
         self.swaps.append(record)
         self._announce(-1)  # forget what this swap made old

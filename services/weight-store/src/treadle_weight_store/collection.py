@@ -19,7 +19,8 @@ from treadle_common.proto.treadle.v1 import weights_pb2 as pb
 from treadle_weight_store.backends.base import Backend
 from treadle_weight_store.cache import ChunkCache
 from treadle_weight_store.errors import NotFound
-from treadle_weight_store.threads import io, manifest_chunks
+from treadle_weight_store.manifests import ChunkSets
+from treadle_weight_store.threads import io
 
 PROMISE_S = 300.0  # chunks reported present to a publisher survive GC this long
 
@@ -37,6 +38,7 @@ class GarbageCollection:
     _committed_while_collecting: set[str] | None
     _known: dict[str, tuple[float, int]]
     _listed: bool
+    _chunk_sets: ChunkSets
     versions: Callable[[str], Awaitable[list[int]]]
     models: Callable[[], Awaitable[list[str]]]
     get_manifest: Callable[[str, int], Awaitable[pb.WeightManifest]]
@@ -95,7 +97,7 @@ class GarbageCollection:
             ]
             for version in await self.versions(model):
                 with contextlib.suppress(NotFound):
-                    referenced |= manifest_chunks(await self.get_manifest(model, version))
+                    referenced |= self._chunk_sets(await self.get_manifest(model, version))
         for received in self._publishing.values():
             referenced |= received
         referenced.update(self._dirty)  # being written: not listed yet, or just now

@@ -25,7 +25,7 @@ from treadle_common.clients import chunk_codec as codec
 from treadle_common.clients.chunk_codec import ChunkView
 from treadle_common.proto.treadle.v1 import weights_pb2 as pb
 from treadle_common.proto.treadle.v1 import weights_pb2_grpc
-from treadle_common.runtime import metrics
+from treadle_common.runtime import metrics, tracing
 from treadle_common.runtime.errors import grpc_abort
 from treadle_common.runtime.logs import get_logger
 from treadle_weight_store.errors import (
@@ -198,6 +198,21 @@ class WeightStoreServicer(weights_pb2_grpc.WeightStoreServicer):
             return pb.MissingChunksResponse(missing=missing)
 
     async def Publish(self, request_iterator: AsyncIterator[pb.PublishRequest], context):
+        span = tracing.call_span("weight-store.publish", context.invocation_metadata())
+        try:
+            response = await self._publish(request_iterator, context)
+            span.set_attributes(
+                {
+                    "treadle.model": response.model,
+                    "treadle.version": response.version,
+                    "treadle.bytes": response.bytes_received,
+                }
+            )
+            return response
+        finally:
+            span.end()
+
+    async def _publish(self, request_iterator: AsyncIterator[pb.PublishRequest], context):
         num_bytes = 0
         async with _as_status(context, "Publish"), self.store.publishing() as received:
             async for item in request_iterator:
@@ -234,6 +249,15 @@ class WeightStoreServicer(weights_pb2_grpc.WeightStoreServicer):
             raise BadRequest("publish stream ended without a manifest; nothing was committed")
 
     async def Fetch(self, request: pb.FetchRequest, context):
+        span = tracing.call_span("weight-store.fetch", context.invocation_metadata())
+        span.set_attributes({"treadle.model": request.model, "treadle.version": request.version})
+        try:
+            async for message in self._fetch(request, context):
+                yield message
+        finally:
+            span.end()
+
+    async def _fetch(self, request: pb.FetchRequest, context):
         async with _as_status(context, "Fetch"):
             await self.tenancy.check(request.model)
         async with (

@@ -64,7 +64,8 @@ from treadle_weight_store.errors import (
     StoreError,
     VersionConflict,
 )
-from treadle_weight_store.threads import idle_priority, io, manifest_chunks
+from treadle_weight_store.manifests import ChunkSets, manifest_chunks
+from treadle_weight_store.threads import idle_priority, io
 from treadle_weight_store.write_behind import WriteBehind
 
 log = get_logger(__name__)
@@ -155,6 +156,7 @@ class WeightStore(WriteBehind, GarbageCollection):
         self._promised: dict[str, float] = {}  # chunk -> when a publisher was told we hold it
         self._gc_lock = asyncio.Lock()
         self._manifests: dict[tuple[str, int], pb.WeightManifest] = {}  # parsed, newest last
+        self._chunk_sets = ChunkSets(2 * MANIFEST_CACHE)  # of those and the pending ones
         self._committed_while_collecting: set[str] | None = None  # None: no GC running
         self._newest: dict[str, int] = {}  # model -> the newest version committed here
         # chunks in the backend as of the last full listing plus those written since:
@@ -407,15 +409,19 @@ class WeightStore(WriteBehind, GarbageCollection):
                     return earlier
         return None
 
-    async def info(self, model: str, version: int) -> pb.VersionInfo:
+    async def info(
+        self, model: str, version: int, pins: Collection[int] | None = None
+    ) -> pb.VersionInfo:
+        """`pins`: the model's pinned versions, when the caller has read them already."""
         m = await self.get_manifest(model, version)
-        pins = await io(self.backend.get_pins, model)
+        if pins is None:
+            pins = await io(self.backend.get_pins, model)
         return pb.VersionInfo(
             model=model,
             version=m.version,
             trainer_step=m.trainer_step,
             created_at=m.created_at,
-            num_bytes=sum(c.size for t in m.tensors for c in t.chunks),
+            num_bytes=self._chunk_sets.num_bytes(m),
             pinned=m.version in pins,
             parent_version=m.parent_version,
             durable=self.durable(model, m.version),
@@ -425,9 +431,10 @@ class WeightStore(WriteBehind, GarbageCollection):
         """Every version's info, oldest first. A version that retention or GC deletes between
         the listing and the reading of its manifest is left out, not an error: it is gone."""
         out = []
+        pins = await io(self.backend.get_pins, model)  # once, not once per version
         for version in await self.versions(model):
             try:
-                out.append(await self.info(model, version))
+                out.append(await self.info(model, version, pins))
             except NotFound:
                 continue
         return out

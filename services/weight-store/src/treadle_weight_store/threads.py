@@ -12,13 +12,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from treadle_common.proto.treadle.v1 import weights_pb2 as pb
 from treadle_weight_store.errors import BackendError, StoreError
-
-
-def manifest_chunks(manifest: pb.WeightManifest) -> set[str]:
-    refs = {c.hash for t in manifest.tensors for c in t.chunks}
-    return refs | {c.hash for a in manifest.assets for c in a.chunks}
 
 
 async def io(fn: Callable[..., Any], *args: Any, executor: ThreadPoolExecutor | None = None) -> Any:

@@ -26,7 +26,8 @@ from treadle_common.runtime.logs import get_logger
 from treadle_weight_store.backends.base import Backend
 from treadle_weight_store.cache import ChunkCache
 from treadle_weight_store.errors import BackendError, StoreError, VersionConflict
-from treadle_weight_store.threads import io, manifest_chunks
+from treadle_weight_store.manifests import ChunkSets
+from treadle_weight_store.threads import io
 
 log = get_logger(__name__)
 WRITE_BATCH_CHUNKS = 256
@@ -61,6 +62,7 @@ class WriteBehind:
     _writer: ThreadPoolExecutor
     _manifests: dict[tuple[str, int], pb.WeightManifest]
     _known: dict[str, tuple[float, int]]
+    _chunk_sets: ChunkSets
     _delete_manifest: Callable[[str, int], Awaitable[None]]
 
     def _start_writers(self) -> None:
@@ -156,7 +158,7 @@ class WriteBehind:
             log.error("chunk write failed", chunk=digest, error=str(exc))
             metrics.DROPPED.labels("weight-store", "chunk", "backend_failed").inc()
             for key, manifest in list(self._pending.items()):
-                if digest in manifest_chunks(manifest):
+                if digest in self._chunk_sets(manifest):
                     self._withdraw(key, str(exc))
         else:
             if started > self._failed_at:  # a write that began after the last failure
@@ -223,7 +225,7 @@ class WriteBehind:
         async with self._manifest_lock:
             for key in sorted(self._pending):
                 manifest = self._pending.get(key)
-                if manifest is None or not manifest_chunks(manifest).isdisjoint(self._dirty):
+                if manifest is None or not self._chunk_sets(manifest).isdisjoint(self._dirty):
                     continue
                 try:
                     await io(

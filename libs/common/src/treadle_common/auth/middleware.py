@@ -29,6 +29,25 @@ def declared_roles(route: Any) -> list[str] | None:
     return (getattr(route, "openapi_extra", None) or {}).get(auth.ROLES_KEY)
 
 
+def declared_errors(route: Any) -> str | None:
+    return (getattr(route, "openapi_extra", None) or {}).get(auth.ERRORS_KEY)
+
+
+def refusal(error: auth.AuthError, errors: str | None) -> dict[str, Any]:
+    """The body of a refusal, in the route's declared error format."""
+    if errors == "openai":  # as OpenAI's API answers a bad key (its clients parse `error`)
+        code = "invalid_api_key" if error.status == 401 else "permission_denied"
+        return {
+            "error": {
+                "message": error.message,
+                "type": "invalid_request_error",
+                "param": None,
+                "code": code,
+            }
+        }
+    return {"detail": error.message}
+
+
 def flat(routes: Sequence[BaseRoute]) -> list[Any]:
     """Every route, included routers' too (FastAPI keeps an included router as one entry of
     `app.routes` and resolves its routes as it serves; `iter_route_contexts` lists them)."""
@@ -82,15 +101,15 @@ class Authenticate:
             except auth.AuthError as error:
                 if self.on_refuse is not None:
                     self.on_refuse(error.status)
-                await _refuse(send, error)
+                await _refuse(send, error, declared_errors(route))
                 return
         scope.setdefault("state", {})[IDENTITY] = who
         auth.CALLER.set(who)
         await self.app(scope, receive, send)
 
 
-async def _refuse(send: Send, error: auth.AuthError) -> None:
-    body = json.dumps({"detail": error.message}).encode()
+async def _refuse(send: Send, error: auth.AuthError, errors: str | None) -> None:
+    body = json.dumps(refusal(error, errors)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
     if error.status == 401:
         headers.append((b"www-authenticate", b"Bearer"))

@@ -56,6 +56,10 @@ REFUSED = Counter(
 
 ROLES_KEY = "x-treadle-roles"
 """The OpenAPI extension on every route: the roles that may call it (or `public`)."""
+ERRORS_KEY = "x-treadle-errors"
+"""The OpenAPI extension of a route whose refusals are in another API's error format
+(`openai`: `{"error": {message, type, param, code}}`, what OpenAI's clients parse); without
+it a refusal is `{"detail": message}`."""
 PUBLIC = "public"
 """The pseudo-role of the routes anyone may call (`/healthz`, `/readyz`: probes)."""
 
@@ -87,12 +91,13 @@ WORKERS = frozenset({Role.admin, Role.trainer, Role.rollout})
 """The services that run the loop (trainer and rollout), e.g. fetching weights, scoring."""
 
 
-def roles(*allowed: Role | frozenset[Role]) -> dict[str, Any]:
-    """A route's `openapi_extra`: the roles that may call it (admin always may)."""
+def roles(*allowed: Role | frozenset[Role], errors: str | None = None) -> dict[str, Any]:
+    """A route's `openapi_extra`: the roles that may call it (admin always may); `errors`:
+    the format of its refusals (`ERRORS_KEY`)."""
     names = {Role.admin}
     for item in allowed:
         names |= item if isinstance(item, frozenset) else {item}
-    return {ROLES_KEY: sorted(names)}
+    return {ROLES_KEY: sorted(names), **({ERRORS_KEY: errors} if errors else {})}
 
 
 def public() -> dict[str, Any]:

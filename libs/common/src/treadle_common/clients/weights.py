@@ -33,7 +33,7 @@ from treadle_common.clients import chunk_codec as codec
 from treadle_common.clients.chunk_codec import ChunkView
 from treadle_common.proto.treadle.v1 import weights_pb2 as pb
 from treadle_common.proto.treadle.v1 import weights_pb2_grpc
-from treadle_common.runtime import grpc_options
+from treadle_common.runtime import grpc_options, tracing
 from treadle_common.runtime.malloc import reuse_freed_memory
 
 CHUNK_BYTES = 4 * 1024 * 1024
@@ -269,7 +269,7 @@ class WeightStoreClient:
         for i in range(PUBLISH_LOOKAHEAD):  # while the stream opens
             plan(i)
         try:
-            return await self.publish_call(requests())
+            return await self.publish_call(requests(), metadata=tracing.grpc_metadata())
         except asyncio.CancelledError:
             # a request iterator that raises (MissingChunks found the store away) makes
             # grpc.aio cancel the call locally, which reaches us as CancelledError: raise the
@@ -293,7 +293,7 @@ class WeightStoreClient:
                 request = pb.FetchRequest(
                     model=model, version=resolved, have=list(have_set), skip_assets=skip_assets
                 )
-                async for item in self.fetch_call(request):
+                async for item in self.fetch_call(request, metadata=tracing.grpc_metadata()):
                     if isinstance(item, ChunkView):
                         have_set.add(item.hash)
                         yield item

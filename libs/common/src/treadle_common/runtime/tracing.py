@@ -5,6 +5,10 @@
                                 -> NATS headers                    -> reward.score
     the trajectory              -> Trajectory.trace (Redis entry)  -> trainer.queued, trainer.step
 
+    and one trace per published version, and one per swap of a replica to a version:
+    trainer.publish             -> gRPC metadata                   -> weight-store.publish
+    rollout.swap                -> gRPC metadata                   -> weight-store.fetch
+
 Context travels as W3C `traceparent`/`tracestate` (the global propagator), with the
 sampling decision: `TREADLE_TRACE_SAMPLE` (default 0.1) of the traces are recorded, decided
 where each trace starts (a task's feeding), so a recorded trace is complete. Spans go to OTLP
@@ -178,6 +182,18 @@ def grpc_metadata() -> tuple[tuple[str, str], ...]:
 
 def from_grpc(metadata: Iterable[tuple[str, Any]] | None) -> Context:
     return propagate.extract({k: v for k, v in metadata or () if isinstance(v, str)})
+
+
+def call_span(name: str, metadata: Iterable[tuple[str, Any]] | None) -> trace.Span:
+    """A server's span of a call whose caller's trace is recorded (its gRPC metadata carries
+    the context), started, not made current (a streaming handler ends it when the stream
+    ends); for any other call, the invalid span, which records nothing: a call outside a
+    trace starts none."""
+    carrier = {k: v for k, v in metadata or () if isinstance(v, str)}
+    if not recorded(carrier.get("traceparent", "")):
+        return trace.INVALID_SPAN
+    context = propagate.extract(carrier)
+    return tracer().start_span(name, context=context, kind=SpanKind.SERVER)
 
 
 def nats_headers() -> dict[str, str]:

@@ -296,7 +296,9 @@ class HFEngine(WeightChanges, Engine):
         while True:
             if self._adapter_ops:
                 await self._apply_adapter_ops()
-            if not (self._batch.seqs or self._waiting or self._swaps):
+            # an adapter op queued while others applied is work too: sleeping on it would
+            # lose its wake-up (its tasks wait for it, so no request would come to wake us)
+            if not (self._batch.seqs or self._waiting or self._swaps or self._adapter_ops):
                 self._wake.clear()
                 await self._wake.wait()
                 continue

@@ -38,6 +38,7 @@ from transformers import AutoTokenizer
 
 from treadle_common.clients.weights import WeightStoreClient
 from treadle_common.model import lora
+from treadle_common.runtime import tracing
 from treadle_common.runtime.logs import get_logger
 from treadle_rollout.engines import prestart, wire
 from treadle_rollout.engines.base import (
@@ -306,6 +307,8 @@ class ProcessEngine(Engine):
                 "retry_s": store.retry_s,
                 "token": store.token,
                 "version": version,
+                # the swap's trace context: the fetch the process makes carries it
+                "trace": dict(tracing.grpc_metadata()),
             }
         )
         self.version = result["engine_version"]

@@ -22,9 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from opentelemetry import context
 from safetensors.torch import load as load_safetensors
 
 from treadle_common.clients.weights import WeightStoreClient
+from treadle_common.runtime import tracing
 from treadle_common.runtime.logs import configure_logging, get_logger
 from treadle_rollout import metrics
 from treadle_rollout.engines import cpus, wire
@@ -152,7 +154,12 @@ class EngineServer:
                 address, retry_s=message["retry_s"], token=message.get("token")
             )
             self.stores[address] = store
-        stats: SwapStats = await self.engine.update_to(store, message["version"])
+        # the fetch goes out in the service's swap span's context (its gRPC metadata)
+        token = context.attach(tracing.from_headers(message.get("trace")))
+        try:
+            stats: SwapStats = await self.engine.update_to(store, message["version"])
+        finally:
+            context.detach(token)
         return {
             "version": stats.version,
             "pause_s": stats.pause_s,

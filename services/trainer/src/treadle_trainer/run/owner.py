@@ -81,25 +81,11 @@ class RunOwner:
         self.ledger = Ledger(r, config.run_id, lease)
         self.drops = Drops(self.status)
         self.feeder = Feeder(config, r, self.status, lease)
-        self.collector = Collector(
-            config,
-            r,
-            consumer,
-            self.status,
-            self.ledger,
-            self.drops,
-            self.feeder.fed,
-            read_stage,
-            lease,
-        )
+        parts = (self.status, self.ledger, self.drops, self.feeder.fed)
+        self.collector = Collector(config, r, consumer, *parts, read_stage, lease)
         self.versions = RunVersions(config, store, self.status)
-        self.checkpoints = RunCheckpoints(
-            config,
-            r,
-            lease,
-            self.status,
-            (self.feeder, self.collector, self.ledger, self.drops, self.versions),
-        )
+        owned = (self.feeder, self.collector, self.ledger, self.drops, self.versions)
+        self.checkpoints = RunCheckpoints(config, r, lease, self.status, owned)
         self.holds = EvaluationHold(config)
         self.tracking = RunTracking(config)  # W&B, MLflow, TensorBoard (`logging.trackers`)
         self._v0 = 0  # the version before step 1: step s publishes version V0 + s

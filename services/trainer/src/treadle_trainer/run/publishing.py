@@ -148,7 +148,12 @@ class RunVersions:
         """The background publisher's work: one step's weights as version V0 + step."""
         with tracing.tracer().start_as_current_span("trainer.publish", context=Context()) as span:
             span.set_attributes(
-                {"treadle.step": snapshot.step, "treadle.version": snapshot.version}
+                {
+                    "treadle.run_id": self.config.run_id,
+                    "treadle.model": self.config.policy_model,
+                    "treadle.step": snapshot.step,
+                    "treadle.version": snapshot.version,
+                }
             )
             response = await self._send(snapshot.state, snapshot.step, snapshot.version)
         return response.bytes_received
