@@ -181,7 +181,10 @@ class Simulation:
         self.fed = 0
         self.version = 0
         self.trainer_config = TrainerConfig(
-            num_steps=run.steps, tasks_per_step=run.tasks_per_step, max_staleness=self.staleness
+            num_steps=run.steps,
+            tasks_per_step=run.tasks_per_step,
+            max_staleness=self.staleness,
+            stale_trajectories=run.stale_trajectories,
         )
         self.out = Outcome(mode, 0.0, run.steps, infra=scenario.infra)
         self.tokens: dict[str, float] = {}

@@ -158,6 +158,11 @@ class RunSpec(Strict):
     tasks_per_step: int = Field(ge=1)
     group_size: int = Field(ge=1)
     max_staleness: int = Field(1, ge=0, description="async: versions a trajectory may lag")
+    stale_trajectories: Literal["drop", "keep"] = Field(
+        "drop",
+        description="async: the trainer's `stale_trajectories`: drop what lags more than "
+        "max_staleness when it arrives, or keep it (max_staleness then bounds admission only)",
+    )
     publish_every: int = Field(
         1,
         ge=1,

@@ -43,6 +43,24 @@ def test_async_stays_within_its_staleness_bound_and_overlaps(scenario):
     assert result["async"]["rollout_utilisation"] > result["sync"]["rollout_utilisation"]
 
 
+def test_keeping_stale_trajectories_trains_what_admission_let_start(scenario):
+    """The trainer's own `stale_trajectories`: with a heavier length tail, `drop` drops
+    long responses that finish past the bound; `keep` trains all of them (the bound held
+    only when they started), some of them past it."""
+    tail = scenario.lengths.model_copy(update={"response_sigma": 1.0})
+
+    def run(stale: str) -> dict:
+        run_spec = scenario.run.model_copy(update={"stale_trajectories": stale})
+        varied = scenario.model_copy(update={"run": run_spec, "lengths": tail})
+        return engine.Simulation(varied, "async").run().summary()
+
+    dropped, kept = run("drop"), run("keep")
+    assert dropped["dropped"].get("stale", 0) > 0
+    assert len(dropped["staleness_histogram"]) - 1 <= scenario.run.max_staleness
+    assert kept["dropped"] == {}
+    assert len(kept["staleness_histogram"]) - 1 > scenario.run.max_staleness
+
+
 def test_the_simulation_runs_the_real_admission_script(scenario, monkeypatch):
     """An admission that lets every group start: sync replicas then generate with the
     weights before the step's, and the trainer's own staleness check drops them."""

@@ -436,6 +436,28 @@ def test_a_group_with_a_failed_member_completes_and_is_dropped_whole():
     assert whole.trained == [] and whole.dropped == {"b": "reward_error", "a": "group_incomplete"}
 
 
+def test_stale_trajectories_keep_trains_what_admission_let_start():
+    """`drop` (the default) drops a trajectory whose oldest token lags past max_staleness;
+    `keep` trains it and reports its lag (admission bounded its start, as AReaL's
+    max_head_offpolicyness); failures are dropped either way."""
+    from treadle_common.config.recipe import TrainerConfig
+    from treadle_trainer.batches import Group
+    from treadle_trainer.run.step import build_batch
+
+    def group():
+        late = traj(tid="late", reward=1.0, versions=(1, 5))  # started on 1, finished on 5
+        return [Group("g", [Entry("0", late), Entry("1", traj(tid="fresh", versions=(5, 5)))])]
+
+    dropped = build_batch(group(), version=6, max_staleness=2, t=TrainerConfig())
+    assert dropped.dropped == {"late": "stale"} and dropped.trained == ["fresh"]
+    keep = TrainerConfig(stale_trajectories="keep")
+    kept = build_batch(group(), version=6, max_staleness=2, t=keep)
+    assert kept.trained == ["late", "fresh"] and kept.stale == [5, 1] and not kept.dropped
+    failed = traj(tid="late", versions=(1, 5), status=tpb.TRAJECTORY_STATUS_REWARD_ERROR)
+    broken = build_batch([Group("g", [Entry("0", failed)])], 6, 2, keep)
+    assert broken.dropped == {"late": "reward_error"}
+
+
 def test_learning_rate_warms_up_linearly_then_holds():
     from treadle_trainer.train import warmup_lr
 

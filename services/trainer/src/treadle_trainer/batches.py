@@ -64,11 +64,14 @@ def is_whole(entries: Sequence[Entry]) -> bool:
     return all(e.invalid is None and e.traj.status in TRAINABLE for e in entries)
 
 
-def drop_reason(traj: tpb.Trajectory, trainer_version: int, max_staleness: int) -> str | None:
-    """Why a well-formed trajectory is not trained on now (status, staleness), or None."""
+def drop_reason(
+    traj: tpb.Trajectory, trainer_version: int, max_staleness: int | None
+) -> str | None:
+    """Why a well-formed trajectory is not trained on now (status, staleness), or None.
+    `max_staleness` None: no lag is too much (admission bounded the group's start)."""
     if traj.status not in TRAINABLE:
         return tpb.TrajectoryStatus.Name(traj.status).removeprefix("TRAJECTORY_STATUS_").lower()
-    if staleness(traj, trainer_version) > max_staleness:
+    if max_staleness is not None and staleness(traj, trainer_version) > max_staleness:
         return "stale"
     if not bool(np.asarray(traj.loss_mask)[1:].any()):
         return "no_generated_tokens"

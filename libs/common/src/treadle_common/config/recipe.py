@@ -204,6 +204,14 @@ class TrainerConfig(Strict):
         False, description="Also train on groups the trainer did not feed (recorded sessions)"
     )
     max_staleness: int = Field(1, ge=0, description="Max policy versions a trajectory may lag")
+    stale_trajectories: Literal["drop", "keep"] = Field(
+        "drop",
+        description="async: `drop` trains a trajectory only while its oldest token lags at "
+        "most max_staleness versions; `keep` lets max_staleness bound only when a group may "
+        "start (rollout's admission, AReaL's max_head_offpolicyness) and trains what was "
+        "admitted however long it ran (a long response is not generated in vain; its lag "
+        "shows in the staleness histogram: pair it with off_policy tis or auto)",
+    )
     publish_every: int = Field(
         1,
         ge=1,

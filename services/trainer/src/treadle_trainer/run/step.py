@@ -55,15 +55,18 @@ class Batch:
 def build_batch(groups: list[Group], version: int, max_staleness: int, t: TrainerConfig) -> Batch:
     """The step's data. A group with a member that failed (an infrastructure status, or
     malformed) is dropped whole (`group_incomplete` for the others): trained on its
-    survivors only, its advantages would favour whatever survives a failure."""
+    survivors only, its advantages would favour whatever survives a failure. A trajectory
+    lagging more than `max_staleness` is dropped (`stale`) unless the run keeps stale
+    trajectories (`stale_trajectories: keep`: admission bounded when its group started)."""
     batch = Batch(in_feed_order(groups))
+    bound = max_staleness if t.stale_trajectories == "drop" else None
     for group in batch.groups:
         kept = []
         whole = is_whole(group.entries)
         for e in group.entries:
             if e.invalid is None and e.traj.status in TRAINABLE:
                 batch.rewards.append(e.traj.reward)
-            reason = e.invalid or drop_reason(e.traj, version, max_staleness)
+            reason = e.invalid or drop_reason(e.traj, version, bound)
             if reason is None and not whole:
                 reason = "group_incomplete"
             if reason is None:
