@@ -9,6 +9,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from treadle_common.config.recipe import StaleTrajectories
+
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -158,7 +160,7 @@ class RunSpec(Strict):
     tasks_per_step: int = Field(ge=1)
     group_size: int = Field(ge=1)
     max_staleness: int = Field(1, ge=0, description="async: versions a trajectory may lag")
-    stale_trajectories: Literal["drop", "keep"] = Field(
+    stale_trajectories: StaleTrajectories = Field(
         "drop",
         description="async: the trainer's `stale_trajectories`: drop what lags more than "
         "max_staleness when it arrives, or keep it (max_staleness then bounds admission only)",

@@ -109,6 +109,8 @@ LossName = Literal[
 ]
 AdvantageName = Literal["grpo", "dr_grpo", "rloo"]
 OffPolicyName = Literal["none", "tis", "mis", "seq_mis", "auto"]
+StaleTrajectories = Literal["drop", "keep"]
+"""What the trainer does with a trajectory lagging past max_staleness (`build_batch`)."""
 """Off-policy corrections (the trainer's `off_policy.py`)."""
 TrainerBackend = Literal["auto", "single", "fsdp", "megatron"]
 """auto: FSDP2 when the trainer runs as several `torchrun` ranks, else single (one process)."""
@@ -204,7 +206,7 @@ class TrainerConfig(Strict):
         False, description="Also train on groups the trainer did not feed (recorded sessions)"
     )
     max_staleness: int = Field(1, ge=0, description="Max policy versions a trajectory may lag")
-    stale_trajectories: Literal["drop", "keep"] = Field(
+    stale_trajectories: StaleTrajectories = Field(
         "drop",
         description="async: `drop` trains a trajectory only while its oldest token lags at "
         "most max_staleness versions; `keep` lets max_staleness bound only when a group may "
