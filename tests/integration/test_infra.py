@@ -61,26 +61,36 @@ def test_port_taken_by_something_else_names_the_port(tmp_path):
 
 
 @pytest.mark.slow
-def test_s3_server_answers_s3(tmp_path):
+def test_two_s3_servers_started_at_once_on_one_machine_answer_s3(tmp_path):
+    """Two at once (two test workers, two stacks): weed's extras on fixed ports (Iceberg 8181,
+    Lance 9101) raced for them and one weed died at start; Treadle turns them off."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import httpx
 
     from tests.support.services import free_port_range
 
-    base = free_port_range(6, also_offset=10000)
-    settings = Settings(
-        state_dir=tmp_path,
-        redis_url="redis://127.0.0.1:1",
-        nats_url="nats://127.0.0.1:1",
-        s3_endpoint=f"127.0.0.1:{base}",
-    )
-    infra = Infra(settings)
+    servers = []
+    for i in range(2):
+        base = free_port_range(6, also_offset=10000)
+        settings = Settings(
+            state_dir=tmp_path / str(i),
+            redis_url="redis://127.0.0.1:1",
+            nats_url="nats://127.0.0.1:1",
+            s3_endpoint=f"127.0.0.1:{base}",
+        )
+        servers.append((Infra(settings), base))
     try:
-        (state,) = infra.up(("s3",), timeout_s=60)
-        assert state.healthy and state.detail == "started"
-        listing = httpx.get(f"http://127.0.0.1:{base}/", timeout=10)
-        assert listing.status_code == 200 and "ListAllMyBucketsResult" in listing.text
+        with ThreadPoolExecutor(2) as pool:
+            states = list(pool.map(lambda s: s[0].up(("s3",), timeout_s=60), servers))
+        assert [(s.healthy, s.detail) for (s,) in states] == [(True, "started")] * 2
+        for _, base in servers:
+            listing = httpx.get(f"http://127.0.0.1:{base}/", timeout=10)
+            assert listing.status_code == 200 and "ListAllMyBucketsResult" in listing.text
+        logs = [(infra.state_dir / "logs" / "s3.log").read_text() for infra, _ in servers]
+        assert not [log for log in logs if "Iceberg" in log or "0.0.0.0" in log]
     finally:
-        assert infra.down() == ["s3"]
+        assert [infra.down() for infra, _ in servers] == [["s3"]] * len(servers)
 
 
 def raw_reply(url: str, command: bytes) -> bytes:

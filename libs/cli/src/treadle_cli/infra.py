@@ -35,6 +35,7 @@ from treadle_common.auth.infra import InfraSecrets, redact
 from treadle_common.config.settings import Settings
 
 INFRA = ("redis", "nats", "s3")
+S3_MAX_VOLUMES = 1000  # weed volumes (one per bucket and more as one fills); see _command
 
 
 class PidFile(BaseModel):
@@ -240,13 +241,24 @@ class Infra:
                 "-sd",
                 str(data),
             ]
-        ports = {"master": 1, "volume": 2, "filer": 3, "webdav": 4, "admin": 5}
+        ports = {"master": 1, "volume": 2, "filer": 3, "admin": 5}
         return [
             find_binary("weed"),
             "mini",
             f"-dir={data}",
             "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",  # weed binds 0.0.0.0 otherwise (its admin gRPC unauthenticated)
             f"-s3.port={port}",
+            # Iceberg and Lance catalogs listen on fixed ports (8181, 9101): a second weed on one
+            # machine would die on them. Treadle uses neither, nor WebDAV.
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            "-webdav=false",
+            # Each bucket takes a volume of its own. Left to itself weed allows free disk ÷ 1 GiB
+            # volumes, counted once at start, and answers every write to a bucket beyond that
+            # with HTTP 500 (a machine with 10 GiB free held 10 buckets). Volumes are not
+            # preallocated, so a fixed count costs nothing; a full disk still stops writes.
+            f"-volume.max={S3_MAX_VOLUMES}",
             *(f"-{k}.port={port + off}" for k, off in ports.items()),
         ]
 
