@@ -32,10 +32,11 @@ setup: $(STAMP)
 
 # the lock installed with --no-deps: it is the whole closure (pip check proves it); resolving
 # it again let pip 23's hash mode try an extra's bare name (tinker's httpx[http2]) against the
-# index's newest release and refuse the install once one came out past the lock
+# index's newest release and refuse the install once one came out past the lock. Requires-Python
+# is not judged again: megatron-core 0.17+ declares >= 3.12 yet ships the cp311 wheels CI tests
 $(STAMP): requirements/ci.txt pyproject.toml examples/verifiers/vf-tiny-arith/pyproject.toml examples/agents/arith-agent/pyproject.toml $(foreach l,$(LIBS),libs/$(l)/pyproject.toml) bench/pyproject.toml sim/pyproject.toml conformance/pyproject.toml $(foreach s,$(SERVICES),services/$(s)/pyproject.toml)
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PIP) install --quiet --require-hashes --no-deps -r requirements/ci.txt
+	$(PIP) install --quiet --require-hashes --no-deps --ignore-requires-python -r requirements/ci.txt
 	$(if $(TORCH_SPEC),$(PIP) install --quiet $(TORCH_SPEC))
 	$(PIP) install --quiet --no-deps --no-build-isolation $(WORKSPACE)
 	$(PIP) check  # the lock holds everything our packages ask for

@@ -45,6 +45,35 @@ def canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+PAST_REQUIRES_PYTHON = {"megatron-core"}
+"""Locked beside pip-compile, whose resolver refuses them on this Python: megatron-core 0.17+
+declares Python >= 3.12 yet ships cp311 wheels, which pass its backend's tests here (installs
+of a lock pass `--ignore-requires-python`)."""
+INDEX = "https://pypi.org/simple"
+
+
+def index_entry(name: str, version: str) -> str:
+    """A lock entry for `name==version` with the sha256 of each of its files on the index
+    (its PEP 691 JSON page)."""
+    import urllib.request
+
+    request = urllib.request.Request(
+        f"{INDEX}/{name}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        files = json.load(response)["files"]
+    stem = f"{name.replace('-', '_')}-{version}"
+    hashes = sorted(f["hashes"]["sha256"] for f in files if f["filename"].startswith(
+        (f"{stem}-", f"{stem}.tar"))
+    )  # fmt: skip
+    if not hashes:
+        raise SystemExit(f"{name}=={version}: no files on {INDEX}")
+    lines = [f"{name}=={version} \\"] + [f"    --hash=sha256:{h} \\" for h in hashes]
+    lines[-1] = lines[-1].removesuffix(" \\")
+    via = "    # via -r frozen (its Requires-Python not judged: scripts/lock.py)"
+    return "\n".join([*lines, via])
+
+
 def compile_lock(venv: Path, out: Path, pip_compile: str) -> None:
     frozen = subprocess.run(
         [str(venv / "bin/python"), "-m", "pip", "freeze", "--exclude-editable", "--all"],
@@ -54,6 +83,8 @@ def compile_lock(venv: Path, out: Path, pip_compile: str) -> None:
     ).stdout
     # the workspace's own packages are installed from source, never from an index
     kept = [line for line in frozen.splitlines() if not canonical(line).startswith("treadle-")]
+    beside = [line for line in kept if canonical(line.split("==")[0]) in PAST_REQUIRES_PYTHON]
+    kept = [line for line in kept if line not in beside]
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp) / "frozen.in"
         source.write_text("\n".join(kept) + "\n")
@@ -64,7 +95,16 @@ def compile_lock(venv: Path, out: Path, pip_compile: str) -> None:
             check=True,
         )  # fmt: skip
     header = f"# Locked by scripts/lock.py from {venv.name} (pip-compile --generate-hashes)\n"
-    out.write_text(header + out.read_text().replace(str(source), "frozen"))
+    text = out.read_text().replace(str(source), "frozen")
+    # one list sorted by name (pip-compile puts pip and setuptools last, under a comment)
+    text = re.sub(r"^# The following packages are considered.*\n", "", text, flags=re.MULTILINE)
+    entries = re.split(r"\n(?=[A-Za-z0-9])", text)
+    entries += [index_entry(*line.split("==")) for line in beside]
+    entries = sorted(
+        (e.strip("\n") for e in entries if e.strip()),
+        key=lambda e: canonical(m.group(1)) if (m := _ENTRY.match(e)) else e,
+    )
+    out.write_text(header + "\n".join(entries) + "\n")
 
 
 def closure(venv: Path, roots: list[str]) -> set[str]:

@@ -6,6 +6,10 @@ cpu.py      the shims megatron-core needs on CPU torch over gloo (only without C
 backend.py  `MegatronBackend`: the trainer's backend API over the TP x PP x DP grid
 """
 
-from treadle_trainer.backends.megatron.backend import MegatronBackend
+from treadle_trainer.backends.megatron.cpu import stand_in_for_triton_kernels
+
+stand_in_for_triton_kernels()  # before anything here imports megatron.core
+
+from treadle_trainer.backends.megatron.backend import MegatronBackend  # noqa: E402
 
 __all__ = ["MegatronBackend"]
