@@ -77,6 +77,8 @@ lock:
 	$(PY) scripts/lock.py --pip-compile .venv-lock/bin/pip-compile
 	TREADLE_UNLOCKED=1 scripts/setup_cookbook.sh && $(PY) scripts/lock.py --venv .venv-cookbook \
 		--out requirements/cookbook.txt --pip-compile .venv-lock/bin/pip-compile
+	TREADLE_UNLOCKED=1 scripts/setup_verifiers.sh && $(PY) scripts/lock.py --venv .venv-verifiers \
+		--out requirements/verifiers.txt --pip-compile .venv-lock/bin/pip-compile
 	TREADLE_UNLOCKED=1 scripts/setup_vllm.sh && $(PY) scripts/lock.py --venv .venv-vllm \
 		--out requirements/vllm.txt --pip-compile .venv-lock/bin/pip-compile \
 		--without torchvision,torchaudio,torchcodec
@@ -86,6 +88,7 @@ test: lint
 	$(PY) scripts/gen_docs.py --check  # the reference pages match the code
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 	scripts/setup_cookbook.sh  # the Tinker Cookbook, a client in its own venv (its test)
+	scripts/setup_verifiers.sh  # verifiers 0.4, the verifiers-v1 env's workers' own venv
 	@# vLLM's venv builds (pip: mostly download and unpack) while the suite runs
 	scripts/setup_vllm.sh > $(VENV)/vllm-setup.log 2>&1 & setup=$$!; \
 	$(PY) scripts/run_pytest.py -n $(PYTEST_WORKERS) --no-loadscope-reorder -m 'not vllm' $(PYTEST_ARGS); \
@@ -106,4 +109,4 @@ bench: setup
 	$(VENV)/bin/treadle bench rollout --json
 
 clean:
-	rm -rf $(VENV) .venv-vllm .venv-cookbook .venv-lock .treadle .site
+	rm -rf $(VENV) .venv-vllm .venv-cookbook .venv-verifiers .venv-lock .treadle .site

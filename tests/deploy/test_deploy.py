@@ -872,7 +872,8 @@ def test_ci_and_every_image_install_third_party_packages_only_by_hash():
         # what its own packages ask for is in its lock (pip check proves it in the build)
         wanted = {"grpcio", "pydantic", "redis"} if image != "cli" else {"typer", "grpcio"}
         assert wanted <= set(lock), image
-    for setup, lock_file in (("setup_vllm.sh", "vllm"), ("setup_cookbook.sh", "cookbook")):
+    setups = (("setup_vllm.sh", "vllm"), ("setup_cookbook.sh", "cookbook"))
+    for setup, lock_file in (*setups, ("setup_verifiers.sh", "verifiers")):
         text = (ROOT / "scripts" / setup).read_text()
         assert f"LOCK=requirements/{lock_file}.txt" in text and "--require-hashes --no-deps" in text
         assert lock_entries(ROOT / f"requirements/{lock_file}.txt"), lock_file

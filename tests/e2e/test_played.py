@@ -52,3 +52,26 @@ def test_an_openai_client_agent_trains_through_treadle_run(cli_env, tmp_path):
     assert_trained_exactly_once(summary, steps=3, trajectories=48)
     steps = [r for r in records if r.get("kind") == "step"]
     assert [s["step"] for s in steps] == [1, 2, 3]
+
+
+def test_a_verifiers_v1_environment_trains_through_treadle_run(cli_env, tmp_path):
+    """recipes/verifiers-v1.yaml: a taskset written for verifiers 0.4, played by workers in
+    .venv-verifiers, trains on every service exactly once."""
+    python = ROOT / ".venv-verifiers" / "bin" / "python"
+    if not python.exists():
+        pytest.skip("no .venv-verifiers (scripts/setup_verifiers.sh)")
+    summary, records = run_summary(
+        tmp_path,
+        "recipes/verifiers-v1.yaml",
+        "sft.steps=0",  # the warm-up is the recipe's; a few RL steps show the path
+        "trainer.num_steps=3",
+        "trainer.tasks_per_step=4",
+        "rollout.group_size=4",
+        "eval.num_tasks=16",
+        "eval.every=0",
+        env={**cli_env, "TREADLE_ENV_VERIFIERS_PYTHON": str(python)},
+    )
+    assert_trained_exactly_once(summary, steps=3, trajectories=48)
+    assert summary["eval_start"] is not None and summary["eval_end"] is not None
+    steps = [r for r in records if r.get("kind") == "step"]
+    assert [s["step"] for s in steps] == [1, 2, 3]

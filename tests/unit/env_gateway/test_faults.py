@@ -43,7 +43,7 @@ async def test_a_failing_session_ends_at_its_first_step_as_an_env_error():
         assert ("injected fault" in (result.error or "")) is fails
 
 
-def test_bad_fault_rules_are_named_before_a_run_starts():
+async def test_bad_fault_rules_are_named_before_a_run_starts():
     manager = SessionManager("g")
     for bad, why in (
         ({"faults": "often"}, "must be an object or a list"),
@@ -52,4 +52,4 @@ def test_bad_fault_rules_are_named_before_a_run_starts():
         ({"faults": {"fail": 1}}, "unknown keys"),
     ):
         with pytest.raises(EnvError, match=why):
-            manager.sample_tasks("arith", 1, 0, "train", bad)
+            await manager.sample_tasks("arith", 1, 0, "train", bad)

@@ -125,7 +125,7 @@ class EnvGatewayServicer(env_pb2_grpc.EnvGatewayServicer):
     async def SampleTasks(self, request: pb.SampleTasksRequest, context):
         async with _as_status(context, "SampleTasks"):
             options = parse_json(request.options_json, "options_json")
-            tasks = self.sessions.sample_tasks(
+            tasks = await self.sessions.sample_tasks(
                 request.env, request.num_tasks, request.seed, request.split, options
             )
             return pb.SampleTasksResponse(tasks_json=[json.dumps(t) for t in tasks])

@@ -7,6 +7,7 @@ route a step to the replica that owns the session.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import time
 import uuid
@@ -81,13 +82,15 @@ class SessionManager:
         except KeyError:
             raise UnknownEnv(f"unknown env {name!r}; known: {sorted(self.envs)}") from None
 
-    def sample_tasks(
+    async def sample_tasks(
         self, env: str, num_tasks: int, seed: int, split: str, options: dict[str, Any]
     ) -> list[dict]:
         if num_tasks < 0 or num_tasks > 100_000:
             raise EnvError(f"num_tasks must be in [0, 100000], got {num_tasks}")
         faults.parse(options)  # a run's malformed `faults` fails its start, not its episodes
-        return self.env_class(env).sample_tasks(num_tasks, seed, split or "train", options)
+        tasks = self.env_class(env).sample_tasks(num_tasks, seed, split or "train", options)
+        # an env whose tasks live in another process (verifiers-v1) answers them async
+        return await tasks if inspect.isawaitable(tasks) else tasks
 
     async def create(
         self, env_name: str, task: dict[str, Any], seed: int, options: dict[str, Any]

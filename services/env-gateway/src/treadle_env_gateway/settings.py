@@ -34,6 +34,11 @@ class EnvGatewaySettings(Settings):
         description="env-gateway: sandboxed runs at once (a test run's two sandboxes count "
         "as one); past them a run waits its turn (`treadle_env_sandbox_queued_total`)",
     )
+    env_verifiers_python: str = Field(
+        "",
+        description="env-gateway: the interpreter of a virtualenv with verifiers 0.4 (the "
+        "`verifiers-v1` env's workers; `scripts/setup_verifiers.sh` makes .venv-verifiers)",
+    )
     env_sandbox_image: str = Field(
         "python:3.11-slim-bookworm",
         description="env-gateway: the `docker` sandbox's image (any image with python3)",

@@ -38,6 +38,12 @@ class ToolCallIn(Strict):
     id: str = Field(max_length=256)
     type: Literal["function"] = "function"
     function: FunctionCall
+    index: int | None = Field(
+        None,
+        ge=0,
+        description="A streamed delta's position, which clients that assemble a call from "
+        "chunks echo back (verifiers 0.4's chat loop): no meaning in a request, ignored",
+    )
 
     def template(self) -> dict:
         """For the chat template: arguments as an object (what templates render)."""

@@ -112,8 +112,9 @@ async def _refused(_request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"detail": exc.message}, status_code=exc.status)
 
 
-class _Uvicorn(uvicorn.Server):
-    """uvicorn without its own signal handling: the runtime owns SIGTERM/SIGINT."""
+class SignalFreeUvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: the runtime owns SIGTERM/SIGINT (also for an
+    endpoint a service serves besides its own, e.g. the env-gateway's loopback policy)."""
 
     @contextlib.contextmanager
     def capture_signals(self):  # type: ignore[override]
@@ -439,7 +440,7 @@ class ServiceRuntime:
         # the hundreds of thousands of objects torch, transformers and grpc bring
         gc.collect()
         gc.freeze()
-        server = _Uvicorn(
+        server = SignalFreeUvicorn(
             uvicorn.Config(
                 self.app,
                 log_level="warning",
@@ -470,7 +471,7 @@ class ServiceRuntime:
         if failed:
             raise failed[0].exception()  # type: ignore[misc]
 
-    async def _shutdown(self, server: _Uvicorn, tasks: list[asyncio.Task]) -> None:
+    async def _shutdown(self, server: SignalFreeUvicorn, tasks: list[asyncio.Task]) -> None:
         log.info("draining")
         self.draining = True
         self.stop_event.set()

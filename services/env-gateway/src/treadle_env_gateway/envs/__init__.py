@@ -20,6 +20,7 @@ BUILTIN_MODULES = (
     "guess_number",
     "python_tests",
     "vf",
+    "vf1",
 )
 _REGISTERED: dict[str, type[Env]] = {}
 
