@@ -195,7 +195,7 @@ class TrainerConfig(Strict):
         1,
         ge=1,
         le=1,
-        description="megatron: pipeline stages. Only 1: megatron-core 0.16's pipeline "
+        description="megatron: pipeline stages. Only 1: megatron-core 0.19's pipeline "
         "schedules allocate on CUDA directly, so they do not run on CPU, and the GPU path is "
         "not built yet",
     )
