@@ -7,6 +7,7 @@ package is examples/verifiers/vf1-tiny: single-turn, tool and multi-turn."""
 import json
 import random
 
+import psutil
 import pytest
 
 from tests.integration.test_verifiers import EnvRewardClient
@@ -76,7 +77,13 @@ def gateway(infra, tmp_path_factory):
         TREADLE_ENV_VERIFIERS_PYTHON=str(PYTHON),
     )
     yield svc
+    gateway_proc = psutil.Process(svc.proc.pid)
+    workers = [
+        p for p in gateway_proc.children(recursive=True) if "vf1_worker.py" in " ".join(p.cmdline())
+    ]
     svc.stop_checked()
+    assert workers  # the tests started some; stopping the gateway ended and reaped them all
+    assert not [p for p in workers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,9 @@ async def build(settings: EnvGatewaySettings) -> Service:
     runtime.set_info(lambda: {"envs": sorted(sessions.envs), "sessions": len(sessions.sessions)})
     runtime.app.state.sessions = sessions
     runtime.app.include_router(http.router)
-    return Service(runtime, loops=[lambda: expire_loop(runtime, sessions)])
+    return Service(
+        runtime, loops=[lambda: expire_loop(runtime, sessions)], on_close=[sessions.shutdown]
+    )
 
 
 async def expire_loop(runtime: ServiceRuntime, sessions: SessionManager) -> None:

@@ -219,6 +219,11 @@ class SessionManager:
         if session is not None:
             await session.env.close()
 
+    async def shutdown(self) -> None:
+        """The gateway stops: every env class ends what it started."""
+        for cls in set(self.envs.values()):
+            await cls.shutdown()
+
     async def expire_idle(self) -> int:
         now = time.monotonic()
         stale = [s for s, sess in self.sessions.items() if now - sess.last_used > self.idle_ttl_s]

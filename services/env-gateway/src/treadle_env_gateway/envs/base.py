@@ -68,6 +68,10 @@ class Env(abc.ABC):
     def configure(cls, settings: EnvGatewaySettings) -> None:
         """Once per process, before any session: the env's share of the gateway's settings."""
 
+    @classmethod  # noqa: B027  (an optional hook, not abstract)
+    async def shutdown(cls) -> None:
+        """Once, as the gateway stops: end what the env class started (worker processes)."""
+
     @classmethod
     @abc.abstractmethod
     def sample_tasks(

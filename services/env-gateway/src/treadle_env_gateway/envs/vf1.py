@@ -75,7 +75,11 @@ class Worker:
     async def _read(self) -> None:
         assert self.proc.stdout is not None
         while line := await self.proc.stdout.readline():
-            reply = json.loads(line)
+            try:
+                reply = json.loads(line)
+            except json.JSONDecodeError:
+                log.warning("verifiers worker wrote a line that is no reply", line=line[:200])
+                continue
             future = self.pending.pop(reply.get("id"), None)
             if future is not None and not future.done():
                 future.set_result(reply)
@@ -90,6 +94,19 @@ class Worker:
     @property
     def alive(self) -> bool:
         return self.proc.returncode is None and not self.reader.done()
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        """End of input: the worker closes its environments (their servers) and exits; one
+        that does not within `timeout_s` is killed. Reaped either way."""
+        if self.proc.returncode is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                await asyncio.wait_for(self.proc.wait(), timeout_s)
+            except TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+        await self.reader
 
     async def call(self, request: dict[str, Any]) -> dict[str, Any]:
         self.next_id += 1
@@ -115,6 +132,11 @@ class VerifiersV1Env(PlayedEnv):
     @classmethod
     def configure(cls, settings: EnvGatewaySettings) -> None:
         cls.python = settings.env_verifiers_python
+
+    @classmethod
+    async def shutdown(cls) -> None:
+        workers, cls.workers = list(cls.workers.values()), {}
+        await asyncio.gather(*(w.stop() for w in workers))
 
     @classmethod
     async def worker(cls, options: dict[str, Any]) -> Worker:

@@ -132,7 +132,7 @@ def summary(episode: Any) -> dict[str, Any]:
     }
 
 
-async def serve(worker: Worker) -> None:
+async def serve(worker: Worker, replies: Any) -> None:
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=64 * 1024 * 1024)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
@@ -146,8 +146,8 @@ async def serve(worker: Worker) -> None:
             logging.warning("request %s failed: %s: %s", request.get("id"), type(exc).__name__, exc)
             reply = {"id": request.get("id"), "error": f"{type(exc).__name__}: {exc}"}
         async with lock:
-            sys.stdout.write(json.dumps(reply) + "\n")
-            sys.stdout.flush()
+            replies.write(json.dumps(reply) + "\n")
+            replies.flush()
 
     try:
         while line := await reader.readline():
@@ -170,7 +170,11 @@ def main() -> None:
     named = getattr(logging, os.environ.get("TREADLE_LOG_LEVEL", "INFO").upper(), logging.INFO)
     level = max(logging.WARNING, named if isinstance(named, int) else logging.INFO)
     logging.basicConfig(level=level, stream=sys.stderr)
-    asyncio.run(serve(Worker(spec)))
+    # the replies keep stdout's pipe; whatever else writes to stdout (a taskset's print, a
+    # child process) goes to stderr, so it cannot break a reply
+    replies = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    asyncio.run(serve(Worker(spec), replies))
 
 
 def _check_installed(taskset_id: str) -> None:
