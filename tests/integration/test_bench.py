@@ -116,6 +116,11 @@ def test_bench_rollout_json_line():
     assert report["ratio"] == pytest.approx(
         report["service_tokens_per_s"] / report["raw_engine_tokens_per_s"], rel=0.01, abs=1e-3
     )
+    # plain transformers generate on the same prompts: the engine's own baseline
+    assert report["hf_generate_tokens_per_s"] > 0
+    assert report["engine_over_hf_generate"] == pytest.approx(
+        report["raw_engine_tokens_per_s"] / report["hf_generate_tokens_per_s"], rel=0.01, abs=1e-3
+    )
     assert report["openai_stream_tokens_per_s"] > 0 and report["openai_stream_ttft_ms_p50"] > 0
     assert report["openai_stream_ratio"] == pytest.approx(
         report["openai_stream_tokens_per_s"] / report["openai_raw_engine_tokens_per_s"],

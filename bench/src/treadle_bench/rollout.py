@@ -10,6 +10,11 @@ service fetches each delta and swaps at a step boundary.
     service_tokens_per_s     generated tokens / s through the service (median round)
     raw_engine_tokens_per_s  the same work on the engine in this process (median round)
     ratio                    median of per-round service / raw
+    hf_generate_tokens_per_s the same prompts as one batch through transformers' own
+                             `generate` (left-padded, sampled at temperature 1, each row's
+                             tokens up to its end of sequence counted; median round): the
+                             plain HF equivalent of the engine
+    engine_over_hf_generate  raw_engine_tokens_per_s / hf_generate_tokens_per_s
     openai_stream_tokens_per_s  the same prompts as chat messages, streamed (SSE) through
                              the service's OpenAI API, as a sustained load: 4 x `prompts`
                              requests per round, `prompts` in flight at a time (median
@@ -39,6 +44,7 @@ import os
 import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -90,6 +96,40 @@ async def raw_round(engine: HFEngine, prompts, max_new: int) -> tuple[int, float
         )
     )
     return sum(len(g.tokens) for g in gens), time.perf_counter() - start
+
+
+def hf_generate_round(engine: HFEngine, prompts, max_new: int, seed: int) -> tuple[int, float]:
+    """The prompts as one left-padded batch through the engine's model's own `generate`
+    (sampled, temperature 1): the tokens generated (each row's up to and including its end of
+    sequence) and the seconds."""
+    model, pad, eos = engine.model, engine.pad_id, engine.eos_id
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=engine.device)
+    mask = torch.tensor(
+        [[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=engine.device
+    )
+    torch.manual_seed(seed)
+    sync = torch.cuda.synchronize if engine.device.startswith("cuda") else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(  # type: ignore[operator]  # engine.model is typed as a Module
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_new,
+            do_sample=True,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            pad_token_id=pad,
+            eos_token_id=eos,
+        )
+    sync()
+    secs = time.perf_counter() - start
+    tokens = 0
+    for row in out[:, width:].tolist():
+        tokens += row.index(eos) + 1 if eos in row else len(row)
+    return tokens, secs
 
 
 def chat_messages(n: int) -> list[list[dict]]:
@@ -317,6 +357,7 @@ async def _measure(
     await service_round(grpc_addr, prompts, max_new)
     await raw_round(engine, prompts, max_new)
     grpc = await _grpc_rounds(engine, grpc_addr, prompts, max_new, rounds)
+    plain = await _hf_generate_rounds(engine, prompts, max_new, rounds, split[0] if split else None)
     streamed = await _openai_rounds(engine, http, n, max_new, rounds)
     await engine.close()
     pauses = await swap_pauses(http, grpc_addr, store_addr, Path(model_dir), swaps)
@@ -324,6 +365,8 @@ async def _measure(
         "max_new_tokens": max_new,
         "rounds": rounds,
         **grpc,
+        "hf_generate_tokens_per_s": plain,
+        "engine_over_hf_generate": round(grpc["raw_engine_tokens_per_s"] / plain, 3),
         **streamed,
         "swaps": len(pauses),
         "swap_pause_ms_p50": round(statistics.median(pauses) * 1e3, 3) if pauses else None,
@@ -345,6 +388,22 @@ async def _grpc_rounds(engine: HFEngine, grpc_addr: str, prompts, max_new: int, 
         "raw_engine_tokens_per_s": round(statistics.median(raw_rates), 1),
         "ratio": round(statistics.median(ratios), 3),
     }
+
+
+async def _hf_generate_rounds(
+    engine: HFEngine, prompts, max_new: int, rounds: int, engine_cpus: list[int] | None
+) -> float:
+    """transformers' `generate` on the same prompts, on a thread bound to the CPUs the engine
+    computes on: the median round's tokens per second, after a warm-up round."""
+    loop = asyncio.get_running_loop()
+    with ThreadPoolExecutor(1, initializer=cpus.bind, initargs=(engine_cpus,)) as thread:
+        await loop.run_in_executor(thread, hf_generate_round, engine, prompts, max_new, 0)
+        rates = []
+        for r in range(rounds):
+            round_ = (engine, prompts, max_new, r + 1)
+            tokens, secs = await loop.run_in_executor(thread, hf_generate_round, *round_)
+            rates.append(tokens / secs)
+    return round(statistics.median(rates), 1)
 
 
 async def _openai_rounds(engine: HFEngine, http: str, n: int, max_new: int, rounds: int):

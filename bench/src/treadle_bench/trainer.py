@@ -20,6 +20,7 @@ trajectories of one step as padded tensors in this process, the same model, the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import statistics
 import tempfile
@@ -231,26 +232,34 @@ async def _service(http, redis_url, store_addr, recipe, prompt_len, completion_l
 
 
 def _raw(model_dir: Path, batch: list[tpb.Trajectory], steps: int) -> float:
-    """PPO + AdamW on the batch in a plain loop; loss tokens per second."""
+    """PPO + AdamW on the batch in a plain loop; loss tokens per second. On the device the
+    service's single backend trains on: CUDA where torch sees it, under bf16 autocast with fp32
+    master weights (the backend's default), else the CPU in fp32."""
     torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cuda = device == "cuda"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = model.to(device)  # type: ignore[arg-type]  # transformers types `to` oddly
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    tokens = torch.tensor([list(t.tokens) for t in batch])
-    mask = torch.tensor([list(t.loss_mask[1:]) for t in batch], dtype=torch.float32)
-    old = torch.tensor([list(t.logprobs[1:]) for t in batch])
-    rewards = torch.tensor([t.reward for t in batch])
+    tokens = torch.tensor([list(t.tokens) for t in batch], device=device)
+    mask = torch.tensor([list(t.loss_mask[1:]) for t in batch], dtype=torch.float32, device=device)
+    old = torch.tensor([list(t.logprobs[1:]) for t in batch], device=device)
+    rewards = torch.tensor([t.reward for t in batch], device=device)
     groups: dict[str, list[int]] = {}
     for i, t in enumerate(batch):
         groups.setdefault(t.group_id, []).append(i)
-    adv = torch.zeros(len(batch))
+    adv = torch.zeros(len(batch), device=device)
     for members in groups.values():
         r = rewards[members]
         adv[members] = (r - r.mean()) / (r.std(unbiased=False) + 1e-6)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     model.train()
 
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
+
     def step() -> None:
-        logits = model(input_ids=inputs).logits.float()
+        with autocast:
+            logits = model(input_ids=inputs).logits.float()
         logp = torch.log_softmax(logits, -1).gather(2, targets[..., None]).squeeze(-1)
         ratio = torch.exp(logp - old)
         a = adv[:, None]
@@ -260,6 +269,8 @@ def _raw(model_dir: Path, batch: list[tpb.Trajectory], steps: int) -> float:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
+        if cuda:
+            torch.cuda.synchronize()
 
     step()  # warm-up, as the service's first step
     rates = []
