@@ -12,6 +12,10 @@ treadle sim scale [SCENARIO] [--gpus 1000,3000] [--steps 8] [--fanout F] [--infr
     the scenario grown to each fleet size (every pool in proportion, one weight store, one
     Redis, the trainer's one ingest): each shared component's utilisation, the first to
     saturate and at how many GPUs, weight sync by fan-out; `--plot` draws them (PNG)
+treadle sim share [SCENARIO] [--policy fair,fifo] [--seed N] [--json]
+    many runs on one fleet of rollout replicas, each replica's task slots given out by
+    rollout's own FairShare under each policy: every run's share of the slot-seconds against
+    its weight's, Jain's index per priority, the fleet's utilisation
 """
 
 from __future__ import annotations
@@ -128,3 +132,36 @@ def sim_scale(
 
         result["plots"] = [str(path) for path in plots.write(result, plot)]
     print(json.dumps(result, indent=None if as_json else 2))
+
+
+@app.command("share")
+def sim_share(
+    scenario: Annotated[
+        Path,
+        typer.Argument(help="A shared-fleet scenario (default: sim/scenarios/shared/fleet-1000)"),
+    ] = SCENARIOS / "shared" / "fleet-1000.yaml",
+    policy: Annotated[
+        str, typer.Option(help="Comma-separated scheduling policies, each run on the scenario")
+    ] = "fair,fifo",
+    seed: Annotated[int, typer.Option(help="Seed of the task seconds drawn")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
+) -> None:
+    """Many runs on one fleet: each run's share of the rollout slots under rollout's own
+    scheduling, against its weight's share."""
+    from pydantic import ValidationError
+
+    from treadle_common.fleet import scheduling
+    from treadle_sim import share
+
+    policies = [p.strip() for p in policy.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in scheduling.POLICIES]
+    if not policies or unknown:
+        known = ", ".join(sorted(scheduling.POLICIES))
+        raise typer.BadParameter(f"--policy takes some of {known}, not {policy!r}")
+    if not scenario.is_file():
+        raise typer.BadParameter(f"no scenario file at {scenario}")
+    try:
+        fleet = share.load(scenario)
+    except (ValidationError, ValueError) as exc:
+        raise typer.BadParameter(f"{scenario}: {exc}") from None
+    print(json.dumps(share.compare(fleet, policies, seed), indent=None if as_json else 2))

@@ -25,7 +25,14 @@ PRIORITY_HOLD_S = 2.0
 
 
 class FairShare:
-    def __init__(self, policy: scheduling.Policy | None, quotas: TenantQuotas | None):
+    def __init__(
+        self,
+        policy: scheduling.Policy | None,
+        quotas: TenantQuotas | None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        """`clock`: seconds, monotonic (the simulator's virtual time drives the same code)."""
+        self.clock = clock
         self.policy = policy or scheduling.WeightedFairShare()
         """Which run's ready task starts when a slot frees (`treadle_common.fleet.scheduling`)."""
         self.quotas = quotas
@@ -39,6 +46,14 @@ class FairShare:
         self._busy_at: dict[str, float] = {}  # per task stream: when it last had work
         self._running: collections.Counter[str] = collections.Counter()  # tasks in flight
         self._mean_slot_s = 1.0
+
+    def contenders(self, active: set[str]) -> tuple[list[str], list[str]]:
+        """Who may start a ready task now: the streams of runs that ended (not in `active`;
+        their tasks are cancelled first, with no turn to wait for), else the `eligible`
+        streams of the active ones, each list oldest ready task first."""
+        ready = sorted((s for s, q in self.ready.items() if q), key=self.created)
+        gone = [s for s in ready if s not in active]
+        return gone, [] if gone else self.eligible(ready)
 
     def pick(self, eligible: list[str]) -> str:
         """The stream whose ready task starts next, among `eligible` ones."""
@@ -75,7 +90,7 @@ class FairShare:
         ready, in flight, or either within the last `PRIORITY_HOLD_S` (a sync run between
         two steps, training). Lower-priority runs wait meanwhile: a higher priority's tasks
         never queue behind theirs, and their in-flight episodes end without successors."""
-        now = time.monotonic()
+        now = self.clock()
         for stream in ready:
             self._busy_at[stream] = now
         if not self.policy.strict_priority:
@@ -95,15 +110,15 @@ class FairShare:
         time, not for the count, so it cannot crowd the others out of the slots."""
         estimate = self._slot_s.get(claim.run_id, self._mean_slot_s)
         self.policy.charge(claim, estimate)
-        started = time.monotonic()
+        started = self.clock()
 
         stream = names.tasks_stream(claim.run_id)
         self._running[stream] += 1
 
         def settle() -> None:
             self._running[stream] -= 1
-            self._busy_at[stream] = time.monotonic()
-            held = time.monotonic() - started
+            self._busy_at[stream] = self.clock()
+            held = self.clock() - started
             self.policy.charge(claim, held - estimate)
             mean = self._slot_s.get(claim.run_id, held)
             self._slot_s[claim.run_id] = 0.8 * mean + 0.2 * held

@@ -200,9 +200,8 @@ class TaskWorker:
         priority that has work (`_eligible`); how many started."""
         started = 0
         while not self.slots.locked():
-            ready = sorted((s for s, q in self.share.ready.items() if q), key=self.share.created)
-            gone = [s for s in ready if s not in active]
-            eligible = gone or self.share.eligible(ready)
+            gone, eligible = self.share.contenders(active)
+            eligible = gone or eligible
             if not eligible:
                 break
             if not gone:
