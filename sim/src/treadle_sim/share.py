@@ -10,7 +10,9 @@ each task charged its run's estimate at dispatch and settled at its end), in Sim
 A run is backlogged (its stream never empties), finite (`tasks`), or sync (`tasks_per_step`
 tasks, then `train_s` of training with nothing in its stream, again). It joins at `start_s`.
 Task seconds are lognormal (median `task_s`, `task_sigma`), drawn per run and task index from
-the seed, so both policies play the same tasks.
+the seed, so both policies play the same tasks. A task counts as fed when a replica reads it
+(its `created_at`, which orders a replica's ready tasks: a feeder that keeps each stream just
+ahead of the replicas).
 
 Reported per policy: each run's tasks (a sync run's steps, and the mean seconds from a step's
 feed to its last task's end), slot-seconds and share of the busy slot-seconds; its
