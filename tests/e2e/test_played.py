@@ -29,16 +29,23 @@ def assert_trained_exactly_once(summary: dict, steps: int, trajectories: int) ->
     assert len(summary["versions_published"]) == steps
 
 
+SHORT_RUN = (
+    "sft.steps=0",  # the warm-up is the recipe's; a few RL steps show the path
+    "trainer.num_steps=3",
+    "trainer.tasks_per_step=4",
+    "rollout.group_size=4",
+    "eval.num_tasks=16",
+    "eval.every=0",
+)
+"""A verifiers recipe cut to 3 RL steps of 4 groups of 4 (48 trajectories), one evaluation
+at each end."""
+
+
 def test_a_verifiers_environment_trains_through_treadle_run(cli_env, tmp_path):
     summary, records = run_summary(
         tmp_path,
         "recipes/verifiers.yaml",
-        "sft.steps=0",  # the warm-up is the recipe's; a few RL steps show the path
-        "trainer.num_steps=3",
-        "trainer.tasks_per_step=4",
-        "rollout.group_size=4",
-        "eval.num_tasks=16",
-        "eval.every=0",
+        *SHORT_RUN,
         env=cli_env,
     )
     assert_trained_exactly_once(summary, steps=3, trajectories=48)
@@ -63,12 +70,7 @@ def test_a_verifiers_v1_environment_trains_through_treadle_run(cli_env, tmp_path
     summary, records = run_summary(
         tmp_path,
         "recipes/verifiers-v1.yaml",
-        "sft.steps=0",  # the warm-up is the recipe's; a few RL steps show the path
-        "trainer.num_steps=3",
-        "trainer.tasks_per_step=4",
-        "rollout.group_size=4",
-        "eval.num_tasks=16",
-        "eval.every=0",
+        *SHORT_RUN,
         env={**cli_env, "TREADLE_ENV_VERIFIERS_PYTHON": str(python)},
     )
     assert_trained_exactly_once(summary, steps=3, trajectories=48)

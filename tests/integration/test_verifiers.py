@@ -8,6 +8,7 @@ import pytest
 from vf_tiny_arith import _problems, digits, exact
 
 from tests.support.services import start_service
+from tests.support.tasks import env_task
 from tests.support.tool_model import train_conversations
 from treadle_common.clients.env import EnvClient
 from treadle_common.proto.treadle.v1 import reward_pb2, task_pb2
@@ -79,20 +80,7 @@ async def rollout(arith_model, gateway):
 
 
 def make_task(row: dict, seed: int = 0, temperature: float = 1.0) -> task_pb2.Task:
-    task = task_pb2.Task(
-        task_id="t1",
-        run_id="run",
-        env="verifiers",
-        payload_json=json.dumps(row),
-        env_options_json=json.dumps(VF),
-        scorer="env_reward",
-        max_turns=1,
-    )
-    task.sampling.temperature = temperature
-    task.sampling.top_p = 1.0
-    task.sampling.max_new_tokens = 5
-    task.sampling.seed = seed
-    return task
+    return env_task("verifiers", row, VF, temperature=temperature, seed=seed)
 
 
 async def test_tasks_are_the_environments_dataset_rows(rollout):

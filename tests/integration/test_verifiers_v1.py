@@ -4,7 +4,6 @@ endpoint, whose requests come back over `Play` and the rollout's OpenAI API answ
 (recorded token-exact); the taskset's rewards score the episode in the worker. The example
 package is examples/verifiers/vf1-tiny: single-turn, tool and multi-turn."""
 
-import json
 import random
 
 import psutil
@@ -12,6 +11,7 @@ import pytest
 
 from tests.integration.test_verifiers import EnvRewardClient
 from tests.support.services import ROOT, start_service
+from tests.support.tasks import env_task
 from tests.support.tool_model import train_conversations
 from treadle_common.clients.env import EnvClient
 from treadle_common.proto.treadle.v1 import task_pb2
@@ -149,20 +149,7 @@ async def rollout(arith_model, gateway):
 
 
 def make_task(row: dict, options: dict, temperature: float = 0.0, tokens: int = 5) -> task_pb2.Task:
-    task = task_pb2.Task(
-        task_id="t1",
-        run_id="run",
-        env="verifiers-v1",
-        payload_json=json.dumps(row),
-        env_options_json=json.dumps(options),
-        scorer="env_reward",
-        max_turns=1,
-    )
-    task.sampling.temperature = temperature
-    task.sampling.top_p = 1.0
-    task.sampling.max_new_tokens = tokens
-    task.sampling.seed = 7
-    return task
+    return env_task("verifiers-v1", row, options, temperature=temperature, tokens=tokens, seed=7)
 
 
 async def test_tasks_are_the_tasksets_own_and_the_eval_split_its_eval_args(rollout):
