@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +89,8 @@ class RunState:
     done: int = 0
     slot_s: float = 0.0
     step_left: int = 0  # sync: this step's tasks not yet finished
-    step_s: list[float] | None = None  # sync: each finished step's seconds, fed to played
+    step_s: list[float] = field(default_factory=list)  # sync: each step's seconds, fed to played
+    step_played: simpy.Event | None = None  # sync: succeeds when this step's last task ends
 
 
 class Shared:
@@ -123,11 +124,10 @@ class Shared:
         while spec.tasks is None or run.issued < spec.tasks:
             left = math.inf if spec.tasks is None else spec.tasks - run.issued
             run.unread = run.step_left = int(min(spec.tasks_per_step, left))
-            fed = self.env.now
+            fed, run.step_played = self.env.now, self.env.event()
             self._wake_all()
-            while run.step_left:
-                yield self.env.timeout(1.0)
-            run.step_s = (run.step_s or []) + [self.env.now - fed]
+            yield run.step_played
+            run.step_s.append(self.env.now - fed)
             yield self.env.timeout(spec.train_s)
 
     def _wake_all(self) -> None:
@@ -177,7 +177,10 @@ class Shared:
         yield self.env.timeout(seconds)
         settle()
         run.done += 1
-        run.step_left = max(0, run.step_left - 1)
+        if run.step_left:
+            run.step_left -= 1
+            if not run.step_left and run.step_played is not None:
+                run.step_played.succeed()
         self.free[i] += 1
         event = self.wake[i]
         if not event.triggered:

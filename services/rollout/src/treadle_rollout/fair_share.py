@@ -24,7 +24,7 @@ PRIORITY_HOLD_S = 2.0
 (a sync run's next tasks come after its training step). While its tasks run it holds it too,
 unless its last pause between tasks on this replica was longer than this: then the slots it
 would keep free refill before its next tasks come anyway (`treadle sim share` measured such
-a hold idling 6 to 10% of a fleet's slots for nothing), and lower priorities may use them."""
+a hold idling 6 to 11% of a fleet's slots for nothing), and lower priorities may use them."""
 
 
 class FairShare:
