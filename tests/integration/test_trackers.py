@@ -79,6 +79,7 @@ async def _handed_off_run(infra, tmp_path, recipe, tiny_model, weight_store) -> 
     finally:
         if producer is not None:
             producer.cancel()
+            await asyncio.gather(producer, return_exceptions=True)
         for trainer in (first, second):
             if trainer is not None and trainer.proc.poll() is None:
                 trainer.stop()

@@ -10,14 +10,19 @@ import json
 from pathlib import Path
 from typing import Any
 
+# Imported here, at collection, not when a test first reads a log: wandb's import builds a
+# pydantic model whose docstrings pydantic parses with `ast`, and CPython 3.11's AST builder
+# counts its recursion in one per-interpreter field, so a parse racing one in another thread
+# (an earlier test's, in the same worker) fails with "AST constructor recursion depth
+# mismatch" (python/cpython#106905; seen once in CI). Collection runs before any test's thread.
+from wandb.proto import wandb_internal_pb2 as pb
+
 BLOCK = 32 * 1024
 HEADER = 7
 FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
 
 
 def records(path: Path) -> list[Any]:
-    from wandb.proto import wandb_internal_pb2 as pb
-
     data = path.read_bytes()
     assert data[:4] == b":W&B", f"{path} is not a W&B transaction log"
     pos, pending, out = HEADER, b"", []
