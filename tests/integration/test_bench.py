@@ -136,12 +136,26 @@ def test_bench_trainer_json_line():
         "trainer", "--steps", "3", "--groups", "2", "--group-size", "2", "--completion-len", "8"
     )
     assert report["bench"] == "trainer" and report["loss"] == "ppo"
+    assert report["deterministic"] is True  # the service's default, the raw loop's too
     assert report["sequences_per_step"] == 4 and len(report["step_s"]) == 3
     assert report["service_tokens_per_s"] > 0 and report["raw_tokens_per_s"] > 0
     assert report["ratio"] == pytest.approx(
         report["service_tokens_per_s"] / report["raw_tokens_per_s"], rel=0.01, abs=1e-3
     )
     assert 0 < report["publish_s_p50"] < report["step_s_p50"]
+
+
+def test_bench_overlap_json_line():
+    report = bench(
+        "overlap", *("--seconds", "1", "--rounds", "1", "--size-mb", "8", "--num-tensors", "4")
+    )
+    assert report["bench"] == "overlap" and report["tensors"] == 4 and report["state_mb"] == 8
+    assert report["alone_iterations_per_s"] > 0
+    for phase in ("inline", "worker"):  # each phase published, through its own path
+        assert report[f"{phase}_publishes"] >= 1 and report[f"{phase}_publish_s_p50"] > 0
+        assert report[f"{phase}_over_alone"] == pytest.approx(
+            report[f"{phase}_iterations_per_s"] / report["alone_iterations_per_s"], rel=0.01
+        )
 
 
 def test_bench_tinker_json_line():

@@ -13,6 +13,7 @@ import time
 import uuid
 
 import httpx
+import psutil
 import pytest
 import redis.asyncio as aioredis
 
@@ -421,10 +422,15 @@ async def test_a_damaged_checkpoint_falls_back_to_the_one_before(
     await r.aclose()
 
 
-async def test_a_run_rides_through_a_weight_store_restart(infra, tmp_path, tiny_model):
+@pytest.mark.parametrize("publish_worker", ["never", "always"])
+async def test_a_run_rides_through_a_weight_store_restart(
+    infra, tmp_path, tiny_model, publish_worker
+):
     """The weight-store is SIGKILLed mid-run and comes back 8 s later on the same address:
     the run's failed publish is an infrastructure error, so the trainer resumes the run from
-    its last checkpoint (backoff) instead of failing it, and the ledger stays exact."""
+    its last checkpoint (backoff) instead of failing it, and the ledger stays exact. The
+    same with the background publishes in a child process (`trainer_publish_worker`, what a
+    trainer on a GPU does): its error is the store's, and no child outlives its run."""
     run = f"wsdown-{uuid.uuid4().hex[:6]}"
     recipe = handoff_recipe(run, tmp_path, tiny_model)
     steps = recipe["trainer"]["num_steps"]
@@ -445,6 +451,7 @@ async def test_a_run_rides_through_a_weight_store_restart(infra, tmp_path, tiny_
         TREADLE_WEIGHT_STORE_ADDR=store_proc.grpc_addr or "",
         TREADLE_TRAINER_LEASE_S="2",
         TREADLE_WEIGHT_STORE_RETRY_S="2",
+        TREADLE_TRAINER_PUBLISH_WORKER=publish_worker,
     )
     producer = None
     try:
@@ -463,6 +470,8 @@ async def test_a_run_rides_through_a_weight_store_restart(infra, tmp_path, tiny_
         final = await wait_run(
             trainer.http, run, lambda s: s["state"] in ("succeeded", "failed"), 180
         )
+        left = [" ".join(c.cmdline()) for c in psutil.Process(trainer.proc.pid).children()]
+        assert not [c for c in left if "weights_worker" in c], left
     finally:
         if producer is not None:
             producer.cancel()
@@ -472,6 +481,7 @@ async def test_a_run_rides_through_a_weight_store_restart(infra, tmp_path, tiny_
     assert final["resumed"] >= 1  # resumed from its checkpoint after the store came back
     assert final["step"] == steps and final["pending_after_run"] == 0
     assert "run interrupted; resuming" in trainer.log.read_text()
+    assert ("publish worker started" in trainer.log.read_text()) == (publish_worker == "always")
     await assert_ledger_exact(r, run, steps, rollout.produced)
     await store.close()
     await r.aclose()

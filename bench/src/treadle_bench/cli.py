@@ -54,6 +54,26 @@ def bench_weights(
     print(json.dumps(result, indent=None if as_json else 2))
 
 
+@app.command("overlap")
+def bench_overlap(
+    seconds: Annotated[float, typer.Option(help="Seconds per phase")] = 10.0,
+    rounds: Annotated[int, typer.Option(help="Rounds of the three phases")] = 3,
+    size_mb: Annotated[int, typer.Option(help="State dict size")] = 513,
+    num_tensors: Annotated[int, typer.Option(help="Tensors in the state dict")] = 273,
+    model: Annotated[
+        str | None, typer.Option(help=MODEL_HELP.replace("default tiny", "its weights"))
+    ] = None,
+    device: Annotated[str, typer.Option(help="Where the training thread's loop runs")] = "cpu",
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
+) -> None:
+    """A training thread's operations per second alone, beside a publish on this process's
+    event loop, and beside the same publish from a child process (`PublishWorker`)."""
+    from treadle_bench import overlap
+
+    report = overlap.run(seconds, rounds, size_mb, num_tensors, model_dir(model), device)
+    print(json.dumps(report, indent=None if as_json else 2))
+
+
 @app.command("env")
 def bench_env(
     sessions: Annotated[int, typer.Option(help="Concurrent sessions")] = 256,

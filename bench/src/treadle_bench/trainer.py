@@ -39,6 +39,7 @@ from treadle_common.auth.policy import bearer, token_from_env
 from treadle_common.clients.weights import WeightStoreClient
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
 from treadle_common.runtime.logs import configure_logging
+from treadle_trainer.public import TrainerSettings
 
 MODEL = "bench-trainer"
 WARMUP_STEPS = 2
@@ -76,6 +77,7 @@ def run(
         "model": model_dir.name if model is not None else "tiny",
         "backend": backend,
         "loss": "ppo",
+        "deterministic": TrainerSettings().trainer_deterministic,
         "steps": steps,
         "sequences_per_step": groups * group_size,
         "tokens_per_sequence": prompt_len + completion_len,
@@ -234,8 +236,22 @@ async def _service(http, redis_url, store_addr, recipe, prompt_len, completion_l
 def _raw(model_dir: Path, batch: list[tpb.Trajectory], steps: int) -> float:
     """PPO + AdamW on the batch in a plain loop; loss tokens per second. On the device the
     service's single backend trains on: CUDA where torch sees it, under bf16 autocast with fp32
-    master weights (the backend's default), else the CPU in fp32."""
+    master weights (the backend's default), else the CPU in fp32; with the service's choice of
+    deterministic algorithms (`TREADLE_TRAINER_DETERMINISTIC`, on by default: on a GPU they
+    cost 40% of the training time)."""
     torch.manual_seed(0)
+    before = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    torch.use_deterministic_algorithms(TrainerSettings().trainer_deterministic, warn_only=True)
+    try:
+        return _raw_loop(model_dir, batch, steps)
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def _raw_loop(model_dir: Path, batch: list[tpb.Trajectory], steps: int) -> float:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cuda = device == "cuda"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

@@ -2,8 +2,9 @@
 backend (`build_backend`), one training step over a batch (`train_batch`), the batch and loss
 types, group advantages, the task seeds of a run, the Tinker adapters, the replay of a
 run's recorded schedule (`replay`, `diff`), and the step's group assembly and batch
-(`GroupBuffer`, `build_batch`: what `treadle sim` drives in simulated time) and the check
-of every trajectory read (`invalid_reason`: what `treadle bench capacity` measures).
+(`GroupBuffer`, `build_batch`: what `treadle sim` drives in simulated time), the check
+of every trajectory read (`invalid_reason`: what `treadle bench capacity` measures) and the
+service's settings (`TrainerSettings`: what a bench's baseline matches).
 Anything else in `treadle_trainer` is internal and may change; `make lint` holds the
 benchmarks to this module.
 """
@@ -21,6 +22,7 @@ from treadle_trainer.losses import LossParams
 from treadle_trainer.replay import DiffReport, ReplayReport, diff, replay
 from treadle_trainer.run import task_seed
 from treadle_trainer.run.step import Batch, build_batch
+from treadle_trainer.settings import TrainerSettings
 from treadle_trainer.tinker.adapters import BaseModel, LoraClient, TinkerDatum
 from treadle_trainer.train import train_batch
 
@@ -38,6 +40,7 @@ __all__ = [
     "LossParams",
     "ReplayReport",
     "TinkerDatum",
+    "TrainerSettings",
     "build_backend",
     "build_batch",
     "diff",

@@ -158,6 +158,7 @@ class Runs:
             retention_s=self.settings.trainer_run_retention_s,
             turns=self.turns,
             tenant=tenant,
+            publish_worker=self.settings.trainer_publish_worker,
         )
 
     def _launch(self, config: RunConfig, lease: Lease, tenant: str) -> None:

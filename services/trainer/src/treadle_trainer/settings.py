@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 
@@ -24,6 +25,13 @@ class TrainerSettings(Settings):
         "so a run's training is a pure function of its batches and `treadle replay` reproduces "
         "its weights bit for bit; off: kernels that may sum in any order (on the CPU, index "
         "additions over two threads gave different weights on every run)",
+    )
+    trainer_publish_worker: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="trainer: where the background publish of a step's weights runs; `auto`: "
+        "in a child process when training is on an accelerator (the publish's Python then never "
+        "takes the GIL from the thread launching the next step's kernels), in this process on "
+        "the CPU (where a step waits for the publish anyway); `always`, `never`: either way",
     )
     trainer_torch_lanes: int = Field(
         1,

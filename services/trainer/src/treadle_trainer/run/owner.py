@@ -65,6 +65,7 @@ class RunOwner:
         retention_s: float = 7 * 24 * 3600.0,
         turns: scheduling.FairTurns | None = None,
         tenant: str = "default",
+        publish_worker: str = "auto",
     ):
         read_stage, step_stage = stages or (
             Stage("trainer", "trajectories"),
@@ -84,6 +85,7 @@ class RunOwner:
         parts = (self.status, self.ledger, self.drops, self.feeder.fed)
         self.collector = Collector(config, r, consumer, *parts, read_stage, lease)
         self.versions = RunVersions(config, store, self.status)
+        self.publish_worker = publish_worker  # `trainer_publish_worker`
         owned = (self.feeder, self.collector, self.ledger, self.drops, self.versions)
         self.checkpoints = RunCheckpoints(config, r, lease, self.status, owned)
         self.holds = EvaluationHold(config)
@@ -130,7 +132,7 @@ class RunOwner:
                 raise
             outcome, self.status.error = ended
         finally:
-            await self.versions.publisher.close()
+            await self.versions.close()
             if outcome in FINAL_STATES:
                 try:
                     outcome = await self._end(outcome)
@@ -174,6 +176,7 @@ class RunOwner:
         spec = BackendSpec.of(t, str(model_dir))
         self.backend = backend = await on_torch_thread(build_backend, spec)
         log.info("backend ready", run=cfg.run_id, **backend.layout_info())
+        self.versions.choose_sender(self.publish_worker, backend.device)
         await asyncio.to_thread(write_header, self.run_dir, header_for(cfg, model_dir))
         self.collector.vocab_size = backend.vocab_size
         count = (t.num_steps + self.max_staleness) * t.tasks_per_step

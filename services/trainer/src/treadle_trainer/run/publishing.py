@@ -6,7 +6,9 @@ to a full-weight version of the shared base model (`full_base_version`), so that
 base never number versions of the same model.
 
 Published off the step's critical path by the background, newest-first `Publisher`
-(`treadle_trainer/publisher.py`); the weight-store announces each version on NATS. A step's
+(`treadle_trainer/publisher.py`), from a child process when training is on an accelerator
+(`PublishWorker`: the publish's Python then never takes the GIL from the training thread);
+the weight-store announces each version on NATS. A step's
 record gets its publish's duration and size once both exist (the publish may end after the
 step's record is written, or never, when a newer snapshot replaced it).
 """
@@ -23,6 +25,7 @@ from treadle_common import names
 from treadle_common.api.runs import RunStatus, StepRecord
 from treadle_common.clients.torch_weights import model_assets, state_dict_to_raw
 from treadle_common.clients.weights import WeightStoreClient, build_manifest, chunk_positions
+from treadle_common.clients.weights_worker import PublishWorker
 from treadle_common.config.recipe import RunConfig
 from treadle_common.model import lora
 from treadle_common.model.export import export_hf
@@ -51,6 +54,22 @@ class RunVersions:
         and the full-weight version it applies to)."""
         self._records: dict[int, StepRecord] = {}  # steps whose publish is not recorded yet
         self._done: dict[int, Published] = {}
+        self.worker: PublishWorker | None = None
+        """Where the background publishes run when training is on an accelerator
+        (`trainer_publish_worker`): a child process, off this process's GIL."""
+
+    def choose_sender(self, mode: str, device: str) -> None:
+        """`trainer_publish_worker`: background publishes from a child process (`always`, or
+        `auto` with training on an accelerator) or from this one."""
+        if mode == "always" or (mode == "auto" and device != "cpu"):
+            s = self.store
+            self.worker = PublishWorker(s.address, s.token, s.retry_s, s.attempts)
+
+    async def close(self) -> None:
+        """The run is over or failed: stop publishing (what waits is dropped), end the worker."""
+        await self.publisher.close()
+        if self.worker is not None:
+            await self.worker.close()
 
     def publishes(self, step: int) -> bool:
         t = self.config.trainer
@@ -125,9 +144,10 @@ class RunVersions:
         self._fill(record.step)
 
     async def _send(
-        self, state: dict[str, torch.Tensor], step: int, version: int
+        self, state: dict[str, torch.Tensor], step: int, version: int, background: bool = False
     ) -> weights_pb2.PublishResponse:
-        response = await self.store.publish(
+        sender = self.worker if background and self.worker is not None else self.store
+        response = await sender.publish(
             self.config.policy_model,
             state_dict_to_raw(state),
             version=version,
@@ -155,7 +175,9 @@ class RunVersions:
                     "treadle.version": snapshot.version,
                 }
             )
-            response = await self._send(snapshot.state, snapshot.step, snapshot.version)
+            response = await self._send(
+                snapshot.state, snapshot.step, snapshot.version, background=True
+            )
         return response.bytes_received
 
     def _published(self, done: Published) -> None:
