@@ -1,7 +1,8 @@
 #!/bin/bash
 # On a lent GPU machine (the device tool; see docs/guides/gpu.md): Treadle's trainer and
 # rollout benches on CUDA, from this checkout and what `scripts/gpu_carry.py` put in .dev/.
-#   bash scripts/gpu_bench.sh [BENCH ARGS ...]    default: "trainer" then "rollout"
+#   bash scripts/gpu_bench.sh [BENCH ARGS ...]    default: "overlap", "trainer", "rollout"
+#   TREADLE_TRAINER_PUBLISH_WORKER=never bash scripts/gpu_bench.sh trainer   (publish inline)
 # Each bench's JSON lands in $OUT; one that runs past its time dumps every thread's stack
 # and the logs of the services it started.
 cd "$(dirname "$0")/.."
@@ -43,4 +44,8 @@ run() {  # NAME SECONDS ARGS...
     pkill -f treadle_ ; pkill -f redis-server ; pkill -f nats-server
   fi
 }
-if [ $# -gt 0 ]; then run bench 300 "$@"; else run trainer 200 trainer; run rollout 200 rollout; fi
+if [ $# -gt 0 ]; then run bench 300 "$@"; else
+  run overlap 150 overlap --device cuda --seconds 5 --rounds 3
+  run trainer 200 trainer
+  run rollout 200 rollout
+fi
