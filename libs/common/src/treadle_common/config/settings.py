@@ -47,6 +47,11 @@ PROCESS_ENVIRONMENT: dict[str, tuple[str, str]] = {
         "`treadle up`: the trainer's torch threads (its `TREADLE_TORCH_THREADS`); by default "
         "the cores divided among its torch lanes",
     ),
+    "TREADLE_PUBLISH_WORKER_TOKEN": (
+        "the parent's",
+        "set by a trainer for its publish worker (`trainer_publish_worker`): the bearer token "
+        "the child presents to the weight-store, kept off its command line; never set by hand",
+    ),
 }
 """`TREADLE_*` variables read outside the settings classes: name -> (default, what it does).
 The docs' settings reference lists them with the fields (`scripts/gen_docs.py`)."""
