@@ -18,6 +18,13 @@ app = typer.Typer(no_args_is_help=True, help="Benchmarks: our path vs a raw base
 
 MODEL_HELP = "An imported model: its NAME (STATE_DIR/models/NAME) or its directory; default tiny"
 
+SizeMb = Annotated[int, typer.Option(help="State dict size")]
+NumTensors = Annotated[int, typer.Option(help="Tensors in the state dict")]
+ModelWeights = Annotated[
+    str | None, typer.Option(help=MODEL_HELP.replace("default tiny", "its weights"))
+]
+"""The state dict options of the benches that move weights (`weights`, `overlap`)."""
+
 
 def model_dir(model: str | None) -> Path | None:
     """`--model`: a directory, or the name `treadle model import` gave it."""
@@ -37,13 +44,11 @@ def model_dir(model: str | None) -> Path | None:
 
 @app.command("weights")
 def bench_weights(
-    size_mb: Annotated[int, typer.Option(help="State dict size")] = 512,
-    num_tensors: Annotated[int, typer.Option(help="Tensors in the state dict")] = 64,
+    size_mb: SizeMb = 512,
+    num_tensors: NumTensors = 64,
     changed: Annotated[float, typer.Option(help="Fraction of tensors a step changes")] = 0.03,
     replicas: Annotated[int, typer.Option(help="Concurrent fetchers in the fan-out")] = 8,
-    model: Annotated[
-        str | None, typer.Option(help=MODEL_HELP.replace("default tiny", "its weights"))
-    ] = None,
+    model: ModelWeights = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
 ) -> None:
     """Weight sync: publish/fetch via the weight-store vs a plain gRPC stream, delta, fan-out;
@@ -58,11 +63,9 @@ def bench_weights(
 def bench_overlap(
     seconds: Annotated[float, typer.Option(help="Seconds per phase")] = 10.0,
     rounds: Annotated[int, typer.Option(help="Rounds of the three phases")] = 3,
-    size_mb: Annotated[int, typer.Option(help="State dict size")] = 513,
-    num_tensors: Annotated[int, typer.Option(help="Tensors in the state dict")] = 273,
-    model: Annotated[
-        str | None, typer.Option(help=MODEL_HELP.replace("default tiny", "its weights"))
-    ] = None,
+    size_mb: SizeMb = 513,
+    num_tensors: NumTensors = 273,
+    model: ModelWeights = None,
     device: Annotated[str, typer.Option(help="Where the training thread's loop runs")] = "cpu",
     as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
 ) -> None:
