@@ -29,9 +29,10 @@ class TrainerSettings(Settings):
     trainer_publish_worker: Literal["auto", "always", "never"] = Field(
         "auto",
         description="trainer: where the background publish of a step's weights runs; `auto`: "
-        "in a child process when training is on an accelerator (the publish's Python then never "
-        "takes the GIL from the thread launching the next step's kernels), in this process on "
-        "the CPU (where a step waits for the publish anyway); `always`, `never`: either way",
+        "in a child process when training is on an accelerator, on Linux (the publish's Python "
+        "then never takes the GIL from the thread launching the next step's kernels), in this "
+        "process on the CPU (where a step waits for the publish anyway); `always`, `never`: "
+        "either way",
     )
     trainer_torch_lanes: int = Field(
         1,

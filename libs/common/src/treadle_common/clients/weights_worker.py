@@ -47,6 +47,8 @@ from treadle_common.runtime.logs import get_logger
 log = get_logger(__name__)
 ALIGN = 64
 """Each tensor's bytes start at a multiple of this in the memfd."""
+WORKER_AVAILABLE = hasattr(os, "memfd_create") and hasattr(socket, "send_fds")
+"""Linux: the weights travel in a memfd, its descriptor over a Unix socket."""
 TOKEN_ENV = "TREADLE_PUBLISH_WORKER_TOKEN"
 """The child's bearer token travels in its environment, never on its command line."""
 

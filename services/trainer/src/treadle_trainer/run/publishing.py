@@ -25,7 +25,7 @@ from treadle_common import names
 from treadle_common.api.runs import RunStatus, StepRecord
 from treadle_common.clients.torch_weights import model_assets, state_dict_to_raw
 from treadle_common.clients.weights import WeightStoreClient, build_manifest, chunk_positions
-from treadle_common.clients.weights_worker import PublishWorker
+from treadle_common.clients.weights_worker import WORKER_AVAILABLE, PublishWorker
 from treadle_common.config.recipe import RunConfig
 from treadle_common.model import lora
 from treadle_common.model.export import export_hf
@@ -60,8 +60,9 @@ class RunVersions:
 
     def choose_sender(self, mode: str, device: str) -> None:
         """`trainer_publish_worker`: background publishes from a child process (`always`, or
-        `auto` with training on an accelerator) or from this one."""
-        if mode == "always" or (mode == "auto" and device != "cpu"):
+        `auto` with training on an accelerator, on Linux: the weights travel in a memfd) or
+        from this one."""
+        if mode == "always" or (mode == "auto" and device != "cpu" and WORKER_AVAILABLE):
             s = self.store
             self.worker = PublishWorker(s.address, s.token, s.retry_s, s.attempts)
 
