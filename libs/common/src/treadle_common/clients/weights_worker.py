@@ -181,12 +181,11 @@ class PublishWorker:
         async with self._lock:
             fd = await _written(model, tensors, assets or {}, fields)
             try:
-                for attempt in range(2):
+                for _ in range(2):  # once more after a child that died
                     reply = await self._ask(fd)
                     if reply is not None:
                         return _answer(reply)
-                    if attempt == 0:  # the child died: a new one, the same publish_id
-                        self._stop(kill=True)
+                    self._stop(kill=True)  # the child died: reaped (then a new one, same id)
                 raise WorkerDied("the publish worker died twice during one publish")
             finally:
                 os.close(fd)
