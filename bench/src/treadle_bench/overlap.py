@@ -46,7 +46,7 @@ PHASES = ("alone", "inline", "worker")
 
 
 class Launcher(threading.Thread):
-    """The training thread: small operations back to back; `ops` counts iterations."""
+    """The training thread: small operations back to back; `iterations` counts them."""
 
     def __init__(self, device: str, cpu: int | None):
         super().__init__(daemon=True, name="launcher")
@@ -101,11 +101,13 @@ def run(
         # this thread and what it starts from now on (the hashing threads, the worker)
         os.sched_setaffinity(0, rest)
         launcher.start()
-        launcher.ready.wait()
-        address = env["TREADLE_WEIGHT_STORE_ADDR"]
-        rates = asyncio.run(_measure(address, state, launcher, seconds, rounds))
-        launcher.stop = True
-        launcher.join()
+        try:
+            launcher.ready.wait()
+            address = env["TREADLE_WEIGHT_STORE_ADDR"]
+            rates = asyncio.run(_measure(address, state, launcher, seconds, rounds))
+        finally:  # stopped (Ctrl-C, SIGTERM) or done: the thread ends before the stack does
+            launcher.stop = True
+            launcher.join()
     return _report(rates, seconds, rounds, state, device, own is not None, model)
 
 
