@@ -3,8 +3,8 @@
 # rollout benches on CUDA, from this checkout and what `scripts/gpu_carry.py` put in .dev/.
 #   bash scripts/gpu_bench.sh [BENCH ARGS ...]    default: "overlap", "trainer", "rollout"
 #   TREADLE_TRAINER_PUBLISH_WORKER=never bash scripts/gpu_bench.sh trainer   (publish inline)
-# Each bench's JSON lands in $OUT; one that runs past its time dumps every thread's stack
-# and the logs of the services it started.
+# Each bench's JSON lands in $OUT (the trainer's profiled steps in $OUT/profile); one that
+# runs past its time dumps every thread's stack and the logs of the services it started.
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .dev/whl/*.whl || exit 3
@@ -46,6 +46,6 @@ run() {  # NAME SECONDS ARGS...
 }
 if [ $# -gt 0 ]; then run bench 300 "$@"; else
   run overlap 150 overlap --device cuda --seconds 5 --rounds 3
-  run trainer 200 trainer
+  run trainer 200 trainer --profile-dir "$OUT/profile"   # one more step of each, profiled
   run rollout 200 rollout
 fi

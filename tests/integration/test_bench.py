@@ -131,13 +131,24 @@ def test_bench_rollout_json_line():
     assert 0 <= report["swap_pause_ms_p50"] <= report["swap_pause_ms_max"]
 
 
-def test_bench_trainer_json_line():
+def test_bench_trainer_json_line(tmp_path):
     report = bench(
-        "trainer", "--steps", "3", "--groups", "2", "--group-size", "2", "--completion-len", "8"
+        *("trainer", "--steps", "3", "--groups", "2", "--group-size", "2"),
+        *("--completion-len", "8", "--profile-dir", str(tmp_path)),
     )
     assert report["bench"] == "trainer" and report["loss"] == "ppo"
     assert report["deterministic"] is True  # the service's default, the raw loop's too
     assert report["sequences_per_step"] == 4 and len(report["step_s"]) == 3
+    # one more step of the service (trainer.profile_steps) and of the plain loop, profiled and
+    # not measured; the service's trace shows the step's phases
+    assert report["measured_steps"] == [3] and report["profile_dir"] == str(tmp_path)
+    service, raw = tmp_path / "single", tmp_path / "raw"
+    assert sorted(p.name for p in service.iterdir()) == ["step-4.json.gz", "step-4.txt"]
+    assert sorted(p.name for p in raw.iterdir()) == ["step-3.json.gz", "step-3.txt"]
+    table = (service / "step-4.txt").read_text()
+    phases = ("pack", "forward_backward", "logprobs", "optim_step")
+    assert all(f"treadle.{name}" in table for name in phases), table
+    assert "raw.forward" in (raw / "step-3.txt").read_text()
     assert report["service_tokens_per_s"] > 0 and report["raw_tokens_per_s"] > 0
     assert report["ratio"] == pytest.approx(
         report["service_tokens_per_s"] / report["raw_tokens_per_s"], rel=0.01, abs=1e-3

@@ -202,6 +202,13 @@ def bench_trainer(
         int, typer.Option(min=1, help="megatron: tensor-parallel ranks (torchrun processes)")
     ] = 2,
     model: Annotated[str | None, typer.Option(help=MODEL_HELP)] = None,
+    profile_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="Also profile one more step of each (torch.profiler): the service's "
+            "(trainer.profile_steps) into DIR/<backend>, the plain loop's into DIR/raw"
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON line")] = False,
 ) -> None:
     """Full trainer steps (Redis -> loss -> AdamW -> publish) vs a plain torch loop; with
@@ -218,6 +225,7 @@ def bench_trainer(
         backend=backend,
         tensor_parallel=tensor_parallel,
         model=model_dir(model),
+        profile_dir=profile_dir,
     )
     print(json.dumps(result, indent=None if as_json else 2))
 

@@ -22,9 +22,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -39,7 +41,7 @@ from treadle_common.auth.policy import bearer, token_from_env
 from treadle_common.clients.weights import WeightStoreClient
 from treadle_common.proto.treadle.v1 import trajectory_pb2 as tpb
 from treadle_common.runtime.logs import configure_logging
-from treadle_trainer.public import TrainerSettings
+from treadle_trainer.public import TrainerSettings, phase, profiled
 
 MODEL = "bench-trainer"
 WARMUP_STEPS = 2
@@ -56,21 +58,28 @@ def run(
     backend: str = "single",
     tensor_parallel: int = 2,
     model: Path | None = None,
+    profile_dir: Path | None = None,
 ) -> dict:
     """`model`: an HF directory to train (`treadle model import` makes one); default a tiny
-    model built here."""
+    model built here. `profile_dir`: one more step of each run and of the plain loop, after
+    the measured ones, under torch.profiler (`profiled`), its trace and tables kept there."""
     configure_logging("bench", level="WARNING")
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
         model_dir = model.resolve() if model is not None else init_tiny(tmp / "tiny")
         dataset = tmp / "tasks.jsonl"
-        dataset.write_text("".join(json.dumps({"i": i}) + "\n" for i in range(groups * steps)))
+        extra = 1 if profile_dir is not None else 0  # the profiled step, after the measured
+        dataset.write_text(
+            "".join(json.dumps({"i": i}) + "\n" for i in range(groups * (steps + extra)))
+        )
         shape = (steps, groups, group_size, prompt_len, completion_len)
         measured = {
-            name: _service_run(tmp / name, model_dir, dataset, shape, name, tensor_parallel)
+            name: _service_run(
+                tmp / name, model_dir, dataset, shape, name, tensor_parallel, profile_dir
+            )
             for name in dict.fromkeys([backend, "single"])
         }
-        raw_tps = _raw(model_dir, measured["single"]["batch"], steps - WARMUP_STEPS)
+        raw = _raw(model_dir, measured["single"]["batch"], steps - WARMUP_STEPS, profile_dir)
     ours = measured[backend]
     report = {
         "bench": "trainer",
@@ -82,10 +91,12 @@ def run(
         "sequences_per_step": groups * group_size,
         "tokens_per_sequence": prompt_len + completion_len,
         "service_tokens_per_s": ours["tokens_per_s"],
-        "raw_tokens_per_s": round(raw_tps, 1),
-        "ratio": round(ours["tokens_per_s"] / raw_tps, 3),
+        "raw_tokens_per_s": round(raw, 1),
+        "ratio": round(ours["tokens_per_s"] / raw, 3),
         **{k: v for k, v in ours.items() if k not in ("batch", "tokens_per_s")},
     }
+    if profile_dir is not None:
+        report["profile_dir"] = str(profile_dir.resolve())
     if backend != "single":
         single = measured["single"]["tokens_per_s"]
         report |= {
@@ -104,11 +115,16 @@ def _recipe(
     shape: tuple[int, int, int, int, int],
     backend: str,
     tensor_parallel: int,
+    profile: bool = False,
 ) -> dict:
-    """The bench's run: async, every step's batch from the dataset, one checkpoint at the end."""
+    """The bench's run: async, every step's batch from the dataset, one checkpoint at the end;
+    `profile`: one more step, under torch.profiler."""
     steps, groups, group_size, _, _ = shape
     megatron = backend == "megatron"
     parallel = {"backend": backend, "tensor_parallel": tensor_parallel if megatron else 1}
+    if profile:
+        parallel["profile_steps"] = [steps + 1]
+        steps += 1
     return {
         "run_id": "bench",
         "mode": "async",
@@ -128,10 +144,12 @@ def _recipe(
     }
 
 
-def _rates(status: dict, batch: int, quiet_from: int) -> dict:
-    """Step rates over the steps after warm-up (and after the trainer's quiet point)."""
+def _rates(status: dict, batch: int, quiet_from: int, last: int) -> dict:
+    """Step rates over the steps after warm-up (and after the trainer's quiet point) up to
+    `last` (a profiled step after it is not measured)."""
     first = max(WARMUP_STEPS + 1, quiet_from)
-    measured = [s for s in status["steps"] if s["step"] >= first] or status["steps"][-1:]
+    steps = [s for s in status["steps"] if s["step"] <= last]
+    measured = [s for s in steps if s["step"] >= first] or steps[-1:]
 
     def p50(key: str) -> float:
         return round(statistics.median(s[key] for s in measured), 4)
@@ -141,7 +159,7 @@ def _rates(status: dict, batch: int, quiet_from: int) -> dict:
         "tokens_per_s": round(
             statistics.median(s["num_tokens"] / s["duration_s"] for s in measured), 1
         ),
-        "step_s": [round(s["duration_s"], 3) for s in status["steps"]],
+        "step_s": [round(s["duration_s"], 3) for s in steps],
         "measured_steps": [s["step"] for s in measured],
         "step_s_p50": p50("duration_s"),
         "train_s_p50": p50("train_s"),
@@ -157,8 +175,10 @@ def _service_run(
     shape: tuple[int, int, int, int, int],
     backend: str,
     tensor_parallel: int,
+    profile_dir: Path | None = None,
 ) -> dict:
-    """One async run of the trainer service on its own infrastructure; its step rates."""
+    """One async run of the trainer service on its own infrastructure; its step rates (and
+    its profiled step's files in `profile_dir`/`backend`)."""
     steps, groups, group_size, prompt_len, completion_len = shape
     megatron = backend == "megatron"
     tmp.mkdir()
@@ -180,7 +200,9 @@ def _service_run(
                 ranks=tensor_parallel if megatron else 1,
             )
         )
-        recipe = _recipe(tmp, model_dir, dataset, shape, backend, tensor_parallel)
+        recipe = _recipe(
+            tmp, model_dir, dataset, shape, backend, tensor_parallel, profile_dir is not None
+        )
         status, batch, quiet_from = asyncio.run(
             _service(
                 f"http://127.0.0.1:{http_port}",
@@ -193,7 +215,9 @@ def _service_run(
         )
     if status["state"] != "succeeded":
         raise RuntimeError(f"bench run ({backend}) failed: {status['error']}")
-    return _rates(status, batch, quiet_from)
+    if profile_dir is not None:
+        shutil.copytree(tmp / "runs" / "bench" / "profile", profile_dir / backend)
+    return _rates(status, batch, quiet_from, last=steps)
 
 
 async def _service(http, redis_url, store_addr, recipe, prompt_len, completion_len):
@@ -233,12 +257,15 @@ async def _service(http, redis_url, store_addr, recipe, prompt_len, completion_l
     return status, batch, quiet_from or status["step"]
 
 
-def _raw(model_dir: Path, batch: list[tpb.Trajectory], steps: int) -> float:
+def _raw(
+    model_dir: Path, batch: list[tpb.Trajectory], steps: int, profile_dir: Path | None = None
+) -> float:
     """PPO + AdamW on the batch in a plain loop; loss tokens per second. On the device the
     service's single backend trains on: CUDA where torch sees it, under bf16 autocast with fp32
     master weights (the backend's default), else the CPU in fp32; with the service's choice of
     deterministic algorithms (`TREADLE_TRAINER_DETERMINISTIC`, on by default: on a GPU they
-    cost 40% of the training time)."""
+    cost 40% of the training time). `profile_dir`: one more step under torch.profiler, into
+    `profile_dir`/raw."""
     torch.manual_seed(0)
     before = (
         torch.are_deterministic_algorithms_enabled(),
@@ -246,12 +273,25 @@ def _raw(model_dir: Path, batch: list[tpb.Trajectory], steps: int) -> float:
     )
     torch.use_deterministic_algorithms(TrainerSettings().trainer_deterministic, warn_only=True)
     try:
-        return _raw_loop(model_dir, batch, steps)
+        step, num_tokens, device = _raw_step(model_dir, batch)
+        step()  # warm-up, as the service's first step
+        rates = []
+        for _ in range(steps):
+            started = time.perf_counter()
+            step()
+            rates.append(num_tokens / (time.perf_counter() - started))
+        if profile_dir is not None:
+            with profiled(profile_dir / "raw", steps + 2, device):
+                step()
+        return statistics.median(rates)
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
-def _raw_loop(model_dir: Path, batch: list[tpb.Trajectory], steps: int) -> float:
+def _raw_step(
+    model_dir: Path, batch: list[tpb.Trajectory]
+) -> tuple[Callable[[], None], float, str]:
+    """One plain PPO + AdamW step on the whole batch; its loss tokens; the device."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cuda = device == "cuda"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -274,7 +314,7 @@ def _raw_loop(model_dir: Path, batch: list[tpb.Trajectory], steps: int) -> float
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
 
     def step() -> None:
-        with autocast:
+        with phase("raw.forward"), autocast:
             logits = model(input_ids=inputs).logits.float()
         logp = torch.log_softmax(logits, -1).gather(2, targets[..., None]).squeeze(-1)
         ratio = torch.exp(logp - old)
@@ -282,16 +322,12 @@ def _raw_loop(model_dir: Path, batch: list[tpb.Trajectory], steps: int) -> float
         surrogate = torch.minimum(ratio * a, torch.clamp(ratio, 0.8, 1.28) * a)
         loss = -(surrogate * mask).sum() / mask.sum()
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        with phase("raw.backward"):
+            loss.backward()
+        with phase("raw.optim_step"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
         if cuda:
             torch.cuda.synchronize()
 
-    step()  # warm-up, as the service's first step
-    rates = []
-    for _ in range(steps):
-        started = time.perf_counter()
-        step()
-        rates.append(float(mask.sum()) / (time.perf_counter() - started))
-    return statistics.median(rates)
+    return step, float(mask.sum()), device

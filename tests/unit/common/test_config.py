@@ -66,3 +66,11 @@ def test_unknown_loss_or_advantage_names_the_known_ones(tmp_path):
         load_recipe(path)
     assert "trainer.loss" in str(err.value) and "'decoupled_ppo'" in str(err.value)
     assert "trainer.advantage" in str(err.value) and "'rloo'" in str(err.value)
+
+
+def test_profile_steps_are_step_numbers(tmp_path):
+    path = write(tmp_path, "model: {path: m}\n")
+    assert load_recipe(path, ["trainer.profile_steps=[2, 5]"]).trainer.profile_steps == [2, 5]
+    assert load_recipe(path).trainer.profile_steps == []  # nothing profiled by default
+    with pytest.raises(RecipeError, match=r"trainer\.profile_steps\.0"):
+        load_recipe(path, ["trainer.profile_steps=[0]"])

@@ -286,6 +286,7 @@ def test_every_decoupled_ppo_batch_snapshots_its_proximal_policy():
             loss_aggregation="token",
             lr=1e-4,
             lr_warmup_steps=0,
+            profile_steps=[],
         )
         return SimpleNamespace(
             config=SimpleNamespace(trainer=trainer),

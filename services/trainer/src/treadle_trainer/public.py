@@ -3,8 +3,9 @@ backend (`build_backend`), one training step over a batch (`train_batch`), the b
 types, group advantages, the task seeds of a run, the Tinker adapters, the replay of a
 run's recorded schedule (`replay`, `diff`), and the step's group assembly and batch
 (`GroupBuffer`, `build_batch`: what `treadle sim` drives in simulated time), the check
-of every trajectory read (`invalid_reason`: what `treadle bench capacity` measures) and the
-service's settings (`TrainerSettings`: what a bench's baseline matches).
+of every trajectory read (`invalid_reason`: what `treadle bench capacity` measures), the
+service's settings (`TrainerSettings`: what a bench's baseline matches) and a step under
+torch.profiler (`profiled`, `phase`: what `bench trainer --profile-dir` compares).
 Anything else in `treadle_trainer` is internal and may change; `make lint` holds the
 benchmarks to this module.
 """
@@ -19,6 +20,7 @@ from treadle_trainer.batches import (
     invalid_reason,
 )
 from treadle_trainer.losses import LossParams
+from treadle_trainer.profiling import phase, profiled
 from treadle_trainer.replay import DiffReport, ReplayReport, diff, replay
 from treadle_trainer.run import task_seed
 from treadle_trainer.run.step import Batch, build_batch
@@ -46,6 +48,8 @@ __all__ = [
     "diff",
     "group_advantages",
     "invalid_reason",
+    "phase",
+    "profiled",
     "replay",
     "task_seed",
     "train_batch",

@@ -10,6 +10,7 @@ from treadle_trainer import consistency, off_policy
 from treadle_trainer.backends import AdamParams, TorchBackend
 from treadle_trainer.batches import Datum, pack, split_minibatches
 from treadle_trainer.losses import NEEDS_PROXIMAL, LossParams
+from treadle_trainer.profiling import phase
 
 
 def warmup_lr(lr: float, warmup_steps: int, step: int) -> float:
@@ -40,9 +41,12 @@ def train_batch(
     outs = []
     adam = adam.model_copy(update={"learning_rate": warmup_lr(t.lr, t.lr_warmup_steps, step)})
     for chunk in chunks:
-        mbs = pack(chunk, t.micro_batch_tokens, t.loss_aggregation, backend.pad_id)
-        out = backend.forward_backward(mbs, t.loss, loss)
-        out.update(backend.optim_step(adam))
+        with phase("treadle.pack"):  # named ranges in a profiled step (`profiling.py`)
+            mbs = pack(chunk, t.micro_batch_tokens, t.loss_aggregation, backend.pad_id)
+        with phase("treadle.forward_backward"):
+            out = backend.forward_backward(mbs, t.loss, loss)
+        with phase("treadle.optim_step"):
+            out.update(backend.optim_step(adam))
         outs.append(out)
     tokens = sum(o["num_tokens"] for o in outs) or 1.0
     drift = consistency.merge(outs)

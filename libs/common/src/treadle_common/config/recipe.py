@@ -232,6 +232,14 @@ class TrainerConfig(Strict):
         "(`treadle bench step`)",
     )
     batch_timeout_s: float = Field(300.0, gt=0, description="Give up waiting for a batch after")
+    profile_steps: list[Annotated[int, Field(ge=1)]] = Field(
+        default_factory=list,
+        description="Steps trained under torch.profiler (CPU, and CUDA where the trainer "
+        "trains on it): each writes `profile/step-N.json.gz` (a trace for Perfetto or "
+        "chrome://tracing) and `profile/step-N.txt` (operators and Treadle's phases by self "
+        "time) into the run's directory. The trainer process's part only (rank 0 of a "
+        "multi-rank backend); a profiled step runs slower",
+    )
     seed: int = Field(
         0,
         description="Seed for data order, torch and sampling (each task's episodes sample "

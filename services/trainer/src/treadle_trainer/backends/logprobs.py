@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from treadle_trainer.batches import MicroBatch
+from treadle_trainer.profiling import phase
 
 
 def token_logprobs(
@@ -31,26 +32,27 @@ def token_logprobs(
     """
     # Right padding under causal attention: real tokens never see the pads after them, so
     # no attention mask is needed (and the fused causal attention path stays available).
-    ids = mb.input_ids_B_T.to(device)
-    targets = mb.targets_B_T.to(device)
-    plan = SharedPrefix.of(model, mb, share_prefix) if loss_columns else None
-    if plan is None:
-        logits_B_T_V = model(input_ids=ids).logits.float()
-    else:
-        logits_B_T_V = plan.logits(model, ids).float()
-        targets = targets.index_select(1, plan.cols.to(device))
-    if temperature != 1.0:
-        logits_B_T_V = logits_B_T_V / temperature
-    logp_B_T_V = torch.log_softmax(logits_B_T_V, dim=-1)
-    chosen = logp_B_T_V.gather(2, targets[..., None]).squeeze(-1)
-    ent = None
-    if entropy:
-        with torch.no_grad():
-            ent = -(logp_B_T_V.exp() * logp_B_T_V).sum(-1)
-    if plan is not None:  # back to [B, T]: zeros where no loss looks
-        cols, full = plan.cols.to(device), chosen.new_zeros(ids.shape)
-        chosen = full.index_copy(1, cols, chosen)
-        ent = None if ent is None else full.detach().index_copy(1, cols, ent)
+    with phase("treadle.logprobs"):  # a named range in a profiled step
+        ids = mb.input_ids_B_T.to(device)
+        targets = mb.targets_B_T.to(device)
+        plan = SharedPrefix.of(model, mb, share_prefix) if loss_columns else None
+        if plan is None:
+            logits_B_T_V = model(input_ids=ids).logits.float()
+        else:
+            logits_B_T_V = plan.logits(model, ids).float()
+            targets = targets.index_select(1, plan.cols.to(device))
+        if temperature != 1.0:
+            logits_B_T_V = logits_B_T_V / temperature
+        logp_B_T_V = torch.log_softmax(logits_B_T_V, dim=-1)
+        chosen = logp_B_T_V.gather(2, targets[..., None]).squeeze(-1)
+        ent = None
+        if entropy:
+            with torch.no_grad():
+                ent = -(logp_B_T_V.exp() * logp_B_T_V).sum(-1)
+        if plan is not None:  # back to [B, T]: zeros where no loss looks
+            cols, full = plan.cols.to(device), chosen.new_zeros(ids.shape)
+            chosen = full.index_copy(1, cols, chosen)
+            ent = None if ent is None else full.detach().index_copy(1, cols, ent)
     return chosen, ent
 
 

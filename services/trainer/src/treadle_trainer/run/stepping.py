@@ -24,6 +24,7 @@ from treadle_common.runtime.progress import Stage
 from treadle_trainer.backends import AdamParams, TorchBackend, on_torch_thread
 from treadle_trainer.batches import Datum, Group
 from treadle_trainer.losses import LossParams
+from treadle_trainer.profiling import profiled
 from treadle_trainer.publisher import Snapshot
 from treadle_trainer.run.ledger import Drops, Ledger, LedgerEntry
 from treadle_trainer.run.publishing import RunVersions
@@ -187,4 +188,7 @@ class RunStepper:
         t = self.config.trainer
         step = self.status.step + 1
         rng = torch.get_rng_state().numpy().tobytes()
-        return train_batch(backend, data, t, self.loss_params, self.adam, step), rng
+        if step not in t.profile_steps:
+            return train_batch(backend, data, t, self.loss_params, self.adam, step), rng
+        with profiled(self.run_dir / "profile", step, backend.device):
+            return train_batch(backend, data, t, self.loss_params, self.adam, step), rng
