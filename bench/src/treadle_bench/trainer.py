@@ -281,7 +281,7 @@ def _raw(
             step()
             rates.append(num_tokens / (time.perf_counter() - started))
         if profile_dir is not None:
-            with profiled(profile_dir / "raw", steps + 2, device):
+            with profiled(profile_dir / "raw", steps + 2, device, phases="raw."):
                 step()
         return statistics.median(rates)
     finally:
