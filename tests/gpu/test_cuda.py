@@ -56,6 +56,9 @@ def test_trainer_on_cuda_fp32_matches_cpu_and_bf16_stays_close(model_dir, tmp_pa
     assert bf16["grad_norm"] == pytest.approx(cpu["grad_norm"], rel=1e-2)
     # master weights and what is published / checkpointed stay fp32
     assert bf16["dtypes"] == fp32["dtypes"] == ["torch.float32"]
+    # handed to the publisher in pinned host memory from CUDA, as a copy (restored equal)
+    assert fp32["snapshot_pinned"] and bf16["snapshot_pinned"] and not cpu["snapshot_pinned"]
+    assert fp32["restored_identical"] and bf16["restored_identical"]
     assert fp32["checksum"] == pytest.approx(cpu["checksum"], rel=1e-6)
     assert bf16["checksum"] == pytest.approx(cpu["checksum"], rel=1e-4)
 

@@ -95,6 +95,9 @@ def main(args: argparse.Namespace) -> None:
                 "resumed_grad_norm": resumed_step["grad_norm"],
                 "device": backend.device,
                 "dtypes": sorted({str(v.dtype) for v in state.values()}),
+                # the single backend hands CUDA weights over in pinned memory (host_copy.py)
+                "snapshot_pinned": torch.cuda.is_available()
+                and all(v.is_pinned() for v in stepped.values()),
             }
         )
     )

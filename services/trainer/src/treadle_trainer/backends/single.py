@@ -35,6 +35,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from treadle_common.api.training import AdamParams  # the API's shape, re-exported here
 from treadle_common.runtime import durable
 from treadle_trainer import off_policy
+from treadle_trainer.backends import host_copy
 from treadle_trainer.backends.call_sums import CallSums
 from treadle_trainer.backends.checkpoint_files import CHECKPOINT_FILES
 from treadle_trainer.backends.logprobs import token_logprobs
@@ -223,11 +224,10 @@ class TorchBackend:
 
     def snapshot_cpu(self) -> dict[str, torch.Tensor]:
         """The weights on the CPU as a copy that later optimizer steps leave alone (to publish
-        while training goes on); tensors already copied off the device are not copied again."""
-        live = {t.data_ptr() for t in (*self.model.parameters(), *self.model.buffers())}
-        return {
-            k: v.clone() if v.data_ptr() in live else v for k, v in self.state_dict_cpu().items()
-        }
+        while training goes on); from CUDA into pinned memory (`host_copy.py`)."""
+        full = StateDictOptions(full_state_dict=True)
+        state = get_model_state_dict(self.model, options=full)
+        return host_copy.snapshot(cast(dict[str, torch.Tensor], state))
 
     checkpoint_layout = "torch"
     """How optimizer.pt is laid out (meta.json records it; a backend loads only its own)."""
