@@ -236,8 +236,8 @@ class TrainerConfig(Strict):
         default_factory=list,
         description="Steps trained under torch.profiler (CPU, and CUDA where the trainer "
         "trains on it): each writes `profile/step-N.json.gz` (a trace for Perfetto or "
-        "chrome://tracing) and `profile/step-N.txt` (operators and Treadle's phases by self "
-        "time) into the run's directory. The trainer process's part only (rank 0 of a "
+        "chrome://tracing) and `profile/step-N.txt` (Treadle's phases, then the top operators "
+        "by self time) into the run's directory. The trainer process's part only (rank 0 of a "
         "multi-rank backend); a profiled step runs slower",
     )
     seed: int = Field(
