@@ -216,7 +216,10 @@ def _service_run(
     if status["state"] != "succeeded":
         raise RuntimeError(f"bench run ({backend}) failed: {status['error']}")
     if profile_dir is not None:
-        shutil.copytree(tmp / "runs" / "bench" / "profile", profile_dir / backend)
+        # a second bench into the same directory replaces the step files it writes
+        shutil.copytree(
+            tmp / "runs" / "bench" / "profile", profile_dir / backend, dirs_exist_ok=True
+        )
     return _rates(status, batch, quiet_from, last=steps)
 
 
