@@ -53,7 +53,7 @@ def test_an_async_multi_turn_run_replays_to_the_same_weights_bit_for_bit(cli_env
     behind = [r.version - min(v for v in t.token_versions if v >= 0) for r, t in trained]
     assert max(behind) >= 1  # async: steps trained on what older versions generated
     report = _replay(run, env=cli_env, cwd=tmp_path)
-    assert report["identical"] is True, report
+    assert report["identical"] is True, (report["first_divergent_step"], report["divergence"])
     assert report["steps"] == report["recorded_steps"] == 8
     assert report["checked_digests"] == 2  # checkpoint_every 4: steps 4 and 8
     assert report["weights_sha256"] == report["recorded_sha256"] != ""
