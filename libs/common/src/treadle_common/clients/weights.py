@@ -163,7 +163,7 @@ def retrying(attempts: int | None = None, retry_s: float = RETRY_S) -> AsyncRetr
     return AsyncRetrying(
         retry=retry_if_exception(_retryable),
         stop=stop,
-        wait=wait_exponential_jitter(initial=0.2, max=2.0),
+        wait=wait_exponential_jitter(multiplier=0.2, max=2.0),
         reraise=True,
     )
 
