@@ -32,6 +32,15 @@ def _replay(*args: str, env: dict, cwd) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _trainer_warnings(cwd) -> list[str]:
+    """The trainer's warnings, errors and restores (a resumed run, a lease renewal that failed):
+    what a failed replay's message shows beside where it differed."""
+    log = cwd / ".treadle" / "logs" / "trainer.log"
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    words = ("warn", "error", "restored")
+    return [line[:300] for line in lines if any(w in line.lower() for w in words)][-20:]
+
+
 def _only_run(cwd) -> str:
     (run_dir,) = (cwd / ".treadle" / "runs").iterdir()
     return run_dir.name
@@ -53,7 +62,10 @@ def test_an_async_multi_turn_run_replays_to_the_same_weights_bit_for_bit(cli_env
     behind = [r.version - min(v for v in t.token_versions if v >= 0) for r, t in trained]
     assert max(behind) >= 1  # async: steps trained on what older versions generated
     report = _replay(run, env=cli_env, cwd=tmp_path)
-    assert report["identical"] is True, (report["first_divergent_step"], report["divergence"])
+    assert report["identical"] is True, (
+        f"differs at step {report['first_divergent_step']}: {report['divergence']}; "
+        f"trainer warnings: {_trainer_warnings(tmp_path)}"
+    )
     assert report["steps"] == report["recorded_steps"] == 8
     assert report["checked_digests"] == 2  # checkpoint_every 4: steps 4 and 8
     assert report["weights_sha256"] == report["recorded_sha256"] != ""
